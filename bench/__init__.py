@@ -1,0 +1,1 @@
+"""Benchmark harness (jaxinfer bench SUITE)."""

@@ -1,0 +1,52 @@
+"""The canonical flat parameter dict every loader returns and the model consumes.
+
+Per-layer weights are stacked along a leading L axis; linear weights are [in, out] so that
+y = x @ w; the Q/K output rows are in HF's rotate_half RoPE layout (first half of each head's
+D = real parts, second half = imaginary parts).
+"""
+from __future__ import annotations
+
+from typing import Mapping
+
+from jaxinfer.config import ModelConfig
+from jaxinfer.errors import ModelLoadError
+
+LAYER_PARAMS = ("attn_norm", "wq", "wk", "wv", "bq", "bk", "bv", "wo", "mlp_norm",
+                "w_gate", "w_up", "w_down")
+
+
+def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every parameter `cfg` needs (biases only for qkv_bias, lm_head only
+    when the embeddings are not tied)."""
+    v, e, f, l = cfg.vocab_size, cfg.hidden_size, cfg.intermediate_size, cfg.num_layers
+    q, kv = cfg.q_size, cfg.kv_size
+    shapes = {
+        "embed": (v, e),                # [V, E]
+        "final_norm": (e,),             # [E]
+        "attn_norm": (l, e),            # [L, E]
+        "wq": (l, e, q),                # [L, E, H*D]
+        "wk": (l, e, kv),               # [L, E, K*D]
+        "wv": (l, e, kv),               # [L, E, K*D]
+        "wo": (l, q, e),                # [L, H*D, E]
+        "mlp_norm": (l, e),             # [L, E]
+        "w_gate": (l, e, f),            # [L, E, F]
+        "w_up": (l, e, f),              # [L, E, F]
+        "w_down": (l, f, e),            # [L, F, E]
+    }
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head"] = (e, v)      # [E, V]
+    if cfg.qkv_bias:
+        shapes.update(bq=(l, q), bk=(l, kv), bv=(l, kv))
+    return shapes
+
+
+def check_params(cfg: ModelConfig, params: Mapping, source: str) -> None:
+    """Raise ModelLoadError naming every missing, unexpected or mis-shaped parameter."""
+    want = param_shapes(cfg)
+    problems = [f"missing {k} {s}" for k, s in want.items() if k not in params]
+    problems += [f"unexpected {k}" for k in params if k not in want]
+    problems += [f"{k} has shape {tuple(params[k].shape)}, expected {s}"
+                 for k, s in want.items() if k in params and tuple(params[k].shape) != s]
+    if problems:
+        raise ModelLoadError(f"{source}: weights do not match the model config "
+                             f"({cfg.name}): " + "; ".join(problems))

@@ -1,0 +1,210 @@
+"""Frozen configuration: the model's shape (ModelConfig) and how the engine runs it (EngineConfig).
+
+Both are validated once at construction; nothing mutates them afterwards. Only the CLI reads
+argv/env and turns them into these objects.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any, Mapping
+
+from jaxinfer.errors import ConfigError
+
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """Llama-3 style frequency-dependent RoPE scaling ("rope_type": "llama3")."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    name: str
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    max_position_embeddings: int
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    rms_norm_eps: float = 1e-5
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ConfigError(
+                f"unsupported architecture {self.architecture!r}; supported: "
+                f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+        for field in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
+                      "head_dim", "intermediate_size", "max_position_embeddings"):
+            if int(getattr(self, field)) < 1:
+                raise ConfigError(f"{field} must be >= 1, got {getattr(self, field)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(f"num_heads ({self.num_heads}) must be a multiple of "
+                              f"num_kv_heads ({self.num_kv_heads})")
+        if self.head_dim % 2:
+            raise ConfigError(f"head_dim must be even for RoPE, got {self.head_dim}")
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def param_count(self) -> int:
+        e, f, v, l = self.hidden_size, self.intermediate_size, self.vocab_size, self.num_layers
+        per_layer = e * (self.q_size + 2 * self.kv_size) + self.q_size * e + 3 * e * f + 2 * e
+        if self.qkv_bias:
+            per_layer += self.q_size + 2 * self.kv_size
+        head = 0 if self.tie_word_embeddings else e * v
+        return v * e + l * per_layer + e + head
+
+    # --- constructors -------------------------------------------------------------------
+    @classmethod
+    def from_hf_dict(cls, d: Mapping[str, Any], name: str = "model") -> "ModelConfig":
+        model_type = d.get("model_type", "llama")
+        arch = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2"}.get(model_type)
+        if arch is None:
+            raise ConfigError(f"unsupported architecture {model_type!r} (model_type in "
+                              f"config.json); supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        try:
+            num_heads = int(d["num_attention_heads"])
+            hidden = int(d["hidden_size"])
+            rs = d.get("rope_scaling") or None
+            rope_scaling = None
+            if rs and rs.get("rope_type", rs.get("type")) == "llama3":
+                rope_scaling = RopeScaling(
+                    float(rs["factor"]), float(rs["low_freq_factor"]),
+                    float(rs["high_freq_factor"]), int(rs["original_max_position_embeddings"]))
+            elif rs and rs.get("rope_type", rs.get("type")) not in (None, "default"):
+                raise ConfigError(f"unsupported rope_scaling {rs!r}")
+            eos = d.get("eos_token_id")
+            eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+            return cls(
+                name=name,
+                architecture=arch,
+                vocab_size=int(d["vocab_size"]),
+                hidden_size=hidden,
+                num_layers=int(d["num_hidden_layers"]),
+                num_heads=num_heads,
+                num_kv_heads=int(d.get("num_key_value_heads", num_heads)),
+                head_dim=int(d.get("head_dim") or hidden // num_heads),
+                intermediate_size=int(d["intermediate_size"]),
+                max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
+                rope_theta=float(d.get("rope_theta", 10000.0)),
+                rope_scaling=rope_scaling,
+                rms_norm_eps=float(d.get("rms_norm_eps", 1e-5)),
+                tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+                qkv_bias=bool(d.get("qkv_bias", arch == "qwen2")),
+                bos_token_id=d.get("bos_token_id"),
+                eos_token_ids=eos_ids,
+            )
+        except KeyError as e:
+            raise ConfigError(f"config is missing required field {e.args[0]!r}") from None
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> "ModelConfig":
+        path = Path(path)
+        try:
+            d = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"no model config at {path}") from None
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path} is not valid JSON: {e}") from None
+        name = d.get("name") or (path.parent.name if path.name == "config.json" else path.stem)
+        return cls.from_hf_dict(d, name=name)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "ModelConfig":
+        d = dict(d)
+        if d.get("rope_scaling"):
+            d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
+        d["eos_token_ids"] = tuple(d.get("eos_token_ids") or ())
+        return cls(**d)
+
+
+STANDARD_CONFIGS_DIR = Path(__file__).resolve().parent.parent / "checkpoints" / "configs"
+
+
+def standard_config(name: str) -> ModelConfig:
+    """One of the standard shapes shipped in checkpoints/configs/ (llama-3-8b, ...)."""
+    path = STANDARD_CONFIGS_DIR / f"{name}.json"
+    if not path.exists():
+        known = sorted(p.stem for p in STANDARD_CONFIGS_DIR.glob("*.json"))
+        raise ConfigError(f"unknown standard shape {name!r}; known: {', '.join(known)}")
+    return ModelConfig.from_json(path)
+
+
+DTYPES = ("float32", "bfloat16")
+WEIGHT_FORMATS = ("bf16", "fp8")
+KV_DTYPES = ("auto", "bf16", "fp8")
+ATTENTION_IMPLS = ("auto", "reference", "pallas")
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """How the engine runs a model. Static for the engine's lifetime (changing any field means
+    a new engine and new compiled steps)."""
+
+    page_size: int = 16
+    num_pages: int = 0            # 0: derive from max_num_seqs * max_model_len
+    max_model_len: int = 2048
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 256
+    dtype: str = "float32"        # activations / compute dtype ("float32" on CPU, "bfloat16" on GPU)
+    weights: str = "bf16"         # linear weights: "bf16" (= dtype) or "fp8" (e4m3, per-channel scales)
+    kv_dtype: str = "auto"        # "auto" (= dtype), "bf16", "fp8"
+    attention_impl: str = "auto"  # "auto": Pallas on GPU, plain-jnp reference elsewhere
+    enable_prefix_caching: bool = True
+    tensor_parallel: int = 1
+    seed: int = 0
+
+    def __post_init__(self):
+        def check(cond, msg):
+            if not cond:
+                raise ConfigError(msg)
+        check(self.page_size >= 1 and self.page_size & (self.page_size - 1) == 0,
+              f"page_size must be a power of two, got {self.page_size}")
+        check(self.max_model_len >= 1, f"max_model_len must be >= 1, got {self.max_model_len}")
+        check(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        check(self.max_num_batched_tokens >= 1,
+              f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        check(self.num_pages >= 0, f"num_pages must be >= 0, got {self.num_pages}")
+        check(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        check(self.weights in WEIGHT_FORMATS,
+              f"weights must be one of {WEIGHT_FORMATS}, got {self.weights!r}")
+        check(self.kv_dtype in KV_DTYPES, f"kv_dtype must be one of {KV_DTYPES}, got {self.kv_dtype!r}")
+        check(self.attention_impl in ATTENTION_IMPLS,
+              f"attention_impl must be one of {ATTENTION_IMPLS}, got {self.attention_impl!r}")
+        check(self.tensor_parallel >= 1, f"tensor_parallel must be >= 1, got {self.tensor_parallel}")
+
+    @property
+    def pages_per_seq(self) -> int:
+        return -(-self.max_model_len // self.page_size)
+
+    @property
+    def total_pages(self) -> int:
+        return self.num_pages or self.max_num_seqs * self.pages_per_seq + 1
+
+    def replace(self, **kw) -> "EngineConfig":
+        return dataclasses.replace(self, **kw)

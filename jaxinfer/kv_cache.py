@@ -1,0 +1,115 @@
+"""The paged KV cache and the metadata that tells attention where each token's K/V live.
+
+Layout (chosen for the decode kernel, see pallas_kernels/paged_attention.py):
+
+    k, v:       [L, K, P, S, D]   layer, kv head, page, slot in page, head dim
+    k_scale,
+    v_scale:    [L, K, P, S] f32  only for FP8 (e4m3) KV: one scale per token and kv head
+
+One kv head's page is a contiguous [S, D] tile, so the decode kernel streams whole pages with
+wide loads and reads each page once for all the q heads of its group. The layer axis is
+part of the array because the decoder scans over layers with the cache in the scan carry:
+kernels and the K/V write index the layer themselves, so no layer slice is ever copied.
+
+Page 0 is reserved (never handed out by the allocator): padded page-table entries point at
+it, so padded rows read valid memory; padded tokens (slot -1) write nothing.
+
+FP8 scales are per token and kv head (not per page) so a token can be quantized when it is
+written, without re-quantizing the page it lands in.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+FP8_DTYPE = jnp.float8_e4m3fn
+FP8_MAX = 448.0
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["k", "v", "k_scale", "v_scale"], meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class KVCache:
+    k: jax.Array                    # [L, K, P, S, D]
+    v: jax.Array                    # [L, K, P, S, D]
+    k_scale: jax.Array | None = None  # [L, K, P, S] f32, FP8 only
+    v_scale: jax.Array | None = None  # [L, K, P, S] f32, FP8 only
+
+    @property
+    def num_pages(self) -> int:
+        return self.k.shape[2]
+
+    @property
+    def page_size(self) -> int:
+        return self.k.shape[3]
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.k.dtype == FP8_DTYPE
+
+    @property
+    def nbytes(self) -> int:
+        return sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(self))
+
+    @staticmethod
+    def allocate(num_layers: int, num_kv_heads: int, num_pages: int, page_size: int,
+                 head_dim: int, dtype) -> "KVCache":
+        shape = (num_layers, num_kv_heads, num_pages, page_size, head_dim)
+        dtype = jnp.dtype(dtype)
+        if dtype == FP8_DTYPE:
+            return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype),
+                           jnp.ones(shape[:-1], jnp.float32), jnp.ones(shape[:-1], jnp.float32))
+        return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["positions", "slot_mapping", "token_seq", "page_table", "seq_lens",
+                 "query_start"],
+    meta_fields=["decode_only"])
+@dataclasses.dataclass(frozen=True)
+class AttentionMetadata:
+    """Where the T new tokens of one step sit. T and B are the bucket's padded sizes.
+
+    A sequence's new tokens are contiguous in T: tokens query_start[b]:query_start[b+1] belong
+    to row b, at positions seq_lens[b] - q_len[b] ... seq_lens[b] - 1.
+    """
+
+    positions: jax.Array     # [T] i32  position of each new token in its sequence
+    slot_mapping: jax.Array  # [T] i32  page * S + slot where its K/V go; -1 for padding
+    token_seq: jax.Array     # [T] i32  row in the batch of each token (padding: 0)
+    page_table: jax.Array    # [B, pages_per_seq] i32  (padding: page 0)
+    seq_lens: jax.Array      # [B] i32  context length including this step's tokens (padding: 0)
+    query_start: jax.Array   # [B+1] i32  cumulative new-token counts
+    decode_only: bool = False  # static: every row has exactly one new token and T == B
+
+
+def quantize_fp8(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Per-vector (last axis) symmetric e4m3 quantization: x ~= q * scale."""
+    amax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=-1)
+    scale = jnp.maximum(amax, 1e-12) / FP8_MAX
+    q = (x.astype(jnp.float32) / scale[..., None]).astype(FP8_DTYPE)
+    return q, scale
+
+
+def write_kv(cache: KVCache, layer: jax.Array, k: jax.Array, v: jax.Array,
+             slot_mapping: jax.Array) -> KVCache:
+    """Scatter the new tokens' K/V ([T, K, D]) into their slots of `layer`: a tiny scatter
+    of T*K*D elements into the donated cache, no pass over the rest of it."""
+    s, p = cache.page_size, cache.num_pages
+    page = jnp.where(slot_mapping < 0, p, slot_mapping // s)  # p is out of bounds -> dropped
+    slot = slot_mapping % s
+    if cache.is_fp8:
+        kq, ks = quantize_fp8(k)
+        vq, vs = quantize_fp8(v)
+        return KVCache(
+            cache.k.at[layer, :, page, slot].set(kq, mode="drop"),
+            cache.v.at[layer, :, page, slot].set(vq, mode="drop"),
+            cache.k_scale.at[layer, :, page, slot].set(ks, mode="drop"),
+            cache.v_scale.at[layer, :, page, slot].set(vs, mode="drop"))
+    return KVCache(cache.k.at[layer, :, page, slot].set(k.astype(cache.k.dtype), mode="drop"),
+                   cache.v.at[layer, :, page, slot].set(v.astype(cache.v.dtype), mode="drop"))

@@ -1,0 +1,166 @@
+"""The Flax (NNX) decoder: Llama 2/3, Mistral, Qwen2 and SmolLM2 shapes over a paged KV cache.
+
+Axis letters used in shape comments across jaxinfer (the one glossary):
+    B batch rows (sequences), T new tokens in the step (flat over all rows), L layers,
+    H q heads, K kv heads, D head dim, P pages, S page size, E hidden, F ffn, V vocab.
+
+One forward takes a flat batch of new tokens — prefill chunks and single decode tokens
+together — with AttentionMetadata, writes their K/V into the pages and attends over each
+sequence's pages. Layers are stacked (every per-layer param has a leading L axis) and run
+with `lax.scan`: one traced layer, so compile time does not grow with depth; the KV cache
+rides in the scan carry and is updated in place (the step donates it).
+
+Linear weights are [in, out] (y = x @ w); q/k/v and gate/up are fused into single matmuls.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxinfer import ops
+from jaxinfer.config import ModelConfig
+from jaxinfer.kv_cache import FP8_DTYPE, AttentionMetadata, KVCache, write_kv
+
+
+def _normal(rngs: nnx.Rngs, shape, dtype, std=0.02):
+    return (std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float, *, stack: tuple[int, ...] = (), dtype=jnp.float32):
+        self.weight = nnx.Param(jnp.ones(stack + (dim,), dtype))  # [..., E]
+        self.eps = eps
+
+    def __call__(self, x):
+        xf = x.astype(jnp.float32)
+        y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        return (y * self.weight[...].astype(jnp.float32)).astype(x.dtype)
+
+
+class Linear(nnx.Module):
+    """y = x @ kernel (+ bias). `kernel` is [in, out] in the compute dtype, or with fp8=True
+    e4m3 [out, in] (checkpoints.fp8.quantize_linear's layout) with a per-channel `scale`."""
+
+    def __init__(self, din: int, dout: int, *, rngs: nnx.Rngs, stack=(), bias=False,
+                 dtype=jnp.float32, fp8=False):
+        if fp8:
+            self.kernel = nnx.Param(jnp.zeros(stack + (dout, din), FP8_DTYPE))
+            self.scale = nnx.Param(jnp.ones(stack + (dout,), jnp.float32))
+        else:
+            self.kernel = nnx.Param(_normal(rngs, stack + (din, dout), dtype))
+            self.scale = None
+        self.bias = nnx.Param(jnp.zeros(stack + (dout,), dtype)) if bias else None
+
+    def __call__(self, x):
+        scale = None if self.scale is None else self.scale[...]
+        bias = None if self.bias is None else self.bias[...]
+        return ops.linear(x, self.kernel[...], scale, bias)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
+    """HF-compatible inverse frequencies [D/2], with Llama-3 frequency-dependent scaling."""
+    d = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
+    rs = cfg.rope_scaling
+    if rs is None:
+        return inv.astype(np.float32)
+    low_wavelen = rs.original_max_position_embeddings / rs.low_freq_factor
+    high_wavelen = rs.original_max_position_embeddings / rs.high_freq_factor
+    wavelen = 2 * np.pi / inv
+    smooth = (rs.original_max_position_embeddings / wavelen - rs.low_freq_factor) / (
+        rs.high_freq_factor - rs.low_freq_factor)
+    scaled = np.where(wavelen > low_wavelen, inv / rs.factor, inv)
+    mid = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
+    scaled = np.where(mid, (1 - smooth) * inv / rs.factor + smooth * inv, scaled)
+    return scaled.astype(np.float32)
+
+
+def apply_rope(x, cos, sin):
+    """x [T, N, D]; cos/sin [T, D/2]. rotate_half convention (HF)."""
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    c, s = cos[:, None, :], sin[:, None, :]
+    return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs, stack=(), dtype=jnp.float32, fp8=False):
+        self.cfg = cfg
+        self.wqkv = Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, rngs=rngs, stack=stack,
+                           bias=cfg.qkv_bias, dtype=dtype, fp8=fp8)
+        self.wo = Linear(cfg.q_size, cfg.hidden_size, rngs=rngs, stack=stack, dtype=dtype,
+                         fp8=fp8)
+
+    def __call__(self, x, kv: KVCache, layer, md: AttentionMetadata, cos, sin, attn_impl):
+        cfg = self.cfg
+        t = x.shape[0]
+        qkv = self.wqkv(x)                                              # [T, (H+2K)D]
+        q, k, v = jnp.split(qkv, [cfg.q_size, cfg.q_size + cfg.kv_size], axis=-1)
+        q = apply_rope(q.reshape(t, cfg.num_heads, cfg.head_dim), cos, sin)     # [T, H, D]
+        k = apply_rope(k.reshape(t, cfg.num_kv_heads, cfg.head_dim), cos, sin)  # [T, K, D]
+        v = v.reshape(t, cfg.num_kv_heads, cfg.head_dim)                        # [T, K, D]
+        kv = write_kv(kv, layer, k, v, md.slot_mapping)
+        o = ops.attention(q, kv, layer, md, sm_scale=cfg.head_dim ** -0.5, impl=attn_impl)
+        return self.wo(o.reshape(t, cfg.q_size)), kv
+
+
+class MLP(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs, stack=(), dtype=jnp.float32, fp8=False):
+        self.w_gateup = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, rngs=rngs,
+                               stack=stack, dtype=dtype, fp8=fp8)
+        self.w_down = Linear(cfg.intermediate_size, cfg.hidden_size, rngs=rngs, stack=stack,
+                             dtype=dtype, fp8=fp8)
+
+    def __call__(self, x):
+        gate, up = jnp.split(self.w_gateup(x), 2, axis=-1)              # [T, F] each
+        return self.w_down(jax.nn.silu(gate) * up)
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs, stack=(), dtype=jnp.float32, fp8=False):
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, stack=stack, dtype=dtype)
+        self.attn = Attention(cfg, rngs=rngs, stack=stack, dtype=dtype, fp8=fp8)
+        self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, stack=stack, dtype=dtype)
+        self.mlp = MLP(cfg, rngs=rngs, stack=stack, dtype=dtype, fp8=fp8)
+
+    def __call__(self, x, kv, layer, md, cos, sin, attn_impl):
+        h, kv = self.attn(self.attn_norm(x), kv, layer, md, cos, sin, attn_impl)
+        x = x + h
+        return x + self.mlp(self.mlp_norm(x)), kv
+
+
+class Decoder(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, fp8=False):
+        """fp8: decoder-layer linears hold FP8 weights (embeddings, norms, LM head stay)."""
+        self.cfg = cfg
+        self.embed = nnx.Param(_normal(rngs, (cfg.vocab_size, cfg.hidden_size), dtype))  # [V, E]
+        self.layers = DecoderLayer(cfg, rngs=rngs, stack=(cfg.num_layers,), dtype=dtype, fp8=fp8)
+        self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(
+            cfg.hidden_size, cfg.vocab_size, rngs=rngs, dtype=dtype)
+        self.inv_freq = nnx.Variable(jnp.asarray(rope_inv_freq(cfg)))  # [D/2], not a param
+
+    def __call__(self, tokens, kv: KVCache, md: AttentionMetadata, attn_impl: str = "reference"):
+        """tokens [T] -> final hidden states [T, E] (normed) and the updated cache."""
+        x = self.embed[...][tokens]                                     # [T, E]
+        freqs = md.positions.astype(jnp.float32)[:, None] * self.inv_freq[...][None, :]
+        cos, sin = jnp.cos(freqs), jnp.sin(freqs)                        # [T, D/2]
+        graphdef, state = nnx.split(self.layers)
+
+        def body(carry, xs):
+            h, kv = carry
+            layer_state, layer = xs
+            h, kv = nnx.merge(graphdef, layer_state)(h, kv, layer, md, cos, sin, attn_impl)
+            return (h, kv), None
+
+        layer_ids = jnp.arange(self.cfg.num_layers, dtype=jnp.int32)
+        (x, kv), _ = jax.lax.scan(body, (x, kv), (state, layer_ids))
+        return self.final_norm(x), kv
+
+    def logits(self, h):
+        """h [B, E] -> [B, V] f32."""
+        if self.lm_head is None:
+            return jnp.dot(h, self.embed[...].T.astype(h.dtype),
+                           preferred_element_type=jnp.float32)
+        return self.lm_head(h).astype(jnp.float32)

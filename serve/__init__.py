@@ -1,0 +1,1 @@
+"""gRPC streaming service."""
