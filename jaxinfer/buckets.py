@@ -1,0 +1,113 @@
+"""The fixed shapes the device step is compiled for, and the choice of one per step.
+
+A jitted step recompiles for every new input shape, so the engine pads each step to one of a
+small set of buckets (num_tokens T, num_seqs B, pages_per_seq) compiled ahead of time
+(`all_buckets`). Two families:
+
+  decode buckets   T == B (every row has one token), geometric in B up to max_num_seqs.
+                   Decode is the steady state and bound by reading the weights once per
+                   step, so a padded row costs little; the static `decode_only` flag lets
+                   the runner use the decode attention kernel.
+  mixed buckets    prefill chunks and decode rows together, geometric in T from `min_tokens`
+                   up to max_num_batched_tokens, with B = min(T, max_num_seqs). B is cheap to
+                   over-provision here: it only sizes the metadata and the B logits rows,
+                   noise next to a T-token forward pass.
+
+Geometric steps (factor `growth`, the limits themselves always included) keep the bucket count
+logarithmic and the padding bounded: at most a fraction (1 - 1/growth) of a bucket is padding.
+A step's kind is known from its sizes alone: num_tokens == num_seqs means every row has exactly
+one token (each row has at least one), so such a step takes a decode bucket.
+
+pages_per_seq (page-table width) takes one value by default, the engine's maximum: it only
+sizes the page table, since attention stops at seq_lens. Pass more levels to trade compile
+time for smaller page tables (the plain-jnp reference attention gathers the full width).
+
+`choose` also keeps the padding-waste account: real vs padded tokens over all steps.
+"""
+from __future__ import annotations
+
+import bisect
+import dataclasses
+from typing import Sequence
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class Bucket:
+    num_tokens: int      # T
+    num_seqs: int        # B
+    pages_per_seq: int
+    decode_only: bool    # T == B and every real row has one token
+
+
+def geometric(lo: int, hi: int, growth: float = 2.0) -> list[int]:
+    """lo, lo*growth, ... capped at hi, always ending with hi (integers, strictly rising)."""
+    if not 1 <= lo <= hi or growth <= 1:
+        raise ValueError(f"need 1 <= lo <= hi and growth > 1, got {lo}, {hi}, {growth}")
+    values, x = [], float(lo)
+    while round(x) < hi:
+        if not values or round(x) > values[-1]:
+            values.append(round(x))
+        x *= growth
+    return values + [hi]
+
+
+class Buckets:
+    def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, max_pages_per_seq: int,
+                 *, min_tokens: int = 16, growth: float = 2.0,
+                 pages_per_seq_levels: Sequence[int] | None = None):
+        # A step never has more rows than tokens, whatever max_num_seqs says.
+        self.max_num_seqs = min(max_num_seqs, max_num_batched_tokens)
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.decode_sizes = geometric(1, self.max_num_seqs, growth)
+        self.mixed_sizes = geometric(min(min_tokens, max_num_batched_tokens),
+                                     max_num_batched_tokens, growth)
+        levels = sorted(set(pages_per_seq_levels or ())) or [max_pages_per_seq]
+        if levels[-1] != max_pages_per_seq or levels[0] < 1:
+            raise ValueError(f"pages_per_seq_levels must lie in [1, {max_pages_per_seq}] and "
+                             f"include it, got {pages_per_seq_levels}")
+        self.page_levels = levels
+        self.real_tokens = 0
+        self.padded_tokens = 0
+
+    @classmethod
+    def from_config(cls, config, **kw) -> "Buckets":
+        """From an EngineConfig (anything with max_num_seqs, max_num_batched_tokens,
+        pages_per_seq)."""
+        return cls(config.max_num_seqs, config.max_num_batched_tokens, config.pages_per_seq,
+                   **kw)
+
+    def all_buckets(self) -> list[Bucket]:
+        """Every shape `choose` can return, for ahead-of-time compilation."""
+        out = [Bucket(b, b, p, True) for b in self.decode_sizes for p in self.page_levels]
+        out += [Bucket(t, min(t, self.max_num_seqs), p, False)
+                for t in self.mixed_sizes for p in self.page_levels]
+        return out
+
+    def choose(self, num_tokens: int, num_seqs: int, max_pages: int) -> Bucket:
+        """The smallest bucket holding a step of num_tokens tokens in num_seqs rows whose
+        longest page list has max_pages pages; records the padding."""
+        if not 1 <= num_seqs <= min(num_tokens, self.max_num_seqs):
+            raise ValueError(f"a step needs 1 <= num_seqs <= min(num_tokens, max_num_seqs="
+                             f"{self.max_num_seqs}), got num_seqs={num_seqs}, "
+                             f"num_tokens={num_tokens}")
+        if num_tokens > self.max_num_batched_tokens:
+            raise ValueError(f"num_tokens {num_tokens} exceeds max_num_batched_tokens "
+                             f"{self.max_num_batched_tokens}")
+        if max_pages > self.page_levels[-1]:
+            raise ValueError(f"max_pages {max_pages} exceeds pages_per_seq "
+                             f"{self.page_levels[-1]}")
+        pages = self.page_levels[bisect.bisect_left(self.page_levels, max_pages)]
+        if num_tokens == num_seqs:
+            b = self.decode_sizes[bisect.bisect_left(self.decode_sizes, num_seqs)]
+            bucket = Bucket(b, b, pages, True)
+        else:
+            t = self.mixed_sizes[bisect.bisect_left(self.mixed_sizes, num_tokens)]
+            bucket = Bucket(t, min(t, self.max_num_seqs), pages, False)
+        self.real_tokens += num_tokens
+        self.padded_tokens += bucket.num_tokens
+        return bucket
+
+    @property
+    def padding_fraction(self) -> float:
+        """Share of the tokens computed so far that were padding."""
+        return 1.0 - self.real_tokens / self.padded_tokens if self.padded_tokens else 0.0

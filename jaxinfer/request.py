@@ -1,0 +1,206 @@
+"""Host-side request types. No jax import here: these are unit-tested in milliseconds.
+
+`SamplingParams` and `RequestOutput` cross the API boundary; `Request` is the scheduler's
+private, mutable record of one request. Its central counter is `num_computed_tokens`: the
+leading tokens of `all_token_ids` whose K/V already sit in the cache. Everything after them
+is still to be fed, so prefill, chunked prefill, decode and recompute after preemption are one
+rule: feed `all_token_ids[num_computed_tokens:]` (as much of it as the step's budget allows);
+the step that reaches the end samples the next token. A request in decode has exactly one
+uncomputed token, the last sampled one.
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+import operator
+import time
+from typing import Sequence
+
+from jaxinfer.errors import InvalidRequestError
+
+MAX_LOGPROBS = 20
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"          # an EOS / stop token id / stop string
+    LENGTH = "length"      # max_tokens or the model's context
+    CANCELLED = "cancelled"  # aborted by the caller
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling. Validated at construction; errors name the field."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0          # 0 = greedy
+    top_p: float = 1.0                # (0, 1]
+    top_k: int = 0                    # 0 = off
+    min_p: float = 0.0                # [0, 1]
+    repetition_penalty: float = 1.0   # > 0; 1 = off
+    presence_penalty: float = 0.0     # [-2, 2]
+    frequency_penalty: float = 0.0    # [-2, 2]
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None       # top-n logprobs per generated token, n <= 20
+
+    def __post_init__(self):
+        # Accept lists from JSON / kwargs; store tuples so the object stays hashable and frozen.
+        object.__setattr__(self, "stop", tuple([self.stop] if isinstance(self.stop, str)
+                                               else self.stop or ()))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        self._validate()
+
+    def _validate(self):
+        def bad(field, msg):
+            raise InvalidRequestError(f"{field} {msg}", field=field)
+
+        def num(field):
+            v = getattr(self, field)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v):
+                bad(field, f"must be a number, got {v!r}")
+            return v
+
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool):
+            bad("max_tokens", f"must be an integer, got {self.max_tokens!r}")
+        if self.max_tokens < 1:
+            bad("max_tokens", f"must be >= 1, got {self.max_tokens}")
+        if num("temperature") < 0:
+            bad("temperature", f"must be >= 0, got {self.temperature}")
+        if not 0 < num("top_p") <= 1:
+            bad("top_p", f"must be in (0, 1], got {self.top_p}")
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
+            bad("top_k", f"must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        if not 0 <= num("min_p") <= 1:
+            bad("min_p", f"must be in [0, 1], got {self.min_p}")
+        if num("repetition_penalty") <= 0:
+            bad("repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
+        for f in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= num(f) <= 2:
+                bad(f, f"must be in [-2, 2], got {getattr(self, f)}")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
+                                      or not 0 <= self.seed < 2**63):
+            bad("seed", f"must be an integer in [0, 2**63), got {self.seed!r}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            bad("stop", "must be non-empty strings")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            bad("stop_token_ids", "must be non-negative integers")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int)
+                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            bad("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @classmethod
+    def fields(cls) -> Sequence[str]:
+        return [f.name for f in dataclasses.fields(cls)]
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    """What a request has produced so far. `new_token_ids`/`text_delta` are this step's delta;
+    `token_ids`/`text` accumulate. `finish_reason` is set on the last output."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    new_token_ids: list[int] = dataclasses.field(default_factory=list)
+    text_delta: str = ""
+    finish_reason: FinishReason | None = None
+    logprobs: list[dict[int, float]] | None = None  # per generated token: top-n {id: logprob}
+    prompt: str | None = None
+    ttft_s: float | None = None      # time to first token
+    latency_s: float | None = None   # arrival to finish
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class RequestStatus(str, enum.Enum):
+    WAITING = "waiting"      # queued, holds no pages
+    RUNNING = "running"      # holds pages, scheduled each step while the budget allows
+    PREEMPTED = "preempted"  # pages taken back; waits at the head of the queue to recompute
+    FINISHED = "finished"
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    """Host-side state of one request; only the scheduler mutates it."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams = dataclasses.field(default_factory=SamplingParams)
+    arrival_time: float = dataclasses.field(default_factory=time.monotonic)
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = dataclasses.field(default_factory=list)
+    num_computed_tokens: int = 0
+    page_ids: list[int] = dataclasses.field(default_factory=list)
+    # Prefix-cache keys (page_table.page_key) of the full pages of all_token_ids, append-only
+    # like the tokens; and how many leading pages of page_ids are registered in the cache.
+    page_keys: list[bytes] = dataclasses.field(default_factory=list)
+    num_cached_pages: int = 0
+    num_prefix_hit_tokens: int = 0   # tokens served from the prefix cache at the last admission
+    num_preemptions: int = 0
+    finish_reason: FinishReason | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+    def __post_init__(self):
+        if not isinstance(self.request_id, str) or not self.request_id:
+            raise InvalidRequestError(f"request_id must be a non-empty string, "
+                                      f"got {self.request_id!r}", field="request_id")
+        try:
+            ids = [operator.index(t) for t in self.prompt_token_ids]
+        except TypeError:
+            raise InvalidRequestError("prompt token ids must be integers",
+                                      field="prompt_token_ids") from None
+        if not ids:
+            raise InvalidRequestError("prompt is empty", field="prompt_token_ids")
+        if min(ids) < 0:
+            raise InvalidRequestError("prompt token ids must be >= 0", field="prompt_token_ids")
+        self.prompt_token_ids = ids
+        # Kept beside output_token_ids so slicing the fed tokens never concatenates.
+        self.all_token_ids = ids + list(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == RequestStatus.FINISHED
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def latency_s(self) -> float | None:
+        return None if self.finish_time is None else self.finish_time - self.arrival_time
+
+    def append_output_token(self, token_id: int, now: float) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+        if self.first_token_time is None:
+            self.first_token_time = now

@@ -1,0 +1,290 @@
+"""Iteration-level scheduling: which requests run in the next step, and how many tokens each.
+
+Each step mixes the decode tokens of running requests with prefill chunks of waiting ones,
+under two caps: `max_num_batched_tokens` tokens and `max_num_seqs` rows. One rule covers every
+case (see request.py): a scheduled request feeds the next `n` of its uncomputed tokens, where
+`n` is all of them if the budget allows, else what is left of the budget (chunked prefill).
+Only the row whose chunk reaches the end of the request's tokens yields a sampled token.
+
+Order and priority (first come, first served):
+1. Running requests, oldest first. Each needs pages for its new tokens; when none are free,
+   the most recently arrived running request is preempted: its pages are freed, it goes back
+   to the head of the queue and later recomputes prompt + generated tokens (which it keeps).
+   The oldest request is therefore never preempted, so it always finishes: `add` rejects any
+   request that could not fit in the pool on its own.
+2. Waiting requests, in queue order, while rows, budget and pages last; none in a step that
+   preempted (admitting then would only thrash). A waiting request first takes the cached
+   pages of its leading full pages (prefix caching), keeping at least one token to compute so
+   the step yields logits. Head-of-line blocking: if the head does not fit, nobody passes it.
+
+All decisions of a step are returned in one `SchedulerOutput`; `update` applies the sampled
+tokens, advances counters, registers newly filled pages in the prefix cache and applies the
+finishing rules (stop/eos token ids, max_tokens, max_model_len). Stop *strings* need text, so
+the engine checks them and calls `finish`.
+"""
+from __future__ import annotations
+
+import bisect
+import collections
+import dataclasses
+import time
+from typing import Callable, Sequence
+
+from jaxinfer.config import EngineConfig
+from jaxinfer.errors import InvalidRequestError
+from jaxinfer.page_table import PageAllocator, extend_page_keys
+from jaxinfer.request import FinishReason, Request, RequestStatus
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduledRow:
+    """One request's share of a step."""
+
+    request_id: str
+    token_ids: tuple[int, ...]   # fed this step
+    start_pos: int               # position of token_ids[0] in the request
+    page_ids: tuple[int, ...]    # all pages of the request, covering start_pos + len(token_ids)
+    samples: bool                # this chunk ends the request's tokens: sample the next one
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def seq_len(self) -> int:
+        """Context length including this step's tokens."""
+        return self.start_pos + len(self.token_ids)
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerOutput:
+    rows: tuple[ScheduledRow, ...]   # running requests first (oldest first), then admitted ones
+    preempted_ids: tuple[str, ...] = ()
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.rows)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(r.num_tokens for r in self.rows)
+
+    @property
+    def max_pages(self) -> int:
+        return max((len(r.page_ids) for r in self.rows), default=0)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.rows
+
+
+class Scheduler:
+    def __init__(self, *, max_num_seqs: int, max_num_batched_tokens: int, page_size: int,
+                 num_pages: int, max_model_len: int, enable_prefix_caching: bool = True,
+                 eos_token_ids: Sequence[int] = (),
+                 clock: Callable[[], float] = time.monotonic):
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.page_size = page_size
+        self.max_model_len = max_model_len
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.clock = clock
+        self.allocator = PageAllocator(num_pages, page_size, enable_prefix_caching)
+        self.requests: dict[str, Request] = {}   # unfinished requests by id
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.running: list[Request] = []          # sorted by arrival time
+        self.num_preemptions = 0
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, eos_token_ids: Sequence[int] = (),
+                    **kw) -> "Scheduler":
+        return cls(max_num_seqs=config.max_num_seqs,
+                   max_num_batched_tokens=config.max_num_batched_tokens,
+                   page_size=config.page_size, num_pages=config.total_pages,
+                   max_model_len=config.max_model_len,
+                   enable_prefix_caching=config.enable_prefix_caching,
+                   eos_token_ids=eos_token_ids, **kw)
+
+    # --- requests in and out ------------------------------------------------------------
+    def add(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise InvalidRequestError(f"request id {request.request_id!r} is already in use",
+                                      field="request_id")
+        if request.num_tokens >= self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt has {request.num_tokens} tokens; max_model_len is {self.max_model_len},"
+                f" which leaves no room for an answer", field="prompt_token_ids")
+        final_len = min(request.num_prompt_tokens + request.sampling_params.max_tokens,
+                        self.max_model_len)
+        # The last token is never fed back, so its K/V never needs a slot.
+        if self.allocator.pages_for(final_len - 1) > self.allocator.num_usable:
+            raise InvalidRequestError(
+                f"request needs up to {final_len - 1} tokens of KV cache; the pool holds "
+                f"{self.allocator.num_usable * self.page_size}", field="max_tokens")
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort(self, request_id: str) -> Request | None:
+        """Cancel a request; unknown or already finished ids are ignored (None)."""
+        if request_id not in self.requests:
+            return None
+        return self.finish(request_id, FinishReason.CANCELLED)
+
+    def finish(self, request_id: str, reason: FinishReason) -> Request:
+        """Finish a request for a reason found outside (e.g. a stop string); frees its pages."""
+        if request_id not in self.requests:
+            raise KeyError(f"no unfinished request {request_id!r}")
+        request = self.requests.pop(request_id)
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        self._release_pages(request)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        request.finish_time = self.clock()
+        return request
+
+    def get(self, request_id: str) -> Request:
+        return self.requests[request_id]
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    def stats(self) -> dict[str, float]:
+        a = self.allocator
+        return {"num_running": len(self.running), "num_waiting": len(self.waiting),
+                "num_preemptions": self.num_preemptions, "kv_pages_used": a.num_used,
+                "kv_usage": a.num_used / a.num_usable, "prefix_cache_hit_rate": a.hit_rate}
+
+    # --- one step -----------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_num_batched_tokens
+        rows: list[ScheduledRow] = []
+        preempted: list[str] = []
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            n = min(request.num_uncomputed_tokens, budget)
+            if not self._make_room(request, n, preempted):
+                break   # the request itself was the newest and got preempted
+            rows.append(self._row(request, n))
+            budget -= n
+            i += 1
+        while (not preempted and self.waiting and budget > 0
+               and len(self.running) < self.max_num_seqs):
+            request = self.waiting[0]
+            n = self._admit(request, budget)
+            if n == 0:
+                break
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            bisect.insort(self.running, request, key=lambda r: r.arrival_time)
+            rows.append(self._row(request, n))
+            budget -= n
+        return SchedulerOutput(tuple(rows), tuple(preempted))
+
+    def update(self, output: SchedulerOutput, sampled_token_ids: Sequence[int]) -> list[Request]:
+        """Apply one step's results. `sampled_token_ids[i]` belongs to `output.rows[i]` and is
+        ignored for rows that do not sample; it may be the bucket-padded [B] array (entries
+        past the real rows are ignored). Returns the requests that got a token, in row order;
+        finished ones have status FINISHED and a finish_reason."""
+        if len(sampled_token_ids) < output.num_rows:
+            raise ValueError(f"got {len(sampled_token_ids)} sampled tokens for "
+                             f"{output.num_rows} scheduled rows")
+        now = self.clock()
+        updated = []
+        for row, token in zip(output.rows, sampled_token_ids):
+            request = self.requests.get(row.request_id)
+            if request is None:
+                continue   # finished from outside between schedule and update
+            if request.num_computed_tokens != row.start_pos:
+                raise RuntimeError(f"stale scheduler output for {row.request_id!r}")
+            request.num_computed_tokens += row.num_tokens
+            self._cache_full_pages(request)
+            if row.samples:
+                request.append_output_token(int(token), now)
+                reason = self._finish_reason(request, int(token))
+                if reason is not None:
+                    self.finish(request.request_id, reason)
+                updated.append(request)
+        return updated
+
+    # --- helpers ------------------------------------------------------------------------
+    def _row(self, request: Request, n: int) -> ScheduledRow:
+        start = request.num_computed_tokens
+        return ScheduledRow(request.request_id, tuple(request.all_token_ids[start:start + n]),
+                            start, tuple(request.page_ids), start + n == request.num_tokens)
+
+    def _grow(self, request: Request, n: int) -> bool:
+        """Give the request pages for n more tokens, if the pool has them."""
+        need = self.allocator.pages_for(request.num_computed_tokens + n) - len(request.page_ids)
+        if need > self.allocator.num_free:
+            return False
+        request.page_ids.extend(self.allocator.allocate(max(need, 0)))
+        return True
+
+    def _make_room(self, request: Request, n: int, preempted: list[str]) -> bool:
+        while not self._grow(request, n):
+            victim = self.running[-1]
+            self._preempt(victim)
+            preempted.append(victim.request_id)
+            if victim is request:
+                return False
+        return True
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self._release_pages(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def _admit(self, request: Request, budget: int) -> int:
+        """Take prefix-cache hits and pages for the first chunk; the chunk length, 0 if the
+        pool cannot hold it (then the request keeps nothing)."""
+        if self.allocator.enable_prefix_caching:
+            extend_page_keys(request.page_keys, request.all_token_ids, self.page_size)
+            # At least one token must be computed, for the logits of the next token.
+            usable = request.page_keys[:(request.num_tokens - 1) // self.page_size]
+            request.page_ids = self.allocator.match_prefix(usable)
+            request.num_cached_pages = len(request.page_ids)
+            request.num_computed_tokens = len(request.page_ids) * self.page_size
+        n = min(request.num_uncomputed_tokens, budget)
+        if not self._grow(request, n):
+            self._release_pages(request)
+            return 0
+        request.num_prefix_hit_tokens = request.num_computed_tokens
+        self.allocator.record_query(request.num_tokens, request.num_computed_tokens)
+        return n
+
+    def _release_pages(self, request: Request) -> None:
+        self.allocator.free(reversed(request.page_ids))
+        request.page_ids = []
+        request.num_computed_tokens = 0
+        request.num_cached_pages = 0
+
+    def _cache_full_pages(self, request: Request) -> None:
+        if not self.allocator.enable_prefix_caching:
+            return
+        full = request.num_computed_tokens // self.page_size
+        if full <= request.num_cached_pages:
+            return
+        extend_page_keys(request.page_keys, request.all_token_ids, self.page_size)
+        for i in range(request.num_cached_pages, full):
+            self.allocator.cache_page(request.page_ids[i], request.page_keys[i])
+        request.num_cached_pages = full
+
+    def _finish_reason(self, request: Request, token: int) -> FinishReason | None:
+        params = request.sampling_params
+        if token in params.stop_token_ids or (
+                not params.ignore_eos and token in self.eos_token_ids):
+            return FinishReason.STOP
+        if request.num_output_tokens >= params.max_tokens:
+            return FinishReason.LENGTH
+        if request.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None
