@@ -1,0 +1,268 @@
+"""Per-request sampling, vectorized over the B rows of a step: it runs inside the one jitted step.
+
+Order per row (vLLM / HF semantics):
+  1. penalties on the raw logits: repetition (HF: a seen token's logit > 0 is divided by the
+     penalty, < 0 multiplied; "seen" = in prompt + output), then frequency and presence
+     (OpenAI: logit -= frequency * count + presence * [count > 0], counts over OUTPUT tokens);
+  2. temperature 0 (below MIN_TEMPERATURE) = greedy: exact argmax of the penalized logits;
+  3. otherwise divide by temperature, keep top-k, then top-p (probabilities renormalized over the
+     top-k set), then min-p (prob >= min_p * max prob), and draw by Gumbel-max over the full
+     vocab with the row's own key.
+
+Logprobs (`SampleOutput.logprob`, `top_ids`, `top_logprobs`) are vLLM's default "raw logprobs":
+log_softmax of the model's logits BEFORE penalties and temperature. Every row gets the chosen
+token's logprob and the top MAX_LOGPROBS (20) ids + logprobs; the host slices each request's n.
+
+Keys: a row with a seed uses fold_in(key(seed), generated tokens so far), with key(seed) the
+threefry key [seed >> 32, seed & 0xffffffff] (= jax.random.key(seed) under x64, or for seeds
+< 2**32), so a seeded request samples the same tokens whatever else is in the batch and
+whichever row it sits in. Rows without a seed take fresh bits from the engine's rng.
+
+Cost control without recompiles: top-k/top-p need sorted candidates. We take the top
+TOP_CANDIDATES (256) per row with lax.top_k and fall back to a full sort of the vocab, under
+lax.cond, only when a row's cut lies beyond them (top_k > 256, or top_p with the 256 best
+holding less than top_p of the mass); results are exact either way. The candidate search, the
+Gumbel draw and the logprobs each sit under a lax.cond on "does any row need it", so a greedy
+batch without logprobs pays for one argmax.
+
+Penalties need each row's seen tokens. The host sends the last W (`window`, default 1024) tokens
+of each row's context (prompt + output) as a [B, W] id window padded with -1, plus where its
+output part starts; the device scatter-adds them into [B, V] counts. Limit: tokens older than the
+last W of the context are not penalized. Host->device cost: 4*B*W bytes (1 MiB at B=256,
+W=1024), only when some row uses a penalty; otherwise W = 0 and nothing is sent or computed.
+
+Static (recompile triggers): B, V, W (0 when no row has a penalty, else `window`: so at most two
+variants per batch bucket), dtypes, `candidates`. Every parameter value is dynamic.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxinfer.request import MAX_LOGPROBS, SamplingParams
+
+TOP_CANDIDATES = 256
+DEFAULT_WINDOW = 1024
+MIN_TEMPERATURE = 1e-5  # below this a row is greedy: dividing by it would overflow the logits
+
+_PAD = SamplingParams(max_tokens=1, temperature=0.0)  # padding rows: greedy, nothing else on
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["temperature", "top_k", "top_p", "min_p", "repetition_penalty",
+                 "presence_penalty", "frequency_penalty", "seed", "has_seed", "step",
+                 "num_logprobs", "penalty_tokens", "output_start"],
+    meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class SamplingArrays:
+    """Per-row sampling parameters of one step (padding rows: greedy, everything off)."""
+
+    temperature: jax.Array         # [B] f32  0 = greedy
+    top_k: jax.Array               # [B] i32  0 = off
+    top_p: jax.Array               # [B] f32  1 = off
+    min_p: jax.Array               # [B] f32  0 = off
+    repetition_penalty: jax.Array  # [B] f32  1 = off
+    presence_penalty: jax.Array    # [B] f32  0 = off
+    frequency_penalty: jax.Array   # [B] f32  0 = off
+    seed: jax.Array                # [B, 2] u32  (seed >> 32, seed & 0xffffffff)
+    has_seed: jax.Array            # [B] bool
+    step: jax.Array                # [B] i32  tokens already generated (folded into the key)
+    num_logprobs: jax.Array        # [B] i32  requested top-n logprobs; -1 = none
+    penalty_tokens: jax.Array      # [B, W] i32  last W context tokens, -1 padded; W = 0: no penalty
+    output_start: jax.Array        # [B] i32  index in penalty_tokens where output tokens start
+
+    @property
+    def has_penalties(self) -> bool:
+        """Static: the shape, not a value, says whether penalties are compiled in."""
+        return self.penalty_tokens.shape[-1] > 0
+
+    @classmethod
+    def from_params(cls, params: Sequence[SamplingParams | None],
+                    generated_counts: Sequence[int],
+                    token_ids: Sequence[Sequence[int] | None] | None = None, *,
+                    batch_size: int, window: int = DEFAULT_WINDOW) -> "SamplingArrays":
+        """Host side: numpy arrays for rows `params` (None = padding), padded to `batch_size`.
+
+        generated_counts[b]: tokens row b has generated so far (its key's step; the last that
+        many entries of token_ids[b] are its output). token_ids[b]: row b's context, prompt +
+        output so far (only its last `window` ids are read); needed only when a row uses a
+        repetition, presence or frequency penalty."""
+        n = len(params)
+        if n > batch_size:
+            raise ValueError(f"{n} rows do not fit in batch_size {batch_size}")
+        if len(generated_counts) != n:
+            raise ValueError(f"generated_counts has {len(generated_counts)} entries for {n} rows")
+        rows = [p or _PAD for p in params] + [_PAD] * (batch_size - n)
+
+        def col(field, dtype):
+            return np.array([getattr(p, field) for p in rows], dtype)
+
+        seeds = [p.seed or 0 for p in rows]
+        step = np.zeros(batch_size, np.int32)
+        step[:n] = generated_counts
+        tokens, out_start = _penalty_window(rows[:n], token_ids, generated_counts,
+                                            batch_size, window)
+        return cls(
+            temperature=col("temperature", np.float32), top_k=col("top_k", np.int32),
+            top_p=col("top_p", np.float32), min_p=col("min_p", np.float32),
+            repetition_penalty=col("repetition_penalty", np.float32),
+            presence_penalty=col("presence_penalty", np.float32),
+            frequency_penalty=col("frequency_penalty", np.float32),
+            seed=np.array([(s >> 32, s & 0xFFFFFFFF) for s in seeds], np.uint32),
+            has_seed=np.array([p.seed is not None for p in rows]), step=step,
+            num_logprobs=np.array([-1 if p.logprobs is None else p.logprobs for p in rows],
+                                  np.int32),
+            penalty_tokens=tokens, output_start=out_start)
+
+
+def _uses_penalty(p: SamplingParams) -> bool:
+    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+
+
+def _penalty_window(rows, token_ids, generated_counts, batch_size, window):
+    """[B, W] last-W context ids (-1 padded) and [B] output start; W = 0 if no row needs them."""
+    users = [b for b, p in enumerate(rows) if _uses_penalty(p)]
+    width = window if users else 0
+    tokens = np.full((batch_size, width), -1, np.int32)
+    out_start = np.zeros(batch_size, np.int32)
+    for b in users:
+        if token_ids is None or token_ids[b] is None:
+            raise ValueError(f"row {b} uses a penalty but no token_ids were given for it")
+        ctx = np.asarray(token_ids[b][-window:], np.int32)
+        tokens[b, :len(ctx)] = ctx
+        out_start[b] = max(len(ctx) - int(generated_counts[b]), 0)
+    return tokens, out_start
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["tokens", "logprob", "top_ids", "top_logprobs"], meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class SampleOutput:
+    """Logprobs are raw (before penalties/temperature); all-zero ids / -inf logprobs when no
+    row asked for logprobs."""
+
+    tokens: jax.Array        # [B] i32  sampled token per row
+    logprob: jax.Array       # [B] f32  the sampled token's logprob
+    top_ids: jax.Array       # [B, 20] i32  best MAX_LOGPROBS token ids, descending
+    top_logprobs: jax.Array  # [B, 20] f32  their logprobs
+
+
+def apply_penalties(logits: jax.Array, arrays: SamplingArrays) -> jax.Array:
+    """Repetition (over the window: prompt + output), then frequency and presence (over its
+    output part) penalties on [B, V] logits. Identity when the window is empty (W = 0)."""
+    if not arrays.has_penalties:
+        return logits
+    b, v = logits.shape
+    ids = arrays.penalty_tokens                                   # [B, W]
+    is_out = jnp.arange(ids.shape[1])[None, :] >= arrays.output_start[:, None]
+    ids = jnp.where(ids < 0, v, ids)  # padding -> out of bounds -> dropped by the scatter
+    rows = jnp.broadcast_to(jnp.arange(b)[:, None], ids.shape)
+    seen = jnp.zeros((b, v), jnp.bool_).at[rows, ids].set(True, mode="drop")
+    counts = jnp.zeros((b, v), jnp.float32).at[rows, ids].add(is_out.astype(jnp.float32),
+                                                            mode="drop")
+    rep = arrays.repetition_penalty[:, None]
+    logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
+    return (logits - arrays.frequency_penalty[:, None] * counts
+            - arrays.presence_penalty[:, None] * (counts > 0))
+
+
+def _row_keys(arrays: SamplingArrays, rng: jax.Array) -> jax.Array:
+    """[B] threefry keys: fold_in(key(seed), step) for seeded rows, engine bits otherwise."""
+    fresh = jax.random.bits(rng, (arrays.step.shape[0], 2), jnp.uint32)   # [B, 2]
+    data = jnp.where(arrays.has_seed[:, None], arrays.seed.astype(jnp.uint32), fresh)
+    keys = jax.random.wrap_key_data(data, impl="threefry2x32")
+    return jax.vmap(jax.random.fold_in)(keys, arrays.step)
+
+
+def _top_k_top_p_cut(scaled, top_k, top_p, n):
+    """From the n best logits of each row: [B] logit threshold of top-k then top-p, and [B]
+    whether the cut may lie beyond the n candidates (then n was too few for that row)."""
+    v = scaled.shape[-1]
+    vals, _ = jax.lax.top_k(scaled, n)                               # [B, n] descending
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, v), v)               # [B]
+    in_k = jnp.arange(n)[None, :] < k[:, None]
+    masked = jnp.where(in_k, vals, -jnp.inf)
+    # top-p renormalizes over the top-k set: the candidates if it fits in them, else the row
+    # (right when top-k is off; other rows are flagged `beyond`).
+    log_z = jnp.where(k <= n, jax.nn.logsumexp(masked, axis=-1),
+                      jax.nn.logsumexp(scaled, axis=-1))
+    p = jnp.exp(masked - log_z[:, None])
+    cum = jnp.cumsum(p, axis=-1)
+    keep = in_k & ((cum - p < top_p[:, None]) | (top_p[:, None] >= 1))  # token 0 always kept
+    kept = jnp.sum(keep, axis=-1)                                    # [B] >= 1
+    cut = jnp.take_along_axis(vals, kept[:, None] - 1, axis=-1)[:, 0]
+    # Past the candidates: a top-k set larger than them (its normalizer is unknown here), or
+    # top-k off and the top-p cut not reached within them.
+    beyond = (k > n) & ((k < v) | (keep[:, -1] & (cum[:, -1] < top_p)))
+    return cut, beyond
+
+
+def truncation_threshold(scaled: jax.Array, arrays: SamplingArrays,
+                         candidates: int = TOP_CANDIDATES) -> jax.Array:
+    """[B] top-k -> top-p -> min-p threshold on [B, V] temperature-scaled logits: a token is
+    kept iff its scaled logit >= the threshold (-inf: keep all). Exact, see the module doc."""
+    # Greedy rows need no cut: they must not send the batch down the full-sort path.
+    active = ((arrays.top_k > 0) | (arrays.top_p < 1)) & (arrays.temperature >= MIN_TEMPERATURE)
+    v = scaled.shape[-1]
+    n = min(candidates, v)
+
+    def top_k_top_p():
+        cut, beyond = _top_k_top_p_cut(scaled, arrays.top_k, arrays.top_p, n)
+        if n < v:
+            cut = jax.lax.cond(jnp.any(beyond & active),
+                               lambda: _top_k_top_p_cut(scaled, arrays.top_k, arrays.top_p, v)[0],
+                               lambda: cut)
+        return jnp.where(active, cut, -jnp.inf)
+
+    kp = jax.lax.cond(jnp.any(active), top_k_top_p,
+                      lambda: jnp.full(scaled.shape[:1], -jnp.inf, scaled.dtype))
+    # min-p: p >= min_p * p_max  <=>  logit >= max logit + log(min_p); log(0) = -inf keeps all.
+    min_p = jnp.max(scaled, axis=-1) + jnp.log(arrays.min_p)
+    return jnp.maximum(kp, min_p)
+
+
+def _draw(adjusted, arrays, rng, candidates):
+    """[B] tokens drawn from the tempered, truncated distribution (Gumbel-max, per-row keys)."""
+    t = jnp.where(arrays.temperature >= MIN_TEMPERATURE, arrays.temperature, 1.0)
+    scaled = adjusted / t[:, None]
+    cut = truncation_threshold(scaled, arrays, candidates)
+    gumbel = jax.vmap(lambda k: jax.random.gumbel(k, scaled.shape[-1:], jnp.float32))(
+        _row_keys(arrays, rng))
+    return jnp.argmax(jnp.where(scaled >= cut[:, None], scaled + gumbel, -jnp.inf), axis=-1)
+
+
+def _logprobs(logits, tokens):
+    logz = jax.nn.logsumexp(logits, axis=-1, keepdims=True)
+    chosen = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0] - logz[:, 0]
+    top, ids = jax.lax.top_k(logits, min(MAX_LOGPROBS, logits.shape[-1]))
+    return chosen, ids.astype(jnp.int32), top - logz
+
+
+def _no_logprobs(logits, tokens):
+    b, n = logits.shape[0], min(MAX_LOGPROBS, logits.shape[-1])
+    return (jnp.full((b,), -jnp.inf, jnp.float32), jnp.zeros((b, n), jnp.int32),
+            jnp.full((b, n), -jnp.inf, jnp.float32))
+
+
+def sample(logits: jax.Array, arrays: SamplingArrays, rng: jax.Array, *,
+           candidates: int = TOP_CANDIDATES) -> SampleOutput:
+    """One token per row from [B, V] logits. `rng`: the engine's key for rows without a seed
+    (the caller splits it per step). `candidates` (static): top-k/top-p candidate count."""
+    logits = logits.astype(jnp.float32)
+    adjusted = apply_penalties(logits, arrays)
+    greedy = jnp.argmax(adjusted, axis=-1)
+    sampled = arrays.temperature >= MIN_TEMPERATURE
+    tokens = jax.lax.cond(
+        jnp.any(sampled),
+        lambda: jnp.where(sampled, _draw(adjusted, arrays, rng, candidates), greedy),
+        lambda: greedy).astype(jnp.int32)
+    logprob, top_ids, top_lp = jax.lax.cond(jnp.any(arrays.num_logprobs >= 0), _logprobs,
+                                            _no_logprobs, logits, tokens)
+    return SampleOutput(tokens, logprob, top_ids, top_lp)

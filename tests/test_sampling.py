@@ -1,0 +1,249 @@
+"""Sampling: greedy, distribution, truncation, penalties, seeds, logprobs, padding, recompiles."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxinfer.request import SamplingParams
+from jaxinfer.sampling import (SampleOutput, SamplingArrays, apply_penalties, sample,
+                               truncation_threshold)
+
+V = 1000
+sample_jit = jax.jit(sample, static_argnames="candidates")
+_threshold_jit = jax.jit(truncation_threshold, static_argnums=2)
+
+
+def _logits(rng, b, v=V, scale=3.0):
+    return jnp.asarray(rng.normal(size=(b, v)) * scale, jnp.float32)
+
+
+def _arrays(params, counts=None, token_ids=None, batch_size=None, window=64):
+    counts = counts if counts is not None else [0] * len(params)
+    return SamplingArrays.from_params(params, counts, token_ids,
+                                      batch_size=batch_size or len(params), window=window)
+
+
+@pytest.mark.parametrize("sampled_rows", [0, 2])
+def test_greedy_is_argmax_with_padding_rows(sampled_rows):
+    rng = np.random.default_rng(0)
+    logits = _logits(rng, 8, scale=0.1)  # flat: a sampled row would rarely hit the argmax
+    params = ([SamplingParams(temperature=0.0, top_k=50)] * 5
+              + [SamplingParams(temperature=1.0)] * sampled_rows + [None] * (3 - sampled_rows))
+    out = sample_jit(logits, _arrays(params), jax.random.key(1))
+    assert isinstance(out, SampleOutput) and out.tokens.dtype == jnp.int32
+    greedy = [i for i, p in enumerate(params) if p is None or p.temperature == 0]
+    np.testing.assert_array_equal(np.asarray(out.tokens)[greedy],
+                                  np.argmax(np.asarray(logits), -1)[greedy])
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+def test_temperature_sampling_matches_softmax(temperature):
+    rng = np.random.default_rng(1)
+    n, v = 8192, 6
+    row = rng.normal(size=v).astype(np.float32)
+    logits = jnp.asarray(np.tile(row, (n, 1)))
+    arrays = _arrays([SamplingParams(temperature=temperature)] * n)
+    tokens = np.asarray(sample_jit(logits, arrays, jax.random.key(7)).tokens)
+    expected = n * np.asarray(jax.nn.softmax(row / temperature))
+    chi2 = np.sum((np.bincount(tokens, minlength=v) - expected) ** 2 / expected)
+    assert chi2 < 30.0, chi2  # 5 dof: p(chi2 > 30) ~ 1e-5
+
+
+@pytest.mark.parametrize("candidates", [256, 16])  # 16 forces the full-sort fallback
+def test_truncation_never_returns_excluded_tokens(candidates):
+    rng = np.random.default_rng(2)
+    b = 8
+    logits = _logits(rng, b, scale=1.5)
+    kinds = [dict(top_k=1), dict(top_k=5), dict(top_k=40), dict(top_p=0.3), dict(top_p=0.9),
+             dict(min_p=0.2), dict(top_k=30, top_p=0.5), dict(top_p=0.7, min_p=0.05)]
+    params = [SamplingParams(temperature=0.9, **kinds[i % len(kinds)]) for i in range(b)]
+    allowed = _allowed_reference(np.asarray(logits) / 0.9, params)
+    seen = np.zeros((b, V), bool)
+    for step in range(60):
+        out = sample_jit(logits, _arrays(params), jax.random.key(step), candidates=candidates)
+        seen[np.arange(b), np.asarray(out.tokens)] = True
+    assert not np.any(seen & ~allowed)
+    assert np.all(seen.sum(-1) >= np.minimum(allowed.sum(-1), 2))  # it does sample, not argmax
+
+
+def _allowed_reference(scaled, params):
+    """numpy top-k -> top-p (renormalized over top-k) -> min-p keep mask, by full sort."""
+    allowed = np.zeros(scaled.shape, bool)
+    for b, p in enumerate(params):
+        order = np.argsort(-scaled[b])
+        k = p.top_k or scaled.shape[1]
+        top = scaled[b, order[:k]]
+        probs = np.exp(top - top.max()) / np.exp(top - top.max()).sum()
+        cum = np.cumsum(probs)
+        n = k if p.top_p >= 1 else int(np.sum(cum - probs < p.top_p))
+        keep = order[:n]
+        full = np.exp(scaled[b] - scaled[b].max())
+        keep = keep[full[keep] >= p.min_p * full.max()]
+        allowed[b, keep] = True
+    return allowed
+
+
+_KINDS = [dict(top_k=600, top_p=0.5), dict(top_k=600), dict(top_k=300, top_p=0.99),
+          dict(top_p=0.97), dict(top_k=7, top_p=0.8, min_p=0.01), dict(min_p=0.3),
+          dict(top_p=0.6), dict(top_k=200, top_p=0.9)]
+
+
+@pytest.mark.parametrize("candidates", [256, 16])
+@pytest.mark.parametrize("kinds", [_KINDS] + [[k] for k in _KINDS],
+                         ids=["mixed"] + [str(k) for k in _KINDS])
+def test_truncation_mask_equals_full_sort_reference(candidates, kinds):
+    # A batch of one kind shows whether that kind alone finds the right path (the candidates
+    # or the full sort); the mixed batch, whether rows sharing a path keep their own cuts.
+    rng = np.random.default_rng(10)
+    scaled = _logits(rng, 8, scale=1.5)
+    params = [SamplingParams(**kinds[i % len(kinds)]) for i in range(8)]
+    cut = _threshold_jit(scaled, _arrays(params), candidates)
+    mask = np.asarray(scaled >= cut[:, None])
+    np.testing.assert_array_equal(mask, _allowed_reference(np.asarray(scaled), params))
+
+
+def test_top_p_over_many_candidates_uses_full_sort():
+    # Nearly flat logits: top_p=0.9 keeps ~900 tokens, far beyond 256 candidates.
+    rng = np.random.default_rng(3)
+    logits = jnp.asarray(rng.normal(size=(8, V)) * 0.01, jnp.float32)
+    params = [SamplingParams(top_p=0.9), SamplingParams(top_k=600)] * 4
+    allowed = _allowed_reference(np.asarray(logits), params)
+    hits = np.zeros((8, V), bool)
+    for step in range(60):
+        toks = np.asarray(sample_jit(logits, _arrays(params), jax.random.key(step)).tokens)
+        hits[np.arange(8), toks] = True
+    assert not np.any(hits & ~allowed)
+    # Tokens ranked past the 256 candidates are drawn too.
+    ranks = np.argsort(np.argsort(-np.asarray(logits), -1), -1)
+    assert np.any(hits & (ranks >= 256))
+
+
+def _penalty_reference(logits, params, contexts, counts):
+    out = logits.copy()
+    for b, (p, ctx, n_out) in enumerate(zip(params, contexts, counts)):
+        for t in set(ctx):
+            out[b, t] = out[b, t] / p.repetition_penalty if out[b, t] > 0 \
+                else out[b, t] * p.repetition_penalty
+        output = ctx[len(ctx) - n_out:]
+        for t in set(output):
+            out[b, t] -= p.frequency_penalty * output.count(t) + p.presence_penalty
+    return out
+
+
+def test_penalties_match_numpy_reference():
+    rng = np.random.default_rng(4)
+    b = 6
+    logits = np.asarray(_logits(rng, b))
+    params = [SamplingParams(repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.7),
+              SamplingParams(repetition_penalty=0.8),
+              SamplingParams(frequency_penalty=-1.0),
+              SamplingParams(presence_penalty=1.5, frequency_penalty=0.3),
+              SamplingParams(),
+              SamplingParams(repetition_penalty=2.0, frequency_penalty=0.4)]
+    contexts = [list(rng.integers(0, 50, size=rng.integers(5, 60))) for _ in range(b)]
+    counts = [min(int(rng.integers(0, 30)), len(c)) for c in contexts]
+    counts[1] = 0  # prompt only
+    arrays = _arrays(params, counts, contexts, window=64)
+    got = np.asarray(jax.jit(apply_penalties)(jnp.asarray(logits), arrays))
+    np.testing.assert_allclose(got, _penalty_reference(logits, params, contexts, counts),
+                               rtol=1e-6, atol=1e-6)
+
+
+def test_penalty_window_keeps_last_tokens_only():
+    ctx = list(range(100, 130))  # 30 tokens, 10 of them output; window 8
+    arrays = _arrays([SamplingParams(frequency_penalty=1.0)], [10], [ctx], window=8)
+    np.testing.assert_array_equal(arrays.penalty_tokens[0], ctx[-8:])
+    assert arrays.output_start[0] == 0
+    with pytest.raises(ValueError, match="no token_ids"):
+        _arrays([SamplingParams(presence_penalty=1.0)], [0], None)
+
+
+def test_no_penalty_means_empty_window():
+    arrays = _arrays([SamplingParams(temperature=0.5), None], batch_size=4)
+    assert arrays.penalty_tokens.shape == (4, 0) and not arrays.has_penalties
+
+
+def test_seed_reproducible_across_batches_and_rows():
+    rng = np.random.default_rng(5)
+    row = rng.normal(size=V).astype(np.float32)
+    req = SamplingParams(temperature=1.0, top_p=0.95, seed=1234)
+
+    def run(position, batch, others_seed):
+        toks = []
+        for step in range(12):
+            logits = _logits(rng, batch).at[position].set(row)
+            params = [SamplingParams(temperature=1.0, seed=others_seed + i) if i % 2 else None
+                      for i in range(batch)]
+            params[position] = req
+            counts = [step] * batch
+            out = sample_jit(logits, _arrays(params, counts), jax.random.key(100 + step))
+            toks.append(int(out.tokens[position]))
+        return toks
+
+    a, b, c = run(0, 8, 1), run(5, 8, 99), run(2, 8, 8)
+    assert a == b == c
+    assert len(set(a)) > 1  # the step is folded into the key: not the same token every step
+
+
+def test_seeded_key_is_fold_in_of_jax_key():
+    rng = np.random.default_rng(6)
+    logits = _logits(rng, 8, scale=0.1)
+    params = [SamplingParams()] * 8
+    params[5] = SamplingParams(seed=42)
+    tok = int(sample_jit(logits, _arrays(params, [3] * 8), jax.random.key(0)).tokens[5])
+    key = jax.random.fold_in(jax.random.key(42), 3)
+    expected = int(jnp.argmax(logits[5] + jax.random.gumbel(key, (V,), jnp.float32)))
+    assert tok == expected
+    big = _arrays([SamplingParams(seed=2**62 + 5)], [0])
+    np.testing.assert_array_equal(big.seed[0], [2**30, 5])
+
+
+def test_logprobs_are_raw_log_softmax():
+    rng = np.random.default_rng(7)
+    logits = _logits(rng, 8)
+    params = [SamplingParams(temperature=0.7, logprobs=3, repetition_penalty=1.5), None,
+              SamplingParams(temperature=0.0, logprobs=20), SamplingParams(logprobs=0)]
+    arrays = _arrays(params, [2, 0, 0, 0], [[1, 2, 3], None, None, None], batch_size=8)
+    out = sample_jit(logits, arrays, jax.random.key(3))
+    ref = np.asarray(jax.nn.log_softmax(logits, axis=-1))
+    toks = np.asarray(out.tokens)
+    np.testing.assert_allclose(out.logprob, ref[np.arange(8), toks], rtol=1e-5, atol=1e-5)
+    order = np.argsort(-ref, -1)[:, :20]
+    np.testing.assert_array_equal(out.top_ids, order)
+    np.testing.assert_allclose(out.top_logprobs, np.take_along_axis(ref, order, -1),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_padding_rows_do_not_change_real_rows():
+    rng = np.random.default_rng(8)
+    logits = _logits(rng, 8)
+    params = [SamplingParams(temperature=0.8, top_k=20, seed=s) for s in range(3)]
+    others = [SamplingParams(temperature=1.5, top_p=0.5, logprobs=2)] * 5
+    busy = sample_jit(logits, _arrays(params + others), jax.random.key(1))
+    padded_logits = logits.at[3:].set(jnp.nan)  # padding rows' logits may be garbage
+    padded = sample_jit(padded_logits, _arrays(params, batch_size=8), jax.random.key(0))
+    np.testing.assert_array_equal(busy.tokens[:3], padded.tokens[:3])
+    assert np.all((np.asarray(padded.tokens) >= 0) & (np.asarray(padded.tokens) < V))
+
+
+def test_new_parameter_values_do_not_recompile():
+    traces = []
+
+    @jax.jit
+    def step(logits, arrays, rng):
+        traces.append(1)
+        return sample(logits, arrays, rng)
+
+    rng = np.random.default_rng(9)
+    logits = _logits(rng, 4)
+    variants = [[None] * 4,
+                [SamplingParams(temperature=0.5, top_k=3, seed=1, logprobs=2)] * 4,
+                [SamplingParams(top_p=0.4, min_p=0.1), None, SamplingParams(temperature=0), None],
+                [SamplingParams(temperature=2.0, top_k=700)] * 4]
+    for params in variants:
+        jax.block_until_ready(step(logits, _arrays(params, [5] * 4), jax.random.key(0)))
+    assert len(traces) == 1
+    penalized = [SamplingParams(repetition_penalty=1.2)] * 4
+    for counts in ([1] * 4, [3] * 4):
+        step(logits, _arrays(penalized, counts, [[1, 2, 3]] * 4), jax.random.key(0))
+    assert len(traces) == 2  # the one extra variant: penalties compiled in
