@@ -20,10 +20,11 @@ from collections.abc import Iterable, Mapping
 import jax.numpy as jnp
 import numpy as np
 
+from checkpoints.params import FP8_LINEARS, SCALE_SUFFIX
+
 FP8_DTYPE = jnp.float8_e4m3fn
 FP8_MAX = 448.0
-LINEAR_NAMES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
-SCALE_SUFFIX = "_scale"
+LINEAR_NAMES = FP8_LINEARS
 
 
 def quantize_linear(w):

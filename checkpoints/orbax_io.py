@@ -14,7 +14,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from checkpoints.params import check_params, param_shapes
+from checkpoints.params import SCALE_SUFFIX, check_params, is_fp8, param_shapes
 from jaxinfer.config import ModelConfig
 from jaxinfer.errors import ModelLoadError
 
@@ -42,6 +42,7 @@ def save(directory: str | Path, cfg: ModelConfig, params: dict, tokenizer=None) 
     (directory / MARKER).write_text(json.dumps({
         "format": FORMAT,
         "config": cfg.to_dict(),
+        "fp8": is_fp8(params),
         "dtypes": {k: np.dtype(v.dtype).name for k, v in params.items()},
     }, indent=1))
 
@@ -59,15 +60,22 @@ def _read_marker(directory: Path) -> dict:
 
 def restore(directory: str | Path, dtype=None):
     """(ModelConfig, params) with params as jax arrays on the default device, in their saved
-    dtypes or cast to `dtype`."""
+    dtypes or cast to `dtype` (FP8 weights and their scales keep theirs)."""
     import orbax.checkpoint as ocp
 
     directory = Path(directory).absolute()
     marker = _read_marker(directory)
     cfg = ModelConfig.from_dict(marker["config"])
     sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    target = {name: jax.ShapeDtypeStruct(shape, dtype or marker["dtypes"][name], sharding=sharding)
-              for name, shape in param_shapes(cfg).items()}
+    fp8 = bool(marker.get("fp8"))
+
+    def dtype_of(name):
+        saved = marker["dtypes"][name]
+        keep = fp8 and (name + SCALE_SUFFIX in marker["dtypes"] or name.endswith(SCALE_SUFFIX))
+        return saved if keep or dtype is None else dtype
+
+    target = {name: jax.ShapeDtypeStruct(shape, dtype_of(name), sharding=sharding)
+              for name, shape in param_shapes(cfg, fp8).items()}
     try:
         params = ocp.StandardCheckpointer().restore(directory / "params", target)
     except Exception as e:

@@ -15,9 +15,19 @@ LAYER_PARAMS = ("attn_norm", "wq", "wk", "wv", "bq", "bk", "bv", "wo", "mlp_norm
                 "w_gate", "w_up", "w_down")
 
 
-def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+FP8_LINEARS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+SCALE_SUFFIX = "_scale"
+
+
+def is_fp8(params: Mapping) -> bool:
+    """Whether a flat dict holds FP8-quantized linears (checkpoints.fp8.quantize_params)."""
+    return "wq" + SCALE_SUFFIX in params
+
+
+def param_shapes(cfg: ModelConfig, fp8: bool = False) -> dict[str, tuple[int, ...]]:
     """Name -> shape of every parameter `cfg` needs (biases only for qkv_bias, lm_head only
-    when the embeddings are not tied)."""
+    when the embeddings are not tied). With fp8, the decoder linears are e4m3 [L, out, in]
+    with f32 per-output-channel scales `name_scale` [L, out] (see checkpoints/fp8.py)."""
     v, e, f, l = cfg.vocab_size, cfg.hidden_size, cfg.intermediate_size, cfg.num_layers
     q, kv = cfg.q_size, cfg.kv_size
     shapes = {
@@ -37,12 +47,16 @@ def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes["lm_head"] = (e, v)      # [E, V]
     if cfg.qkv_bias:
         shapes.update(bq=(l, q), bk=(l, kv), bv=(l, kv))
+    if fp8:
+        for name in FP8_LINEARS:
+            shapes[name] = shapes[name][:-2] + shapes[name][:-3:-1]   # [L, out, in]
+            shapes[name + SCALE_SUFFIX] = shapes[name][:-1]           # [L, out]
     return shapes
 
 
 def check_params(cfg: ModelConfig, params: Mapping, source: str) -> None:
     """Raise ModelLoadError naming every missing, unexpected or mis-shaped parameter."""
-    want = param_shapes(cfg)
+    want = param_shapes(cfg, is_fp8(params))
     problems = [f"missing {k} {s}" for k, s in want.items() if k not in params]
     problems += [f"unexpected {k}" for k in params if k not in want]
     problems += [f"{k} has shape {tuple(params[k].shape)}, expected {s}"

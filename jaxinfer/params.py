@@ -1,10 +1,7 @@
 """From a loader's canonical flat dict of weights to the NNX decoder's state.
 
-Canonical names (what every loader in checkpoints/ returns; stacked per layer, [in, out]):
-    embed [V, E]; final_norm [E]; lm_head [E, V] (absent when tied)
-    attn_norm [L, E]; wq [L, E, H*D]; wk, wv [L, E, K*D]; bq, bk, bv (Qwen2); wo [L, H*D, E]
-    mlp_norm [L, E]; w_gate, w_up [L, E, F]; w_down [L, F, E]
-The model fuses q/k/v and gate/up into single matmuls; that happens here, once, at load.
+The canonical names and shapes are checkpoints.params.param_shapes (what every loader
+returns: stacked per layer, linears [in, out], or FP8 [out, in] + scales). The model fuses q/k/v and gate/up into single matmuls; that happens here, once, at load.
 """
 from __future__ import annotations
 
@@ -15,14 +12,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from checkpoints.fp8 import SCALE_SUFFIX, quantize_linear
+from checkpoints.fp8 import quantize_linear
+from checkpoints.params import SCALE_SUFFIX, check_params
 from jaxinfer.config import ModelConfig
 from jaxinfer.errors import ModelLoadError
 from jaxinfer.model import Decoder, rope_inv_freq
-
-REQUIRED = ("embed", "final_norm", "attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate",
-            "w_up", "w_down")
-
 
 def _cat(flat, names, axis=-1):
     arrs = [flat[n] for n in names]
@@ -48,13 +42,7 @@ def _fused_linear(flat, names, fp8: bool) -> dict:
 
 def fused_tree(cfg: ModelConfig, flat: Mapping[str, object], fp8: bool = False) -> dict:
     """Canonical flat dict -> the nested dict of the Decoder's state (fused projections)."""
-    missing = [n for n in REQUIRED if n not in flat]
-    if not cfg.tie_word_embeddings and "lm_head" not in flat:
-        missing.append("lm_head")
-    if cfg.qkv_bias:
-        missing += [n for n in ("bq", "bk", "bv") if n not in flat]
-    if missing:
-        raise ModelLoadError(f"checkpoint is missing weights: {', '.join(missing)}")
+    check_params(cfg, flat, "checkpoint")
     wqkv = _fused_linear(flat, ("wq", "wk", "wv"), fp8)
     if cfg.qkv_bias:
         wqkv["bias"] = _cat(flat, ("bq", "bk", "bv"))

@@ -1,0 +1,130 @@
+"""The engine's edges: prompts in (validated, tokenized), step inputs to the device, text out
+(incremental detokenization, stop strings cut correctly), logprobs as dicts."""
+from __future__ import annotations
+
+import operator
+from typing import Sequence
+
+import jax
+import numpy as np
+
+from jaxinfer.batch import StepArrays
+from jaxinfer.errors import InvalidRequestError
+from jaxinfer.kv_cache import AttentionMetadata
+from jaxinfer.request import SamplingParams
+from jaxinfer.runner import StepInput
+from jaxinfer.sampling import SampleOutput, SamplingArrays
+from jaxinfer.scheduler import SchedulerOutput
+from jaxinfer.tokenizer import IncrementalDetokenizer
+
+
+def _check_text(text: str, field: str) -> str:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidRequestError(f"{field} is not valid UTF-8", field=field) from None
+    return text
+
+
+def _check_messages(messages: Sequence) -> list[dict]:
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(
+                m.get("content"), str):
+            raise InvalidRequestError(f"messages[{i}] must be {{'role': str, 'content': str}}",
+                                      field="messages")
+        out.append({"role": m["role"], "content": _check_text(m["content"], "messages")})
+    if not out:
+        raise InvalidRequestError("messages is empty", field="messages")
+    return out
+
+
+def prompt_token_ids(prompt, tokenizer, vocab_size: int) -> list[int]:
+    """Text, chat messages or {"prompt_token_ids": [...]} -> validated token ids."""
+    if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+        ids = prompt["prompt_token_ids"]
+        try:
+            ids = [operator.index(t) for t in ids]
+        except TypeError:
+            raise InvalidRequestError("prompt_token_ids must be integers",
+                                      field="prompt_token_ids") from None
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            raise InvalidRequestError(f"prompt_token_ids holds ids outside the vocabulary "
+                                      f"[0, {vocab_size}): {bad[:5]}", field="prompt_token_ids")
+        if not ids:
+            raise InvalidRequestError("prompt is empty", field="prompt_token_ids")
+        return ids
+    if tokenizer is None:
+        raise InvalidRequestError("this model has no tokenizer: pass {'prompt_token_ids': [...]}",
+                                  field="prompt")
+    if isinstance(prompt, str):
+        if not prompt:
+            raise InvalidRequestError("prompt is empty", field="prompt")
+        return tokenizer.encode(_check_text(prompt, "prompt"))
+    if isinstance(prompt, (list, tuple)):
+        return tokenizer.encode_chat(_check_messages(prompt))
+    raise InvalidRequestError(f"a prompt is text, a list of chat messages or "
+                              f"{{'prompt_token_ids': [...]}}, got {type(prompt).__name__}",
+                              field="prompt")
+
+
+class Detokenized:
+    """One request's output text (and logprobs). Deltas never hold broken UTF-8
+    (IncrementalDetokenizer) nor a possible beginning of a stop string (the last
+    len(longest stop) - 1 characters wait)."""
+
+    def __init__(self, tokenizer, prompt_ids, params: SamplingParams, prompt: str | None):
+        self._detok = IncrementalDetokenizer(tokenizer, prompt_ids) if tokenizer else None
+        self._stop = params.stop
+        self._hold = max((len(s) for s in self._stop), default=1) - 1
+        self._full = ""      # decoded text of all output tokens
+        self.text = ""       # emitted so far (what the caller has seen)
+        self.prompt = prompt
+        self.logprobs: list[dict[int, float]] = []  # per output token, when asked for
+
+    def add(self, token: int, done: bool) -> tuple[str, bool]:
+        """Append a token; returns (delta to emit, whether a stop string ended the text)."""
+        if self._detok is None:
+            return "", False
+        new = self._detok.add([token])
+        if done:
+            new += self._detok.flush()
+        start = max(0, len(self._full) - self._hold)
+        self._full += new
+        for s in self._stop:
+            i = self._full.find(s, start)
+            if i >= 0:
+                self._full = self._full[:i]
+                return self._emit(len(self._full)), True
+        return self._emit(len(self._full) if done else len(self._full) - self._hold), False
+
+    def finish(self) -> str:
+        """The held-back rest, when the request ends for a reason found outside."""
+        return self._emit(len(self._full))
+
+    def _emit(self, upto: int) -> str:
+        upto = max(upto, len(self.text))
+        delta = self._full[len(self.text):upto]
+        self.text += delta
+        return delta
+
+
+def build_step_input(arrays: StepArrays, out: SchedulerOutput, scheduler) -> StepInput:
+    """Host arrays -> one device transfer of the whole StepInput."""
+    reqs = [scheduler.get(r.request_id) for r in out.rows]
+    samp = SamplingArrays.from_params(
+        [r.sampling_params for r in reqs], [r.num_output_tokens for r in reqs],
+        [r.all_token_ids for r in reqs], batch_size=len(arrays.seq_lens))
+    md = AttentionMetadata(arrays.positions, arrays.slot_mapping, arrays.token_seq,
+                           arrays.page_table, arrays.seq_lens, arrays.query_start,
+                           decode_only=arrays.decode_only)
+    return jax.device_put(StepInput(arrays.tokens, md, arrays.logits_index, samp))
+
+
+def logprob_dict(sampled: SampleOutput, row: int, n: int) -> dict[int, float]:
+    """Row's top-n logprobs plus its chosen token's: {token_id: logprob}."""
+    d = {int(t): float(lp) for t, lp in zip(sampled.top_ids[row, :n],
+                                            sampled.top_logprobs[row, :n])}
+    d[int(sampled.tokens[row])] = float(sampled.logprob[row])
+    return d

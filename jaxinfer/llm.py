@@ -1,0 +1,48 @@
+"""The offline Python API, in the style of vLLM's `LLM.generate`:
+
+    from jaxinfer import LLM, SamplingParams
+    llm = LLM(model="smollm2")
+    outs = llm.generate(["The capital of France is"], SamplingParams(temperature=0.0, max_tokens=16))
+    outs[0].text, outs[0].token_ids, outs[0].finish_reason
+"""
+from __future__ import annotations
+
+from typing import Sequence, Union
+
+from jaxinfer.config import EngineConfig
+from jaxinfer.engine import Engine
+from jaxinfer.request import RequestOutput, SamplingParams
+
+Prompt = Union[str, list, dict]  # text, chat messages, or {"prompt_token_ids": [...]}
+
+
+class LLM:
+    def __init__(self, model: str = "smollm2", *, engine_config: EngineConfig | None = None,
+                 **engine_kwargs):
+        cfg = engine_config or EngineConfig()
+        if engine_kwargs:
+            cfg = cfg.replace(**engine_kwargs)
+        self.engine = Engine.from_model(model, cfg)
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 *, use_tqdm: bool = True) -> list[RequestOutput]:
+        """Complete every prompt; outputs come back in the order of `prompts`.
+
+        A prompt is text, a list of chat messages ({"role", "content"}: the chat template is
+        applied) or {"prompt_token_ids": [...]}."""
+        if isinstance(prompts, (str, dict)) or (
+                isinstance(prompts, list) and prompts and isinstance(prompts[0], dict)
+                and "role" in prompts[0]):
+            prompts = [prompts]
+        params = sampling_params or SamplingParams()
+        params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(params)} SamplingParams")
+        ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+        done = self.engine.run_until_done(use_tqdm=use_tqdm)
+        return [done[i] for i in ids]

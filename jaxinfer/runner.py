@@ -1,0 +1,132 @@
+"""The device side of a step: ONE jitted call per bucket — forward + logits of each row's last
+token + sampling — with the KV cache donated (updated in place, never copied).
+
+Static (a change compiles a new executable): the model graph, the attention impl, and the
+shapes of StepInput (= the bucket: T tokens, B rows, pages_per_seq) plus
+`AttentionMetadata.decode_only` and the sampling arrays' static flags. Dynamic: every value.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxinfer import sampling
+from jaxinfer.config import EngineConfig, ModelConfig
+from jaxinfer.kv_cache import FP8_DTYPE, AttentionMetadata, KVCache
+from jaxinfer.ops import resolve_attention_impl
+
+
+class CompileCounter:
+    """Counts XLA backend compiles process-wide (jax.monitoring), so tests and metrics can
+    prove that steady-state serving compiles nothing."""
+
+    _lock = threading.Lock()
+    _count = 0
+    _installed = False
+
+    @classmethod
+    def install(cls):
+        with cls._lock:
+            if cls._installed:
+                return
+            cls._installed = True
+
+        def on_duration(name, _secs, **_kw):
+            if name == "/jax/core/compile/backend_compile_duration":
+                with cls._lock:
+                    cls._count += 1
+
+        jax.monitoring.register_event_duration_secs_listener(on_duration)
+
+    @classmethod
+    def count(cls) -> int:
+        return cls._count
+
+
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["tokens", "md", "logits_index", "sampling"], meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class StepInput:
+    tokens: jax.Array                  # [T] i32 (padding: 0)
+    md: AttentionMetadata
+    logits_index: jax.Array            # [B] i32  index in T of each row's last new token
+    sampling: sampling.SamplingArrays  # per-row parameters [B, ...]
+
+
+def _forward_hidden(graphdef, attn_impl, params, kv, tokens, md):
+    model = nnx.merge(graphdef, params)
+    h, kv = model(tokens, kv, md, attn_impl)
+    return model, h, kv
+
+
+def _step(graphdef, attn_impl, params, kv, inp: StepInput, rng, step_index):
+    model, h, kv = _forward_hidden(graphdef, attn_impl, params, kv, inp.tokens, inp.md)
+    logits = model.logits(h[inp.logits_index])                          # [B, V] f32
+    return kv, sampling.sample(logits, inp.sampling, jax.random.fold_in(rng, step_index))
+
+
+def dummy_input(bucket) -> StepInput:
+    """An all-padding input of `bucket`'s shapes: writes nothing, used to compile ahead."""
+    t, b, w = bucket.num_tokens, bucket.num_seqs, bucket.pages_per_seq
+    zeros = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731
+    md = AttentionMetadata(zeros(t), np.full(t, -1, np.int32), zeros(t), zeros(b, w), zeros(b),
+                           zeros(b + 1), decode_only=bucket.decode_only)
+    return StepInput(zeros(t), md, zeros(b), sampling.SamplingArrays.from_params(
+        [], [], batch_size=b))
+
+
+def _all_logits(graphdef, attn_impl, params, kv, tokens, md):
+    model, h, kv = _forward_hidden(graphdef, attn_impl, params, kv, tokens, md)
+    return kv, model.logits(h)                                           # [T, V] f32
+
+
+def kv_dtype_for(engine: EngineConfig):
+    if engine.kv_dtype == "fp8":
+        return FP8_DTYPE
+    if engine.kv_dtype == "bf16":
+        return jnp.bfloat16
+    return jnp.dtype(engine.dtype)
+
+
+class ModelRunner:
+    """Owns params, the KV cache and the compiled step. Host code hands it numpy arrays."""
+
+    def __init__(self, cfg: ModelConfig, engine: EngineConfig, graphdef, params):
+        CompileCounter.install()
+        self.cfg, self.engine = cfg, engine
+        self.params = params
+        self.attn_impl = resolve_attention_impl(engine.attention_impl)
+        self.kv = KVCache.allocate(cfg.num_layers, cfg.num_kv_heads, engine.total_pages,
+                                   engine.page_size, cfg.head_dim, kv_dtype_for(engine))
+        self._rng = jax.random.key(engine.seed)
+        self._num_steps = 0
+        self._step_fn = jax.jit(functools.partial(_step, graphdef, self.attn_impl),
+                                donate_argnums=(1,))
+        self._logits_fn = jax.jit(functools.partial(_all_logits, graphdef, self.attn_impl),
+                                  donate_argnums=(1,))
+
+    def step(self, inp: StepInput) -> sampling.SampleOutput:
+        """Run one step; returns the sampled tokens etc. as numpy (the one device->host sync)."""
+        self._num_steps += 1
+        self.kv, out = self._step_fn(self.params, self.kv, inp, self._rng,
+                                     np.uint32(self._num_steps))
+        return jax.tree_util.tree_map(np.asarray, out)
+
+    def warmup(self, bucket) -> None:
+        """Compile (and run once, writing nothing) the step for `bucket`."""
+        self.step(jax.device_put(dummy_input(bucket)))
+
+    def lower(self, inp: StepInput):
+        """The step lowered for `inp`'s shapes (for ahead-of-time compilation and the bench)."""
+        return self._step_fn.lower(self.params, self.kv, inp, self._rng, np.uint32(0))
+
+    def all_logits(self, tokens, md: AttentionMetadata) -> np.ndarray:
+        """Teacher-forced logits [T, V] for every new token (tests, perplexity)."""
+        self.kv, logits = self._logits_fn(self.params, self.kv, jnp.asarray(tokens), md)
+        return np.asarray(logits)

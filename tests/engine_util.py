@@ -1,0 +1,46 @@
+"""Shared helpers for engine tests: a tiny random-weight engine and drivers."""
+import jax.numpy as jnp
+import numpy as np
+
+from dense_reference import random_flat
+from jaxinfer.config import EngineConfig, standard_config
+from jaxinfer.engine import Engine
+from jaxinfer.params import build_model
+
+TINY = standard_config("tiny")
+_TINY_MODEL = {}
+
+
+def tiny_engine(**engine_kw) -> Engine:
+    """The tiny twin with random weights large enough that greedy outputs vary by prompt."""
+    if not _TINY_MODEL:
+        _TINY_MODEL["m"] = build_model(TINY, random_flat(TINY, seed=11, std=0.08), jnp.float32)
+    graphdef, params = _TINY_MODEL["m"]
+    cfg = EngineConfig(**{"max_model_len": 128, "max_num_seqs": 8,
+                          "max_num_batched_tokens": 64, "page_size": 4, **engine_kw})
+    return Engine(TINY, cfg, graphdef, params)
+
+
+def random_prompts(n, lo=3, hi=40, seed=0, vocab=TINY.vocab_size):
+    rng = np.random.default_rng(seed)
+    return [{"prompt_token_ids": rng.integers(3, vocab, rng.integers(lo, hi)).tolist()}
+            for _ in range(n)]
+
+
+def run_staggered(engine, prompts, params, arrivals):
+    """Add prompt i before step arrivals[i]; step until done. Returns outputs by index."""
+    order = sorted(range(len(prompts)), key=lambda i: arrivals[i])
+    ids, final, step = {}, {}, 0
+    while order or engine.has_unfinished_requests():
+        while order and arrivals[order[0]] <= step:
+            i = order.pop(0)
+            ids[engine.add_request(prompts[i], params[i])] = i
+        for out in engine.step():
+            if out.finished:
+                final[ids[out.request_id]] = out
+        step += 1
+    return [final[i] for i in range(len(prompts))]
+
+
+def run_alone(engine, prompt, params):
+    return run_staggered(engine, [prompt], [params], [0])[0]

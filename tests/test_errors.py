@@ -1,0 +1,83 @@
+"""Bad input gets a clear error naming the problem, never a traceback from deep inside JAX."""
+import subprocess
+import sys
+
+import pytest
+
+from checkpoints import load_checkpoint
+from jaxinfer import LLM, SamplingParams
+from jaxinfer.cli import main
+from jaxinfer.errors import ConfigError, InvalidRequestError, ModelLoadError
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM("smollm2", max_model_len=64, max_num_seqs=2, max_num_batched_tokens=32)
+
+
+def test_missing_model_file(tmp_path):
+    with pytest.raises(ModelLoadError, match="no model at"):
+        load_checkpoint(tmp_path / "nope.gguf")
+
+
+def test_corrupt_model_file(tmp_path):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"this is not a gguf file" * 10)
+    with pytest.raises(ModelLoadError, match="bad.gguf"):
+        load_checkpoint(bad)
+
+
+def test_unsupported_architecture(tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": "gpt2", "vocab_size": 10}')
+    with pytest.raises(ConfigError, match="unsupported architecture 'gpt2'"):
+        load_checkpoint(tmp_path)
+
+
+@pytest.mark.parametrize("kwargs,field", [
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"temperature": -0.5}, "temperature"),
+    ({"top_p": 0.0}, "top_p"),
+    ({"top_p": 1.5}, "top_p"),
+    ({"top_k": -1}, "top_k"),
+    ({"logprobs": 21}, "logprobs"),
+])
+def test_bad_sampling_params_name_the_field(kwargs, field):
+    with pytest.raises(InvalidRequestError, match=field) as e:
+        SamplingParams(**kwargs)
+    assert e.value.field == field
+
+
+def test_empty_prompt(llm):
+    with pytest.raises(InvalidRequestError, match="prompt is empty"):
+        llm.generate([""])
+
+
+def test_prompt_longer_than_context(llm):
+    with pytest.raises(InvalidRequestError, match="max_model_len is 64"):
+        llm.generate(["word " * 100])
+
+
+def test_token_ids_outside_vocabulary(llm):
+    with pytest.raises(InvalidRequestError, match="outside the vocabulary"):
+        llm.generate([{"prompt_token_ids": [1, 2, 10**6]}])
+
+
+def test_max_model_len_beyond_the_model():
+    with pytest.raises(ConfigError, match="context length 2048"):
+        LLM("tiny", max_model_len=4096)
+
+
+def test_cli_reports_errors_without_traceback(capsys):
+    assert main(["generate", "hi", "--temperature", "-1"]) == 2
+    err = capsys.readouterr().err
+    assert "temperature must be >= 0" in err and "Traceback" not in err
+    assert main(["generate", "hi", "--model", "/nonexistent/model.gguf"]) == 2
+    assert "no model at" in capsys.readouterr().err
+
+
+def test_cli_help_explains():
+    out = subprocess.run([sys.executable, "-m", "jaxinfer.cli", "generate", "--help"],
+                         capture_output=True, text=True, check=True).stdout
+    for flag in ("--max-tokens", "--temperature", "--top-p", "--top-k", "--seed", "--chat",
+                 "--model", "--input", "--output"):
+        assert flag in out
