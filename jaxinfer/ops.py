@@ -22,12 +22,15 @@ def attention(q, kv: KVCache, layer, md: AttentionMetadata, *, sm_scale: float, 
     from pallas_kernels import paged_attention as pa
     from pallas_kernels import ragged_paged_attention as rpa
 
+    # "pallas" off the GPU runs the kernels in interpret mode (tests).
+    interpret = jax.default_backend() != "gpu"
     if md.decode_only:
         fn = pa.paged_attention if impl == "pallas" else pa.paged_attention_reference
         return fn(q, kv.k, kv.v, layer, md.seq_lens, md.page_table, kv.k_scale, kv.v_scale,
-                  sm_scale=sm_scale)
+                  sm_scale=sm_scale, interpret=interpret)
     fn = rpa.ragged_paged_attention if impl == "pallas" else rpa.ragged_paged_attention_reference
-    return fn(q, kv.k, kv.v, layer, md, kv.k_scale, kv.v_scale, sm_scale=sm_scale)
+    return fn(q, kv.k, kv.v, layer, md, kv.k_scale, kv.v_scale, sm_scale=sm_scale,
+              interpret=interpret)
 
 
 def linear(x, kernel, scale=None, bias=None):

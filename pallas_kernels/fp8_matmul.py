@@ -1,0 +1,221 @@
+"""FP8-weight linear layer y = x @ W, three routes chosen by the token count M.
+
+Weights come from checkpoints/fp8.py:quantize_linear: w_q float8_e4m3fn [N, K] (out, in:
+K-major, the layout cuBLASLt's FP8 GEMM and Hopper's FP8 wgmma want) and a per-output-channel
+f32 scale [N], so W[k, n] ~= w_q[n, k] * scale[n]. Here M counts tokens (T in model.py),
+K the input features and N the output features of one projection.
+
+Routes (M is static, so each bucket compiles exactly one), set from bench/fp8_matmul.py on
+one H200 (bench/results/fp8_matmul.json):
+- M <= PALLAS_MAX_M: the Pallas (Triton backend) skinny kernel below. It streams the fp8
+  weight once, converts it in registers and applies the channel scale in its epilogue; each
+  program owns a few output channels ([BN, K] of w_q), and when N // BN alone gives too few
+  programs for the 132 SMs, K is split too and XLA adds the f32 partial sums. M == 1 is a
+  GEMV on CUDA cores; M > 1 pads x to a power of two >= 16 and uses bf16 tensor-core dots.
+- PALLAS_MAX_M < M <= DEQUANT_MAX_M: x @ upcast(w_q) left to XLA, which fuses the fp8 ->
+  bf16 convert into its own Triton GEMM; measured faster than our M > 1 kernel (which is
+  still built and tested, and timed by the bench as `skinny_kernel`).
+- M > DEQUANT_MAX_M (prefill): XLA's cuBLASLt FP8 GEMM (`__cublas$lt$matmul$f8` in the HLO)
+  on x quantized per token to e4m3, with both scales applied to the f32 product.
+
+`layer` lets a decoder that scans over layers pass the whole stacked weight ([L, N, K], [L, N])
+plus the layer index: the kernel then indexes the layer itself, so XLA never copies a layer's
+weight slice out of the stack before the custom call (the same reason the KV cache keeps L).
+
+Static/dynamic: shapes, dtypes and `interpret` are static (a new M bucket compiles once);
+x, w_q, scale and layer are dynamic.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+FP8_DTYPE = jnp.float8_e4m3fn
+FP8_MAX = 448.0
+PALLAS_MAX_M = 1     # M > 1: XLA's fused-dequant GEMM measured faster than our dot path
+DEQUANT_MAX_M = 64   # M > 64: the FP8 tensor-core GEMM wins (2048: 1.1-1.2x over bf16)
+_MIN_PROGRAMS = 2 * 132    # two programs per H200 SM, so one slow SM does not set the pace
+_CONTRACT_K = (((1,), (1,)), ((), ()))   # x [M, K] . w [N, K] -> [M, N]
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiles:
+    mp: int        # rows of x the kernel sees: 1 (GEMV) or M padded to a power of two >= 16
+    bn: int        # output channels per program
+    bk: int        # K elements per loop step
+    splits: int    # K splits (partial sums added by XLA when > 1)
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def _pow2_divisor(n: int, cap: int) -> int:
+    """Largest power of two <= cap that divides n."""
+    d = 1
+    while d * 2 <= cap and n % (d * 2) == 0:
+        d *= 2
+    return d
+
+
+def skinny_tiles(m: int, k: int, n: int, *, bn_cap: int | None = None,
+                 bk_cap: int | None = None, num_warps: int = 4) -> Tiles | None:
+    """Tile choice for the decode kernel, or None when the shape does not tile.
+    The caps override the defaults (bench/fp8_matmul.py --tune compares them)."""
+    mp = 1 if m == 1 else max(16, 1 << (m - 1).bit_length())
+    # x is re-read from L2 by every program: BN >= Mp/2 keeps that traffic near the weight's.
+    bn = _pow2_divisor(n, bn_cap or (8 if mp == 1 else max(16, mp // 2)))
+    # 3 stages of a [128, 256] bf16 x tile overflow shared memory (seen on the H200).
+    bk = _pow2_divisor(k, bk_cap or (512 if mp == 1 else 256 if mp < 128 else 128))
+    min_tile = 1 if mp == 1 else 16   # tensor-core dots need 16 along each axis
+    if bn < min_tile or bk < max(16, min_tile):
+        return None
+    splits, steps = 1, k // bk
+    while (n // bn) * splits < _MIN_PROGRAMS and steps % (splits * 2) == 0:
+        splits *= 2
+    return Tiles(mp, bn, bk, splits, num_warps)
+
+
+def _gemv_sum(x_ref, w_ref, layer, chans, k0, steps, t: Tiles):
+    """M == 1 on CUDA cores: [BN] partial dot products over K range [k0, k0 + steps * BK).
+
+    The next step's weight tile is loaded before this step's math (carried in the loop), so
+    each thread keeps two tiles' loads in flight; lanes stay apart in an elementwise
+    accumulator and are reduced once at the end, not once per step."""
+    def load(i):
+        return w_ref[layer, chans, pl.ds(k0 + i * t.bk, t.bk)]            # [BN, BK] fp8
+
+    def step(i, carry):
+        acc, w = carry
+        w_next = load(jnp.minimum(i + 1, steps - 1))   # the last step re-reads its tile (L2)
+        x = x_ref[0, pl.ds(k0 + i * t.bk, t.bk)].astype(jnp.float32)     # [BK]
+        return acc + w.astype(jnp.float32) * x[None, :], w_next
+
+    acc0 = jnp.zeros((t.bn, t.bk), jnp.float32)
+    acc, _ = lax.fori_loop(0, steps, step, (acc0, load(0)))
+    return jnp.sum(acc, axis=1)                                           # [BN]
+
+
+def _dot_sum(x_ref, w_ref, layer, chans, k0, steps, t: Tiles):
+    """M > 1 on tensor cores: [Mp, BN] partial products; fp8 -> bf16 is exact."""
+    def step(i, acc):
+        cols = pl.ds(k0 + i * t.bk, t.bk)
+        w = w_ref[layer, chans, cols].astype(jnp.bfloat16)               # [BN, BK]
+        x = x_ref[:, cols].astype(jnp.bfloat16)                          # [Mp, BK]
+        return acc + lax.dot_general(x, w, _CONTRACT_K, preferred_element_type=jnp.float32)
+
+    return lax.fori_loop(0, steps, step, jnp.zeros((t.mp, t.bn), jnp.float32))
+
+
+def _skinny_kernel(layer_ref, x_ref, w_ref, s_ref, o_ref, *, t: Tiles, k: int):
+    """One program: output channels [n*BN, (n+1)*BN) over the K range of split s."""
+    n, s = pl.program_id(0), pl.program_id(1)
+    layer = layer_ref[0]
+    chans = pl.ds(n * t.bn, t.bn)
+    steps = k // t.splits // t.bk
+    k0 = s * (k // t.splits)
+    if t.mp == 1:
+        acc = _gemv_sum(x_ref, w_ref, layer, chans, k0, steps, t)         # [BN]
+        rows, chan_scale = 0, s_ref[layer, chans]
+    else:
+        acc = _dot_sum(x_ref, w_ref, layer, chans, k0, steps, t)          # [Mp, BN]
+        rows, chan_scale = slice(None), s_ref[layer, chans][None, :]
+    if t.splits == 1:   # epilogue: channel scale and output cast, no second kernel
+        o_ref[rows, chans] = (acc * chan_scale).astype(o_ref.dtype)
+    else:
+        o_ref[s, rows, chans] = acc
+
+
+def skinny_fp8_matmul(x, w_q, scale, layer, t: Tiles, *, interpret: bool = False):
+    """The decode kernel on stacked weights: x [M, K], w_q [L, N, K], scale [L, N], layer [1]."""
+    m, k = x.shape
+    n = w_q.shape[1]
+    xp = x if t.mp == m else jnp.pad(x, ((0, t.mp - m), (0, 0)))
+    if t.splits == 1:
+        out_shape = jax.ShapeDtypeStruct((t.mp, n), x.dtype)
+    else:
+        out_shape = jax.ShapeDtypeStruct((t.splits, t.mp, n), jnp.float32)
+    params = {} if interpret else {"compiler_params": _triton_params(t)}
+    y = pl.pallas_call(
+        functools.partial(_skinny_kernel, t=t, k=k),
+        out_shape=out_shape,
+        grid=(n // t.bn, t.splits),
+        interpret=interpret,
+        **params,
+    )(layer, xp, w_q, scale)
+    if t.splits > 1:
+        y = (jnp.sum(y, axis=0) * scale[layer[0]][None, :]).astype(x.dtype)
+    return y[:m]
+
+
+def _triton_params(t: Tiles):
+    from jax.experimental.pallas import triton as plt   # deprecated in jax 0.11, still there
+    return plt.CompilerParams(num_warps=t.num_warps, num_stages=t.num_stages)
+
+
+def tensor_core_fp8_matmul(x, w_q, scale):
+    """Prefill route: x quantized per token to e4m3, cuBLASLt FP8 GEMM, scales on the product."""
+    xf = x.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(xf), axis=1)                                   # [M]
+    x_scale = jnp.where(amax > 0, amax / FP8_MAX, 1.0)
+    x_q = jnp.clip(xf / x_scale[:, None], -FP8_MAX, FP8_MAX).astype(FP8_DTYPE)
+    y = lax.dot_general(x_q, w_q, _CONTRACT_K, preferred_element_type=jnp.float32)
+    return (y * x_scale[:, None] * scale[None, :]).astype(x.dtype)
+
+
+def xla_dequant_matmul(x, w_q, scale):
+    """Small-M route: XLA fuses the fp8 -> bf16 convert into its GEMM; scale on the product."""
+    y = lax.dot_general(x.astype(jnp.bfloat16), w_q.astype(jnp.bfloat16), _CONTRACT_K,
+                        preferred_element_type=jnp.float32)
+    return (y * scale[None, :]).astype(x.dtype)
+
+
+def _validate(x, w_q, scale, layer):
+    stacked = layer is not None
+    if x.ndim != 2:
+        raise ValueError(f"fp8_linear: x must be [M, K], got shape {x.shape}")
+    if w_q.dtype != FP8_DTYPE:
+        raise TypeError(f"fp8_linear: w_q must be float8_e4m3fn (from quantize_linear), "
+                        f"got {w_q.dtype}")
+    if w_q.ndim != (3 if stacked else 2) or scale.shape != w_q.shape[:-1]:
+        want = "[L, N, K] and [L, N] with layer=" if stacked else "[N, K] and [N]"
+        raise ValueError(f"fp8_linear: w_q/scale must be {want}, got {w_q.shape} and "
+                         f"{scale.shape}")
+    if x.shape[1] != w_q.shape[-1]:
+        raise ValueError(f"fp8_linear: x has K={x.shape[1]} features but w_q [.., N, K] has "
+                         f"K={w_q.shape[-1]} (w_q is stored out x in, see quantize_linear)")
+
+
+@functools.partial(jax.jit, static_argnames=("interpret",))
+def fp8_linear(x, w_q, scale, *, layer=None, interpret: bool = False):
+    """y [M, N] = x [M, K] @ W in x.dtype, W given as (w_q [N, K] fp8, scale [N] f32).
+
+    With `layer` (an int32 scalar), w_q is [L, N, K] and scale [L, N]: see the module doc.
+    On a machine without a GPU and interpret=False this runs the reference; with
+    interpret=True the Pallas route runs in interpret mode and the XLA routes as they are.
+    """
+    _validate(x, w_q, scale, layer)
+    if layer is None:
+        w_q, scale, layer = w_q[None], scale[None], jnp.zeros((1,), jnp.int32)
+    else:
+        layer = jnp.asarray(layer, jnp.int32).reshape(1)
+    m, k = x.shape
+    t = skinny_tiles(m, k, w_q.shape[1])
+    if not (interpret or jax.default_backend() == "gpu"):
+        return fp8_linear_reference(x, w_q[layer[0]], scale[layer[0]])
+    if m <= PALLAS_MAX_M and t is not None:
+        return skinny_fp8_matmul(x, w_q, scale, layer, t, interpret=interpret)
+    if m <= DEQUANT_MAX_M:
+        return xla_dequant_matmul(x, w_q[layer[0]], scale[layer[0]])
+    return tensor_core_fp8_matmul(x, w_q[layer[0]], scale[layer[0]])
+
+
+def fp8_linear_reference(x, w_q, scale):
+    """Plain jnp: x [M, K] @ dequantized W in f32 (highest precision), cast to x.dtype."""
+    w = w_q.astype(jnp.float32) * scale[:, None].astype(jnp.float32)     # [N, K]
+    y = lax.dot_general(x.astype(jnp.float32), w, _CONTRACT_K,
+                        precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+    return y.astype(x.dtype)

@@ -1,0 +1,257 @@
+"""Paged flash-decode attention: one query token per sequence over the paged KV cache.
+
+Cache layout (jaxinfer/kv_cache.py): k, v [L, K, P, S, D]; FP8 e4m3 KV carries one f32 scale
+per page slot and kv head, k_scale/v_scale [L, K, P, S] (a token's K row is q8 * scale), so
+a token is quantized alone when written. The layer index is a traced scalar: the kernel
+reads the layer's pages in place, no slice of the cache is ever copied.
+
+Kernel: grid (B, K, splits). One program owns one sequence, one kv head and one split of the
+context, and holds all G = H/K q heads of that kv head as the rows of one tile (padded to 16
+rows for the tensor cores by repeating the last head), so each K/V page is read from HBM
+once. Per step it gathers `block_tokens` KV rows through the page table, computes
+logits = q k^T (f32 accumulate), runs the online softmax in f32 (base 2, scale folded in),
+and accumulates p v. FP8 K/V are widened to bf16 in registers (exact for e4m3); the K scale
+multiplies the logits column-wise and the V scale multiplies p column-wise, so the FP8
+bytes are the only bytes read. Full blocks run unmasked; only the tail block of a split
+masks positions >= seq_len (and zeroes their V rows, so stale slot contents never leak).
+With splits > 1 each split writes its unnormalized accumulator and (max, sum); a small XLA
+combine merges them. Padded rows (seq_len 0) output zeros.
+
+Backend: the Pallas Triton backend, chosen because it compiles on jax 0.10.2 and 0.11.x and
+runs in interpret mode on the CPU for the tests; the numbers it reaches on the H200 are in
+bench/results/paged_attention.json. A Mosaic GPU version was not built or measured; the
+public functions take no backend argument, so one can replace the kernel later.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from jaxinfer.errors import ConfigError
+from jaxinfer.kv_cache import FP8_DTYPE
+from pallas_kernels import tuning
+
+LOG2E = math.log2(math.e)
+M_INIT = -1e30  # finite, so an empty split combines to 0 instead of NaN
+MIN_ROWS = 16   # tensor-core tiles need 16 rows
+MIN_BLOCK_TOKENS = 16  # and 16 columns: Triton's dot with N = 8 returned doubled sums (H200)
+
+
+def compute_dtype(kv_dtype) -> jnp.dtype:
+    """The dtype K/V are widened to for the two dots (e4m3 -> bf16 is exact)."""
+    return jnp.dtype(jnp.float32 if kv_dtype == jnp.float32 else jnp.bfloat16)
+
+
+def kv_rows(layer, kv_head, pages, slots, num_kv_heads: int, num_pages: int, page_size: int):
+    """Row indices into the cache viewed as [L*K*P*S, D] (an int32 suffices: 2**31 rows of
+    D >= 64 would exceed any GPU's memory)."""
+    return ((layer * num_kv_heads + kv_head) * num_pages + pages) * page_size + slots
+
+
+def attend_block(q, k_ref, v_ref, ks_ref, vs_ref, rows, carry, *, qk_scale: float,
+                 logit_mask=None, kv_valid=None):
+    """One online-softmax step over the KV rows `rows` [N]; q [M, D]; carry (m, l, acc) with
+    m, l [M] f32 in the base-2 domain and acc [M, D] f32. logit_mask [M|1, N] hides logits,
+    kv_valid [N] zeroes V rows (and their scales) that may hold stale data."""
+    m, l, acc = carry
+    cdt = compute_dtype(k_ref.dtype)
+    k = k_ref[rows].astype(cdt)
+    v = v_ref[rows].astype(cdt)
+    logits = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
+                             preferred_element_type=jnp.float32)
+    if ks_ref is not None:
+        logits = logits * ks_ref[rows][None, :]
+    logits = logits * qk_scale
+    if logit_mask is not None:
+        logits = jnp.where(logit_mask, logits, -jnp.inf)
+    if kv_valid is not None:
+        v = jnp.where(kv_valid[:, None], v, jnp.zeros_like(v))
+    m_new = jnp.maximum(m, jnp.max(logits, axis=1))
+    alpha = jnp.exp2(m - m_new)
+    p = jnp.exp2(logits - m_new[:, None])
+    l = l * alpha + jnp.sum(p, axis=1)
+    if vs_ref is not None:
+        vs = vs_ref[rows]
+        if kv_valid is not None:
+            vs = jnp.where(kv_valid, vs, jnp.zeros_like(vs))
+        p = p * vs[None, :]
+    pv = jnp.dot(p.astype(cdt), v, preferred_element_type=jnp.float32)
+    return m_new, l, acc * alpha[:, None] + pv
+
+
+def _decode_kernel(layer_ref, lens_ref, table_ref, q_ref, k_ref, v_ref, *refs,
+                   groups: int, rows_q: int, pages_per_seq: int, split_tokens: int,
+                   blk, num_kv_heads: int, num_pages: int, page_size: int, num_heads: int,
+                   batch: int, qk_scale: float, fp8: bool):
+    ks_ref, vs_ref, *outs = refs if fp8 else (None, None, *refs)
+    b, h, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    heads = h * groups + jnp.minimum(jnp.arange(rows_q, dtype=jnp.int32), groups - 1)
+    q = q_ref[b * num_heads + heads].astype(compute_dtype(k_ref.dtype))
+    seq_len = jnp.minimum(lens_ref[b], pages_per_seq * page_size)
+    start = s * split_tokens
+    n = jnp.clip(seq_len - start, 0, split_tokens)
+    bk = blk.block_tokens
+    tok = jnp.arange(bk, dtype=jnp.int32)
+    page_off, slots = tok // page_size, tok % page_size
+    layer = layer_ref[0]
+
+    def step(i, carry, masked):
+        t0 = start + i * bk
+        idx = jnp.minimum(t0 // page_size + page_off, pages_per_seq - 1)
+        pages = table_ref[b * pages_per_seq + idx]
+        rows = kv_rows(layer, h, pages, slots, num_kv_heads, num_pages, page_size)
+        valid = (t0 + tok < seq_len) if masked else None
+        return attend_block(q, k_ref, v_ref, ks_ref, vs_ref, rows, carry, qk_scale=qk_scale,
+                            logit_mask=None if valid is None else valid[None, :],
+                            kv_valid=valid)
+
+    carry = (jnp.full((rows_q,), M_INIT, jnp.float32), jnp.zeros((rows_q,), jnp.float32),
+             jnp.zeros((rows_q, q.shape[1]), jnp.float32))
+    n_full = n // bk
+    carry = lax.fori_loop(0, n_full, functools.partial(step, masked=False), carry)
+    m, l, acc = lax.fori_loop(n_full, pl.cdiv(n, bk), functools.partial(step, masked=True),
+                              carry)
+    if len(outs) == 1:
+        out = acc / jnp.where(l > 0, l, 1.0)[:, None]
+        outs[0][b * num_heads + heads] = out.astype(outs[0].dtype)
+    else:
+        o_ref, m_ref, l_ref = outs
+        flat = (s * batch + b) * num_heads + heads
+        o_ref[flat] = acc
+        m_ref[flat] = m
+        l_ref[flat] = l
+
+
+def _combine(acc, m, l):
+    """Merge split partials: acc [N, B, H, D], m/l [N, B, H] (base-2 max) -> [B, H, D]."""
+    w = jnp.exp2(m - jnp.max(m, axis=0, keepdims=True))
+    denom = jnp.sum(w * l, axis=0)
+    out = jnp.sum(w[..., None] * acc, axis=0)
+    return out / jnp.where(denom > 0, denom, 1.0)[..., None]
+
+
+def validate(q, k_pages, v_pages, k_scale, v_scale, interpret: bool, block_tokens: int):
+    """Shape, dtype and block checks shared with the ragged kernel; returns (K, P, S, D)."""
+    if q.ndim != 3 or k_pages.ndim != 5 or k_pages.shape != v_pages.shape:
+        raise ConfigError(f"paged attention wants q [*, H, D] and k/v pages [L, K, P, S, D] "
+                          f"of one shape; got {q.shape}, {k_pages.shape}, {v_pages.shape}")
+    _, kv_heads, num_pages, page_size, head_dim = k_pages.shape
+    if q.shape[1] % kv_heads or q.shape[2] != head_dim:
+        raise ConfigError(f"q heads {q.shape[1]} must be a multiple of kv heads {kv_heads} "
+                          f"and head dims must match ({q.shape[2]} vs {head_dim})")
+    fp8 = k_pages.dtype == FP8_DTYPE
+    if fp8 and (k_scale is None or v_scale is None
+                or k_scale.shape != k_pages.shape[:-1] or v_scale.shape != k_scale.shape):
+        raise ConfigError("FP8 KV pages need k_scale and v_scale of shape [L, K, P, S]")
+    pow2 = all(x & (x - 1) == 0 for x in (page_size, head_dim))
+    if not interpret and not pow2:
+        raise ConfigError(f"page size {page_size} and head dim {head_dim} must be powers of "
+                          "two for the GPU kernel")
+    if block_tokens % page_size or (block_tokens < MIN_BLOCK_TOKENS and not interpret):
+        raise ConfigError(f"block_tokens {block_tokens} must be a multiple of the page size "
+                          f"{page_size} and >= {MIN_BLOCK_TOKENS} on the GPU")
+    return kv_heads, num_pages, page_size, head_dim
+
+
+def cache_views(k_pages, v_pages, k_scale, v_scale):
+    """Flatten the cache to rows ([L*K*P*S, D]; scales [L*K*P*S]): free reshapes in XLA."""
+    d = k_pages.shape[-1]
+    views = [k_pages.reshape(-1, d), v_pages.reshape(-1, d)]
+    if k_pages.dtype == FP8_DTYPE:
+        views += [k_scale.reshape(-1).astype(jnp.float32),
+                  v_scale.reshape(-1).astype(jnp.float32)]
+    return views
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "interpret", "blocks"))
+def paged_attention_blocks(q, k_pages, v_pages, layer, seq_lens, page_table, k_scale=None,
+                           v_scale=None, *, sm_scale: float, interpret: bool = False,
+                           blocks: tuning.DecodeBlocks):
+    """paged_attention with explicit block sizes (the benchmark's tuning and the tests)."""
+    kv_heads, num_pages, page_size, head_dim = validate(q, k_pages, v_pages, k_scale, v_scale,
+                                                        interpret, blocks.block_tokens)
+    batch, num_heads, _ = q.shape
+    if seq_lens.shape != (batch,) or page_table.ndim != 2 or page_table.shape[0] != batch:
+        raise ConfigError(f"seq_lens {seq_lens.shape} / page_table {page_table.shape} do not "
+                          f"match batch {batch}")
+    pages_per_seq = page_table.shape[1]
+    per_split = pl.cdiv(pages_per_seq * page_size, blocks.num_splits)
+    split_tokens = pl.cdiv(per_split, blocks.block_tokens) * blocks.block_tokens
+    groups = num_heads // kv_heads
+    rows_q = max(MIN_ROWS, 1 << (groups - 1).bit_length())
+    kernel = functools.partial(
+        _decode_kernel, groups=groups, rows_q=rows_q, pages_per_seq=pages_per_seq,
+        split_tokens=split_tokens, blk=blocks, num_kv_heads=kv_heads, num_pages=num_pages,
+        page_size=page_size, num_heads=num_heads, batch=batch,
+        qk_scale=float(sm_scale) * LOG2E, fp8=k_pages.dtype == FP8_DTYPE)
+    n = blocks.num_splits
+    if n == 1:
+        out_shape = jax.ShapeDtypeStruct((batch * num_heads, head_dim), q.dtype)
+    else:
+        out_shape = (jax.ShapeDtypeStruct((n * batch * num_heads, head_dim), jnp.float32),
+                     jax.ShapeDtypeStruct((n * batch * num_heads,), jnp.float32),
+                     jax.ShapeDtypeStruct((n * batch * num_heads,), jnp.float32))
+    outs = pl.pallas_call(
+        kernel, grid=(batch, kv_heads, n), out_shape=out_shape, interpret=interpret,
+        compiler_params=plgpu.CompilerParams(num_warps=blocks.num_warps,
+                                             num_stages=blocks.num_stages),
+        name="jaxinfer_paged_decode",
+    )(jnp.asarray(layer, jnp.int32).reshape(1), seq_lens.astype(jnp.int32),
+      page_table.astype(jnp.int32).reshape(-1), q.reshape(-1, head_dim),
+      *cache_views(k_pages, v_pages, k_scale, v_scale))
+    if n == 1:
+        return outs.reshape(q.shape)
+    acc, m, l = outs
+    out = _combine(acc.reshape(n, batch, num_heads, head_dim), m.reshape(n, batch, num_heads),
+                   l.reshape(n, batch, num_heads))
+    return out.astype(q.dtype)
+
+
+def paged_attention(q, k_pages, v_pages, layer, seq_lens, page_table, k_scale=None,
+                    v_scale=None, *, sm_scale: float, interpret: bool = False) -> jax.Array:
+    """Decode attention. q [B, H, D]; k/v pages [L, K, P, S, D]; layer int32 scalar (may be
+    traced); seq_lens [B] (0 = padded row, outputs zeros); page_table [B, pages_per_seq];
+    k_scale/v_scale [L, K, P, S] f32 for FP8 pages. Returns [B, H, D] in q.dtype. Block sizes
+    come from pallas_kernels/tuning.py; shapes and dtypes are static (a new one recompiles)."""
+    _, kv_heads, _, page_size, head_dim = k_pages.shape
+    blocks = tuning.decode_blocks(q.shape[0], kv_heads, page_table.shape[1] * page_size,
+                                  page_size, jnp.dtype(k_pages.dtype).itemsize, head_dim)
+    return paged_attention_blocks(q, k_pages, v_pages, layer, seq_lens, page_table, k_scale,
+                                  v_scale, sm_scale=sm_scale, interpret=interpret,
+                                  blocks=blocks)
+
+
+def gather_kv(k_pages, v_pages, layer, page_table, k_scale=None, v_scale=None):
+    """Dense f32 K/V of the given rows' pages: page_table [N, pages] -> [N, K, pages*S, D]."""
+    def one(pages, scale):
+        x = jnp.take(pages[layer], page_table, axis=1).astype(jnp.float32)  # [K, N, p, S, D]
+        if scale is not None:
+            x = x * jnp.take(scale[layer], page_table, axis=1)[..., None]
+        x = jnp.moveaxis(x, 1, 0)
+        return x.reshape(*x.shape[:2], -1, x.shape[-1])
+    return one(k_pages, k_scale), one(v_pages, v_scale)
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "interpret"))
+def paged_attention_reference(q, k_pages, v_pages, layer, seq_lens, page_table, k_scale=None,
+                              v_scale=None, *, sm_scale: float, interpret: bool = False):
+    """Plain-jnp decode attention in f32: gathers each row's pages (memory ~ the rows'
+    contexts in f32), masks positions >= seq_len; padded rows output zeros."""
+    del interpret
+    k, v = gather_kv(k_pages, v_pages, layer, page_table, k_scale, v_scale)
+    batch, num_heads, head_dim = q.shape
+    kv_heads = k.shape[1]
+    qg = q.astype(jnp.float32).reshape(batch, kv_heads, num_heads // kv_heads, head_dim)
+    logits = jnp.einsum("bkgd,bktd->bkgt", qg, k, precision="highest") * sm_scale
+    valid = jnp.arange(k.shape[2])[None, :] < seq_lens[:, None]  # [B, t]
+    logits = jnp.where(valid[:, None, None, :], logits, -jnp.inf)
+    p = jax.nn.softmax(logits, axis=-1)
+    p = jnp.where(valid[:, None, None, :], p, 0.0)  # padded rows: all-masked -> zeros
+    out = jnp.einsum("bkgt,bktd->bkgd", p, v, precision="highest")
+    return out.reshape(q.shape).astype(q.dtype)

@@ -1,0 +1,158 @@
+"""Ragged paged attention: queries of several tokens per sequence (chunked prefill, prefix-cache
+hits, mixed steps) over the paged KV cache, causal within the chunk.
+
+Token t attends to positions 0..positions[t] of sequence token_seq[t]; its own K/V are already
+in the cache (jaxinfer.kv_cache.write_kv runs first, a scatter of T*K*D elements). Cache
+layout, FP8 scales and the block step are those of pallas_kernels/paged_attention.py.
+
+Kernel (Pallas Triton, like the decode kernel): grid (B, K, cdiv(T, block_q)). A program
+takes `block_q` consecutive new tokens of one sequence and all G q heads of one kv head as
+the rows of one tile (row r = token r // G', head r % G', G' = G rounded up to a power of
+two; padding rows repeat a real token/head), so each page is read once per q block, not once
+per token. KV steps below the block's smallest position run unmasked; the rest apply the
+causal mask per row. Programs past a sequence's q_len exit at once. Rows of padding tokens
+(never inside any query_start range) keep the zeros the output starts from.
+
+Why a kernel and not gather + dense attention: a gather materializes T x context x K x D, or
+context per sequence plus a ragged-to-dense q regroup; this reads the pages in place with no
+extra pass and shares the decode kernel's block step. Not split over the context: a short
+chunk over a very long cached prefix gets only B*K programs (a known gap).
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from jaxinfer.errors import ConfigError
+from jaxinfer.kv_cache import FP8_DTYPE
+from pallas_kernels import tuning
+from pallas_kernels.paged_attention import (LOG2E, M_INIT, MIN_ROWS, attend_block, cache_views,
+                                            compute_dtype, gather_kv, kv_rows, validate)
+
+
+def _ragged_kernel(layer_ref, qstart_ref, pos_ref, table_ref, q_ref, k_ref, v_ref, *refs,
+                   groups: int, groups_p2: int, rows_q: int, pages_per_seq: int, blk,
+                   num_kv_heads: int, num_pages: int, page_size: int, num_heads: int,
+                   qk_scale: float, fp8: bool):
+    ks_ref, vs_ref, _, o_ref = refs if fp8 else (None, None, *refs)
+    b, h, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    q0 = qstart_ref[b]
+    q_len = qstart_ref[b + 1] - q0
+
+    @pl.when(i * blk.block_q < q_len)
+    def _():
+        r = jnp.arange(rows_q, dtype=jnp.int32)
+        tokens = q0 + jnp.minimum(i * blk.block_q + r // groups_p2, q_len - 1)
+        heads = h * groups + jnp.minimum(r % groups_p2, groups - 1)
+        q = q_ref[tokens * num_heads + heads].astype(compute_dtype(k_ref.dtype))
+        pos = jnp.minimum(pos_ref[tokens], pages_per_seq * page_size - 1)  # [M]
+        lo, hi = jnp.min(pos) + 1, jnp.max(pos) + 1
+        bk = blk.block_tokens
+        tok = jnp.arange(bk, dtype=jnp.int32)
+        page_off, slots = tok // page_size, tok % page_size
+        layer = layer_ref[0]
+
+        def step(j, carry, masked):
+            t0 = j * bk
+            idx = jnp.minimum(t0 // page_size + page_off, pages_per_seq - 1)
+            pages = table_ref[b * pages_per_seq + idx]
+            rows = kv_rows(layer, h, pages, slots, num_kv_heads, num_pages, page_size)
+            if not masked:
+                return attend_block(q, k_ref, v_ref, ks_ref, vs_ref, rows, carry,
+                                    qk_scale=qk_scale)
+            t = t0 + tok
+            return attend_block(q, k_ref, v_ref, ks_ref, vs_ref, rows, carry,
+                                qk_scale=qk_scale, logit_mask=t[None, :] <= pos[:, None],
+                                kv_valid=t < hi)
+
+        carry = (jnp.full((rows_q,), M_INIT, jnp.float32), jnp.zeros((rows_q,), jnp.float32),
+                 jnp.zeros((rows_q, q.shape[1]), jnp.float32))
+        n_full = lo // bk
+        carry = lax.fori_loop(0, n_full, functools.partial(step, masked=False), carry)
+        _, l, acc = lax.fori_loop(n_full, pl.cdiv(hi, bk), functools.partial(step, masked=True),
+                                  carry)
+        o_ref[tokens * num_heads + heads] = (acc / l[:, None]).astype(o_ref.dtype)
+
+
+def _check_metadata(q, md):
+    t, b = q.shape[0], md.page_table.shape[0]
+    if md.positions.shape != (t,) or md.query_start.shape != (b + 1,):
+        raise ConfigError(f"metadata does not match q [T={t}, H, D]: positions "
+                          f"{md.positions.shape}, query_start {md.query_start.shape}, "
+                          f"page_table {md.page_table.shape}")
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "interpret", "blocks"))
+def ragged_paged_attention_blocks(q, k_pages, v_pages, layer, md, k_scale=None, v_scale=None,
+                                  *, sm_scale: float, interpret: bool = False,
+                                  blocks: tuning.RaggedBlocks):
+    """ragged_paged_attention with explicit block sizes (the benchmark and the tests)."""
+    kv_heads, num_pages, page_size, head_dim = validate(q, k_pages, v_pages, k_scale, v_scale,
+                                                        interpret, blocks.block_tokens)
+    _check_metadata(q, md)
+    num_tokens, num_heads, _ = q.shape
+    batch, pages_per_seq = md.page_table.shape
+    groups = num_heads // kv_heads
+    groups_p2 = 1 << (groups - 1).bit_length()
+    kernel = functools.partial(
+        _ragged_kernel, groups=groups, groups_p2=groups_p2,
+        rows_q=max(MIN_ROWS, groups_p2 * blocks.block_q), pages_per_seq=pages_per_seq,
+        blk=blocks, num_kv_heads=kv_heads, num_pages=num_pages, page_size=page_size,
+        num_heads=num_heads, qk_scale=float(sm_scale) * LOG2E,
+        fp8=k_pages.dtype == FP8_DTYPE)
+    views = cache_views(k_pages, v_pages, k_scale, v_scale)
+    zeros = jnp.zeros((num_tokens * num_heads, head_dim), q.dtype)
+    out = pl.pallas_call(
+        kernel, grid=(batch, kv_heads, pl.cdiv(num_tokens, blocks.block_q)),
+        out_shape=jax.ShapeDtypeStruct(zeros.shape, q.dtype),
+        input_output_aliases={5 + len(views): 0}, interpret=interpret,
+        compiler_params=plgpu.CompilerParams(num_warps=blocks.num_warps,
+                                             num_stages=blocks.num_stages),
+        name="jaxinfer_ragged_paged_attention",
+    )(jnp.asarray(layer, jnp.int32).reshape(1), md.query_start.astype(jnp.int32),
+      md.positions.astype(jnp.int32), md.page_table.astype(jnp.int32).reshape(-1), q.reshape(-1, head_dim),
+      *views, zeros)
+    return out.reshape(q.shape)
+
+
+def ragged_paged_attention(q, k_pages, v_pages, layer, md, k_scale=None, v_scale=None, *,
+                           sm_scale: float, interpret: bool = False) -> jax.Array:
+    """Attention of T new tokens over the paged cache. q [T, H, D]; md: AttentionMetadata
+    (positions, query_start, page_table used); k/v pages [L, K, P, S, D], FP8 with
+    k_scale/v_scale [L, K, P, S]. Returns [T, H, D] in q.dtype; padding tokens output 0."""
+    _, _, _, page_size, head_dim = k_pages.shape
+    blocks = tuning.ragged_blocks(jnp.dtype(k_pages.dtype).itemsize, head_dim, page_size)
+    return ragged_paged_attention_blocks(q, k_pages, v_pages, layer, md, k_scale, v_scale,
+                                         sm_scale=sm_scale, interpret=interpret,
+                                         blocks=blocks)
+
+
+def _reference_tokens(q, k_pages, v_pages, layer, md, k_scale, v_scale, sm_scale: float):
+    def one(args):  # q_t [H, D], pos, seq -> [H, D]
+        q_t, pos, seq = args
+        k, v = gather_kv(k_pages, v_pages, layer, md.page_table[seq][None], k_scale, v_scale)
+        k, v = k[0], v[0]  # [K, t, D]
+        kv_heads = k.shape[0]
+        qg = q_t.astype(jnp.float32).reshape(kv_heads, -1, q_t.shape[-1])
+        logits = jnp.einsum("kgd,ktd->kgt", qg, k, precision="highest") * sm_scale
+        logits = jnp.where(jnp.arange(k.shape[1]) <= pos, logits, -jnp.inf)
+        out = jnp.einsum("kgt,ktd->kgd", jax.nn.softmax(logits, axis=-1), v,
+                         precision="highest")
+        return out.reshape(q_t.shape)
+    return lax.map(one, (q, md.positions, md.token_seq), batch_size=min(16, q.shape[0]))
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "interpret"))
+def ragged_paged_attention_reference(q, k_pages, v_pages, layer, md, k_scale=None,
+                                     v_scale=None, *, sm_scale: float, interpret: bool = False):
+    """Plain-jnp version in f32: per token, gathers its sequence's pages (16 tokens at a
+    time, so memory stays ~16 contexts) and attends causally up to its position. Padding
+    tokens (slot_mapping -1) output zeros."""
+    del interpret
+    out = _reference_tokens(q, k_pages, v_pages, layer, md, k_scale, v_scale, sm_scale)
+    return jnp.where((md.slot_mapping >= 0)[:, None, None], out, 0.0).astype(q.dtype)

@@ -1,0 +1,81 @@
+"""Ragged paged attention (several new tokens per sequence, causal within the chunk) vs its
+plain-jnp reference, and against the decode kernel where the two must agree. Same tolerance
+reasoning as tests/test_paged_attention.py."""
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxinfer.kv_cache import AttentionMetadata
+from pallas_kernels.paged_attention import paged_attention_reference
+from pallas_kernels.ragged_paged_attention import (ragged_paged_attention,
+                                                   ragged_paged_attention_blocks,
+                                                   ragged_paged_attention_reference)
+from pallas_kernels.tuning import RaggedBlocks
+from test_paged_attention import KV_HEADS, MODES, PAGES_PER_SEQ, make_cache, rel_err
+
+
+def make_ragged(seed, page_size, groups, head_dim, kv_dtype, q_lens, num_tokens):
+    """Rows with new-token counts q_lens (0 = padded row) at random context lengths, packed
+    into T = num_tokens tokens; the tail of T is padding (slot -1)."""
+    rng = np.random.default_rng(seed)
+    batch, cap = len(q_lens), PAGES_PER_SEQ * page_size
+    num_pages = 1 + batch * PAGES_PER_SEQ
+    table = (1 + rng.permutation(num_pages - 1)).reshape(batch, PAGES_PER_SEQ)
+    seq_lens = np.array([0 if n == 0 else int(rng.integers(n, cap + 1)) for n in q_lens])
+    seq_lens[0] = cap  # one row runs to the end of its table
+    table[np.asarray(q_lens) == 0] = 0
+    positions = np.zeros(num_tokens, np.int32)
+    token_seq = np.zeros(num_tokens, np.int32)
+    slots = np.full(num_tokens, -1, np.int32)
+    start = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    for b, n in enumerate(q_lens):
+        pos = np.arange(seq_lens[b] - n, seq_lens[b])
+        positions[start[b]:start[b + 1]] = pos
+        token_seq[start[b]:start[b + 1]] = b
+        slots[start[b]:start[b + 1]] = table[b, pos // page_size] * page_size + pos % page_size
+    md = AttentionMetadata(*(jnp.asarray(x, jnp.int32) for x in
+                             (positions, slots, token_seq, table, seq_lens, start)))
+    cache, _ = make_cache(rng, page_size, head_dim, kv_dtype, num_pages)
+    q = jnp.asarray(rng.standard_normal((num_tokens, KV_HEADS * groups, head_dim)),
+                    jnp.bfloat16)
+    return q, cache, md
+
+
+# (page size, q heads per kv head, head dim, kv dtype, block_q, block tokens, q_lens, T)
+GRID = [
+    (8, 4, 64, "bf16", 4, 16, [7, 1, 0, 12], 24),
+    (16, 1, 128, "fp8", 8, 32, [9, 3, 16], 32),
+    (32, 8, 64, "bf16", 2, 32, [5, 0, 1, 4], 12),
+    (16, 3, 64, "fp8", 4, 16, [6, 6], 16),
+    (8, 8, 128, "fp8", 16, 16, [20, 2], 24),
+    (32, 1, 64, "bf16", 16, 64, [33, 1], 40),
+]
+
+
+@pytest.mark.parametrize("interpret", MODES)
+@pytest.mark.parametrize("page_size,groups,head_dim,kv_dtype,block_q,tokens,q_lens,t", GRID)
+def test_kernel_matches_reference(page_size, groups, head_dim, kv_dtype, block_q, tokens,
+                                  q_lens, t, interpret):
+    q, (k, v, ks, vs), md = make_ragged(sum(q_lens) * page_size + groups, page_size, groups,
+                                        head_dim, kv_dtype, q_lens, t)
+    scale = head_dim ** -0.5
+    args = (q, k, v, jnp.int32(1), md, ks, vs)
+    out = ragged_paged_attention_blocks(*args, sm_scale=scale, interpret=interpret,
+                                        blocks=RaggedBlocks(block_q, tokens, 4, 2))
+    ref = ragged_paged_attention_reference(*args, sm_scale=scale)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert rel_err(out, ref) < 1e-2
+    np.testing.assert_array_equal(np.asarray(out[sum(q_lens):], np.float32), 0.0)
+
+
+@pytest.mark.parametrize("interpret", MODES)
+def test_public_entry_and_decode_agreement(interpret):
+    """One new token per row is decode: ragged and decode references and the ragged kernel
+    (tuned blocks) must agree."""
+    q, (k, v, ks, vs), md = make_ragged(2, 16, 4, 128, "fp8", [1, 1, 1, 0], 4)
+    scale = 128 ** -0.5
+    out = ragged_paged_attention(q, k, v, 0, md, ks, vs, sm_scale=scale, interpret=interpret)
+    dec = paged_attention_reference(q, k, v, 0, md.seq_lens, md.page_table, ks, vs,
+                                    sm_scale=scale)
+    assert rel_err(out[:3], dec[:3]) < 1e-2
+    np.testing.assert_array_equal(np.asarray(out[3], np.float32), 0.0)
