@@ -1,0 +1,237 @@
+"""FP8-weight matmul: jaxinfer's fp8_linear vs XLA bf16 vs XLA with the fp8 dequant left to it.
+
+    python bench/fp8_matmul.py --out bench/results/fp8_matmul.json
+
+Every implementation runs in this one process on the same random data. Each timed call is one
+jitted program applying the op to R different weight buffers (R x fp8 bytes >= --rotate-mb, so
+the 60 MB L2 never holds the next weight), issued back to back; us = median over samples of
+wall time / (calls * R). `TBps` counts weight bytes only (fp8: K*N + 4N, bf16: 2KN), the unit
+the targets are stated in. Each row also carries its error against the f32 reference.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import json
+import math
+import statistics
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from checkpoints.fp8 import quantize_linear
+from pallas_kernels import fp8_matmul as fm
+
+SHAPES = "4096x6144,4096x4096,4096x28672,14336x4096"   # Llama-3-8B projections, K x N
+MS = "1,8,16,32,64,128,2048"
+CEILING_ELEMS = 2**30           # 2 GiB of bf16 for the bandwidth ceilings
+
+
+def xla_bf16(x, w, _w_q, _scale):
+    return jnp.dot(x, w)
+
+
+def xla_fp8_dequant(x, _w, w_q, scale):
+    """What XLA does with fp8 weights when nobody helps: upcast, bf16 GEMM, scale after."""
+    return fm.xla_dequant_matmul(x, w_q, scale)
+
+
+def jaxinfer(x, _w, w_q, scale):
+    return fm.fp8_linear(x, w_q, scale)
+
+
+def skinny_kernel(x, _w, w_q, scale):
+    """The Pallas decode route forced, to show where the dispatch threshold should sit."""
+    t = fm.skinny_tiles(x.shape[0], x.shape[1], w_q.shape[0])
+    return fm.skinny_fp8_matmul(x, w_q[None], scale[None], jnp.zeros((1,), jnp.int32), t)
+
+
+def tensor_core_route(x, _w, w_q, scale):
+    return fm.tensor_core_fp8_matmul(x, w_q, scale)
+
+
+def time_per_op(fn, xs, weights, samples):
+    """Median seconds per op; the program applies fn once per (x, weight) pair."""
+    run = jax.jit(lambda xs, ws: [fn(x, *w) for x, w in zip(xs, ws)])
+    out = jax.block_until_ready(run(xs, weights))
+    t0 = time.perf_counter()
+    jax.block_until_ready(run(xs, weights))
+    calls = max(1, int(0.02 / (time.perf_counter() - t0)))   # ~20 ms of work per sample
+    times = []
+    for _ in range(samples):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            res = run(xs, weights)
+        jax.block_until_ready(res)
+        times.append((time.perf_counter() - t0) / (calls * len(xs)))
+    return statistics.median(times), out[0]
+
+
+def rel_err(y, ref):
+    y, ref = y.astype(jnp.float32), ref.astype(jnp.float32)
+    return float(jnp.linalg.norm(y - ref) / jnp.linalg.norm(ref))
+
+
+def make_weights(key, k, n, count):
+    """count independent (w bf16 [K, N], w_q fp8 [N, K], scale [N]) triples."""
+    out = []
+    for i in range(count):
+        w = jax.random.normal(jax.random.fold_in(key, i), (k, n), jnp.float32) * 0.02
+        out.append((w.astype(jnp.bfloat16), *quantize_linear(w)))
+    return jax.block_until_ready(out)
+
+
+def bench_shape(k, n, ms, args, rows):
+    key = jax.random.PRNGKey(k * 31 + n)
+    count = min(args.max_rotate, max(2, math.ceil(args.rotate_mb * 2**20 / (k * n))))
+    weights = make_weights(key, k, n, count)
+    for m in ms:
+        xs = [jax.random.normal(jax.random.fold_in(key, 1000 + m * 64 + i), (m, k),
+                                jnp.bfloat16) for i in range(count)]
+        ref_fp8 = fm.fp8_linear_reference(xs[0], weights[0][1], weights[0][2])
+        ref_bf16 = jnp.dot(xs[0].astype(jnp.float32), weights[0][0].astype(jnp.float32),
+                           precision=lax.Precision.HIGHEST)
+        impls = {"jaxinfer": jaxinfer, "xla_bf16": xla_bf16, "xla_fp8_dequant": xla_fp8_dequant}
+        # the routes fp8_linear did not take at this M, to show where its thresholds belong
+        if fm.PALLAS_MAX_M < m <= 128 and fm.skinny_tiles(m, k, n) is not None:
+            impls["skinny_kernel"] = skinny_kernel
+        if m <= fm.DEQUANT_MAX_M:
+            impls["tensor_core_route"] = tensor_core_route
+        for name, fn in impls.items():
+            try:
+                sec, y = time_per_op(fn, xs, weights, args.samples)
+            except Exception as e:   # one broken route must not cost the other rows
+                rows.append({"impl": name, "M": m, "K": k, "N": n, "error": repr(e)[:400]})
+                print(json.dumps(rows[-1]), flush=True)
+                continue
+            w_bytes = 2 * k * n if name == "xla_bf16" else k * n + 4 * n
+            rows.append({"impl": name, "M": m, "K": k, "N": n, "us": round(sec * 1e6, 2),
+                         "TBps": round(w_bytes / sec / 1e12, 3),
+                         "TFLOPs": round(2 * m * k * n / sec / 1e12, 1),
+                         "rel_err": round(rel_err(y, ref_bf16 if name == "xla_bf16"
+                                                  else ref_fp8), 5),
+                         "rotated_buffers": count})
+            print(json.dumps(rows[-1]), flush=True)
+        add_ratios(rows, m, k, n)
+
+
+# (M, shapes, [(bn_cap, bk_cap, num_warps)]): the first entry of each list is the default.
+TUNE = [(1, ("4096x4096", "4096x28672", "14336x4096"),
+         [(8, 512, 4), (4, 1024, 4), (16, 512, 4), (8, 1024, 8), (16, 1024, 8), (32, 512, 8)]),
+        (16, ("4096x4096", "4096x28672"),
+         [(16, 256, 4), (16, 512, 4), (32, 256, 4), (32, 128, 4), (16, 256, 8)]),
+        (64, ("4096x4096", "4096x28672"),
+         [(32, 256, 4), (64, 128, 4), (64, 256, 8), (32, 128, 4)])]
+
+
+def tune(args, rows):
+    """Tile variants of the decode kernel, to set skinny_tiles' defaults from data."""
+    for m, shapes, variants in TUNE:
+        for shape in shapes:
+            k, n = (int(v) for v in shape.split("x"))
+            count = min(args.max_rotate, max(2, math.ceil(args.rotate_mb * 2**20 / (k * n))))
+            weights = make_weights(jax.random.PRNGKey(7), k, n, count)
+            xs = [jax.random.normal(jax.random.PRNGKey(i), (m, k), jnp.bfloat16)
+                  for i in range(count)]
+            ref = fm.fp8_linear_reference(xs[0], weights[0][1], weights[0][2])
+            for bn, bk, warps in variants:
+                t = fm.skinny_tiles(m, k, n, bn_cap=bn, bk_cap=bk, num_warps=warps)
+                fn = functools.partial(_forced_tiles, t=t)
+                try:
+                    sec, y = time_per_op(fn, xs, weights, args.samples)
+                except Exception as e:
+                    rows.append({"impl": "tune", "M": m, "K": k, "N": n, "bn": t.bn,
+                                 "bk": t.bk, "num_warps": warps, "error": repr(e)[:400]})
+                    continue
+                rows.append({"impl": "tune", "M": m, "K": k, "N": n, "bn": t.bn, "bk": t.bk,
+                             "splits": t.splits, "num_warps": warps,
+                             "us": round(sec * 1e6, 2),
+                             "TBps": round((k * n + 4 * n) / sec / 1e12, 3),
+                             "rel_err": round(rel_err(y, ref), 5)})
+                print(json.dumps(rows[-1]), flush=True)
+
+
+def _forced_tiles(x, _w, w_q, scale, t):
+    return fm.skinny_fp8_matmul(x, w_q[None], scale[None], jnp.zeros((1,), jnp.int32), t)
+
+
+def add_ratios(rows, m, k, n):
+    same = {r["impl"]: r for r in rows if (r["M"], r["K"], r["N"]) == (m, k, n) and "us" in r}
+    for r in same.values():
+        if "xla_bf16" in same:
+            r["vs_bf16"] = round(same["xla_bf16"]["us"] / r["us"], 3)
+
+
+def ceilings():
+    """Bandwidth ceilings in this run: a read-only reduction and an XLA elementwise pass."""
+    a = jax.random.normal(jax.random.PRNGKey(0), (CEILING_ELEMS,), jnp.bfloat16)
+    read, _ = time_per_op(lambda x, w: jnp.sum(x, dtype=jnp.float32), [a], [(a,)], 5)
+    copy, _ = time_per_op(lambda x, w: x + 1, [a], [(a,)], 5)
+    return {"read_TBps": round(a.nbytes / read / 1e12, 3),
+            "xla_elementwise_TBps": round(2 * a.nbytes / copy / 1e12, 3)}
+
+
+def cublaslt_f8_in_hlo(k=4096, n=4096, m=2048):
+    x = jnp.zeros((m, k), jnp.bfloat16)
+    w_q = jnp.zeros((n, k), fm.FP8_DTYPE)
+    hlo = fm.fp8_linear.lower(x, w_q, jnp.zeros((n,), jnp.float32)).compile().as_text()
+    return "__cublas$lt$matmul$f8" in hlo
+
+
+def git_sha():
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", required=True, help="results JSON path")
+    p.add_argument("--shapes", default=SHAPES, help="comma-separated KxN")
+    p.add_argument("--ms", default=MS, help="comma-separated token counts M")
+    p.add_argument("--samples", type=int, default=5)
+    p.add_argument("--rotate-mb", type=float, default=256.0)
+    p.add_argument("--max-rotate", type=int, default=16)
+    p.add_argument("--git", default=None, help="commit to record (default: git rev-parse)")
+    p.add_argument("--tune", action="store_true", help="also time decode-kernel tile variants")
+    args = p.parse_args(argv)
+    ms = [int(v) for v in args.ms.split(",")]
+    result = {"suite": "fp8_matmul", "device": jax.devices()[0].device_kind,
+              "jax": jax.__version__, "git": args.git or git_sha(),
+              "date": datetime.date.today().isoformat(),
+              "command": " ".join(["python"] + sys.argv), "ceilings": ceilings(),
+              "pallas_max_m": fm.PALLAS_MAX_M, "dequant_max_m": fm.DEQUANT_MAX_M,
+              "checks": {"cublaslt_f8_in_prefill_hlo": cublaslt_f8_in_hlo()},
+              "rows": []}
+    print(json.dumps({k: v for k, v in result.items() if k != "rows"}), flush=True)
+    for shape in args.shapes.split(","):
+        k, n = (int(v) for v in shape.split("x"))
+        bench_shape(k, n, ms, args, result["rows"])
+        write(args.out, result)   # after every shape: a timeout keeps what was done
+    if args.tune:
+        result["tune"] = []
+        tune(args, result["tune"])
+        write(args.out, result)
+    for r in result["rows"]:
+        if "us" not in r:
+            print(f'{r["impl"]:>18} M={r["M"]:>5} {r["K"]:>5}x{r["N"]:<5} {r["error"][:80]}')
+            continue
+        print(f'{r["impl"]:>18} M={r["M"]:>5} {r["K"]:>5}x{r["N"]:<5} {r["us"]:>9.1f} us '
+              f'{r["TBps"]:>6.2f} TB/s  x{r.get("vs_bf16", 0):.2f} vs bf16  '
+              f'err {r["rel_err"]:.1e}')
+
+
+def write(path, result):
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
