@@ -1,0 +1,198 @@
+"""Continuous vs static batching on one engine: output tokens/s on a heterogeneous workload.
+
+    python -m bench.batching --model llama-3-8b --max-batch 64,256 --num-requests 384 \
+        --out bench/results/batching.json                      # H200, bf16 synthetic weights
+    python -m bench.batching --model tiny --num-requests 8 --max-batch 4 \
+        --prompt-len 4,48 --output-len 2,12 --max-num-batched-tokens 64 --out /tmp/b.json
+
+Workload (seeded): prompt and output lengths log-normal around the given medians, clipped to
+[min, max]; random prompt tokens; greedy, ignore_eos, so every request emits exactly its
+output length. Both modes run the same requests on the same engine (same EngineConfig,
+prefix caching off so the second mode cannot reuse the first one's pages; a KV pool large
+enough for the max_batch longest requests, so nothing is preempted):
+
+  continuous  every request queued at t=0; the engine admits one as soon as a row frees up.
+  static      groups of max_batch requests, in order; a group starts only when the previous
+              one has finished, so rows freed by short answers idle until the longest ends.
+
+Every bucket is compiled (engine.warmup) before timing and the compile count during the timed
+runs is recorded (it should be 0). Per mode: output tokens / wall time, medians of the host
+part of a step (engine.last_host_s: schedule, batch prep, device transfer, update) and of the
+whole step (engine.last_step_s), and the host share of all step time.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import statistics
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+
+from jaxinfer.config import EngineConfig
+from jaxinfer.engine import Engine
+from jaxinfer.loading import load_model
+from jaxinfer.request import SamplingParams
+from jaxinfer.runner import CompileCounter
+
+
+def lognormal_lengths(rng, n: int, median: float, sigma: float, lo: int, hi: int) -> np.ndarray:
+    return np.clip(np.round(rng.lognormal(np.log(median), sigma, n)), lo, hi).astype(int)
+
+
+def make_workload(args, vocab_size: int) -> list[tuple[list[int], int]]:
+    """[(prompt token ids, output length)], seeded."""
+    rng = np.random.default_rng(args.seed)
+    p_lo, p_hi = args.prompt_len
+    o_lo, o_hi = args.output_len
+    plens = lognormal_lengths(rng, args.num_requests, args.prompt_median, args.sigma, p_lo, p_hi)
+    olens = lognormal_lengths(rng, args.num_requests, args.output_median, args.sigma, o_lo, o_hi)
+    return [(rng.integers(3, vocab_size, p).tolist(), int(o)) for p, o in zip(plens, olens)]
+
+
+def pool_pages(workload, max_batch: int, page_size: int) -> int:
+    """Pages for the max_batch longest requests at once (+ the reserved page 0)."""
+    pages = sorted((-(-(len(p) + o) // page_size) for p, o in workload), reverse=True)
+    return sum(pages[:max_batch]) + 1
+
+
+def drive(engine: Engine, requests) -> dict:
+    """Queue `requests`, step until all are done; per-step host and total seconds."""
+    for prompt, n in requests:
+        engine.add_request({"prompt_token_ids": prompt},
+                           SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
+    host, step, tokens = [], [], 0
+    while engine.has_unfinished_requests():
+        outs = engine.step()
+        tokens += len(outs)
+        host.append(engine.last_host_s)
+        step.append(engine.last_step_s)
+    return {"host": host, "step": step, "tokens": tokens}
+
+
+def measure(engine: Engine, workload, mode: str, max_batch: int) -> dict:
+    groups = [workload] if mode == "continuous" else [
+        workload[i:i + max_batch] for i in range(0, len(workload), max_batch)]
+    c0, p0 = CompileCounter.count(), engine.scheduler.num_preemptions
+    t0 = time.perf_counter()
+    runs = [drive(engine, g) for g in groups]
+    wall = time.perf_counter() - t0
+    host = [h for r in runs for h in r["host"]]
+    step = [s for r in runs for s in r["step"]]
+    tokens = sum(r["tokens"] for r in runs)
+    return {"mode": mode, "max_batch": max_batch, "requests": len(workload),
+            "output_tokens": tokens, "steps": len(step), "wall_s": round(wall, 3),
+            "output_tokens_per_s": round(tokens / wall, 2),
+            "output_tokens_per_step": round(tokens / len(step), 2),
+            "host_ms_per_step": round(statistics.median(host) * 1e3, 3),
+            "step_ms": round(statistics.median(step) * 1e3, 3),
+            "host_share": round(sum(host) / sum(step), 4),
+            "compiles_during_run": CompileCounter.count() - c0,
+            "preemptions": engine.scheduler.num_preemptions - p0}
+
+
+def engine_config(args, workload, max_batch: int, dtype: str) -> EngineConfig:
+    return EngineConfig(
+        page_size=args.page_size, num_pages=pool_pages(workload, max_batch, args.page_size),
+        max_model_len=max(len(p) + o for p, o in workload) + 1, max_num_seqs=max_batch,
+        max_num_batched_tokens=args.max_num_batched_tokens, dtype=dtype, weights=args.weights,
+        kv_dtype=args.kv_dtype, attention_impl=args.attention, enable_prefix_caching=False)
+
+
+def git_sha() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def int_pair(s: str) -> tuple[int, int]:
+    lo, hi = (int(x) for x in s.split(","))
+    if not 1 <= lo <= hi:
+        raise argparse.ArgumentTypeError(f"need 1 <= min <= max, got {s!r}")
+    return lo, hi
+
+
+def parse_args(argv):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="tiny", help="a standard shape (synthetic weights) or "
+                                                     "any --model the CLI takes")
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
+                    help="default: bfloat16 on GPU, float32 on CPU")
+    ap.add_argument("--weights", choices=("bf16", "fp8"), default="bf16")
+    ap.add_argument("--kv-dtype", choices=("auto", "bf16", "fp8"), default="auto")
+    ap.add_argument("--attention", choices=("auto", "reference", "pallas"), default="auto")
+    ap.add_argument("--max-batch", default="64", help="comma-separated max_num_seqs values")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--num-requests", type=int, default=384)
+    ap.add_argument("--prompt-len", type=int_pair, default=(16, 2048), help="min,max")
+    ap.add_argument("--output-len", type=int_pair, default=(8, 512), help="min,max")
+    ap.add_argument("--prompt-median", type=float, default=256.0)
+    ap.add_argument("--output-median", type=float, default=64.0)
+    ap.add_argument("--sigma", type=float, default=1.0, help="log-normal sigma of both lengths")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--git", default=None, help="commit to record (default: git rev-parse HEAD)")
+    ap.add_argument("--out", default="bench/results/batching.json")
+    return ap.parse_args(argv)
+
+
+def save(result: dict, path: str) -> None:
+    """Rewrite the whole file after each row, so a run cut short still leaves its numbers."""
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+
+
+def bench_max_batch(model, workload, args, max_batch: int, dtype: str) -> list[dict]:
+    model_cfg, graphdef, params, tokenizer = model
+    engine = Engine(model_cfg, engine_config(args, workload, max_batch, dtype), graphdef, params,
+                    tokenizer, model_name=args.model)
+    warm = engine.warmup(progress=False)
+    print(f"max_batch {max_batch}: compiled {warm['buckets']} buckets in "
+          f"{warm['seconds']:.1f}s", file=sys.stderr, flush=True)
+    rows = []
+    for mode in ("continuous", "static"):
+        rows.append(dict(measure(engine, workload, mode, max_batch),
+                         warmup_s=round(warm["seconds"], 1)))
+        print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+    return rows
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    dtype = args.dtype or ("bfloat16" if jax.default_backend() == "gpu" else "float32")
+    batches = [int(b) for b in args.max_batch.split(",")]
+    loaded = load_model(args.model, EngineConfig(dtype=dtype, weights=args.weights))
+    workload = make_workload(args, loaded[0].vocab_size)
+    result = {
+        "suite": "batching", "device": jax.devices()[0].device_kind, "jax": jax.__version__,
+        "git": args.git or git_sha(), "date": str(datetime.date.today()),
+        "command": "python -m bench.batching " + " ".join(argv if argv is not None
+                                                          else sys.argv[1:]),
+        "model": args.model, "dtype": dtype, "weights": args.weights, "kv_dtype": args.kv_dtype,
+        "workload": {"requests": len(workload), "seed": args.seed, "sigma": args.sigma,
+                     "prompt_len": list(args.prompt_len), "output_len": list(args.output_len),
+                     "prompt_median": args.prompt_median, "output_median": args.output_median,
+                     "prompt_tokens": sum(len(p) for p, _ in workload),
+                     "output_tokens": sum(o for _, o in workload)},
+        "max_num_batched_tokens": args.max_num_batched_tokens, "page_size": args.page_size,
+        "rows": [], "continuous_over_static": {}}
+    for b in batches:
+        rows = bench_max_batch(loaded, workload, args, b, dtype)
+        gc.collect()  # the engine (and its KV pool) is gone before the next one is built
+        result["rows"] += rows
+        result["continuous_over_static"][str(b)] = round(
+            rows[0]["output_tokens_per_s"] / rows[1]["output_tokens_per_s"], 3)
+        save(result, args.out)
+    print(json.dumps(result["continuous_over_static"]), flush=True)
+    return result
+
+
+if __name__ == "__main__":
+    main()

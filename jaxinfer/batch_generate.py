@@ -1,0 +1,288 @@
+"""Offline batch generation: a JSONL file of requests in, a JSONL file of results out.
+
+    jaxinfer generate --input prompts.jsonl --output out.jsonl [engine and sampling flags]
+
+Input, one JSON object a line: exactly one of `prompt` (text), `messages` (chat) or
+`prompt_token_ids`; optionally `id` (string or integer; default "line-<N>") and any
+SamplingParams field, which overrides the CLI's sampling flags for that line. A line that
+cannot run (not JSON, unknown field, invalid parameter, empty or too-long prompt, duplicate id)
+is reported on stderr with its line number and skipped; the others still run.
+
+Output, one JSON object a line, written as each request finishes: id, prompt (text prompts),
+text, token_ids, finish_reason, prompt_tokens, completion_tokens, ttft_s, latency_s and
+logprobs (when asked for). Each line is appended, flushed and fsynced, so after a crash the
+file holds every finished result; re-running with the same output skips the ids already
+there, and the line a crash cut short is dropped first.
+
+Requests are fed to the Engine gradually (at most `max_queued` unfinished at once), so memory
+stays bounded however long the input is. The summary (throughput, TTFT and per-token latency
+percentiles, compiles) is returned, and the CLI prints it as JSON on stdout; the exit status
+is 1 when some line was rejected.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+from tqdm import tqdm
+
+from jaxinfer.errors import InvalidRequestError, JaxinferError
+from jaxinfer.request import RequestOutput, SamplingParams
+from jaxinfer.runner import CompileCounter
+
+PROMPT_FIELDS = ("prompt", "messages", "prompt_token_ids")
+SAMPLING_FIELDS = frozenset(SamplingParams.fields())
+KNOWN_FIELDS = frozenset(("id",) + PROMPT_FIELDS) | SAMPLING_FIELDS
+
+
+@dataclasses.dataclass(frozen=True)
+class LineRequest:
+    id: str | int             # as given (or the default), echoed in the output
+    prompt: str | list | dict  # what Engine.add_request takes
+    text: str | None          # the text prompt, echoed in the output
+    params: SamplingParams
+
+    @property
+    def key(self) -> str:
+        return str(self.id)
+
+
+def parse_line(raw: bytes, line: int, defaults: SamplingParams, chat: bool = False
+               ) -> LineRequest:
+    """One input line -> LineRequest; InvalidRequestError names what is wrong with it."""
+    try:
+        obj = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise InvalidRequestError("not valid UTF-8") from None
+    except json.JSONDecodeError as e:
+        raise InvalidRequestError(f"not valid JSON ({e.msg} at column {e.colno})") from None
+    if not isinstance(obj, dict):
+        raise InvalidRequestError(f"must be a JSON object, got {type(obj).__name__}")
+    unknown = sorted(set(obj) - KNOWN_FIELDS)
+    if unknown:
+        raise InvalidRequestError(f"unknown field {', '.join(map(repr, unknown))} (known: "
+                                  f"{', '.join(sorted(KNOWN_FIELDS))})", field=unknown[0])
+    given = [f for f in PROMPT_FIELDS if f in obj]
+    if len(given) != 1:
+        raise InvalidRequestError(f"give exactly one of {', '.join(PROMPT_FIELDS)}",
+                                  field="prompt")
+    rid = obj.get("id", f"line-{line}")
+    if isinstance(rid, bool) or not isinstance(rid, (str, int)) or rid == "":
+        raise InvalidRequestError(f"id must be a non-empty string or an integer, got {rid!r}",
+                                  field="id")
+    prompt, text = _prompt(given[0], obj[given[0]], chat)
+    try:
+        params = dataclasses.replace(defaults, **{k: obj[k] for k in obj if k in SAMPLING_FIELDS})
+    except TypeError as e:  # e.g. "stop": 5 fails before validation can name the field
+        raise InvalidRequestError(f"invalid sampling parameter: {e}") from None
+    return LineRequest(rid, prompt, text, params)
+
+
+def _prompt(field: str, value, chat: bool):
+    """(prompt for Engine.add_request, echoed text) for the line's one prompt field."""
+    expected = {"prompt": str, "messages": list, "prompt_token_ids": list}[field]
+    if not isinstance(value, expected):
+        raise InvalidRequestError(f"{field} must be a {'string' if expected is str else 'list'}"
+                                  f", got {type(value).__name__}", field=field)
+    if field == "prompt_token_ids":
+        return {"prompt_token_ids": value}, None
+    if field == "prompt" and chat and value:
+        return [{"role": "user", "content": value}], value
+    return value, value if field == "prompt" else None
+
+
+def load_done(path: Path, log) -> set[str]:
+    """Ids already in the output file. A crash can only tear the file's tail (each line is
+    written whole, then fsynced), so unreadable lines at the end are cut off; one followed by
+    readable lines means the file is not ours, and we stop rather than lose data."""
+    done: set[str] = set()
+    if not path.exists():
+        return done
+    good_end, torn_at, ends_newline = 0, None, True
+    with open(path, "rb") as f:
+        offset = 0
+        for n, raw in enumerate(f, 1):
+            offset += len(raw)
+            rid = _result_id(raw)
+            if rid is None:
+                torn_at = torn_at or (n if raw.strip() else None)
+                continue
+            if torn_at is not None:
+                raise JaxinferError(f"{path}: line {torn_at} is not a result, but later lines "
+                                    f"are; refusing to append to a file that is not ours")
+            done.add(rid)
+            good_end, ends_newline = offset, raw.endswith(b"\n")
+    if torn_at is None and ends_newline:
+        return done
+    with open(path, "r+b") as f:
+        if torn_at is not None:
+            print(f"{path}: dropping line {torn_at} onwards (cut short by a crash)", file=log)
+            f.truncate(good_end)
+        if not ends_newline:
+            f.seek(good_end)
+            f.write(b"\n")
+    return done
+
+
+def _result_id(raw: bytes) -> str | None:
+    try:
+        obj = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    return str(obj["id"]) if isinstance(obj, dict) and "id" in obj else None
+
+
+def result_record(req: LineRequest, out: RequestOutput) -> dict:
+    rec = {"id": req.id}
+    if req.text is not None:
+        rec["prompt"] = req.text
+    rec.update(text=out.text, token_ids=out.token_ids, finish_reason=str(out.finish_reason),
+               prompt_tokens=len(out.prompt_token_ids), completion_tokens=len(out.token_ids),
+               ttft_s=out.ttft_s, latency_s=out.latency_s)
+    if out.logprobs is not None:
+        rec["logprobs"] = [{str(t): lp for t, lp in d.items()} for d in out.logprobs]
+    return rec
+
+
+class _BatchRun:
+    """The state of one pass over the input: what is queued, what is done, the timings."""
+
+    def __init__(self, engine, lines: Iterator[tuple[int, bytes]], out_file, done: set[str],
+                 defaults: SamplingParams, chat: bool, max_queued: int, bar, log):
+        self.engine, self.lines, self.out_file, self.bar, self.log = (
+            engine, lines, out_file, bar, log)
+        self.defaults, self.chat, self.max_queued = defaults, chat, max_queued
+        self.done, self.seen = done, set()
+        self.queued: dict[str, LineRequest] = {}
+        self.exhausted = False
+        self.rejected: list[int] = []
+        self.skipped = 0
+        # Only numbers are kept per finished request, so memory stays small on huge inputs.
+        self.num_finished = self.prompt_tokens = self.output_tokens = 0
+        self.ttft: list[float] = []
+        self.per_token: list[float] = []
+
+    def run(self) -> None:
+        while True:
+            self.fill()
+            if not self.queued:
+                return
+            for out in self.engine.step():
+                if out.finished:
+                    self.write(self.queued.pop(out.request_id), out)
+
+    def fill(self) -> None:
+        """Queue input lines until max_queued requests are unfinished or the input ends."""
+        while len(self.queued) < self.max_queued and not self.exhausted:
+            item = next(self.lines, None)
+            if item is None:
+                self.exhausted = True
+                return
+            try:
+                self.add(*item)
+            except InvalidRequestError as e:
+                self.rejected.append(item[0])
+                self.bar.update(1)
+                tqdm.write(f"line {item[0]}: {e}; skipped", file=self.log)
+
+    def add(self, line: int, raw: bytes) -> None:
+        req = parse_line(raw, line, self.defaults, self.chat)
+        if req.key in self.seen:
+            raise InvalidRequestError(f"duplicate id {req.id!r} (first seen earlier in the "
+                                      f"input)", field="id")
+        self.seen.add(req.key)
+        if req.key in self.done:
+            self.skipped += 1
+            self.bar.update(1)
+            return
+        self.engine.add_request(req.prompt, req.params, request_id=req.key)
+        self.queued[req.key] = req
+
+    def write(self, req: LineRequest, out: RequestOutput) -> None:
+        line = json.dumps(result_record(req, out), ensure_ascii=False) + "\n"
+        self.out_file.write(line.encode("utf-8"))
+        self.out_file.flush()
+        os.fsync(self.out_file.fileno())
+        self.num_finished += 1
+        self.prompt_tokens += len(out.prompt_token_ids)
+        self.output_tokens += len(out.token_ids)
+        self.ttft.append(out.ttft_s)
+        if len(out.token_ids) > 1:  # decode time after the first token, per further token
+            self.per_token.append((out.latency_s - out.ttft_s) / (len(out.token_ids) - 1))
+        self.bar.update(1)
+
+
+def _input_lines(path: Path) -> Iterator[tuple[int, bytes]]:
+    """(1-based line number, raw bytes) of each non-blank line."""
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            if raw.strip():
+                yield n, raw
+
+
+def generate_file(engine, input_path, output_path, defaults: SamplingParams | None = None,
+                  progress: bool = False, *, chat: bool = False, max_queued: int | None = None,
+                  log=None) -> dict:
+    """Run every request of the JSONL `input_path` on `engine`, appending results to
+    `output_path` (ids already there are skipped). Returns the summary dict."""
+    input_path, output_path, log = Path(input_path), Path(output_path), log or sys.stderr
+    if not input_path.is_file():
+        raise JaxinferError(f"no input file {input_path}")
+    if not output_path.parent.is_dir():
+        raise JaxinferError(f"no directory {output_path.parent} for the output file")
+    done = load_done(output_path, log)
+    total = sum(1 for _ in _input_lines(input_path))
+    max_queued = max_queued or 4 * engine.config.max_num_seqs
+    t0, c0, steps0 = time.perf_counter(), CompileCounter.count(), engine.num_steps
+    with open(output_path, "ab") as out_file, tqdm(
+            total=total, desc="generating", unit="req", disable=not progress, file=log) as bar:
+        run = _BatchRun(engine, _input_lines(input_path), out_file, done,
+                        defaults or SamplingParams(), chat, max_queued, bar, log)
+        run.run()
+    wall = time.perf_counter() - t0
+    return summarize(run, wall, CompileCounter.count() - c0, engine.num_steps - steps0)
+
+
+def _percentiles(name: str, values: list[float]) -> dict:
+    if not values:
+        return {f"{name}_p50_s": None, f"{name}_p99_s": None}
+    p50, p99 = np.percentile(values, [50, 99])
+    return {f"{name}_p50_s": round(float(p50), 6), f"{name}_p99_s": round(float(p99), 6)}
+
+
+def summarize(run: _BatchRun, wall: float, compiles: int, steps: int) -> dict:
+    n, tokens = run.num_finished, run.output_tokens
+    return {"requests": n, "skipped_done": run.skipped, "rejected": len(run.rejected),
+            "rejected_lines": run.rejected, "prompt_tokens": run.prompt_tokens,
+            "output_tokens": tokens, "wall_s": round(wall, 3),
+            "requests_per_s": round(n / wall, 3) if wall else None,
+            "output_tokens_per_s": round(tokens / wall, 2) if wall else None,
+            **_percentiles("ttft", run.ttft), **_percentiles("per_token_latency", run.per_token),
+            "steps": steps, "compiles": compiles}
+
+
+def run_batch_file(args) -> int:
+    """`jaxinfer generate --input ... --output ...` (args from jaxinfer.cli)."""
+    from jaxinfer.cli import engine_config_from_args, sampling_params_from_args
+    from jaxinfer.engine import Engine
+
+    if not (args.input and args.output):
+        raise JaxinferError("--input and --output go together")
+    if args.prompt is not None:
+        raise JaxinferError("give a PROMPT or --input/--output, not both")
+    if not Path(args.input).is_file():
+        raise JaxinferError(f"no input file {args.input}")
+    if Path(args.output).resolve() == Path(args.input).resolve():
+        raise JaxinferError("--output must not be the --input file")
+    defaults = sampling_params_from_args(args)  # before loading: bad flags fail fast
+    engine = Engine.from_model(args.model, engine_config_from_args(args))
+    summary = generate_file(engine, args.input, args.output, defaults, progress=True,
+                            chat=args.chat)
+    print(json.dumps(summary, indent=1))
+    return 1 if summary["rejected"] else 0
