@@ -123,6 +123,13 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--weights", choices=("bf16", "fp8"), default="bf16",
                    help="store linear weights as-is or quantized to FP8 e4m3")
     c.set_defaults(func=cmd_convert)
+
+    from bench.cli import add_bench_arguments, run_bench
+    b = sub.add_parser("bench", help="benchmark suites: compile, decode, fusion, prefill",
+                       description="Measure compile cost, decode roofline, kernel fusion and "
+                                   "prefill latency; JSON results go to bench/results/.")
+    add_bench_arguments(b)
+    b.set_defaults(func=run_bench)
     return p
 
 

@@ -1,0 +1,219 @@
+"""What every bench suite shares: the results file (shared/BENCH.md's format), timing, and a
+ModelRunner built from the CLI's engine flags with synthetic decode inputs.
+
+Results file: {"suite", "device", "jax", "git", "date", "command", "ceilings", "rows", ...}.
+`save` rewrites it after every batch of rows, so a run cut short still leaves its numbers.
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import functools
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+def git_sha(override: str | None = None) -> str:
+    """`--git` wins (the GPU copy of the tree may have no .git), else `git rev-parse HEAD`."""
+    if override:
+        return override
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                              check=True, cwd=Path(__file__).resolve().parent).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown (no git)"
+
+
+def device_name() -> str:
+    d = jax.devices()[0]
+    return d.device_kind if d.platform == "gpu" else f"cpu ({os.cpu_count()} cores)"
+
+
+def new_result(suite: str, git: str | None = None, **extra) -> dict:
+    return {"suite": suite, "device": device_name(), "jax": jax.__version__,
+            "git": git_sha(git), "date": str(datetime.date.today()),
+            "command": " ".join(["jaxinfer", "bench"] + sys.argv[sys.argv.index(suite):]
+                                if suite in sys.argv else sys.argv),
+            **extra, "rows": []}
+
+
+def save(result: dict, path: str | Path, rows: list[dict] = ()) -> None:
+    """Append rows (echoed as JSON lines) and rewrite the file atomically."""
+    result["rows"] += list(rows)
+    for r in rows:
+        print(json.dumps(r), flush=True)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(result, indent=1) + "\n")
+    tmp.replace(path)
+
+
+def timed(fn, reps: int = 10, min_s: float = 5e-3) -> float:
+    """Seconds per call of fn() (which must block on its own result): median over reps of
+    back-to-back batches lasting >= min_s, after one warm-up call."""
+    fn()
+    t = time.perf_counter()
+    fn()
+    n = max(1, math.ceil(min_s / max(time.perf_counter() - t, 1e-6)))
+    samples = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        for _ in range(n):
+            fn()
+        samples.append((time.perf_counter() - t) / n)
+    return statistics.median(samples)
+
+
+def parse_ints(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise ValueError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def print_table(rows: list[dict], keys: list[str]) -> None:
+    """A plain aligned table of `keys` over `rows` (missing values blank)."""
+    cells = [[_fmt(r.get(k, "")) for k in keys] for r in rows]
+    widths = [max([len(k)] + [len(c[i]) for c in cells]) for i, k in enumerate(keys)]
+    print("  ".join(k.rjust(w) for k, w in zip(keys, widths)))
+    for c in cells:
+        print("  ".join(v.rjust(w) for v, w in zip(c, widths)))
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v)
+
+
+def progress(iterable, desc: str, total: int | None = None):
+    from tqdm import tqdm
+
+    # Off a terminal (CI, the GPU script's log) redraw rarely: the log stays readable.
+    return tqdm(iterable, desc=desc, total=total, unit="case", file=sys.stderr,
+                mininterval=0.1 if sys.stderr.isatty() else 10.0)
+
+
+_SHORT = {"bfloat16": "bf16", "float32": "f32", "float8_e4m3fn": "fp8"}
+
+
+def dtype_name(dtype) -> str:
+    name = jnp.dtype(dtype).name
+    return _SHORT.get(name, name)
+
+
+def weights_name(engine) -> str:
+    """The linear weights' format: fp8, or the compute dtype they are held in."""
+    return "fp8" if engine.weights == "fp8" else dtype_name(engine.dtype)
+
+
+def engine_argv(args) -> list[str]:
+    """The engine flags of `args` as argv, to start a child process on the same engine."""
+    argv = ["--model", args.model, "--weights", args.weights, "--kv-dtype", args.kv_dtype,
+            "--page-size", str(args.page_size), "--max-model-len", str(args.max_model_len),
+            "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens",
+            str(args.max_num_batched_tokens), "--num-pages", str(args.num_pages),
+            "--attention", args.attention]
+    return argv + (["--dtype", args.dtype] if args.dtype else [])
+
+
+# --- a ModelRunner from the CLI's engine flags, and synthetic decode inputs ---------------
+
+def load_runner(args, *, max_num_seqs: int, max_len: int, pairs=(), kv_budget_gb=None):
+    """(ModelRunner, ModelConfig, graphdef) for args.model under the CLI's engine flags, sized
+    for `max_num_seqs` rows of up to `max_len` tokens. With `pairs` ((B, C) cases) the KV pool
+    holds the largest case that fits in kv_budget_gb GB."""
+    from jaxinfer.cli import engine_config_from_args
+    from jaxinfer.loading import load_model
+    from jaxinfer.runner import ModelRunner, kv_dtype_for
+
+    engine = engine_config_from_args(args)
+    engine = engine.replace(max_num_seqs=max_num_seqs,
+                            max_model_len=max(max_len, engine.max_model_len))
+    cfg, graphdef, params, _ = load_model(args.model, engine)
+    if pairs:
+        item = jax.numpy.dtype(kv_dtype_for(engine)).itemsize
+        page_bytes = engine.page_size * cfg.num_layers * 2 * cfg.num_kv_heads * (
+            cfg.head_dim * item + (4 if item == 1 else 0))
+        budget = int((kv_budget_gb or 1e9) * 1e9 // page_bytes)
+        fits = [n for n in (b * -(-(c + 1) // engine.page_size) for b, c in pairs)
+                if n <= budget]
+        if not fits:
+            raise ValueError(f"no (batch, context) case fits in {kv_budget_gb} GB of KV")
+        engine = engine.replace(num_pages=1 + max(fits))
+    return ModelRunner(cfg, engine, graphdef, params), cfg, graphdef
+
+
+def decode_input(cfg, engine, batch: int, context: int, rng):
+    """A StepInput of the decode bucket (B = T = batch): row b decodes a random token at
+    position context-1 over its own pages (1 + b * pages_per_row ...; page 0 stays reserved),
+    sampling greedy."""
+    from jaxinfer.kv_cache import AttentionMetadata
+    from jaxinfer.runner import StepInput
+    from jaxinfer.sampling import SamplingArrays
+
+    s, width = engine.page_size, engine.pages_per_seq
+    per_row = -(-context // s)
+    rows = np.arange(batch, dtype=np.int32)
+    table = np.zeros((batch, width), np.int32)
+    table[:, :per_row] = 1 + rows[:, None] * per_row + np.arange(per_row, dtype=np.int32)
+    pos = np.full(batch, context - 1, np.int32)
+    slots = table[rows, pos // s] * s + pos % s
+    md = AttentionMetadata(pos, slots, rows, table, pos + 1,
+                           np.arange(batch + 1, dtype=np.int32), decode_only=True)
+    tokens = rng.integers(0, cfg.vocab_size, batch).astype(np.int32)
+    return StepInput(tokens, md, rows, SamplingArrays.from_params([], [], batch_size=batch))
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _fill(kv):
+    """Every K/V element (and FP8 scale) replaced by a cheap hash of its index, in place:
+    one elementwise kernel per array, no full-size temporaries (the pool may be 50 GB)."""
+    def noise(x, salt):
+        # Per-axis iotas: a flat one would overflow 32 bits on a pool of > 4G elements.
+        h = jnp.uint32(salt)
+        for d, mult in zip(range(x.ndim), (2654435761, 2246822519, 3266489917, 668265263,
+                                          374761393)):
+            h = (h ^ jax.lax.broadcasted_iota(jnp.uint32, x.shape, d)) * jnp.uint32(mult)
+        h = h ^ (h >> 15)
+        return (h >> 8).astype(jnp.float32) * (1.0 / (1 << 24))              # [0, 1)
+
+    k = (2 * noise(kv.k, 1) - 1).astype(kv.k.dtype)
+    v = (2 * noise(kv.v, 2) - 1).astype(kv.v.dtype)
+    if kv.k_scale is None:
+        return dataclasses.replace(kv, k=k, v=v)
+    return dataclasses.replace(kv, k=k, v=v, k_scale=(0.5 + noise(kv.k_scale, 3)) / 64,
+                               v_scale=(0.5 + noise(kv.v_scale, 4)) / 64)
+
+
+def fill_kv(kv):
+    return jax.block_until_ready(_fill(kv))
+
+
+def pipelined_step_s(runner, inp, reps: int, n: int = 8) -> float:
+    """Seconds per step with n steps dispatched back to back and one block: the device time
+    of the step without the per-step host round trip. Drives the runner's jitted step itself
+    (same executable as runner.step), threading the donated cache."""
+    def burst():
+        kv = runner.kv
+        for i in range(n):
+            kv, out = runner._step_fn(runner.params, kv, inp, runner._rng, np.uint32(i))
+        runner.kv = jax.block_until_ready(kv)
+        jax.block_until_ready(out)
+    return timed(burst, reps) / n

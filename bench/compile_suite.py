@@ -1,0 +1,145 @@
+"""`jaxinfer bench compile`: what compiling every bucket of an engine config costs, and what
+the compiled step contains.
+
+Per bucket (the engine's `Buckets.all_buckets()`), the runner's jitted step is traced, lowered
+and compiled ahead of time (`jit.trace(...).lower().compile()`), each phase timed apart:
+  cold   this process, with a fresh persistent compilation cache dir (nothing to hit);
+  warm   a fresh child process reusing that dir: what a restarted server pays.
+The cold executables' optimized HLO is read by bench/hlo.py: kernels per step and per
+decoder layer, fused op sets, custom calls, command-buffer coverage; plus the executable's
+memory (`compiled.memory_analysis()`).
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from bench import hlo
+from bench.common import engine_argv, load_runner, new_result, print_table, progress, save
+
+KEYS = ["bucket", "trace_s", "lower_s", "compile_s", "warm_total_s", "kernels_per_step",
+        "kernels_per_layer", "command_buffers", "temp_MB"]
+_cache_hits = [0]
+
+
+def enable_cache(cache_dir: str) -> None:
+    """Persist every executable, however small or quick to compile."""
+    jax.config.update("jax_compilation_cache_dir", cache_dir)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+
+    def on_event(name, **_kw):
+        if name == "/jax/compilation_cache/cache_hits":
+            _cache_hits[0] += 1
+    jax.monitoring.register_event_listener(on_event)
+
+
+def bucket_name(b) -> str:
+    return f"{'decode' if b.decode_only else 'mixed'} T{b.num_tokens} B{b.num_seqs} " \
+           f"W{b.pages_per_seq}"
+
+
+def compile_bucket(runner, bucket):
+    """(row of phase seconds, compiled executable) for one bucket."""
+    from jaxinfer.runner import dummy_input
+
+    inp = jax.device_put(dummy_input(bucket))
+    hits = _cache_hits[0]
+    t0 = time.perf_counter()
+    # The runner's own jitted step (same function and static args as serving).
+    traced = runner._step_fn.trace(runner.params, runner.kv, inp, runner._rng, np.uint32(0))
+    t1 = time.perf_counter()
+    lowered = traced.lower()
+    t2 = time.perf_counter()
+    compiled = lowered.compile()
+    t3 = time.perf_counter()
+    return {"bucket": bucket_name(bucket), "num_tokens": bucket.num_tokens,
+            "num_seqs": bucket.num_seqs, "pages_per_seq": bucket.pages_per_seq,
+            "decode_only": bucket.decode_only, "trace_s": round(t1 - t0, 3),
+            "lower_s": round(t2 - t1, 3), "compile_s": round(t3 - t2, 3),
+            "total_s": round(t3 - t0, 3), "cache_hit": _cache_hits[0] > hits}, compiled
+
+
+def describe(compiled, num_layers: int) -> dict:
+    a = hlo.analyze(compiled.as_text(), num_layers)
+    row = {k: a[k] for k in ("kernels_per_step", "kernels_per_layer", "conditional_kernels",
+                             "command_buffer_coverage")}
+    row["command_buffers"] = a["command_buffers_per_step"]
+    row["custom_calls"] = a["custom_call_targets"]
+    mem = compiled.memory_analysis()
+    if mem is not None:
+        for field in ("temp", "argument", "output", "alias", "generated_code"):
+            row[f"{field}_MB"] = round(getattr(mem, f"{field}_size_in_bytes") / 2**20, 3)
+    return row, a
+
+
+def compile_all(args, analyze: bool):
+    """Rows (one per bucket) and the HLO analysis of the smallest decode bucket."""
+    runner, cfg, _ = load_runner(args, max_num_seqs=args.max_num_seqs,
+                                 max_len=args.max_model_len)
+    from jaxinfer.buckets import Buckets
+
+    rows, decode_hlo = [], None
+    buckets = Buckets.from_config(runner.engine).all_buckets()
+    for bucket in progress(buckets, f"compiling ({args.phase or 'cold'})"):
+        row, compiled = compile_bucket(runner, bucket)
+        if analyze:
+            extra, full = describe(compiled, cfg.num_layers)
+            row.update(extra)
+            if bucket.decode_only and decode_hlo is None:
+                decode_hlo = dict(full, bucket=row["bucket"])
+        rows.append(row)
+    return rows, decode_hlo
+
+
+def warm_child(args, cache_dir: str) -> dict:
+    """Run the warm phase in a fresh process; its rows and wall time."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "warm.json"
+        cmd = [sys.executable, "-m", "bench.cli", "compile", "--phase", "warm",
+               "--cache-dir", cache_dir, "--out", str(out), *engine_argv(args)]
+        t = time.perf_counter()
+        subprocess.run(cmd, check=True, cwd=Path(__file__).resolve().parent.parent)
+        wall = time.perf_counter() - t
+        return {"rows": json.loads(out.read_text())["rows"], "process_wall_s": round(wall, 2)}
+
+
+def run(args) -> int:
+    cache_dir = args.cache_dir or tempfile.mkdtemp(prefix="jaxinfer_cache_")
+    enable_cache(cache_dir)
+    if args.phase == "warm":
+        rows, _ = compile_all(args, analyze=False)
+        save(new_result("compile", args.git), args.out, rows)
+        return 0
+    result = new_result("compile", args.git, model=args.model, cache_dir=cache_dir)
+    rows, decode_hlo = compile_all(args, analyze=True)
+    result.update(cold_total_s=round(sum(r["total_s"] for r in rows), 2),
+                  kernels_per_layer=decode_hlo and decode_hlo["kernels_per_layer"],
+                  decode_step_hlo=decode_hlo)
+    save(result, args.out, rows)
+    if not args.no_warm:
+        try:
+            warm = warm_child(args, cache_dir)
+        except subprocess.CalledProcessError as e:  # the cold rows are saved already
+            result["warm_error"] = f"warm child process exited with {e.returncode}"
+            save(result, args.out)
+            return 1
+        for row, w in zip(result["rows"], warm["rows"]):
+            row.update(warm_trace_s=w["trace_s"], warm_lower_s=w["lower_s"],
+                       warm_compile_s=w["compile_s"], warm_total_s=w["total_s"],
+                       warm_cache_hit=w["cache_hit"])
+        result.update(warm_total_s=round(sum(w["total_s"] for w in warm["rows"]), 2),
+                      warm_process_wall_s=warm["process_wall_s"])
+        save(result, args.out)
+    print_table(result["rows"], KEYS)
+    print(f"cold total {result['cold_total_s']} s, warm total "
+          f"{result.get('warm_total_s')} s, kernels per decoder layer (decode step) "
+          f"{result['kernels_per_layer']}")
+    return 0

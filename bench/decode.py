@@ -1,0 +1,160 @@
+"""`jaxinfer bench decode`: the roofline of the decode step.
+
+For every batch B and context C: B rows, each decoding its token C at position C-1 over C-1
+cached tokens, run through `ModelRunner` (the serving step: forward + logits + sampling, KV
+donated) with a scheduler-free StepInput. The cache is filled with pseudo-random values
+first (never zeros). Two times per case:
+  step_ms         back-to-back `runner.step` calls, each syncing on its sampled tokens
+                  (what serving sees); median per call
+  step_ms_device  N steps dispatched back to back, then one block (no host round trip)
+Bytes that must move per step: every weight read once (embeddings: only the B looked-up rows;
+the LM head whole) + the KV of B x C tokens read + the new tokens' KV written.
+FLOPs: 2 x matmul params x B + attention (4 x L x H x D x C x B).
+MBU = (bytes / read_TBps) / step time; roofline_frac = max(byte floor, FLOP floor) / step
+time, against ceilings measured in the same run.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from bench import ceilings as ceilings_mod
+from bench.common import (decode_input, dtype_name, fill_kv, load_runner, new_result,
+                          pipelined_step_s, print_table, progress, save, timed, weights_name)
+
+KEYS = ["model", "weights", "kv_dtype", "batch", "context", "step_ms", "step_ms_device",
+        "tokens_per_s", "mbu", "mbu_device", "intensity_flop_per_byte", "achieved_TFLOPs"]
+
+
+def weight_bytes(params, cfg, batch: int) -> int:
+    """Weight bytes one step reads: the embedding table only for B rows, unless it is tied
+    (then the LM head reads it whole)."""
+    total = 0
+    for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+        nbytes = leaf.size * leaf.dtype.itemsize
+        if "embed" in jax.tree_util.keystr(path) and not cfg.tie_word_embeddings:
+            nbytes = batch * cfg.hidden_size * leaf.dtype.itemsize
+        total += nbytes
+    return total
+
+
+def kv_bytes_per_token(cfg, kv) -> int:
+    """K and V of one token over all layers (+ the FP8 per-token-head scales)."""
+    per_head = cfg.head_dim * kv.k.dtype.itemsize + (4 if kv.is_fp8 else 0)
+    return cfg.num_layers * 2 * cfg.num_kv_heads * per_head
+
+
+def step_flops(cfg, batch: int, context: int) -> int:
+    matmul_params = cfg.param_count() - (0 if cfg.tie_word_embeddings
+                                         else cfg.vocab_size * cfg.hidden_size)
+    attention = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * context
+    return batch * (2 * matmul_params + attention)
+
+
+def measure_case(runner, cfg, model: str, batch: int, context: int, ceil: dict,
+                 reps: int, rng) -> dict:
+    inp = jax.device_put(decode_input(cfg, runner.engine, batch, context, rng))
+    synced = timed(lambda: runner.step(inp), reps)
+    device = pipelined_step_s(runner, inp, reps)
+    nbytes = (weight_bytes(runner.params, cfg, batch)
+              + batch * (context + 1) * kv_bytes_per_token(cfg, runner.kv))
+    flops = step_flops(cfg, batch, context)
+    byte_floor = nbytes / (ceil["read_TBps"] * 1e12)
+    floor = max(byte_floor, flops / (ceil["gemm_TFLOPs"] * 1e12))
+    return {"model": model, "weights": weights_name(runner.engine),
+            "kv_dtype": dtype_name(runner.kv.k.dtype), "batch": batch, "context": context,
+            "step_ms": round(synced * 1e3, 4), "step_ms_device": round(device * 1e3, 4),
+            "tokens_per_s": round(batch / synced, 2),
+            "tokens_per_s_device": round(batch / device, 2),
+            "bytes_per_step": nbytes, "flops_per_step": flops,
+            "intensity_flop_per_byte": round(flops / nbytes, 3),
+            "achieved_TFLOPs": round(flops / synced / 1e12, 4),
+            "achieved_TBps": round(nbytes / synced / 1e12, 4),
+            "floor_ms": round(floor * 1e3, 4),
+            "mbu": round(byte_floor / synced, 4), "mbu_device": round(byte_floor / device, 4),
+            "roofline_frac": round(floor / synced, 4)}
+
+
+def cases(batches, contexts, pages_left: int, page_size: int) -> tuple[list, list]:
+    """(kept (B, C) pairs, skipped ones): a case needs B x ceil((C + 1) / S) pages."""
+    kept, skipped = [], []
+    for b in batches:
+        for c in contexts:
+            need = b * -(-(c + 1) // page_size)
+            (kept if need <= pages_left else skipped).append((b, c))
+    return kept, skipped
+
+
+def run(args) -> int:
+    batches, contexts = args.batch_sizes, args.contexts
+    ceil = ceilings_mod.measure()
+    runner, cfg, _ = load_runner(args, max_num_seqs=max(batches), max_len=max(contexts) + 1,
+                                 pairs=[(b, c) for b in batches for c in contexts],
+                                 kv_budget_gb=args.kv_budget_gb)
+    kept, skipped = cases(batches, contexts, runner.kv.num_pages - 1, runner.engine.page_size)
+    skipped = [{"model": args.model, "batch": b, "context": c, "why": "KV over --kv-budget-gb"}
+               for b, c in skipped]
+    result = start_result(args, ceil, skipped)
+    runner.kv = fill_kv(runner.kv)
+    rng = np.random.default_rng(0)
+    for b, c in progress(kept, "decode cases"):
+        row = measure_case(runner, cfg, args.model, b, c, ceil, args.reps, rng)
+        save(result, args.out, [dict(row, run=len(result["runs"]) - 1)])
+    print_table(result["rows"], KEYS)
+    if result["rows"]:
+        try:
+            png = plot_roofline(result, str(args.out).removesuffix(".json") + "_roofline.png")
+            print(f"roofline plot: {png}")
+        except ImportError as e:  # the numbers matter more than the picture: keep them
+            print(f"no roofline plot ({e}): install matplotlib", file=sys.stderr)
+    return 0
+
+
+def start_result(args, ceil: dict, skipped: list) -> dict:
+    """A new results dict, or with --append the existing file's, this run added to "runs"
+    (each run's own command and ceilings; its rows carry its index as "run")."""
+    fresh = new_result("decode", args.git, ceilings=ceil, skipped=[], runs=[])
+    run_info = {"command": fresh["command"], "ceilings": ceil}
+    path = Path(args.out)
+    result = json.loads(path.read_text()) if args.append and path.exists() else fresh
+    result.setdefault("runs", []).append(run_info)
+    result["skipped"] = result.get("skipped", []) + skipped
+    return result
+
+
+def plot_roofline(result: dict, path: str) -> str:
+    """Arithmetic intensity vs achieved FLOP/s of every case, under the two measured roofs:
+    bandwidth x intensity (sloped) and the GEMM rate (flat). Decode points sit far left of
+    the ridge, on or under the sloped roof: bandwidth-bound."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows, ceil = result["rows"], result["ceilings"]
+    ai = np.array([r["intensity_flop_per_byte"] for r in rows])
+    xs = np.geomspace(min(ai.min(), 0.5) / 2, max(ai.max() * 4, 4 * ceil["gemm_TFLOPs"] /
+                                                  ceil["read_TBps"]), 200)
+    fig, ax = plt.subplots(figsize=(8, 5.5))
+    for name, bw in (("read", ceil["read_TBps"]), ("copy", ceil["copy_TBps"])):
+        ax.plot(xs, np.minimum(xs * bw, ceil["gemm_TFLOPs"]), "--",
+                label=f"roof: {name} {bw:.3g} TB/s, GEMM {ceil['gemm_TFLOPs']:.4g} TFLOP/s")
+    for key in sorted({(r["model"], r["weights"], r["kv_dtype"]) for r in rows}):
+        sel = [r for r in rows if (r["model"], r["weights"], r["kv_dtype"]) == key]
+        ax.scatter([r["intensity_flop_per_byte"] for r in sel],
+                   [r["achieved_TFLOPs"] for r in sel], label="/".join(key), zorder=3)
+        for r in sel:
+            ax.annotate(f"B{r['batch']} C{r['context']}", (r["intensity_flop_per_byte"],
+                        r["achieved_TFLOPs"]), fontsize=6, xytext=(3, 3),
+                        textcoords="offset points")
+    ax.set(xscale="log", yscale="log", xlabel="arithmetic intensity (FLOP / byte moved)",
+           ylabel="achieved TFLOP/s", title=f"decode roofline, {result['device']}")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
