@@ -37,6 +37,8 @@ def add_engine_args(p: argparse.ArgumentParser):
     g.add_argument("--attention", choices=("auto", "reference", "pallas"), default="auto",
                    help="attention implementation (auto: Pallas on GPU, jnp reference on CPU)")
     g.add_argument("--tensor-parallel", type=int, default=1, help="GPUs to shard the model over")
+    g.add_argument("--unroll-layers", action="store_true",
+                   help="unroll the layer loop (longer compiles; no per-layer weight slicing)")
 
 
 def engine_config_from_args(args):
@@ -49,7 +51,7 @@ def engine_config_from_args(args):
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         dtype=dtype, weights=args.weights, kv_dtype=args.kv_dtype,
         attention_impl=args.attention, enable_prefix_caching=not args.no_prefix_caching,
-        tensor_parallel=args.tensor_parallel)
+        tensor_parallel=args.tensor_parallel, unroll_layers=args.unroll_layers)
 
 
 def add_sampling_args(p: argparse.ArgumentParser):

@@ -177,6 +177,7 @@ class EngineConfig:
     attention_impl: str = "auto"  # "auto": Pallas on GPU, plain-jnp reference elsewhere
     enable_prefix_caching: bool = True
     tensor_parallel: int = 1
+    unroll_layers: bool = False   # Python loop over layers instead of lax.scan (see model.py)
     seed: int = 0
 
     def __post_init__(self):

@@ -12,5 +12,6 @@ def load_model(model: str, engine_cfg: EngineConfig):
 
     dtype = jnp.dtype(engine_cfg.dtype)
     cfg, flat, tokenizer = load_checkpoint(model, dtype=dtype, seed=engine_cfg.seed)
-    graphdef, params = build_model(cfg, flat, dtype, fp8=engine_cfg.weights == "fp8")
+    graphdef, params = build_model(cfg, flat, dtype, fp8=engine_cfg.weights == "fp8",
+                                   unroll_layers=engine_cfg.unroll_layers)
     return cfg, graphdef, params, tokenizer

@@ -131,9 +131,13 @@ class DecoderLayer(nnx.Module):
 
 
 class Decoder(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, fp8=False):
-        """fp8: decoder-layer linears hold FP8 weights (embeddings, norms, LM head stay)."""
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, fp8=False,
+                 unroll_layers=False):
+        """fp8: decoder-layer linears hold FP8 weights (embeddings, norms, LM head stay).
+        unroll_layers: a Python loop over layers (static weight slices) instead of lax.scan:
+        longer compiles, and XLA sees each layer's weights at a fixed offset."""
         self.cfg = cfg
+        self.unroll_layers = unroll_layers
         self.embed = nnx.Param(_normal(rngs, (cfg.vocab_size, cfg.hidden_size), dtype))  # [V, E]
         self.layers = DecoderLayer(cfg, rngs=rngs, stack=(cfg.num_layers,), dtype=dtype, fp8=fp8)
         self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
@@ -154,8 +158,13 @@ class Decoder(nnx.Module):
             h, kv = nnx.merge(graphdef, layer_state)(h, kv, layer, md, cos, sin, attn_impl)
             return (h, kv), None
 
-        layer_ids = jnp.arange(self.cfg.num_layers, dtype=jnp.int32)
-        (x, kv), _ = jax.lax.scan(body, (x, kv), (state, layer_ids))
+        if self.unroll_layers:
+            for i in range(self.cfg.num_layers):
+                (x, kv), _ = body((x, kv), (jax.tree_util.tree_map(lambda a: a[i], state),
+                                            jnp.int32(i)))
+        else:
+            layer_ids = jnp.arange(self.cfg.num_layers, dtype=jnp.int32)
+            (x, kv), _ = jax.lax.scan(body, (x, kv), (state, layer_ids))
         return self.final_norm(x), kv
 
     def logits(self, h):

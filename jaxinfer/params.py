@@ -63,17 +63,18 @@ def fused_tree(cfg: ModelConfig, flat: Mapping[str, object], fp8: bool = False) 
     return tree
 
 
-def abstract_model(cfg: ModelConfig, dtype, fp8: bool = False
+def abstract_model(cfg: ModelConfig, dtype, fp8: bool = False, unroll_layers: bool = False
                    ) -> tuple[nnx.GraphDef, nnx.State]:
     return nnx.split(nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0), dtype=dtype,
-                                                    fp8=fp8)))
+                                                    fp8=fp8, unroll_layers=unroll_layers)))
 
 
 def build_model(cfg: ModelConfig, flat: Mapping[str, object], dtype=jnp.float32,
-                fp8: bool = False) -> tuple[nnx.GraphDef, nnx.State]:
+                fp8: bool = False, unroll_layers: bool = False
+                ) -> tuple[nnx.GraphDef, nnx.State]:
     """The decoder's (graphdef, state) holding `flat`'s weights in `dtype` (linears in FP8
     when fp8). The state is what the jitted step takes as its params argument."""
-    graphdef, abstract = abstract_model(cfg, dtype, fp8)
+    graphdef, abstract = abstract_model(cfg, dtype, fp8, unroll_layers)
     tree = fused_tree(cfg, flat, fp8)
     want = nnx.to_pure_dict(abstract)
 

@@ -78,3 +78,14 @@ def test_fp8_weights_close_to_float():
     # e4m3 keeps 3 mantissa bits: ~2-3% relative error per weight, averaging down in dots.
     assert err < 0.08, err
     assert err > 1e-6, "FP8 path returned the float result: weights were not quantized"
+
+
+def test_unrolled_layers_equal_scanned():
+    cfg = standard_config("tiny")
+    flat = random_flat(cfg, seed=4)
+    tokens = np.random.default_rng(3).integers(0, cfg.vocab_size, 11).astype(np.int32)
+    md = single_sequence_md(range(11), [3, 1, 2], 4, 8)
+    engine = EngineConfig(page_size=4, max_model_len=32, max_num_seqs=1)
+    got = [ModelRunner(cfg, engine, *build_model(cfg, flat, jnp.float32, unroll_layers=u))
+           .all_logits(tokens, md) for u in (False, True)]
+    np.testing.assert_allclose(got[1], got[0], atol=1e-5, rtol=1e-5)
