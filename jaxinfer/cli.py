@@ -110,7 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("prompt", nargs="?", help="prompt text")
     g.add_argument("--chat", action="store_true",
                    help="wrap PROMPT as a user message in the model's chat template")
-    g.add_argument("--input", help="JSONL of requests: {prompt|messages, [id], [sampling fields]}")
+    g.add_argument("--input", help="JSONL of requests: {prompt|messages|prompt_token_ids, [id], "
+                                   "[sampling fields]}")
     g.add_argument("--output", help="JSONL results, appended as each request finishes; "
                                     "re-running skips ids already there")
     add_engine_args(g)
@@ -125,6 +126,19 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--weights", choices=("bf16", "fp8"), default="bf16",
                    help="store linear weights as-is or quantized to FP8 e4m3")
     c.set_defaults(func=cmd_convert)
+
+    from serve.cli import add_client_arguments, add_serve_arguments, run_client, run_serve
+    s = sub.add_parser("serve", help="serve a model over gRPC (streaming, health, reflection, "
+                                     "metrics)",
+                       description="Serve --model over gRPC (jaxinfer.v1.Inference, "
+                                   "grpc.health.v1, reflection); Prometheus metrics on "
+                                   "--metrics-port.")
+    add_serve_arguments(s)
+    s.set_defaults(func=run_serve)
+    cl = sub.add_parser("client", help="stream a completion from a jaxinfer server",
+                        description="Send PROMPT to a jaxinfer server and stream the answer.")
+    add_client_arguments(cl)
+    cl.set_defaults(func=run_client)
 
     from bench.cli import add_bench_arguments, run_bench
     b = sub.add_parser("bench", help="benchmark suites: compile, decode, fusion, prefill",

@@ -1,0 +1,145 @@
+"""`jaxinfer serve` and `jaxinfer client`: argparse setup and the two commands.
+
+Wired into jaxinfer/cli.py (`add_serve_arguments` + `run_serve`, `add_client_arguments` +
+`run_client`); `python -m serve.server ...` runs the same `serve` command without it.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+from pathlib import Path
+
+TOKEN_ENV = "JAXINFER_AUTH_TOKEN"
+
+
+def _token(args) -> str | None:
+    """The bearer token: from --auth-token-file, else $JAXINFER_AUTH_TOKEN (never argv,
+    where other users can read it)."""
+    if args.auth_token_file:
+        return Path(args.auth_token_file).read_text().strip() or None
+    return os.environ.get(TOKEN_ENV) or None
+
+
+def add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    from jaxinfer.cli import add_engine_args
+
+    add_engine_args(p)
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: all)")
+    g.add_argument("--port", type=int, default=50051, help="gRPC port (0: any free port)")
+    g.add_argument("--metrics-port", type=int, default=None,
+                   help="serve Prometheus metrics over HTTP on this port (default: off)")
+    g.add_argument("--max-waiting", type=int, default=256,
+                   help="requests waiting to be scheduled beyond this get RESOURCE_EXHAUSTED")
+    g.add_argument("--auth-token-file", default=None,
+                   help=f"require 'authorization: Bearer <token>' with the token in this file "
+                        f"(or in ${TOKEN_ENV})")
+    g.add_argument("--tls-cert", type=Path, default=None, help="PEM certificate chain (TLS)")
+    g.add_argument("--tls-key", type=Path, default=None, help="PEM private key (TLS)")
+    g.add_argument("--max-message-bytes", type=int, default=4 << 20,
+                   help="largest request or response message")
+    g.add_argument("--grace-period", type=float, default=30.0,
+                   help="seconds in-flight requests get to finish after SIGTERM")
+    g.add_argument("--log-prompts", action="store_true",
+                   help="log prompts (off by default: prompts may hold private data)")
+
+
+def serve_config_from_args(args):
+    from jaxinfer.errors import ConfigError
+    from serve.server import ServeConfig
+
+    if (args.tls_cert is None) != (args.tls_key is None):
+        raise ConfigError("--tls-cert and --tls-key go together")
+    if args.max_waiting < 1:
+        raise ConfigError(f"--max-waiting must be >= 1, got {args.max_waiting}")
+    return ServeConfig(host=args.host, port=args.port, metrics_port=args.metrics_port,
+                       max_waiting=args.max_waiting, auth_token=_token(args),
+                       tls_cert=args.tls_cert, tls_key=args.tls_key,
+                       max_message_bytes=args.max_message_bytes,
+                       grace_period_s=args.grace_period, log_prompts=args.log_prompts)
+
+
+def _engine_factory(args):
+    def make_engine():  # runs on the engine thread
+        from jaxinfer.cli import engine_config_from_args
+        from jaxinfer.engine import Engine
+
+        log = logging.getLogger("jaxinfer.serve")
+        engine = Engine.from_model(args.model, engine_config_from_args(args))
+        log.info("loaded %s; compiling %d buckets", args.model, len(engine.buckets.all_buckets()))
+        stats = engine.warmup(progress=False)
+        log.info("compiled %d buckets in %.1f s", stats["buckets"], stats["seconds"])
+        return engine
+
+    return make_engine
+
+
+def run_serve(args) -> int:
+    from serve.server import serve
+
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return asyncio.run(serve(serve_config_from_args(args), _engine_factory(args)))
+
+
+def add_client_arguments(p: argparse.ArgumentParser) -> None:
+    from jaxinfer.cli import add_sampling_args
+
+    p.add_argument("prompt", help="prompt text (or token ids with --token-ids: '1 15 27')")
+    p.add_argument("--target", default="127.0.0.1:50051", help="server host:port")
+    p.add_argument("--chat", action="store_true", help="send PROMPT as a user chat message")
+    p.add_argument("--token-ids", action="store_true",
+                   help="PROMPT is space-separated token ids (models without a tokenizer)")
+    p.add_argument("--tls-ca", type=Path, default=None,
+                   help="connect with TLS, trusting this PEM CA / self-signed certificate")
+    p.add_argument("--auth-token-file", default=None,
+                   help=f"bearer token file (or ${TOKEN_ENV})")
+    p.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
+    add_sampling_args(p)
+
+
+def run_client(args) -> int:
+    """Stream the answer to stdout as it arrives; usage goes to stderr."""
+    import grpc
+
+    from jaxinfer.cli import sampling_params_from_args
+    from serve.client import Client
+
+    if args.token_ids:
+        prompt = {"prompt_token_ids": [int(t) for t in args.prompt.split()]}
+    else:
+        prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
+    sampling = sampling_params_from_args(args)
+    try:
+        with Client(args.target, token=_token(args), tls_ca=args.tls_ca) as client:
+            for resp in client.generate(prompt, sampling, timeout=args.timeout):
+                # Models without a tokenizer stream no text: show their token ids.
+                sys.stdout.write("".join(f"{t} " for t in resp.token_ids) if args.token_ids
+                                 else resp.text)
+                sys.stdout.flush()
+                if resp.finish_reason:
+                    u = resp.usage
+                    print(f"\n[{Client.finish_reason(resp)}: {u.prompt_tokens} prompt + "
+                          f"{u.completion_tokens} completion tokens, TTFT {u.ttft_ms:.1f} ms, "
+                          f"total {u.e2e_ms:.1f} ms]", file=sys.stderr)
+    except grpc.RpcError as e:
+        print(f"\njaxinfer client: {e.code().name}: {e.details()}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def main(argv=None) -> int:
+    """`python -m serve.server` (before, or without, the jaxinfer CLI)."""
+    from jaxinfer.errors import JaxinferError
+
+    p = argparse.ArgumentParser(prog="python -m serve.server",
+                                description="Serve a model over gRPC (= `jaxinfer serve`).")
+    add_serve_arguments(p)
+    try:
+        return run_serve(p.parse_args(argv))
+    except JaxinferError as e:
+        print(f"jaxinfer serve: error: {e}", file=sys.stderr)
+        return 2

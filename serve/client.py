@@ -1,0 +1,136 @@
+"""A small Python client for the jaxinfer gRPC service.
+
+    from serve.client import Client
+    with Client("127.0.0.1:50051") as c:
+        for r in c.generate("The capital of France is", {"max_tokens": 16, "temperature": 0}):
+            print(r.text, end="", flush=True)
+        done = c.complete([{"role": "user", "content": "Hi!"}], {"max_tokens": 32})
+        done.text, done.token_ids, done.finish_reason, done.usage.ttft_ms
+
+A prompt is text, a list of chat messages ({"role", "content"}), a list of token ids or
+{"prompt_token_ids": [...]}. Sampling is a jaxinfer SamplingParams or a dict of its fields
+(sent as they are: the server validates them).
+"""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Iterator
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from serve import jaxinfer_pb2 as pb
+from serve import jaxinfer_pb2_grpc as pb_grpc
+
+FINISH_REASONS = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length",
+                  pb.FINISH_REASON_CANCELLED: "cancelled"}
+
+
+def _encode(s) -> bytes:
+    return s if isinstance(s, bytes) else s.encode("utf-8")
+
+
+def build_request(prompt, sampling=None, request_id: str | None = None) -> pb.GenerateRequest:
+    req = pb.GenerateRequest(request_id=request_id or "")
+    # SetInParent: an empty list is still sent as that kind of prompt (and rejected as empty).
+    if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+        req.token_ids.SetInParent()
+        req.token_ids.ids.extend(prompt["prompt_token_ids"])
+    elif isinstance(prompt, (str, bytes)):
+        req.text = _encode(prompt)
+    elif isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
+        req.messages.messages.extend(pb.ChatMessage(role=m["role"], content=_encode(m["content"]))
+                                     for m in prompt)
+    elif isinstance(prompt, (list, tuple)):
+        req.token_ids.SetInParent()
+        req.token_ids.ids.extend(prompt)
+    elif prompt is not None:
+        raise TypeError(f"unsupported prompt type {type(prompt).__name__}")
+    fields = dataclasses.asdict(sampling) if dataclasses.is_dataclass(sampling) else (sampling or {})
+    for name, value in fields.items():
+        if value is None:
+            continue
+        if name == "stop":
+            req.sampling.stop.extend(_encode(s) for s in ([value] if isinstance(value, str)
+                                                          else value))
+        elif name == "stop_token_ids":
+            req.sampling.stop_token_ids.extend(value)
+        else:
+            setattr(req.sampling, name, value)
+    return req
+
+
+def channel_credentials(tls_ca: Path | bytes | None) -> grpc.ChannelCredentials | None:
+    if tls_ca is None:
+        return None
+    pem = tls_ca if isinstance(tls_ca, bytes) else Path(tls_ca).read_bytes()
+    return grpc.ssl_channel_credentials(root_certificates=pem)
+
+
+def auth_metadata(token: str | None) -> tuple:
+    return (("authorization", f"Bearer {token}"),) if token else ()
+
+
+@dataclasses.dataclass
+class Completion:
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    usage: pb.Usage
+    logprobs: list[pb.TokenLogprobs]
+    request_id: str
+
+
+class Client:
+    def __init__(self, target: str = "127.0.0.1:50051", *, token: str | None = None,
+                 tls_ca: Path | bytes | None = None, max_message_bytes: int = 4 << 20,
+                 tls_server_name: str | None = None):
+        options = [("grpc.max_receive_message_length", max_message_bytes),
+                   ("grpc.max_send_message_length", max_message_bytes)]
+        if tls_server_name:
+            options.append(("grpc.ssl_target_name_override", tls_server_name))
+        creds = channel_credentials(tls_ca)
+        self.channel = (grpc.secure_channel(target, creds, options) if creds
+                        else grpc.insecure_channel(target, options))
+        self.stub = pb_grpc.InferenceStub(self.channel)
+        self._health = health_pb2_grpc.HealthStub(self.channel)
+        self._metadata = auth_metadata(token)
+
+    def generate(self, prompt, sampling=None, *, request_id: str | None = None,
+                 timeout: float | None = None) -> Iterator[pb.GenerateResponse]:
+        """Stream the responses; cancel() on the returned iterator aborts the request."""
+        return self.stub.Generate(build_request(prompt, sampling, request_id),
+                                  timeout=timeout, metadata=self._metadata)
+
+    def complete(self, prompt, sampling=None, **kw) -> Completion:
+        """Run a request to its end and join the streamed pieces."""
+        text, ids, logprobs, last = [], [], [], None
+        for last in self.generate(prompt, sampling, **kw):
+            text.append(last.text)
+            ids.extend(last.token_ids)
+            logprobs.extend(last.logprobs)
+        return Completion("".join(text), ids, self.finish_reason(last), last.usage, logprobs,
+                          last.request_id)
+
+    def model_info(self, timeout: float | None = None) -> pb.ModelInfoResponse:
+        return self.stub.ModelInfo(pb.ModelInfoRequest(), timeout=timeout,
+                                   metadata=self._metadata)
+
+    def health(self, service: str = "", timeout: float | None = 5.0) -> str:
+        """'SERVING', 'NOT_SERVING', ... (the grpc.health.v1 status name)."""
+        resp = self._health.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+
+    @staticmethod
+    def finish_reason(resp: pb.GenerateResponse) -> str | None:
+        return FINISH_REASONS.get(resp.finish_reason)
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

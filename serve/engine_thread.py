@@ -1,0 +1,171 @@
+"""The one thread that owns the Engine (which is not thread-safe).
+
+Other threads talk to it through a queue of commands (add, abort, stop) and get results back
+through each request's `sink`, a thread-safe callable (the gRPC layer passes one that hops onto
+its asyncio loop). The thread applies every pending command before each step, so an aborted
+request's pages are free for the very next step.
+
+"Waiting" here means handed in and not yet scheduled by any step: commands still in the queue
+plus requests the scheduler has not admitted. That count, bounded by `max_waiting`, is what
+`submit` refuses on (the server answers RESOURCE_EXHAUSTED).
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from typing import Callable
+
+from jaxinfer.errors import InvalidRequestError
+from jaxinfer.request import RequestStatus
+
+log = logging.getLogger("jaxinfer.serve")
+Sink = Callable[[object], None]  # receives RequestOutput | Exception, from the engine thread
+
+
+class EngineThread:
+    def __init__(self, make_engine: Callable[[], object], max_waiting: int,
+                 on_ready: Callable[[object], object] | None = None):
+        """`make_engine` loads (and warms up) the engine on this thread; `on_ready(engine)`
+        runs next, on this thread, and returns a step observer (`after_step(outputs, n)`)."""
+        self._make_engine, self._on_ready = make_engine, on_ready
+        self.max_waiting = max_waiting
+        self.engine = None
+        self.ready = threading.Event()     # set once the engine is loaded (or failed to)
+        self.error: BaseException | None = None
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._num_waiting = 0              # guarded by _lock
+        self._sinks: dict[str, Sink] = {}  # engine thread only
+        self._waiting: dict[str, float] = {}  # engine thread only: id -> submit time
+        self._observer = None
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+
+    # --- any thread ---------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    @property
+    def num_waiting(self) -> int:
+        return self._num_waiting
+
+    def submit(self, request_id: str, prompt, params, sink: Sink) -> bool:
+        """Hand a request in; False (and nothing queued) when the waiting queue is full."""
+        with self._lock:
+            if self._num_waiting >= self.max_waiting:
+                return False
+            self._num_waiting += 1
+        self._inbox.put(("add", request_id, prompt, params, sink, time.monotonic()))
+        return True
+
+    def abort(self, request_id: str, notify: bool = False) -> None:
+        """Cancel a request; with notify its sink gets the final (cancelled) output."""
+        self._inbox.put(("abort", request_id, notify))
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._inbox.put(("stop",))
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    # --- the engine thread --------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            self.engine = self._make_engine()
+            self._observer = self._on_ready(self.engine) if self._on_ready else None
+        except BaseException as e:  # reported by whoever waits on `ready`
+            self.error = e
+            self.ready.set()
+            return
+        self.ready.set()
+        while self._apply_commands(block=not self.engine.has_unfinished_requests()):
+            if self.engine.has_unfinished_requests():
+                self._step()
+            elif self._observer is not None:  # idle after aborts: show the freed pages
+                self._observer.gauges(self._num_waiting)
+
+    def _apply_commands(self, block: bool) -> bool:
+        """Apply every queued command (waiting for one if `block`); False on stop."""
+        try:
+            cmd = self._inbox.get() if block else self._inbox.get_nowait()
+            while True:
+                if cmd[0] == "stop":
+                    return False
+                getattr(self, "_" + cmd[0])(*cmd[1:])
+                cmd = self._inbox.get_nowait()
+        except queue.Empty:
+            return True
+
+    def _add(self, request_id, prompt, params, sink, submitted) -> None:
+        try:
+            self.engine.add_request(prompt, params, request_id)
+        except Exception as e:  # InvalidRequestError, or a bug the handler reports as INTERNAL
+            self._unwait(1)
+            if not isinstance(e, InvalidRequestError):
+                log.exception("add_request failed for %s", request_id)
+            _deliver(sink, e)
+            return
+        self._sinks[request_id] = sink
+        self._waiting[request_id] = submitted
+
+    def _abort(self, request_id, notify) -> None:
+        out = self.engine.abort_request(request_id)
+        if self._waiting.pop(request_id, None) is not None:
+            self._unwait(1)
+        sink = self._sinks.pop(request_id, None)
+        if notify and sink and out is not None:
+            _deliver(sink, out)
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as e:
+            log.exception("engine step failed; failing its %d requests", len(self._sinks))
+            self._fail_all(e)
+            return
+        self._note_admitted()
+        for out in outputs:
+            sink = self._sinks.get(out.request_id)
+            if out.finished:
+                self._sinks.pop(out.request_id, None)
+            if sink is not None:
+                _deliver(sink, out)
+        if self._observer is not None:
+            self._observer.after_step(outputs, self._num_waiting)
+
+    def _note_admitted(self) -> None:
+        """Requests a step has scheduled stop counting as waiting; their queue time ends."""
+        requests, now = self.engine.scheduler.requests, time.monotonic()
+        admitted = [rid for rid in self._waiting
+                    if rid not in requests or requests[rid].status != RequestStatus.WAITING]
+        for rid in admitted:
+            queued = now - self._waiting.pop(rid)
+            if self._observer is not None:
+                self._observer.queue_time(queued)
+        self._unwait(len(admitted))
+
+    def _fail_all(self, error: Exception) -> None:
+        for rid, sink in list(self._sinks.items()):
+            try:
+                self.engine.abort_request(rid)
+            except Exception:  # the engine may be broken; the request fails either way
+                pass
+            _deliver(sink, error)
+        self._unwait(len(self._waiting))
+        self._sinks.clear()
+        self._waiting.clear()
+
+    def _unwait(self, n: int) -> None:
+        with self._lock:
+            self._num_waiting -= n
+
+
+def _deliver(sink: Sink, item) -> None:
+    try:
+        sink(item)
+    except RuntimeError:  # the receiving loop is closed: the server is shutting down
+        pass

@@ -1,0 +1,271 @@
+"""The gRPC service against a real server subprocess (the tiny random model, token-id prompts,
+bearer-token auth on): equality with LLM.generate, cancellation, queue limit, bad inputs,
+health during startup, metrics."""
+import concurrent.futures as cf
+import json
+import random
+import secrets
+import time
+import urllib.request
+
+import grpc
+import numpy as np
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from jaxinfer.config import EngineConfig
+from jaxinfer.llm import LLM
+from jaxinfer.request import SamplingParams
+from serve.client import Client
+from serve.launcher import ServerProcess
+
+ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128, page_size=4,
+              dtype="float32")
+ENGINE_ARGS = ["--model", "tiny", "--max-num-seqs", "4", "--max-num-batched-tokens", "32",
+               "--max-model-len", "128", "--page-size", "4", "--dtype", "float32"]
+MAX_WAITING = 6
+TOKEN = secrets.token_hex(16)
+VOCAB = 512
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    token_file = tmp_path_factory.mktemp("auth") / "token"
+    token_file.write_text(TOKEN)
+    srv = ServerProcess([*ENGINE_ARGS, "--max-waiting", str(MAX_WAITING),
+                         "--auth-token-file", str(token_file)])
+    try:
+        srv.wait_listening()
+        with Client(srv.target, token=TOKEN) as c:
+            try:  # while the model loads
+                c.complete([5, 6, 7], {"max_tokens": 2}, timeout=10)
+                srv.early_code = grpc.StatusCode.OK
+            except grpc.RpcError as e:
+                srv.early_code = e.code()
+        srv.statuses = srv.wait_serving(timeout=240)
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture
+def client(server):
+    with Client(server.target, token=TOKEN) as c:
+        yield c
+
+
+def prompts(n, seed, lo=3, hi=30):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, VOCAB, rng.integers(lo, hi)).tolist() for _ in range(n)]
+
+
+def metrics(server) -> dict:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics",
+                                  timeout=5).read().decode()
+    return {s.name: s.value for fam in text_string_to_metric_families(text)
+            for s in fam.samples if not s.labels}
+
+
+def test_not_serving_until_ready(server):
+    assert server.statuses[0] == "NOT_SERVING" and server.statuses[-1] == "SERVING"
+    assert server.early_code == grpc.StatusCode.UNAVAILABLE
+
+
+def test_model_info(client):
+    info = client.model_info(timeout=10)
+    assert (info.model, info.context_length, info.vocab_size) == ("tiny", 128, VOCAB)
+    assert not info.has_tokenizer and info.max_waiting_requests == MAX_WAITING
+    assert len(info.buckets) >= 2 and any(b.decode_only for b in info.buckets)
+
+
+def test_stream_equals_llm_generate(server):
+    """Concurrent greedy and seeded streams give LLM.generate's tokens and finish reasons."""
+    ps = prompts(8, seed=random.randrange(1 << 30))
+    params = [SamplingParams(max_tokens=12, temperature=0.0) if i % 2 else
+              SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, top_k=50, seed=100 + i,
+                             logprobs=2) for i in range(len(ps))]
+    llm = LLM("tiny", engine_config=EngineConfig(**ENGINE))
+    want = llm.generate([{"prompt_token_ids": p} for p in ps], params, use_tqdm=False)
+    with Client(server.target, token=TOKEN) as c, cf.ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(lambda a: c.complete(*a, timeout=60), zip(ps, params)))
+    for g, w in zip(got, want):
+        assert g.token_ids == w.token_ids
+        assert g.finish_reason == str(w.finish_reason)
+        assert g.usage.prompt_tokens == len(w.prompt_token_ids)
+        assert g.usage.completion_tokens == len(w.token_ids)
+        if w.logprobs is not None:
+            assert [lp.token_id for lp in g.logprobs] == w.token_ids
+            np.testing.assert_allclose([lp.logprob for lp in g.logprobs],
+                                       [d[t] for d, t in zip(w.logprobs, w.token_ids)],
+                                       rtol=1e-4, atol=1e-4)
+
+
+def _cancel_after(target, prompt, n, rng):
+    """Stream, then cancel after n responses (or by a short deadline); True if it finished.
+    A full queue (aborts of this client's earlier streams may not have landed yet) is
+    retried, as the status tells clients to."""
+    with Client(target, token=TOKEN) as c:
+        for _ in range(100):
+            timeout = 60 if rng.random() < 0.8 else rng.uniform(0.02, 0.3)
+            stream = c.generate(prompt, {"max_tokens": 100, "temperature": 0.0}, timeout=timeout)
+            try:
+                if n == 0:
+                    stream.cancel()
+                for i, resp in enumerate(stream):
+                    if resp.finish_reason:
+                        return True
+                    if i + 1 >= n:
+                        stream.cancel()
+            except grpc.RpcError as e:
+                if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    time.sleep(0.05)
+                    continue
+                assert e.code() in (grpc.StatusCode.CANCELLED,
+                                    grpc.StatusCode.DEADLINE_EXCEEDED), e
+            return False
+    raise AssertionError("the queue stayed full")
+
+
+def _wait_idle(server, timeout=30.0) -> dict:
+    deadline, m = time.monotonic() + timeout, {}
+    while time.monotonic() < deadline:
+        m = metrics(server)
+        if (m["jaxinfer_kv_pages_used"], m["jaxinfer_requests_running"],
+                m["jaxinfer_requests_waiting"]) == (0, 0, 0):
+            return m
+        time.sleep(0.1)
+    return m
+
+
+def test_cancelled_streams_free_their_pages(server, client):
+    rng = random.Random(secrets.randbits(32))
+    ps = prompts(50, seed=rng.randrange(1 << 30))
+    cuts = [rng.randrange(0, 30) for _ in ps]
+    with cf.ThreadPoolExecutor(8) as pool:
+        finished = list(pool.map(lambda a: _cancel_after(server.target, *a, rng), zip(ps, cuts)))
+    assert not all(finished)
+    m = _wait_idle(server)
+    assert m["jaxinfer_kv_pages_used"] == 0 and m["jaxinfer_requests_running"] == 0
+    done = client.complete(ps[0], {"max_tokens": 5, "temperature": 0.0}, timeout=30)
+    assert done.finish_reason == "length" and len(done.token_ids) == 5
+
+
+def _one(target, prompt):
+    try:
+        with Client(target, token=TOKEN) as c:
+            done = c.complete(prompt, {"max_tokens": 40, "temperature": 0.0}, timeout=120)
+        return done.finish_reason, len(done.token_ids)
+    except grpc.RpcError as e:
+        return e.code(), 0
+
+
+def test_flood_beyond_queue_limit(server):
+    ps = prompts(40, seed=secrets.randbits(30))
+    with cf.ThreadPoolExecutor(40) as pool:
+        results = list(pool.map(lambda p: _one(server.target, p), ps))
+    rejected = [r for r in results if r[0] == grpc.StatusCode.RESOURCE_EXHAUSTED]
+    accepted = [r for r in results if r[0] != grpc.StatusCode.RESOURCE_EXHAUSTED]
+    assert rejected and accepted
+    assert all(r == ("length", 40) for r in accepted), results
+    assert _wait_idle(server)["jaxinfer_kv_pages_used"] == 0
+
+
+BAD = [  # (name, prompt, sampling, request_id, field)
+    ("temperature", [5, 6], {"temperature": -1.0}, "", "temperature"),
+    ("top_p", [5, 6], {"top_p": 0.0}, "", "top_p"),
+    ("top_k", [5, 6], {"top_k": -2}, "", "top_k"),
+    ("min_p", [5, 6], {"min_p": 1.5}, "", "min_p"),
+    ("max_tokens", [5, 6], {"max_tokens": 0}, "", "max_tokens"),
+    ("repetition_penalty", [5, 6], {"repetition_penalty": 0.0}, "", "repetition_penalty"),
+    ("presence_penalty", [5, 6], {"presence_penalty": 9.0}, "", "presence_penalty"),
+    ("frequency_penalty", [5, 6], {"frequency_penalty": -9.0}, "", "frequency_penalty"),
+    ("seed", [5, 6], {"seed": -1}, "", "seed"),
+    ("logprobs", [5, 6], {"logprobs": 21}, "", "logprobs"),
+    ("stop_token_ids", [5, 6], {"stop_token_ids": [-4]}, "", "stop_token_ids"),
+    ("stop utf8", [5, 6], {"stop": [b"\xff\xfe"]}, "", "stop"),
+    ("token id too big", [5, VOCAB], {}, "", "prompt_token_ids"),
+    ("negative token id", [5, -1], {}, "", "prompt_token_ids"),
+    ("prompt over context", list(range(3, 131)), {}, "", "prompt_token_ids"),
+    ("empty token ids", {"prompt_token_ids": []}, {}, "", "prompt_token_ids"),
+    ("no prompt", None, {}, "", "prompt"),
+    ("prompt utf8", b"caf\xc3", {}, "", "prompt"),
+    ("text without tokenizer", "hello", {}, "", "prompt"),
+    ("messages utf8", [{"role": "user", "content": b"\x80abc"}], {}, "", "messages"),
+    ("request id", [5, 6], {}, "bad\nid", "request_id"),
+]
+
+
+@pytest.mark.parametrize("name,prompt,sampling,rid,field", BAD, ids=[b[0] for b in BAD])
+def test_bad_input(client, name, prompt, sampling, rid, field):
+    with pytest.raises(grpc.RpcError) as e:
+        client.complete(prompt, sampling, request_id=rid or None, timeout=30)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
+    assert e.value.details().startswith(field), e.value.details()
+    assert ("jaxinfer-field", field) in tuple(e.value.trailing_metadata())
+
+
+def test_message_size_is_bounded(server):
+    with Client(server.target, token=TOKEN, max_message_bytes=64 << 20) as c:
+        with pytest.raises(grpc.RpcError) as e:
+            c.complete(b"a" * (5 << 20), {"max_tokens": 2}, timeout=30)
+    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+def test_duplicate_request_id(client):
+    stream = client.generate([7, 8, 9], {"max_tokens": 100}, request_id="dup", timeout=60)
+    next(stream)
+    with pytest.raises(grpc.RpcError) as e:
+        client.complete([7, 8], {"max_tokens": 2}, request_id="dup", timeout=30)
+    stream.cancel()
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert e.value.details().startswith("request_id")
+
+
+@pytest.mark.parametrize("token", [None, "wrong", TOKEN + "x"])
+def test_auth(server, token):
+    with Client(server.target, token=token) as c:
+        for call in (lambda: c.complete([5, 6], {"max_tokens": 2}, timeout=10),
+                     lambda: c.model_info(timeout=10)):
+            with pytest.raises(grpc.RpcError) as e:
+                call()
+            assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert c.health() == "SERVING"  # probes need no token
+
+
+def test_metrics(server, client):
+    client.complete([9, 10, 11, 12], {"max_tokens": 6, "temperature": 0.0}, timeout=30)
+    m = metrics(server)
+    for name in ("ttft_seconds", "inter_token_latency_seconds", "e2e_latency_seconds",
+                 "queue_time_seconds", "step_seconds"):
+        assert m[f"jaxinfer_{name}_count"] > 0, name
+    assert m["jaxinfer_output_tokens_total"] >= 6 and m["jaxinfer_compiles_total"] >= 1
+    assert m["jaxinfer_kv_pages_usable"] > 0 and m["jaxinfer_preemptions_total"] >= 0
+    assert m["jaxinfer_decode_hbm_bandwidth_bytes_per_second"] > 0
+    assert 0 <= m["jaxinfer_prefix_cache_hit_rate"] <= 1
+
+
+def test_serving_bench_smoke(server, tmp_path):
+    """bench/serving.py against this server: a tiny sweep writes the documented fields."""
+    from bench import serving
+
+    (tmp_path / "token").write_text(TOKEN)
+    out = tmp_path / "serving.json"
+    serving.main(["--target", server.target, "--auth-token-file", str(tmp_path / "token"),
+                  "--rates", "3,12", "--chat-rates", "6", "--duration", "1", "--prompt-len",
+                  "8,40", "--answer-len", "2,6", "--chat-system-len", "16", "--chat-user-len",
+                  "4,12", "--chat-answer-len", "4,10", "--out", str(out)])
+    saved = json.loads(out.read_text())
+    assert saved["suite"] == "serving" and saved["model"] == "tiny"
+    assert "max_rate_p99_e2e_under_500ms" in saved
+    assert [(r["workload"], r["rate"]) for r in saved["rows"]] == [
+        ("short", 3.0), ("short", 12.0), ("chat", 6.0)]
+    for r in saved["rows"]:
+        assert r["throughput_rps"] > 0 and r["ttft_p50_ms"] <= r["ttft_p99_ms"]
+        assert r["itl_p99_ms"] > 0 and r["e2e_p99_ms"] >= r["ttft_p50_ms"]
+
+
+def test_server_log_has_no_errors(server):
+    """Nothing above went down the INTERNAL path, and no prompt was logged."""
+    log = server.log()
+    assert "Traceback" not in log and " ERROR " not in log, log[-3000:]
+    assert "prompt not logged" in log
