@@ -67,6 +67,7 @@ def measure_case(runner, cfg, model: str, batch: int, context: int, ceil: dict,
     floor = max(byte_floor, flops / (ceil["gemm_TFLOPs"] * 1e12))
     return {"model": model, "weights": weights_name(runner.engine),
             "kv_dtype": dtype_name(runner.kv.k.dtype), "batch": batch, "context": context,
+            "unroll_layers": runner.engine.unroll_layers,
             "step_ms": round(synced * 1e3, 4), "step_ms_device": round(device * 1e3, 4),
             "tokens_per_s": round(batch / synced, 2),
             "tokens_per_s_device": round(batch / device, 2),
@@ -142,8 +143,12 @@ def plot_roofline(result: dict, path: str) -> str:
     for name, bw in (("read", ceil["read_TBps"]), ("copy", ceil["copy_TBps"])):
         ax.plot(xs, np.minimum(xs * bw, ceil["gemm_TFLOPs"]), "--",
                 label=f"roof: {name} {bw:.3g} TB/s, GEMM {ceil['gemm_TFLOPs']:.4g} TFLOP/s")
-    for key in sorted({(r["model"], r["weights"], r["kv_dtype"]) for r in rows}):
-        sel = [r for r in rows if (r["model"], r["weights"], r["kv_dtype"]) == key]
+    def series(r):  # rows of runs with --unroll-layers form their own series
+        return (r["model"], r["weights"], r["kv_dtype"]) + (
+            ("unrolled",) if r.get("unroll_layers") else ())
+
+    for key in sorted({series(r) for r in rows}):
+        sel = [r for r in rows if series(r) == key]
         ax.scatter([r["intensity_flop_per_byte"] for r in sel],
                    [r["achieved_TFLOPs"] for r in sel], label="/".join(key), zorder=3)
         for r in sel:
