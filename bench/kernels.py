@@ -2,30 +2,40 @@
 (jax.experimental.pallas.ops.gpu.paged_attention, [K, P, S, D] pages) vs the XLA reference,
 bf16 and FP8 KV, plus the cost of writing the step's new K/V (jaxinfer.kv_cache.write_kv).
 
-    python -m bench.kernels --out bench/results/paged_attention.json [--tune]
+    python -m bench.kernels --out bench/results/paged_attention.json [--tune] [--git SHA]
 
-Method (shared/BENCH.md): one process; ceilings measured in the same run; random data; each
-timed call runs the op over R page tables drawn from one large cache, R chosen so the bytes
-touched per call exceed 4x the 60 MB L2; calls are dispatched back to back and the median
-over repeats of (elapsed / ops) is reported. Bytes counted: K/V (+ FP8 scales) of every
-sequence's live tokens, q and the output. `--tune` first times candidate block sizes on the
-target shapes and prints them (the winners go into pallas_kernels/tuning.py by hand).
+FP8 KV has two kernel rows: `jaxinfer` (the tuned blocks: FP8 widened to f16) and
+`jaxinfer_bf16widen` (the same blocks widened to bf16, the earlier path); every FP8 row of
+either carries `vs_bf16_kv` (jaxinfer on bf16 KV of the same shape, same run / this). The
+three-way check of the f16 choice alone, ~2-3 minutes on an H200:
+
+    python -m bench.kernels --batches 1,64 --contexts 2048,8192,32768 \
+        --impls jaxinfer,jaxinfer_bf16widen --no-write-kv --out /tmp/paged_attention_fp8.json
+
+Method (shared/BENCH.md): one process; ceilings (bench/ceilings.py) measured in the same
+run; random data; each timed call runs the op over R page tables drawn from one large cache,
+R chosen so the bytes touched per call exceed 4x the 60 MB L2; calls are dispatched back to
+back and the median over repeats of (elapsed / ops) is reported. Bytes counted: K/V (+ FP8
+scales) of every sequence's live tokens, q and the output. `--tune` first times candidate
+block sizes (and, for FP8, both compute dtypes) on the target shapes and prints them (the
+winners go into pallas_kernels/tuning.py by hand).
 """
 from __future__ import annotations
 
 import argparse
-import datetime
+import dataclasses
 import functools
-import json
+import itertools
 import math
 import statistics
-import subprocess
 import sys
 import time
 
 import jax
 import jax.numpy as jnp
 
+from bench import ceilings
+from bench.common import new_result, parse_ints, save
 from jaxinfer.kv_cache import FP8_DTYPE, KVCache, write_kv
 from pallas_kernels import tuning
 from pallas_kernels.paged_attention import (paged_attention, paged_attention_blocks,
@@ -36,10 +46,13 @@ BATCHES, CONTEXTS = (1, 8, 64, 256), (512, 2048, 8192, 32768)
 MAX_TOKENS = 1 << 21       # B*S cap: 8.6 GB of bf16 KV per page-table set
 MAX_REF_TOKENS = 1 << 19   # the XLA reference materializes f32 K/V: keep it smaller
 TOUCH_BYTES = 256 << 20
+IMPLS = ("jaxinfer", "jaxinfer_bf16widen", "bundled", "xla_reference")
 
 
 def timed(fn, args, reps: int = 15, min_s: float = 2e-3) -> float:
-    """Seconds per call: median over reps of back-to-back dispatches lasting >= min_s."""
+    """Seconds per call: median over reps of back-to-back dispatches lasting >= min_s (one
+    block per batch of calls, unlike bench.common.timed's per call: a kernel's time without
+    the host round trip)."""
     jax.block_until_ready(fn(*args))
     t = time.perf_counter()
     jax.block_until_ready(fn(*args))
@@ -51,15 +64,6 @@ def timed(fn, args, reps: int = 15, min_s: float = 2e-3) -> float:
         jax.block_until_ready(outs)
         samples.append((time.perf_counter() - t) / n)
     return statistics.median(samples)
-
-
-def ceilings() -> dict:
-    x = jax.random.bits(jax.random.PRNGKey(1), (1 << 30,), jnp.uint32)  # 4 GiB
-    read = timed(jax.jit(lambda a: jnp.sum(a, dtype=jnp.uint32)), (x,))
-    copy = timed(jax.jit(lambda a: a[::-1]), (x,))
-    return {"read_TBps": round(x.nbytes / read / 1e12, 3),
-            "copy_TBps": round(2 * x.nbytes / copy / 1e12, 3),
-            "read_method": "XLA uint32 sum over 4 GiB", "copy_method": "XLA reverse, 4 GiB"}
 
 
 def make_case(batch: int, context: int, fp8: bool, key):
@@ -85,14 +89,26 @@ def bytes_moved(batch: int, context: int, fp8: bool) -> int:
     return kv + 2 * batch * HQ * D * 2
 
 
-def impls(fp8: bool, blocks=None):
-    """name -> f(q, k, v, ks, vs, table, lens) on the [1, K, P, S, D] cache, layer 0."""
+def tuned_blocks(batch: int, context: int, fp8: bool) -> tuning.DecodeBlocks:
+    return tuning.decode_blocks(batch, HKV, context, PAGE, 1 if fp8 else 2, D)
+
+
+def widened_bf16(blocks: tuning.DecodeBlocks) -> tuning.DecodeBlocks:
+    return dataclasses.replace(blocks, fp8_compute="bfloat16")
+
+
+def impls(fp8: bool, blocks: tuning.DecodeBlocks, tuned: bool = True):
+    """name -> f(q, k, v, ks, vs, table, lens) on the [1, K, P, S, D] cache, layer 0.
+    jaxinfer is the public entry (tuned blocks) unless `tuned` is False (a --tune
+    candidate); jaxinfer_bf16widen is `blocks` widening FP8 to bf16."""
     scale = D ** -0.5
 
-    def ours(q, k, v, ks, vs, t, n):
-        if blocks is None:
-            return paged_attention(q, k, v, 0, n, t, ks, vs, sm_scale=scale)
-        return paged_attention_blocks(q, k, v, 0, n, t, ks, vs, sm_scale=scale, blocks=blocks)
+    def ours(blk):
+        if blk is None:
+            return lambda q, k, v, ks, vs, t, n: paged_attention(
+                q, k, v, 0, n, t, ks, vs, sm_scale=scale)
+        return lambda q, k, v, ks, vs, t, n: paged_attention_blocks(
+            q, k, v, 0, n, t, ks, vs, sm_scale=scale, blocks=blk)
 
     def bundled(q, k, v, ks, vs, t, n):
         from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention as pa
@@ -101,7 +117,10 @@ def impls(fp8: bool, blocks=None):
 
     def ref(q, k, v, ks, vs, t, n):
         return paged_attention_reference(q, k, v, 0, n, t, ks, vs, sm_scale=scale)
-    return {"jaxinfer": ours, "bundled": bundled, "xla_reference": ref}
+    out = {"jaxinfer": ours(None if tuned else blocks)}
+    if fp8:
+        out["jaxinfer_bf16widen"] = ours(widened_bf16(blocks))
+    return {**out, "bundled": bundled, "xla_reference": ref}
 
 
 def rotated(fn):
@@ -115,27 +134,30 @@ def time_impl(fn, case) -> float:
     return timed(rotated(fn), (q, k, v, ks, vs, tables, lens)) / tables.shape[0]
 
 
-def bench_attention(batch, context, fp8, key) -> list[dict]:
+def bench_attention(batch, context, fp8, key, names, bf16_kv_s=None) -> list[dict]:
+    """Rows for the impls in `names`; FP8 jaxinfer rows get vs_bf16_kv from bf16_kv_s (the
+    jaxinfer time on bf16 KV of the same shape, this run)."""
     case = make_case(batch, context, fp8, key)
     nbytes = bytes_moved(batch, context, fp8)
+    blocks = tuned_blocks(batch, context, fp8)
     rows, times = [], {}
-    for name, fn in impls(fp8).items():
-        if name == "xla_reference" and batch * context > MAX_REF_TOKENS:
+    base = {"kv_dtype": "fp8" if fp8 else "bf16", "batch": batch, "context": context}
+    for name, fn in impls(fp8, blocks).items():
+        if name not in names or (name == "xla_reference" and batch * context > MAX_REF_TOKENS):
             continue
         try:
             times[name] = time_impl(fn, case)
         except Exception as e:  # a failing baseline must not sink the run: record it
-            rows.append({"impl": name, "kv_dtype": "fp8" if fp8 else "bf16", "batch": batch,
-                         "context": context, "error": f"{type(e).__name__}: {e}"[:300]})
+            rows.append({"impl": name, **base, "error": f"{type(e).__name__}: {e}"[:300]})
     for name, sec in times.items():
-        row = {"impl": name, "kv_dtype": "fp8" if fp8 else "bf16", "batch": batch,
-               "context": context, "us": round(sec * 1e6, 2),
+        row = {"impl": name, **base, "us": round(sec * 1e6, 2),
                "TBps": round(nbytes / sec / 1e12, 3)}
         if "bundled" in times:
             row["vs_bundled"] = round(times["bundled"] / sec, 3)
-        if name == "jaxinfer":
-            row["blocks"] = str(tuning.decode_blocks(batch, HKV, context, PAGE,
-                                                     1 if fp8 else 2, D))
+        if name.startswith("jaxinfer"):
+            row["blocks"] = str(blocks if name == "jaxinfer" else widened_bf16(blocks))
+            if fp8 and bf16_kv_s:
+                row["vs_bf16_kv"] = round(bf16_kv_s / sec, 3)
         rows.append(row)
     return rows
 
@@ -168,65 +190,59 @@ def bench_write_kv(batch: int, fp8: bool, key) -> dict:
 
 
 def tune(key) -> None:
-    """Time candidate block sizes on the target shapes; print, don't write."""
+    """Time candidate block sizes (FP8: both compute dtypes) on the target shapes; print,
+    don't write."""
     cands = [(32, 4, 4), (64, 4, 3), (128, 4, 3), (128, 8, 4)]
     for batch, context in ((64, 2048), (1, 32768)):
         for fp8 in (False, True):
             case = make_case(batch, context, fp8, key)
-            base = tuning.decode_blocks(batch, HKV, context, PAGE, 1 if fp8 else 2, D)
-            for tok, warps, stages in cands:
-                for splits in sorted({base.num_splits, 2 * base.num_splits if batch == 1
-                                      else base.num_splits}):
-                    blk = tuning.DecodeBlocks(tok, splits, warps, stages)
-                    try:
-                        sec = time_impl(impls(fp8, blk)["jaxinfer"], case)
-                        tbps = bytes_moved(batch, context, fp8) / sec / 1e12
-                        print(f"TUNE B={batch} S={context} fp8={fp8} {blk} "
-                              f"{sec * 1e6:.1f}us {tbps:.2f}TB/s", flush=True)
-                    except Exception as e:
-                        print(f"TUNE B={batch} S={context} fp8={fp8} {blk} failed: "
-                              f"{type(e).__name__}: {str(e)[:200]}", flush=True)
-
-
-def git_sha() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown (no commit yet)"
+            base = tuned_blocks(batch, context, fp8)
+            splits = sorted({base.num_splits, 2 * base.num_splits if batch == 1
+                             else base.num_splits})
+            computes = tuning.FP8_COMPUTE if fp8 else ("bfloat16",)
+            for (tok, warps, stages), n, comp in itertools.product(cands, splits, computes):
+                blk = tuning.DecodeBlocks(tok, n, warps, stages, comp)
+                label = f"TUNE B={batch} S={context} fp8={fp8} {blk}"
+                try:
+                    sec = time_impl(impls(fp8, blk, tuned=False)["jaxinfer"], case)
+                    tbps = bytes_moved(batch, context, fp8) / sec / 1e12
+                    print(f"{label} {sec * 1e6:.1f}us {tbps:.2f}TB/s", flush=True)
+                except Exception as e:
+                    print(f"{label} failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="bench/results/paged_attention.json")
+    ap.add_argument("--git", default=None, help="git sha to record (default: rev-parse HEAD)")
     ap.add_argument("--tune", action="store_true")
+    ap.add_argument("--batches", type=parse_ints, default=list(BATCHES))
+    ap.add_argument("--contexts", type=parse_ints, default=list(CONTEXTS))
+    ap.add_argument("--impls", type=lambda t: t.split(","), default=list(IMPLS),
+                    help=f"comma-separated subset of {','.join(IMPLS)}")
+    ap.add_argument("--no-write-kv", action="store_true", help="skip the write_kv rows")
     args = ap.parse_args(argv)
+    if set(args.impls) - set(IMPLS):
+        ap.error(f"unknown impls {sorted(set(args.impls) - set(IMPLS))}; known: {IMPLS}")
     key = jax.random.PRNGKey(0)
     if args.tune:
         tune(key)
-    result = {"suite": "paged_attention", "device": jax.devices()[0].device_kind,
-              "jax": jax.__version__, "git": git_sha(), "date": str(datetime.date.today()),
-              "command": "python -m bench.kernels " + " ".join(sys.argv[1:]),
-              "shape": {"Hq": HQ, "Hkv": HKV, "D": D, "page": PAGE},
-              "ceilings": ceilings(), "rows": []}
-    for batch in BATCHES:
-        for context in CONTEXTS:
+    result = new_result("paged_attention", args.git,
+                        command="python -m bench.kernels " + " ".join(sys.argv[1:]),
+                        shape={"Hq": HQ, "Hkv": HKV, "D": D, "page": PAGE},
+                        ceilings=ceilings.measure())
+    for batch in args.batches:
+        for context in args.contexts:
             if batch * context > MAX_TOKENS:
                 continue
-            for fp8 in (False, True):
-                save(result, bench_attention(batch, context, fp8, key), args.out)
-    for batch in BATCHES:
+            rows = bench_attention(batch, context, False, key, args.impls)
+            bf16_s = next((r["us"] * 1e-6 for r in rows
+                           if r["impl"] == "jaxinfer" and "us" in r), None)
+            save(result, args.out, rows + bench_attention(batch, context, True, key,
+                                                          args.impls, bf16_s))
+    for batch in [] if args.no_write_kv else args.batches:
         for fp8 in (False, True):
-            save(result, [bench_write_kv(batch, fp8, key)], args.out)
-
-
-def save(result: dict, rows: list[dict], path: str) -> None:
-    """Append rows and rewrite the file, so a run cut short still leaves its numbers."""
-    result["rows"] += rows
-    for r in rows:
-        print(json.dumps(r), flush=True)
-    with open(path, "w") as f:
-        json.dump(result, f, indent=1)
+            save(result, args.out, [bench_write_kv(batch, fp8, key)])
 
 
 if __name__ == "__main__":

@@ -10,12 +10,31 @@ context, and holds all G = H/K q heads of that kv head as the rows of one tile (
 rows for the tensor cores by repeating the last head), so each K/V page is read from HBM
 once. Per step it gathers `block_tokens` KV rows through the page table, computes
 logits = q k^T (f32 accumulate), runs the online softmax in f32 (base 2, scale folded in),
-and accumulates p v. FP8 K/V are widened to bf16 in registers (exact for e4m3); the K scale
-multiplies the logits column-wise and the V scale multiplies p column-wise, so the FP8
-bytes are the only bytes read. Full blocks run unmasked; only the tail block of a split
-masks positions >= seq_len (and zeroes their V rows, so stale slot contents never leak).
+and accumulates p v. Full blocks run unmasked; only the tail block of a split masks
+positions >= seq_len (and zeroes their V rows, so stale slot contents never leak).
 With splits > 1 each split writes its unnormalized accumulator and (max, sum); a small XLA
 combine merges them. Padded rows (seq_len 0) output zeros.
+
+FP8 KV: only the FP8 bytes and scales are read; K/V are widened in registers to the dtype
+`blocks.fp8_compute` names (pallas_kernels/tuning.py); scales are applied in f32 (K's per
+logit column after the dot, V's per p column before it).
+- "bfloat16": q and p * v_scale in bf16. Per-token work (widening, softmax bookkeeping), not
+  bytes, bounds it: 184 us at B=64 S=2048 (Hq 32, Hkv 8, D 128, page 16) vs 180 us bf16 KV.
+- "float16" (decode default): every e4m3 value (3 mantissa bits, 2^-9..448) is an f16
+  normal (10 bits, 2^-14..65504): widening is exact, and a cheap convert. Two normalizations
+  keep f16's narrow range safe. q is divided by its row's max |q| before the cast (|q| <= 1,
+  any magnitude works, nothing clipped); that max joins K's scale and the softmax scale on
+  the f32 logits (K needs none: |q8| <= 448, f32 accumulate). p * v_scale is divided by the
+  block's largest V scale and lifted by P_RANGE = 2^15 (<= 2^15 < 65504: no overflow); the
+  block's p v is multiplied back by max_scale / 2^15 in f32. A term stays an f16 normal while
+  p * v_scale / max_scale >= 2^-29: V magnitudes 1e6 apart in one block lose nothing (bare
+  p * v_scale would go subnormal below 6e-5). q and p round to 2^-11..2^-12 relative (bf16:
+  2^-8..2^-9), so this path is the more accurate (tests: scale stress cases ~3e-4 per
+  sequence with f32 q; bf16 widening ~2.3e-3). Speed PENDING a re-run of bench/kernels.py
+  (rows jaxinfer vs jaxinfer_bf16widen): the previous helper measured this scheme without
+  the normalizations (they add per block an [N] max, an [N] and an [M, D] multiply) at
+  B=64 S=2048 125.3 us (1.32-1.4x the bf16 path), B=1 S=32768 43.6 us, B=64 S=8192 410.9 us
+  (1.37x).
 
 Backend: the Pallas Triton backend, chosen because it compiles on jax 0.10.2 and 0.11.x and
 runs in interpret mode on the CPU for the tests; the numbers it reaches on the H200 are in
@@ -41,11 +60,28 @@ LOG2E = math.log2(math.e)
 M_INIT = -1e30  # finite, so an empty split combines to 0 instead of NaN
 MIN_ROWS = 16   # tensor-core tiles need 16 rows
 MIN_BLOCK_TOKENS = 16  # and 16 columns: Triton's dot with N = 8 returned doubled sums (H200)
+P_RANGE = 2.0 ** 15   # f16 path: p * v_scale / max scale is lifted to <= 2^15 < f16's 65504
 
 
-def compute_dtype(kv_dtype) -> jnp.dtype:
-    """The dtype K/V are widened to for the two dots (e4m3 -> bf16 is exact)."""
+def compute_dtype(kv_dtype, fp8_compute: str = "bfloat16") -> jnp.dtype:
+    """The dtype K/V are widened to for the two dots (e4m3 -> bf16 or f16 is exact)."""
+    if kv_dtype == FP8_DTYPE:
+        if fp8_compute not in tuning.FP8_COMPUTE:
+            raise ConfigError(f"fp8_compute {fp8_compute!r} is not one of {tuning.FP8_COMPUTE}")
+        return jnp.dtype(fp8_compute)
     return jnp.dtype(jnp.float32 if kv_dtype == jnp.float32 else jnp.bfloat16)
+
+
+def prepare_q(q, cdt, qk_scale: float):
+    """q [M, D] in the compute dtype, and the factor the f32 logits take: qk_scale, or for
+    f16 each row's max |q| times qk_scale ([M, 1]), q being divided by that max first so
+    any magnitude fits f16's range."""
+    if cdt != jnp.float16:
+        return q.astype(cdt), qk_scale
+    qf = q.astype(jnp.float32)
+    amax = jnp.max(jnp.maximum(qf, -qf), axis=1)
+    norm = jnp.where(amax > 0, amax, 1.0)
+    return (qf / norm[:, None]).astype(cdt), (norm * qk_scale)[:, None]
 
 
 def kv_rows(layer, kv_head, pages, slots, num_kv_heads: int, num_pages: int, page_size: int):
@@ -54,20 +90,21 @@ def kv_rows(layer, kv_head, pages, slots, num_kv_heads: int, num_pages: int, pag
     return ((layer * num_kv_heads + kv_head) * num_pages + pages) * page_size + slots
 
 
-def attend_block(q, k_ref, v_ref, ks_ref, vs_ref, rows, carry, *, qk_scale: float,
+def attend_block(q, k_ref, v_ref, ks_ref, vs_ref, rows, carry, *, logit_scale,
                  logit_mask=None, kv_valid=None):
-    """One online-softmax step over the KV rows `rows` [N]; q [M, D]; carry (m, l, acc) with
-    m, l [M] f32 in the base-2 domain and acc [M, D] f32. logit_mask [M|1, N] hides logits,
-    kv_valid [N] zeroes V rows (and their scales) that may hold stale data."""
+    """One online-softmax step over the KV rows `rows` [N]; q [M, D] in the compute dtype
+    and logit_scale (scalar or [M, 1]) from prepare_q; carry (m, l, acc) with m, l [M] f32 in
+    the base-2 domain and acc [M, D] f32. logit_mask [M|1, N] hides logits, kv_valid [N]
+    zeroes V rows (and their scales) that may hold stale data."""
     m, l, acc = carry
-    cdt = compute_dtype(k_ref.dtype)
+    cdt = q.dtype
     k = k_ref[rows].astype(cdt)
     v = v_ref[rows].astype(cdt)
     logits = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
                              preferred_element_type=jnp.float32)
     if ks_ref is not None:
         logits = logits * ks_ref[rows][None, :]
-    logits = logits * qk_scale
+    logits = logits * logit_scale
     if logit_mask is not None:
         logits = jnp.where(logit_mask, logits, -jnp.inf)
     if kv_valid is not None:
@@ -76,23 +113,37 @@ def attend_block(q, k_ref, v_ref, ks_ref, vs_ref, rows, carry, *, qk_scale: floa
     alpha = jnp.exp2(m - m_new)
     p = jnp.exp2(logits - m_new[:, None])
     l = l * alpha + jnp.sum(p, axis=1)
+    vs = None
     if vs_ref is not None:
         vs = vs_ref[rows]
         if kv_valid is not None:
             vs = jnp.where(kv_valid, vs, jnp.zeros_like(vs))
-        p = p * vs[None, :]
-    pv = jnp.dot(p.astype(cdt), v, preferred_element_type=jnp.float32)
-    return m_new, l, acc * alpha[:, None] + pv
+    return m_new, l, acc * alpha[:, None] + _weighted_values(p, v, vs)
+
+
+def _weighted_values(p, v, vs):
+    """p [M, N] f32 times V [N, D] (compute dtype) with V's per-token scales vs [N] (or None)
+    -> [M, D] f32. In f16, p * vs is taken relative to the block's largest scale (see the
+    module docstring) so it neither overflows nor underflows."""
+    cdt = v.dtype
+    if vs is None:
+        return jnp.dot(p.astype(cdt), v, preferred_element_type=jnp.float32)
+    if cdt != jnp.float16:
+        return jnp.dot((p * vs[None, :]).astype(cdt), v, preferred_element_type=jnp.float32)
+    vmax = jnp.maximum(jnp.max(vs), 1e-30)  # a block of only masked rows has vs == 0
+    pv = jnp.dot((p * (vs * (P_RANGE / vmax))[None, :]).astype(cdt), v,
+                 preferred_element_type=jnp.float32)
+    return pv * (vmax / P_RANGE)
 
 
 def _decode_kernel(layer_ref, lens_ref, table_ref, q_ref, k_ref, v_ref, *refs,
                    groups: int, rows_q: int, pages_per_seq: int, split_tokens: int,
                    blk, num_kv_heads: int, num_pages: int, page_size: int, num_heads: int,
-                   batch: int, qk_scale: float, fp8: bool):
+                   batch: int, qk_scale: float, fp8: bool, cdt):
     ks_ref, vs_ref, *outs = refs if fp8 else (None, None, *refs)
     b, h, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     heads = h * groups + jnp.minimum(jnp.arange(rows_q, dtype=jnp.int32), groups - 1)
-    q = q_ref[b * num_heads + heads].astype(compute_dtype(k_ref.dtype))
+    q, logit_scale = prepare_q(q_ref[b * num_heads + heads], cdt, qk_scale)
     seq_len = jnp.minimum(lens_ref[b], pages_per_seq * page_size)
     start = s * split_tokens
     n = jnp.clip(seq_len - start, 0, split_tokens)
@@ -107,7 +158,8 @@ def _decode_kernel(layer_ref, lens_ref, table_ref, q_ref, k_ref, v_ref, *refs,
         pages = table_ref[b * pages_per_seq + idx]
         rows = kv_rows(layer, h, pages, slots, num_kv_heads, num_pages, page_size)
         valid = (t0 + tok < seq_len) if masked else None
-        return attend_block(q, k_ref, v_ref, ks_ref, vs_ref, rows, carry, qk_scale=qk_scale,
+        return attend_block(q, k_ref, v_ref, ks_ref, vs_ref, rows, carry,
+                            logit_scale=logit_scale,
                             logit_mask=None if valid is None else valid[None, :],
                             kv_valid=valid)
 
@@ -189,7 +241,8 @@ def paged_attention_blocks(q, k_pages, v_pages, layer, seq_lens, page_table, k_s
         _decode_kernel, groups=groups, rows_q=rows_q, pages_per_seq=pages_per_seq,
         split_tokens=split_tokens, blk=blocks, num_kv_heads=kv_heads, num_pages=num_pages,
         page_size=page_size, num_heads=num_heads, batch=batch,
-        qk_scale=float(sm_scale) * LOG2E, fp8=k_pages.dtype == FP8_DTYPE)
+        qk_scale=float(sm_scale) * LOG2E, fp8=k_pages.dtype == FP8_DTYPE,
+        cdt=compute_dtype(k_pages.dtype, blocks.fp8_compute))
     n = blocks.num_splits
     if n == 1:
         out_shape = jax.ShapeDtypeStruct((batch * num_heads, head_dim), q.dtype)

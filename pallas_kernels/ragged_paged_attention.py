@@ -3,7 +3,8 @@ hits, mixed steps) over the paged KV cache, causal within the chunk.
 
 Token t attends to positions 0..positions[t] of sequence token_seq[t]; its own K/V are already
 in the cache (jaxinfer.kv_cache.write_kv runs first, a scatter of T*K*D elements). Cache
-layout, FP8 scales and the block step are those of pallas_kernels/paged_attention.py.
+layout, FP8 scales, the FP8 compute dtype (RaggedBlocks.fp8_compute, same numerics) and the
+block step are those of pallas_kernels/paged_attention.py.
 
 Kernel (Pallas Triton, like the decode kernel): grid (B, K, cdiv(T, block_q)). A program
 takes `block_q` consecutive new tokens of one sequence and all G q heads of one kv head as
@@ -32,13 +33,14 @@ from jaxinfer.errors import ConfigError
 from jaxinfer.kv_cache import FP8_DTYPE
 from pallas_kernels import tuning
 from pallas_kernels.paged_attention import (LOG2E, M_INIT, MIN_ROWS, attend_block, cache_views,
-                                            compute_dtype, gather_kv, kv_rows, validate)
+                                            compute_dtype, gather_kv, kv_rows, prepare_q,
+                                            validate)
 
 
 def _ragged_kernel(layer_ref, qstart_ref, pos_ref, table_ref, q_ref, k_ref, v_ref, *refs,
                    groups: int, groups_p2: int, rows_q: int, pages_per_seq: int, blk,
                    num_kv_heads: int, num_pages: int, page_size: int, num_heads: int,
-                   qk_scale: float, fp8: bool):
+                   qk_scale: float, fp8: bool, cdt):
     ks_ref, vs_ref, _, o_ref = refs if fp8 else (None, None, *refs)
     b, h, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     q0 = qstart_ref[b]
@@ -49,7 +51,7 @@ def _ragged_kernel(layer_ref, qstart_ref, pos_ref, table_ref, q_ref, k_ref, v_re
         r = jnp.arange(rows_q, dtype=jnp.int32)
         tokens = q0 + jnp.minimum(i * blk.block_q + r // groups_p2, q_len - 1)
         heads = h * groups + jnp.minimum(r % groups_p2, groups - 1)
-        q = q_ref[tokens * num_heads + heads].astype(compute_dtype(k_ref.dtype))
+        q, logit_scale = prepare_q(q_ref[tokens * num_heads + heads], cdt, qk_scale)
         pos = jnp.minimum(pos_ref[tokens], pages_per_seq * page_size - 1)  # [M]
         lo, hi = jnp.min(pos) + 1, jnp.max(pos) + 1
         bk = blk.block_tokens
@@ -64,10 +66,10 @@ def _ragged_kernel(layer_ref, qstart_ref, pos_ref, table_ref, q_ref, k_ref, v_re
             rows = kv_rows(layer, h, pages, slots, num_kv_heads, num_pages, page_size)
             if not masked:
                 return attend_block(q, k_ref, v_ref, ks_ref, vs_ref, rows, carry,
-                                    qk_scale=qk_scale)
+                                    logit_scale=logit_scale)
             t = t0 + tok
             return attend_block(q, k_ref, v_ref, ks_ref, vs_ref, rows, carry,
-                                qk_scale=qk_scale, logit_mask=t[None, :] <= pos[:, None],
+                                logit_scale=logit_scale, logit_mask=t[None, :] <= pos[:, None],
                                 kv_valid=t < hi)
 
         carry = (jnp.full((rows_q,), M_INIT, jnp.float32), jnp.zeros((rows_q,), jnp.float32),
@@ -104,7 +106,7 @@ def ragged_paged_attention_blocks(q, k_pages, v_pages, layer, md, k_scale=None, 
         rows_q=max(MIN_ROWS, groups_p2 * blocks.block_q), pages_per_seq=pages_per_seq,
         blk=blocks, num_kv_heads=kv_heads, num_pages=num_pages, page_size=page_size,
         num_heads=num_heads, qk_scale=float(sm_scale) * LOG2E,
-        fp8=k_pages.dtype == FP8_DTYPE)
+        fp8=k_pages.dtype == FP8_DTYPE, cdt=compute_dtype(k_pages.dtype, blocks.fp8_compute))
     views = cache_views(k_pages, v_pages, k_scale, v_scale)
     zeros = jnp.zeros((num_tokens * num_heads, head_dim), q.dtype)
     out = pl.pallas_call(
@@ -115,8 +117,8 @@ def ragged_paged_attention_blocks(q, k_pages, v_pages, layer, md, k_scale=None, 
                                              num_stages=blocks.num_stages),
         name="jaxinfer_ragged_paged_attention",
     )(jnp.asarray(layer, jnp.int32).reshape(1), md.query_start.astype(jnp.int32),
-      md.positions.astype(jnp.int32), md.page_table.astype(jnp.int32).reshape(-1), q.reshape(-1, head_dim),
-      *views, zeros)
+      md.positions.astype(jnp.int32), md.page_table.astype(jnp.int32).reshape(-1),
+      q.reshape(-1, head_dim), *views, zeros)
     return out.reshape(q.shape)
 
 

@@ -6,9 +6,15 @@ table (several blocks, several splits) and a padded row (seq_len 0). Interpret m
 CPU; the same cases marked gpu run compiled on the H200 (JAXINFER_TEST_GPU=1 -m gpu).
 
 Tolerance, relative L2 (‖out-ref‖/‖ref‖): 1e-2 for bf16 and FP8 KV. The reference reads the
-same quantized FP8 cache in f32; e4m3 widens to bf16 exactly, so the kernel's only extra
-rounding is q and p in bf16 for the tensor cores and the bf16 output (each ~2^-9 relative),
-the same as for bf16 KV. What FP8 costs against unquantized KV (3 mantissa bits, ~2^-4 per
+same quantized FP8 cache in f32; e4m3 widens to bf16 and f16 exactly, so the kernel's only
+extra rounding is q and p in the compute dtype for the tensor cores (bf16 ~2^-9, f16 ~2^-12
+relative) and the bf16 output, the same as for bf16 KV. FP8 cases run both compute dtypes
+(DecodeBlocks.fp8_compute). The scale stress cases (per-token magnitudes 1e-3..1e3, e4m3
+values at 448, |q| from 1e-6 to 2e5) use f32 q, so the output is not rounded to bf16, and
+check every sequence's own relative error: the f16 path < 4e-3 (it reaches ~3e-4 on them;
+without its max-scale normalization of p * v_scale the wide-V cases give ~7e-3, and q
+clipped to f16's range instead of normalized gives ~1e3 at |q| = 2e5 and ~1.2e-2 at 1e-6;
+bf16 widening ~2.3e-3). What FP8 costs against unquantized KV (3 mantissa bits, ~2^-4 per
 element, averaged over the context) is checked separately at 8e-2.
 """
 import jax
@@ -17,7 +23,7 @@ import numpy as np
 import pytest
 
 from jaxinfer.errors import ConfigError
-from jaxinfer.kv_cache import quantize_fp8
+from jaxinfer.kv_cache import FP8_DTYPE, quantize_fp8
 from pallas_kernels.paged_attention import (paged_attention, paged_attention_blocks,
                                             paged_attention_reference)
 from pallas_kernels.tuning import DecodeBlocks
@@ -33,6 +39,16 @@ def rel_err(out, ref):
     return np.linalg.norm(out - ref) / np.linalg.norm(ref)
 
 
+def row_rel_err(out, ref):
+    """The largest per-sequence (first axis) relative error, rows whose reference is all
+    zeros (padding) skipped: one global norm would hide a small row behind a large one."""
+    out, ref = (np.asarray(x, np.float32).reshape(x.shape[0], -1) for x in (out, ref))
+    assert np.all(np.isfinite(out)), "kernel output has NaN/inf"
+    norm = np.linalg.norm(ref, axis=1)
+    live = norm > 0
+    return np.max(np.linalg.norm(out - ref, axis=1)[live] / norm[live])
+
+
 def make_cache(rng, page_size, head_dim, kv_dtype, num_pages):
     """Random K/V pages [L, K, P, S, D] (+ per-token-head scales for FP8) and the bf16
     originals the FP8 pages were quantized from."""
@@ -44,6 +60,31 @@ def make_cache(rng, page_size, head_dim, kv_dtype, num_pages):
         return (kq, vq, ks, vs), (k, v)
     dt = jnp.float32 if kv_dtype == "f32" else jnp.bfloat16
     return (k.astype(dt), v.astype(dt), None, None), (k, v)
+
+
+def stress_cache(rng, q, shape, kind: str, q_mag: float):
+    """FP8 pages written directly (every token holds values up to e4m3's max 448) with
+    per-token magnitudes spread over 1e-3 .. 1e3, and q scaled by q_mag (K's scales by
+    1/q_mag, so logits stay O(1)). "wide_v": q rows are one direction w plus noise and token
+    t's K is a_t w with a_t = -ln(|V_t|) + noise, so p_t * |V_t| is of one order for every
+    token: small-V tokens carry most of the weight beside huge-V ones in the same block (the
+    f16 path's underflow case). "wide_k": random K and q, K magnitudes spread the same way."""
+    d = shape[-1]
+    mags = 10.0 ** rng.uniform(-3, 3, shape[:-1])                          # [L, K, P, S]
+    v8 = rng.uniform(-448, 448, shape)
+    vs = mags / 448 if kind == "wide_v" else rng.uniform(0.5, 1.5, shape[:-1]) / 448
+    w = np.sign(rng.standard_normal(d))
+    if kind == "wide_v":
+        a = -np.log(mags) + rng.standard_normal(mags.shape)
+        k8 = 448 * np.sign(a)[..., None] * w
+        ks = np.abs(a) / np.sqrt(d) / 448
+        q = w + 0.3 * rng.standard_normal(q.shape)
+    else:
+        k8, ks = rng.uniform(-448, 448, shape), 10.0 ** rng.uniform(-3, 3, shape[:-1]) / 448
+        q = rng.standard_normal(q.shape)
+    fp8 = (jnp.asarray(k8).astype(FP8_DTYPE), jnp.asarray(v8).astype(FP8_DTYPE),
+           jnp.asarray(ks / q_mag, jnp.float32), jnp.asarray(vs, jnp.float32))
+    return jnp.asarray(q * q_mag, jnp.float32), fp8
 
 
 def make_decode(seed, page_size, groups, head_dim, kv_dtype):
@@ -73,22 +114,24 @@ def run_pair(case, interpret, blocks=None, layer=1):
     return out, paged_attention_reference(*args, sm_scale=scale)
 
 
-# (page size, q heads per kv head, head dim, kv dtype, block tokens, splits)
+# (page size, q heads per kv head, head dim, kv dtype, block tokens, splits, fp8 compute)
+BF, HF = "bfloat16", "float16"
 GRID = [
-    (8, 1, 64, "bf16", 16, 1), (8, 4, 128, "fp8", 32, 2), (8, 8, 64, "bf16", 16, 3),
-    (16, 1, 128, "fp8", 16, 1), (16, 4, 64, "bf16", 32, 4), (16, 8, 128, "bf16", 64, 1),
-    (16, 8, 64, "fp8", 16, 2), (32, 4, 128, "bf16", 32, 2), (32, 1, 64, "fp8", 64, 1),
-    (32, 8, 128, "fp8", 32, 1), (16, 3, 64, "bf16", 16, 2), (8, 4, 64, "f32", 16, 2),
+    (8, 1, 64, "bf16", 16, 1, BF), (8, 4, 128, "fp8", 32, 2, HF), (8, 8, 64, "bf16", 16, 3, BF),
+    (16, 1, 128, "fp8", 16, 1, BF), (16, 4, 64, "bf16", 32, 4, BF),
+    (16, 8, 128, "bf16", 64, 1, BF), (16, 8, 64, "fp8", 16, 2, HF),
+    (32, 4, 128, "bf16", 32, 2, BF), (32, 1, 64, "fp8", 64, 1, BF),
+    (32, 8, 128, "fp8", 32, 1, HF), (16, 3, 64, "bf16", 16, 2, BF), (8, 4, 64, "f32", 16, 2, BF),
 ]
 
 
 @pytest.mark.parametrize("interpret", MODES)
-@pytest.mark.parametrize("page_size,groups,head_dim,kv_dtype,tokens,splits", GRID)
+@pytest.mark.parametrize("page_size,groups,head_dim,kv_dtype,tokens,splits,compute", GRID)
 def test_kernel_matches_reference(page_size, groups, head_dim, kv_dtype, tokens, splits,
-                                  interpret):
+                                  compute, interpret):
     seed = page_size * 1000 + groups * 100 + head_dim + tokens + splits
     case = make_decode(seed, page_size, groups, head_dim, kv_dtype)
-    out, ref = run_pair(case, interpret, DecodeBlocks(tokens, splits, 4, 2))
+    out, ref = run_pair(case, interpret, DecodeBlocks(tokens, splits, 4, 2, compute))
     assert out.shape == case[0].shape and out.dtype == case[0].dtype
     assert rel_err(out, ref) < (1e-3 if kv_dtype == "f32" else 1e-2)
     np.testing.assert_array_equal(np.asarray(out[-1], np.float32), 0.0)  # padded row
@@ -100,6 +143,23 @@ def test_public_entry_uses_tuned_blocks(kv_dtype, interpret):
     case = make_decode(7, 16, 4, 128, kv_dtype)
     out, ref = run_pair(case, interpret, layer=0)
     assert rel_err(out, ref) < 1e-2
+
+
+# (kind, q magnitude, fp8 compute; None = the public entry's tuned blocks)
+STRESS = [("wide_v", 1.0, None), ("wide_v", 2e5, HF), ("wide_v", 1e-6, HF), ("wide_k", 1.0, HF),
+          ("wide_v", 2e5, BF)]
+
+
+@pytest.mark.parametrize("interpret", MODES)
+@pytest.mark.parametrize("kind,q_mag,compute", STRESS)
+def test_fp8_scale_stress(kind, q_mag, compute, interpret):
+    """FP8 range corners for the f16 path's safeguards (see stress_cache); bf16 widening on
+    the same data for comparison (its logits round q to 8 bits: looser bound)."""
+    q, (k, _, _, _), lens, table, originals = make_decode(13, 16, 4, 128, "fp8")
+    q, cache = stress_cache(np.random.default_rng(17), q, k.shape, kind, q_mag)
+    blocks = None if compute is None else DecodeBlocks(32, 2, 4, 2, compute)
+    out, ref = run_pair((q, cache, lens, table, originals), interpret, blocks)
+    assert row_rel_err(out, ref) < (1e-2 if compute == BF else 4e-3)
 
 
 @pytest.mark.parametrize("interpret", MODES)
@@ -136,5 +196,8 @@ def test_bad_shapes_raise():
     with pytest.raises(ConfigError, match="block_tokens"):
         paged_attention_blocks(q, k, v, 0, lens, table, ks, vs, sm_scale=1.0,
                                blocks=DecodeBlocks(8, 1, 4, 2))
+    with pytest.raises(ConfigError, match="fp8_compute"):
+        paged_attention_blocks(q, k, v, 0, lens, table, ks, vs, sm_scale=1.0, interpret=True,
+                               blocks=DecodeBlocks(16, 1, 4, 2, "float8"))
     with pytest.raises(ConfigError, match="batch"):
         paged_attention(q, k, v, 0, lens[:2], table, ks, vs, sm_scale=1.0, interpret=True)

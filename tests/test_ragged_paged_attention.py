@@ -11,7 +11,8 @@ from pallas_kernels.ragged_paged_attention import (ragged_paged_attention,
                                                    ragged_paged_attention_blocks,
                                                    ragged_paged_attention_reference)
 from pallas_kernels.tuning import RaggedBlocks
-from test_paged_attention import KV_HEADS, MODES, PAGES_PER_SEQ, make_cache, rel_err
+from test_paged_attention import (BF, HF, KV_HEADS, MODES, PAGES_PER_SEQ, make_cache, rel_err,
+                                  row_rel_err, stress_cache)
 
 
 def make_ragged(seed, page_size, groups, head_dim, kv_dtype, q_lens, num_tokens):
@@ -41,27 +42,29 @@ def make_ragged(seed, page_size, groups, head_dim, kv_dtype, q_lens, num_tokens)
     return q, cache, md
 
 
-# (page size, q heads per kv head, head dim, kv dtype, block_q, block tokens, q_lens, T)
+# (page size, q heads per kv head, head dim, kv dtype, block_q, block tokens, q_lens, T,
+#  fp8 compute)
 GRID = [
-    (8, 4, 64, "bf16", 4, 16, [7, 1, 0, 12], 24),
-    (16, 1, 128, "fp8", 8, 32, [9, 3, 16], 32),
-    (32, 8, 64, "bf16", 2, 32, [5, 0, 1, 4], 12),
-    (16, 3, 64, "fp8", 4, 16, [6, 6], 16),
-    (8, 8, 128, "fp8", 16, 16, [20, 2], 24),
-    (32, 1, 64, "bf16", 16, 64, [33, 1], 40),
+    (8, 4, 64, "bf16", 4, 16, [7, 1, 0, 12], 24, BF),
+    (16, 1, 128, "fp8", 8, 32, [9, 3, 16], 32, HF),
+    (32, 8, 64, "bf16", 2, 32, [5, 0, 1, 4], 12, BF),
+    (16, 3, 64, "fp8", 4, 16, [6, 6], 16, BF),
+    (8, 8, 128, "fp8", 16, 16, [20, 2], 24, HF),
+    (32, 1, 64, "bf16", 16, 64, [33, 1], 40, BF),
 ]
 
 
 @pytest.mark.parametrize("interpret", MODES)
-@pytest.mark.parametrize("page_size,groups,head_dim,kv_dtype,block_q,tokens,q_lens,t", GRID)
+@pytest.mark.parametrize("page_size,groups,head_dim,kv_dtype,block_q,tokens,q_lens,t,compute",
+                         GRID)
 def test_kernel_matches_reference(page_size, groups, head_dim, kv_dtype, block_q, tokens,
-                                  q_lens, t, interpret):
+                                  q_lens, t, compute, interpret):
     q, (k, v, ks, vs), md = make_ragged(sum(q_lens) * page_size + groups, page_size, groups,
                                         head_dim, kv_dtype, q_lens, t)
     scale = head_dim ** -0.5
     args = (q, k, v, jnp.int32(1), md, ks, vs)
     out = ragged_paged_attention_blocks(*args, sm_scale=scale, interpret=interpret,
-                                        blocks=RaggedBlocks(block_q, tokens, 4, 2))
+                                        blocks=RaggedBlocks(block_q, tokens, 4, 2, compute))
     ref = ragged_paged_attention_reference(*args, sm_scale=scale)
     assert out.shape == q.shape and out.dtype == q.dtype
     assert rel_err(out, ref) < 1e-2
@@ -79,3 +82,18 @@ def test_public_entry_and_decode_agreement(interpret):
                                     sm_scale=scale)
     assert rel_err(out[:3], dec[:3]) < 1e-2
     np.testing.assert_array_equal(np.asarray(out[3], np.float32), 0.0)
+
+
+@pytest.mark.parametrize("interpret", MODES)
+@pytest.mark.parametrize("q_mag", [2e5, 1e-6])
+def test_fp8_scale_stress(q_mag, interpret):
+    """The f16 path's range corners (tests/test_paged_attention.py's stress_cache, wide V
+    scales) with causal chunks: every token's own relative error."""
+    q, (k, _, _, _), md = make_ragged(23, 16, 4, 128, "fp8", [12, 1, 0, 5], 20)
+    q, (k, v, ks, vs) = stress_cache(np.random.default_rng(29), q, k.shape, "wide_v", q_mag)
+    args = (q, k, v, jnp.int32(1), md, ks, vs)
+    out = ragged_paged_attention_blocks(*args, sm_scale=128 ** -0.5, interpret=interpret,
+                                        blocks=RaggedBlocks(8, 32, 4, 2, HF))
+    ref = ragged_paged_attention_reference(*args, sm_scale=128 ** -0.5)
+    assert row_rel_err(out, ref) < 4e-3
+    np.testing.assert_array_equal(np.asarray(out[18:]), 0.0)
