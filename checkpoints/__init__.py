@@ -18,7 +18,7 @@ def default_gguf_path() -> Path:
     return Path(list(spec.submodule_search_locations)[0]) / _DEFAULT_GGUF
 
 
-def load_checkpoint(source: str | Path, dtype=None, seed: int = 0):
+def load_checkpoint(source: str | Path, dtype=None, seed: int = 0, tensor_parallel: int = 1):
     """(ModelConfig, params, Tokenizer | None) from any supported source:
 
     "smollm2" (the embedded default), a .gguf file, an HF model dir (config.json +
@@ -26,7 +26,8 @@ def load_checkpoint(source: str | Path, dtype=None, seed: int = 0):
     ("llama-3-8b", "tiny", ...: random weights generated on the device, no tokenizer).
     File loaders return numpy arrays on the host; orbax and synthetic return jax arrays on the
     default device. `dtype` is the weights' dtype ("float32" or "bfloat16"); None keeps an
-    orbax checkpoint's saved dtypes and means float32 otherwise.
+    orbax checkpoint's saved dtypes and means float32 otherwise. Synthetic weights are
+    generated already sharded over `tensor_parallel` devices (jaxinfer.sharding).
     """
     import jax.numpy as jnp
 
@@ -54,9 +55,11 @@ def load_checkpoint(source: str | Path, dtype=None, seed: int = 0):
         return cfg, params, Tokenizer.from_file(tok_file) if tok_file.is_file() else None
     if (STANDARD_CONFIGS_DIR / f"{source}.json").is_file():
         from checkpoints.synthetic import synthetic_params
+        from jaxinfer.sharding import make_layout
 
         cfg = standard_config(str(source))
-        return cfg, synthetic_params(cfg, np_dtype, seed), None
+        layout = make_layout(cfg, tensor_parallel)
+        return cfg, synthetic_params(cfg, np_dtype, seed, layout), None
     shapes = sorted(p.stem for p in STANDARD_CONFIGS_DIR.glob("*.json"))
     raise ModelLoadError(f"no model at {source!r}: not a file or directory, and not "
                          f"{DEFAULT_MODEL!r} or a standard shape ({', '.join(shapes)})")

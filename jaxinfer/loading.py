@@ -1,17 +1,26 @@
-"""Model source + EngineConfig -> (ModelConfig, graphdef, params, tokenizer)."""
+"""Model source + EngineConfig -> (ModelConfig, graphdef, params, tokenizer).
+
+With tensor_parallel > 1 the weights go straight to their shards: file checkpoints are read
+to host memory and each device receives only its slices; synthetic weights (standard shapes)
+are generated already sharded, so no device ever holds a whole model.
+"""
 from __future__ import annotations
 
 import jax.numpy as jnp
 
 from jaxinfer.config import EngineConfig
 from jaxinfer.params import build_model
+from jaxinfer.sharding import make_layout
 
 
 def load_model(model: str, engine_cfg: EngineConfig):
     from checkpoints import load_checkpoint
 
     dtype = jnp.dtype(engine_cfg.dtype)
-    cfg, flat, tokenizer = load_checkpoint(model, dtype=dtype, seed=engine_cfg.seed)
+    cfg, flat, tokenizer = load_checkpoint(model, dtype=dtype, seed=engine_cfg.seed,
+                                           tensor_parallel=engine_cfg.tensor_parallel)
+    layout = make_layout(cfg, engine_cfg.tensor_parallel)
     graphdef, params = build_model(cfg, flat, dtype, fp8=engine_cfg.weights == "fp8",
-                                   unroll_layers=engine_cfg.unroll_layers)
+                                   unroll_layers=engine_cfg.unroll_layers, layout=layout,
+                                   consume=True)
     return cfg, graphdef, params, tokenizer

@@ -11,6 +11,10 @@ with `lax.scan`: one traced layer, so compile time does not grow with depth; the
 rides in the scan carry and is updated in place (the step donates it).
 
 Linear weights are [in, out] (y = x @ w); q/k/v and gate/up are fused into single matmuls.
+Under tensor parallelism (`layout`, see sharding.py) the fused outputs are laid out
+shard-major — [n shards, (own q, k, v heads)] and [n, (own gate, up)] — and split after a
+reshape to [T, n, ...], so each device keeps its own heads and GSPMD moves nothing; n=1 is
+the plain [q | k | v] and [gate | up] layout.
 """
 from __future__ import annotations
 
@@ -22,6 +26,7 @@ from flax import nnx
 from jaxinfer import ops
 from jaxinfer.config import ModelConfig
 from jaxinfer.kv_cache import FP8_DTYPE, AttentionMetadata, KVCache, write_kv
+from jaxinfer.sharding import TPLayout
 
 
 def _normal(rngs: nnx.Rngs, shape, dtype, std=0.02):
@@ -41,10 +46,12 @@ class RMSNorm(nnx.Module):
 
 class Linear(nnx.Module):
     """y = x @ kernel (+ bias). `kernel` is [in, out] in the compute dtype, or with fp8=True
-    e4m3 [out, in] (checkpoints.fp8.quantize_linear's layout) with a per-channel `scale`."""
+    e4m3 [out, in] (checkpoints.fp8.quantize_linear's layout) with a per-channel `scale`.
+    parallel: (layout, "col" | "row") when the kernel is sharded (FP8 runs per shard)."""
 
     def __init__(self, din: int, dout: int, *, rngs: nnx.Rngs, stack=(), bias=False,
-                 dtype=jnp.float32, fp8=False):
+                 dtype=jnp.float32, fp8=False, parallel=None):
+        self.parallel = parallel
         if fp8:
             self.kernel = nnx.Param(jnp.zeros(stack + (dout, din), FP8_DTYPE))
             self.scale = nnx.Param(jnp.ones(stack + (dout,), jnp.float32))
@@ -56,7 +63,7 @@ class Linear(nnx.Module):
     def __call__(self, x):
         scale = None if self.scale is None else self.scale[...]
         bias = None if self.bias is None else self.bias[...]
-        return ops.linear(x, self.kernel[...], scale, bias)
+        return ops.linear(x, self.kernel[...], scale, bias, parallel=self.parallel)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
@@ -84,45 +91,60 @@ def apply_rope(x, cos, sin):
     return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)
 
 
+def _parallel(layout: TPLayout, shards: int, kind: str):
+    return (layout, kind) if shards > 1 else None
+
+
 class Attention(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, rngs, stack=(), dtype=jnp.float32, fp8=False):
-        self.cfg = cfg
+    def __init__(self, cfg: ModelConfig, *, rngs, stack=(), dtype=jnp.float32, fp8=False,
+                 layout: TPLayout = TPLayout()):
+        self.cfg, self.layout = cfg, layout
+        n = layout.attn
         self.wqkv = Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, rngs=rngs, stack=stack,
-                           bias=cfg.qkv_bias, dtype=dtype, fp8=fp8)
+                           bias=cfg.qkv_bias, dtype=dtype, fp8=fp8,
+                           parallel=_parallel(layout, n, "col"))
         self.wo = Linear(cfg.q_size, cfg.hidden_size, rngs=rngs, stack=stack, dtype=dtype,
-                         fp8=fp8)
+                         fp8=fp8, parallel=_parallel(layout, n, "row"))
 
     def __call__(self, x, kv: KVCache, layer, md: AttentionMetadata, cos, sin, attn_impl):
-        cfg = self.cfg
+        cfg, n = self.cfg, self.layout.attn
         t = x.shape[0]
-        qkv = self.wqkv(x)                                              # [T, (H+2K)D]
-        q, k, v = jnp.split(qkv, [cfg.q_size, cfg.q_size + cfg.kv_size], axis=-1)
+        qkv = self.wqkv(x).reshape(t, n, -1)                            # [T, n, (H+2K)D/n]
+        hq, hk = cfg.q_size // n, cfg.kv_size // n
+        q, k, v = jnp.split(qkv, [hq, hq + hk], axis=-1)
         q = apply_rope(q.reshape(t, cfg.num_heads, cfg.head_dim), cos, sin)     # [T, H, D]
         k = apply_rope(k.reshape(t, cfg.num_kv_heads, cfg.head_dim), cos, sin)  # [T, K, D]
         v = v.reshape(t, cfg.num_kv_heads, cfg.head_dim)                        # [T, K, D]
         kv = write_kv(kv, layer, k, v, md.slot_mapping)
-        o = ops.attention(q, kv, layer, md, sm_scale=cfg.head_dim ** -0.5, impl=attn_impl)
+        o = ops.attention(q, kv, layer, md, sm_scale=cfg.head_dim ** -0.5, impl=attn_impl,
+                          layout=self.layout)
         return self.wo(o.reshape(t, cfg.q_size)), kv
 
 
 class MLP(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, rngs, stack=(), dtype=jnp.float32, fp8=False):
+    def __init__(self, cfg: ModelConfig, *, rngs, stack=(), dtype=jnp.float32, fp8=False,
+                 layout: TPLayout = TPLayout()):
+        self.shards = m = layout.mlp
         self.w_gateup = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, rngs=rngs,
-                               stack=stack, dtype=dtype, fp8=fp8)
+                               stack=stack, dtype=dtype, fp8=fp8,
+                               parallel=_parallel(layout, m, "col"))
         self.w_down = Linear(cfg.intermediate_size, cfg.hidden_size, rngs=rngs, stack=stack,
-                             dtype=dtype, fp8=fp8)
+                             dtype=dtype, fp8=fp8, parallel=_parallel(layout, m, "row"))
 
     def __call__(self, x):
-        gate, up = jnp.split(self.w_gateup(x), 2, axis=-1)              # [T, F] each
+        t = x.shape[0]
+        gu = self.w_gateup(x).reshape(t, self.shards, 2, -1)            # [T, m, 2, F/m]
+        gate, up = gu[:, :, 0].reshape(t, -1), gu[:, :, 1].reshape(t, -1)  # [T, F] each
         return self.w_down(jax.nn.silu(gate) * up)
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, rngs, stack=(), dtype=jnp.float32, fp8=False):
+    def __init__(self, cfg: ModelConfig, *, rngs, stack=(), dtype=jnp.float32, fp8=False,
+                 layout: TPLayout = TPLayout()):
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, stack=stack, dtype=dtype)
-        self.attn = Attention(cfg, rngs=rngs, stack=stack, dtype=dtype, fp8=fp8)
+        self.attn = Attention(cfg, rngs=rngs, stack=stack, dtype=dtype, fp8=fp8, layout=layout)
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, stack=stack, dtype=dtype)
-        self.mlp = MLP(cfg, rngs=rngs, stack=stack, dtype=dtype, fp8=fp8)
+        self.mlp = MLP(cfg, rngs=rngs, stack=stack, dtype=dtype, fp8=fp8, layout=layout)
 
     def __call__(self, x, kv, layer, md, cos, sin, attn_impl):
         h, kv = self.attn(self.attn_norm(x), kv, layer, md, cos, sin, attn_impl)
@@ -132,14 +154,16 @@ class DecoderLayer(nnx.Module):
 
 class Decoder(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, fp8=False,
-                 unroll_layers=False):
+                 unroll_layers=False, layout: TPLayout = TPLayout()):
         """fp8: decoder-layer linears hold FP8 weights (embeddings, norms, LM head stay).
         unroll_layers: a Python loop over layers (static weight slices) instead of lax.scan:
-        longer compiles, and XLA sees each layer's weights at a fixed offset."""
+        longer compiles, and XLA sees each layer's weights at a fixed offset.
+        layout: the tensor-parallel split (sharding.py); the weights' placement must match."""
         self.cfg = cfg
-        self.unroll_layers = unroll_layers
+        self.unroll_layers, self.layout = unroll_layers, layout
         self.embed = nnx.Param(_normal(rngs, (cfg.vocab_size, cfg.hidden_size), dtype))  # [V, E]
-        self.layers = DecoderLayer(cfg, rngs=rngs, stack=(cfg.num_layers,), dtype=dtype, fp8=fp8)
+        self.layers = DecoderLayer(cfg, rngs=rngs, stack=(cfg.num_layers,), dtype=dtype, fp8=fp8,
+                                   layout=layout)
         self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(
             cfg.hidden_size, cfg.vocab_size, rngs=rngs, dtype=dtype)

@@ -2,13 +2,20 @@
 
 `impl` is static ("reference" | "pallas"; EngineConfig's "auto" is resolved by
 `resolve_attention_impl` before tracing): changing it means a different compiled step.
+
+Tensor parallelism (sharding.py): GSPMD cannot partition a Pallas kernel, so on a mesh the
+kernels (and, for one code path, their references) run under `shard_map`: attention on its
+device's kv heads (all of them when attention is replicated), FP8 linears on their weight
+shard — a row-parallel one sums its partial products across the mesh itself.
 """
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from jaxinfer.kv_cache import FP8_DTYPE, AttentionMetadata, KVCache
+from jaxinfer.sharding import AXIS, TPLayout, kv_spec
 
 
 def resolve_attention_impl(impl: str) -> str:
@@ -17,8 +24,20 @@ def resolve_attention_impl(impl: str) -> str:
     return "pallas" if jax.default_backend() == "gpu" else "reference"
 
 
-def attention(q, kv: KVCache, layer, md: AttentionMetadata, *, sm_scale: float, impl: str):
+def attention(q, kv: KVCache, layer, md: AttentionMetadata, *, sm_scale: float, impl: str,
+              layout: TPLayout = TPLayout()):
     """q [T, H, D] over the paged cache (the new tokens' K/V already written) -> [T, H, D]."""
+    if layout.size == 1:
+        return _attention(q, kv, layer, md, sm_scale=sm_scale, impl=impl)
+    heads = P(None, AXIS) if layout.attn > 1 else P()      # q/out [T, H, D] and the cache
+    fn = jax.shard_map(lambda q, kv, layer, md: _attention(q, kv, layer, md, sm_scale=sm_scale,
+                                                            impl=impl),
+                       mesh=layout.mesh, in_specs=(heads, kv_spec(layout), P(), P()),
+                       out_specs=heads, check_vma=False)
+    return fn(q, kv, layer, md)
+
+
+def _attention(q, kv: KVCache, layer, md: AttentionMetadata, *, sm_scale: float, impl: str):
     from pallas_kernels import paged_attention as pa
     from pallas_kernels import ragged_paged_attention as rpa
 
@@ -33,13 +52,36 @@ def attention(q, kv: KVCache, layer, md: AttentionMetadata, *, sm_scale: float, 
               interpret=interpret)
 
 
-def linear(x, kernel, scale=None, bias=None):
+def linear(x, kernel, scale=None, bias=None, parallel=None):
     """x [M, in] @ kernel -> [M, out]. FP8 kernels (with their per-channel `scale`) go to the
-    FP8 matmul, which picks its own route by M; others are a plain dot XLA fuses around."""
+    FP8 matmul, which picks its own route by M; others are a plain dot XLA fuses around (and
+    GSPMD partitions). parallel: (layout, "col" | "row") for a sharded kernel."""
     if kernel.dtype == FP8_DTYPE:
-        from pallas_kernels.fp8_matmul import fp8_linear, fp8_linear_reference
-        fn = fp8_linear if jax.default_backend() == "gpu" else fp8_linear_reference
-        y = fn(x, kernel, scale)
+        y = _fp8_linear(x, kernel, scale) if parallel is None else _fp8_sharded(
+            x, kernel, scale, *parallel)
     else:
         y = jnp.dot(x, kernel.astype(x.dtype), preferred_element_type=jnp.float32).astype(x.dtype)
     return y if bias is None else y + bias.astype(y.dtype)
+
+
+def _fp8_linear(x, kernel, scale):
+    from pallas_kernels.fp8_matmul import fp8_linear, fp8_linear_reference
+    fn = fp8_linear if jax.default_backend() == "gpu" else fp8_linear_reference
+    return fn(x, kernel, scale)
+
+
+def _fp8_sharded(x, kernel, scale, layout: TPLayout, kind: str):
+    """kernel [out, in] e4m3, scale [out]. Column-parallel: each device computes its own
+    output channels. Row-parallel: each device's slice of `in` gives a partial [M, out] (the
+    per-channel scale distributes over the sum), all-reduced here."""
+    if kind == "col":
+        specs, out = (P(), P(AXIS, None), P(AXIS)), P(None, AXIS)
+        body = _fp8_linear
+    else:
+        specs, out = (P(None, AXIS), P(None, AXIS), P()), P()
+
+        def body(x, k, s):
+            y = _fp8_linear(x, k, s).astype(jnp.float32)
+            return jax.lax.psum(y, AXIS).astype(x.dtype)
+    return jax.shard_map(body, mesh=layout.mesh, in_specs=specs, out_specs=out,
+                         check_vma=False)(x, kernel, scale)

@@ -4,6 +4,10 @@ token + sampling — with the KV cache donated (updated in place, never copied).
 Static (a change compiles a new executable): the model graph, the attention impl, and the
 shapes of StepInput (= the bucket: T tokens, B rows, pages_per_seq) plus
 `AttentionMetadata.decode_only` and the sampling arrays' static flags. Dynamic: every value.
+
+Tensor parallel (EngineConfig.tensor_parallel > 1): params arrive sharded (loading.py), the
+cache is allocated sharded by kv head and pinned to that layout across the step (so the
+donated buffers are reused in place); step inputs are replicated by jit.
 """
 from __future__ import annotations
 
@@ -18,8 +22,10 @@ from flax import nnx
 
 from jaxinfer import sampling
 from jaxinfer.config import EngineConfig, ModelConfig
+from jaxinfer.errors import ConfigError
 from jaxinfer.kv_cache import FP8_DTYPE, AttentionMetadata, KVCache
 from jaxinfer.ops import resolve_attention_impl
+from jaxinfer.sharding import TPLayout, kv_spec, make_layout
 
 
 class CompileCounter:
@@ -59,14 +65,17 @@ class StepInput:
     sampling: sampling.SamplingArrays  # per-row parameters [B, ...]
 
 
-def _forward_hidden(graphdef, attn_impl, params, kv, tokens, md):
+def _forward_hidden(graphdef, attn_impl, params, kv, tokens, md, kv_sharding=None):
     model = nnx.merge(graphdef, params)
     h, kv = model(tokens, kv, md, attn_impl)
+    if kv_sharding is not None:
+        kv = jax.lax.with_sharding_constraint(kv, kv_sharding)
     return model, h, kv
 
 
-def _step(graphdef, attn_impl, params, kv, inp: StepInput, rng, step_index):
-    model, h, kv = _forward_hidden(graphdef, attn_impl, params, kv, inp.tokens, inp.md)
+def _step(graphdef, attn_impl, params, kv, inp: StepInput, rng, step_index, kv_sharding=None):
+    model, h, kv = _forward_hidden(graphdef, attn_impl, params, kv, inp.tokens, inp.md,
+                                   kv_sharding)
     logits = model.logits(h[inp.logits_index])                          # [B, V] f32
     return kv, sampling.sample(logits, inp.sampling, jax.random.fold_in(rng, step_index))
 
@@ -81,8 +90,8 @@ def dummy_input(bucket) -> StepInput:
         [], [], batch_size=b))
 
 
-def _all_logits(graphdef, attn_impl, params, kv, tokens, md):
-    model, h, kv = _forward_hidden(graphdef, attn_impl, params, kv, tokens, md)
+def _all_logits(graphdef, attn_impl, params, kv, tokens, md, kv_sharding=None):
+    model, h, kv = _forward_hidden(graphdef, attn_impl, params, kv, tokens, md, kv_sharding)
     return kv, model.logits(h)                                           # [T, V] f32
 
 
@@ -94,6 +103,16 @@ def kv_dtype_for(engine: EngineConfig):
     return jnp.dtype(engine.dtype)
 
 
+def allocate_kv(cfg: ModelConfig, engine: EngineConfig, layout: TPLayout) -> KVCache:
+    """The engine's page pool; on a mesh each device allocates only its own kv heads."""
+    alloc = functools.partial(KVCache.allocate, cfg.num_layers, cfg.num_kv_heads,
+                              engine.total_pages, engine.page_size, cfg.head_dim,
+                              kv_dtype_for(engine))
+    if layout.mesh is None:
+        return alloc()
+    return jax.jit(alloc, out_shardings=layout.named(kv_spec(layout)))()
+
+
 class ModelRunner:
     """Owns params, the KV cache and the compiled step. Host code hands it numpy arrays."""
 
@@ -102,13 +121,19 @@ class ModelRunner:
         self.cfg, self.engine = cfg, engine
         self.params = params
         self.attn_impl = resolve_attention_impl(engine.attention_impl)
-        self.kv = KVCache.allocate(cfg.num_layers, cfg.num_kv_heads, engine.total_pages,
-                                   engine.page_size, cfg.head_dim, kv_dtype_for(engine))
+        self.layout = make_layout(cfg, engine.tensor_parallel)
+        if nnx.merge(graphdef, params).layout != self.layout:
+            raise ConfigError(f"the params were built for another tensor-parallel layout than "
+                              f"tensor_parallel={engine.tensor_parallel}: build them with "
+                              f"params.build_model(..., layout=sharding.make_layout(cfg, tp))")
+        self.kv = allocate_kv(cfg, engine, self.layout)
         self._rng = jax.random.key(engine.seed)
         self._num_steps = 0
-        self._step_fn = jax.jit(functools.partial(_step, graphdef, self.attn_impl),
-                                donate_argnums=(1,))
-        self._logits_fn = jax.jit(functools.partial(_all_logits, graphdef, self.attn_impl),
+        kv_sharding = None if self.layout.mesh is None else self.layout.named(kv_spec(self.layout))
+        self._step_fn = jax.jit(functools.partial(_step, graphdef, self.attn_impl,
+                                                  kv_sharding=kv_sharding), donate_argnums=(1,))
+        self._logits_fn = jax.jit(functools.partial(_all_logits, graphdef, self.attn_impl,
+                                                    kv_sharding=kv_sharding),
                                   donate_argnums=(1,))
 
     def step(self, inp: StepInput) -> sampling.SampleOutput:
