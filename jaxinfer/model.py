@@ -156,14 +156,20 @@ class Decoder(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, fp8=False,
                  unroll_layers=False, layout: TPLayout = TPLayout()):
         """fp8: decoder-layer linears hold FP8 weights (embeddings, norms, LM head stay).
-        unroll_layers: a Python loop over layers (static weight slices) instead of lax.scan:
-        longer compiles, and XLA sees each layer's weights at a fixed offset.
+        unroll_layers: one weight buffer per layer and a Python loop over layers instead of
+        stacked weights under lax.scan. The scan dynamic-slices each layer's weights out of
+        the stacked arrays, which XLA materializes as per-layer copies (measured on the H200:
+        see bench/README.md); per-layer buffers are read in place. Costs longer compiles.
         layout: the tensor-parallel split (sharding.py); the weights' placement must match."""
         self.cfg = cfg
         self.unroll_layers, self.layout = unroll_layers, layout
         self.embed = nnx.Param(_normal(rngs, (cfg.vocab_size, cfg.hidden_size), dtype))  # [V, E]
-        self.layers = DecoderLayer(cfg, rngs=rngs, stack=(cfg.num_layers,), dtype=dtype, fp8=fp8,
-                                   layout=layout)
+        if unroll_layers:
+            self.layers = nnx.List([DecoderLayer(cfg, rngs=rngs, dtype=dtype, fp8=fp8,
+                                                 layout=layout) for _ in range(cfg.num_layers)])
+        else:
+            self.layers = DecoderLayer(cfg, rngs=rngs, stack=(cfg.num_layers,), dtype=dtype,
+                                       fp8=fp8, layout=layout)
         self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(
             cfg.hidden_size, cfg.vocab_size, rngs=rngs, dtype=dtype)
@@ -174,6 +180,10 @@ class Decoder(nnx.Module):
         x = self.embed[...][tokens]                                     # [T, E]
         freqs = md.positions.astype(jnp.float32)[:, None] * self.inv_freq[...][None, :]
         cos, sin = jnp.cos(freqs), jnp.sin(freqs)                        # [T, D/2]
+        if self.unroll_layers:
+            for i, layer in enumerate(self.layers):
+                x, kv = layer(x, kv, jnp.int32(i), md, cos, sin, attn_impl)
+            return self.final_norm(x), kv
         graphdef, state = nnx.split(self.layers)
 
         def body(carry, xs):
@@ -182,13 +192,8 @@ class Decoder(nnx.Module):
             h, kv = nnx.merge(graphdef, layer_state)(h, kv, layer, md, cos, sin, attn_impl)
             return (h, kv), None
 
-        if self.unroll_layers:
-            for i in range(self.cfg.num_layers):
-                (x, kv), _ = body((x, kv), (jax.tree_util.tree_map(lambda a: a[i], state),
-                                            jnp.int32(i)))
-        else:
-            layer_ids = jnp.arange(self.cfg.num_layers, dtype=jnp.int32)
-            (x, kv), _ = jax.lax.scan(body, (x, kv), (state, layer_ids))
+        layer_ids = jnp.arange(self.cfg.num_layers, dtype=jnp.int32)
+        (x, kv), _ = jax.lax.scan(body, (x, kv), (state, layer_ids))
         return self.final_norm(x), kv
 
     def logits(self, h):

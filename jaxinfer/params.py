@@ -91,6 +91,25 @@ def fused_tree(cfg: ModelConfig, flat: dict, fp8: bool = False,
     return tree
 
 
+def per_layer(stacked: dict, num_layers: int) -> dict:
+    """{name: [L, ...]} -> {i: {name: [...]}}: one buffer per layer (unrolled models).
+    Empties `stacked` as it goes, so each stacked array is freed once split: the peak is
+    one array's worth above the weights."""
+    out: dict = {i: {} for i in range(num_layers)}
+
+    def move(src: dict, dsts: list[dict]):
+        for key in list(src):
+            value = src.pop(key)
+            if isinstance(value, dict):
+                move(value, [d.setdefault(key, {}) for d in dsts])
+            else:
+                for i, d in enumerate(dsts):
+                    d[key] = value[i]
+
+    move(stacked, [out[i] for i in range(num_layers)])
+    return out
+
+
 def abstract_model(cfg: ModelConfig, dtype, fp8: bool = False, unroll_layers: bool = False,
                    layout: TPLayout = TPLayout()) -> tuple[nnx.GraphDef, nnx.State]:
     return nnx.split(nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0), dtype=dtype,
@@ -111,6 +130,8 @@ def build_model(cfg: ModelConfig, flat: Mapping[str, object], dtype=jnp.float32,
     graphdef, abstract = abstract_model(cfg, dtype, fp8, unroll_layers, layout)
     tree = fused_tree(cfg, flat if consume and isinstance(flat, dict) else dict(flat), fp8,
                       layout)
+    if unroll_layers:
+        tree["layers"] = per_layer(tree["layers"], cfg.num_layers)
     want = nnx.to_pure_dict(abstract)
     specs = state_specs(layout, want)
 
