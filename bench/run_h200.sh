@@ -1,48 +1,82 @@
 #!/usr/bin/env bash
-# The H200 run of the bench suites (issue 7 + issue 8's decode rows), one command:
+# The H200 runs, in stages that each fit one device call (<= 9.5 minutes):
 #
-#   OUT=/path/to/results GIT_SHA=<sha> bash bench/run_h200.sh
+#   OUT=/path/to/results GIT_SHA=<sha> bash bench/run_h200.sh STAGE [STAGE ...]
 #
-# Writes compile.json, decode.json (+ decode_roofline.png), fusion.json and one .log per
-# suite into $OUT (default bench/results). Every suite has its own time limit, the whole
-# run stays under ~9 minutes, and each suite rewrites its JSON after every row: a suite cut
-# short by its limit still leaves what it measured. Expected duration: 7-9 minutes.
-# A CPU smoke test of the script itself: MODEL=tiny BIG_MODEL=tiny DTYPE=float32 SEQS=4 \
-#   BATCHES=1,2 CONTEXTS=16,32 OUT=/tmp/smoke bash bench/run_h200.sh
+#   check     gpu-marked kernel tests (paged attention incl. the FP8->f16 path, FP8 matmul)  ~3 min
+#   decode    decode roofline, scanned and unrolled (per-layer weights): Llama-3-8B bf16
+#             B 1/64/256 x C 512/1024, FP8 weights B=1, Qwen2.5-32B FP8+FP8 KV B=1            ~6 min
+#   kernels   paged attention: FP8 widened to f16 vs bf16 vs bf16 KV (+ bundled, XLA ref)   ~3 min
+#   compile   every bucket cold / warm, kernels per layer                                    ~2 min
+#   fusion    fused vs op-by-op (eager) vs command buffers off, B=1                          ~4 min
+#   batching  continuous vs static batching, max batch 64 and 256                            ~6 min
+#   serving   gRPC request-rate sweep, short-answer + chat workloads                         ~8 min
+#
+# Each suite writes its JSON (and a .log) into $OUT and rewrites the JSON after every row, so
+# a suite cut short by its limit keeps what it measured. Memory is not preallocated: suites
+# that start a child process (compile warm start, fusion's command-buffers-off run) need room.
+# A CPU smoke test of the script: MODEL=tiny BIG_MODEL=tiny DTYPE=float32 SEQS=4 \
+#   BATCHES=1,2 CONTEXTS=16,32 OUT=/tmp/smoke bash bench/run_h200.sh compile decode fusion
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-bench/results}
 PY=${PYTHON:-python3}
 GIT=${GIT_SHA:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
-export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
-# Qwen2.5-32B's synthetic weights pass through bf16 on the device before FP8 quantization.
-export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.92}
+export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} XLA_PYTHON_CLIENT_PREALLOCATE=false
 mkdir -p "$OUT"
-DEADLINE=535   # seconds for the whole script
+DEADLINE=${DEADLINE:-570}   # seconds for the whole invocation
 
-suite() {  # suite NAME LIMIT_S ARGS...: run `bench.cli ARGS`, log to $OUT/NAME.log
+run() {  # run NAME LIMIT_S CMD...: log to $OUT/NAME.log, print the tail
   local name=$1 limit=$2 left=$((DEADLINE - SECONDS)); shift 2
   (( limit > left )) && limit=$left
   if (( limit < 20 )); then echo "== $name skipped: out of time"; return; fi
   echo "== $name (limit ${limit}s, at ${SECONDS}s)"
   local t0=$SECONDS
-  timeout -k 10 "$limit" "$PY" -m bench.cli "$@" --git "$GIT" >"$OUT/$name.log" 2>&1
+  timeout -k 10 "$limit" "$@" >"$OUT/$name.log" 2>&1
   echo "== $name rc=$? after $((SECONDS - t0))s"
-  grep -v '^{' "$OUT/$name.log" | tail -n 25
+  grep -v '^{' "$OUT/$name.log" | tail -n 12
 }
+bench() { local name=$1 limit=$2; shift 2; run "$name" "$limit" "$PY" -m bench.cli "$@" --git "$GIT"; }
 
 DTYPE=${DTYPE:-bfloat16}
 LLAMA=(--model "${MODEL:-llama-3-8b}" --dtype "$DTYPE")
-CTX1=${CONTEXTS:-512,1024,2048,8192}; CTX1=${CTX1%%,*}   # the batch-1 context of issue 8
-suite compile 140 compile "${LLAMA[@]}" --max-num-seqs "${SEQS:-256}" \
-  --max-num-batched-tokens 512 --out "$OUT/compile.json"
-suite decode 150 decode "${LLAMA[@]}" --batch-sizes "${BATCHES:-1,8,64,256}" \
-  --contexts "${CONTEXTS:-512,1024,2048,8192}" --reps 5 --out "$OUT/decode.json"
-suite fusion 110 fusion "${LLAMA[@]}" --batch-sizes 1 --contexts "$CTX1" --out "$OUT/fusion.json"
-suite decode_fp8 60 decode "${LLAMA[@]}" --weights fp8 --batch-sizes 1 --contexts "$CTX1" \
-  --reps 5 --append --out "$OUT/decode.json"
-suite decode_qwen 120 decode --model "${BIG_MODEL:-qwen2.5-32b}" --dtype "$DTYPE" --weights fp8 \
-  --kv-dtype fp8 --batch-sizes 1 --contexts "$CTX1" --reps 5 --kv-budget-gb 8 --append \
-  --out "$OUT/decode.json"
+BATCHES=${BATCHES:-1,64,256}
+CONTEXTS=${CONTEXTS:-512,1024}
+CTX1=${CONTEXTS%%,*}
+
+for stage in "$@"; do
+  case $stage in
+    check)
+      JAXINFER_TEST_GPU=1 run check 200 "$PY" -m pytest -q -m gpu -x \
+        tests/test_paged_attention.py tests/test_ragged_paged_attention.py tests/test_fp8_matmul.py ;;
+    decode)
+      bench decode 110 decode "${LLAMA[@]}" --batch-sizes "$BATCHES" --contexts "$CONTEXTS" \
+        --reps 5 --out "$OUT/decode.json"
+      bench decode_unrolled 130 decode "${LLAMA[@]}" --unroll-layers --batch-sizes "$BATCHES" \
+        --contexts "$CONTEXTS" --reps 5 --append --out "$OUT/decode.json"
+      bench decode_fp8 60 decode "${LLAMA[@]}" --weights fp8 --unroll-layers --batch-sizes 1 \
+        --contexts "$CTX1" --reps 5 --append --out "$OUT/decode.json"
+      bench decode_qwen 120 decode --model "${BIG_MODEL:-qwen2.5-32b}" --dtype "$DTYPE" \
+        --weights fp8 --kv-dtype fp8 --unroll-layers --batch-sizes 1 --contexts "$CTX1" \
+        --reps 5 --kv-budget-gb 8 --append --out "$OUT/decode.json" ;;
+    kernels)
+      run kernels 200 "$PY" -m bench.kernels --batches 1,64 --contexts 2048,8192,32768 \
+        --git "$GIT" --out "$OUT/paged_attention.json" ;;
+    compile)
+      bench compile 150 compile "${LLAMA[@]}" --max-num-seqs "${SEQS:-64}" \
+        --max-num-batched-tokens 512 --out "$OUT/compile.json" ;;
+    fusion)
+      bench fusion 260 fusion "${LLAMA[@]}" --batch-sizes 1 --contexts "$CTX1" --reps 3 \
+        --out "$OUT/fusion.json" ;;
+    batching)
+      run batching 330 "$PY" -m bench.batching --model "${MODEL:-llama-3-8b}" \
+        --max-batch 64,256 --num-requests 384 --git "$GIT" --out "$OUT/batching.json" ;;
+    serving)
+      run serving 540 "$PY" -m bench.serving --model "${MODEL:-llama-3-8b}" --max-num-seqs 64 \
+        --max-num-batched-tokens 1024 --max-model-len 2048 --rates 4,8,16,24,32,48,64 \
+        --chat-rates 2,4,8,16 --duration 15 --git "$GIT" --out "$OUT/serving.json" ;;
+    *) echo "unknown stage $stage"; exit 2 ;;
+  esac
+done
 echo "== done in ${SECONDS}s; results in $OUT"
 ls -l "$OUT"
