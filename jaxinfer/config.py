@@ -171,7 +171,7 @@ class EngineConfig:
     max_model_len: int = 2048
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 256
-    dtype: str = "float32"        # activations / compute dtype ("float32" on CPU, "bfloat16" on GPU)
+    dtype: str = "float32"        # activations / compute dtype (the CLI picks bfloat16 on a GPU)
     weights: str = "bf16"         # linear weights: "bf16" (= dtype) or "fp8" (e4m3, per-channel scales)
     kv_dtype: str = "auto"        # "auto" (= dtype), "bf16", "fp8"
     attention_impl: str = "auto"  # "auto": Pallas on GPU, plain-jnp reference elsewhere
@@ -190,7 +190,8 @@ class EngineConfig:
         check(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         check(self.max_num_batched_tokens >= 1,
               f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
-        check(self.num_pages >= 0, f"num_pages must be >= 0, got {self.num_pages}")
+        check(self.num_pages == 0 or self.num_pages >= 2,
+              f"num_pages must be 0 (derive) or >= 2 (page 0 is reserved), got {self.num_pages}")
         check(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         check(self.weights in WEIGHT_FORMATS,
               f"weights must be one of {WEIGHT_FORMATS}, got {self.weights!r}")

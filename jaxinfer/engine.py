@@ -2,8 +2,8 @@
 
     out    = scheduler.schedule()                 which requests, how many tokens each
     arrays = batch.prepare(out, bucket, S)        numpy, padded to one bucket
-    y      = runner.step(device_input(arrays))    ONE jitted call, KV donated
-    return self._update(out, arrays, y)           tokens in, text out, finished requests freed
+    y      = runner.step(build_step_input(...))   ONE jitted call, KV donated
+    return self._update(out, y)                   tokens in, text out, finished requests freed
 
 Only this class touches both sides. Text (detokenization, stop strings) lives here because
 the scheduler sees token ids only.
@@ -12,16 +12,15 @@ from __future__ import annotations
 
 import itertools
 import time
-from typing import Sequence
 
-import numpy as np
 from tqdm import tqdm
 
 from jaxinfer import batch
 from jaxinfer.buckets import Buckets
 from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.errors import ConfigError
-from jaxinfer.engine_io import Detokenized, build_step_input, logprob_dict, prompt_token_ids
+from jaxinfer.engine_io import (Detokenized, build_step_input, check_params_for_model,
+                                logprob_dict, prompt_token_ids)
 from jaxinfer.request import FinishReason, Request, RequestOutput, SamplingParams
 from jaxinfer.runner import CompileCounter, ModelRunner
 from jaxinfer.scheduler import Scheduler, SchedulerOutput
@@ -58,6 +57,7 @@ class Engine:
                     request_id: str | None = None) -> str:
         """Queue a request (text, chat messages, or {"prompt_token_ids": [...]}); returns its id."""
         params = sampling_params or SamplingParams()
+        check_params_for_model(params, self.tokenizer, self.model_config.vocab_size)
         ids = prompt_token_ids(prompt, self.tokenizer, self.model_config.vocab_size)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         self.scheduler.add(Request(rid, ids, params))
@@ -89,45 +89,44 @@ class Engine:
         t1 = time.perf_counter()
         sampled = self.runner.step(inp)
         t2 = time.perf_counter()
-        outputs = self._update(out, arrays, sampled)
+        outputs = self._update(out, sampled)
         self.num_steps += 1
         self.last_step_s = time.perf_counter() - t0
         self.last_host_s = self.last_step_s - (t2 - t1)
         return outputs
 
-    def _update(self, out: SchedulerOutput, arrays: batch.StepArrays, sampled
-                ) -> list[RequestOutput]:
+    def _update(self, out: SchedulerOutput, sampled) -> list[RequestOutput]:
         tokens = [int(t) for t in sampled.tokens[:out.num_rows]]
-        finished = {r.request_id: r for r in self.scheduler.update(out, tokens)}
+        got_token = {r.request_id: r for r in self.scheduler.update(out, tokens)}
         outputs = []
         for b, row in enumerate(out.rows):
-            if not row.samples:
+            req = got_token.get(row.request_id)
+            if req is None:
                 continue
-            req = finished.get(row.request_id) or self.scheduler.get(row.request_id)
-            text = self._text[row.request_id]
-            delta, stop_hit = text.add(tokens[b], done=row.request_id in finished)
-            reason = req.finish_reason
-            if stop_hit and row.request_id not in finished:
-                self.scheduler.finish(row.request_id, FinishReason.STOP)
-                reason = FinishReason.STOP
-                delta += text.finish()
+            text = self._text[req.request_id]
+            delta, stop_hit = text.add(tokens[b], done=req.is_finished)
+            if stop_hit and not req.is_finished:
+                self.scheduler.finish(req.request_id, FinishReason.STOP)
+            # A stop string ends the text even when the same token also hit a length limit.
+            reason = FinishReason.STOP if stop_hit else req.finish_reason
             if req.sampling_params.logprobs is not None:
                 text.logprobs.append(logprob_dict(sampled, b, req.sampling_params.logprobs))
             outputs.append(self._output(req, [tokens[b]], delta, reason))
             if reason is not None:
-                self._text.pop(row.request_id)
+                del self._text[req.request_id]
         return outputs
 
     def _output(self, req: Request, new_ids, delta, reason) -> RequestOutput:
         text = self._text[req.request_id]
-        now = time.monotonic()
         return RequestOutput(
             request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
-            token_ids=list(req.output_token_ids), text=text.text, new_token_ids=new_ids,
+            # A copy only when final: copying every step would cost O(length) per row per step
+            # (consumers of intermediate outputs read new_token_ids; see RequestOutput).
+            token_ids=list(req.output_token_ids) if reason else req.output_token_ids,
+            text=text.text, new_token_ids=new_ids,
             text_delta=delta, finish_reason=reason,
             logprobs=list(text.logprobs) if req.sampling_params.logprobs is not None else None,
-            prompt=text.prompt, ttft_s=req.ttft_s,
-            latency_s=(now - req.arrival_time) if reason else None)
+            prompt=text.prompt, ttft_s=req.ttft_s, latency_s=req.latency_s)
 
     # --- driving ------------------------------------------------------------------------
     def warmup(self, progress: bool = True) -> dict:

@@ -6,10 +6,9 @@ import operator
 from typing import Sequence
 
 import jax
-import numpy as np
 
 from jaxinfer.batch import StepArrays
-from jaxinfer.errors import InvalidRequestError
+from jaxinfer.errors import ConfigError, InvalidRequestError
 from jaxinfer.kv_cache import AttentionMetadata
 from jaxinfer.request import SamplingParams
 from jaxinfer.runner import StepInput
@@ -44,6 +43,8 @@ def prompt_token_ids(prompt, tokenizer, vocab_size: int) -> list[int]:
     if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
         ids = prompt["prompt_token_ids"]
         try:
+            if any(isinstance(t, bool) for t in ids):
+                raise TypeError
             ids = [operator.index(t) for t in ids]
         except TypeError:
             raise InvalidRequestError("prompt_token_ids must be integers",
@@ -63,10 +64,26 @@ def prompt_token_ids(prompt, tokenizer, vocab_size: int) -> list[int]:
             raise InvalidRequestError("prompt is empty", field="prompt")
         return tokenizer.encode(_check_text(prompt, "prompt"))
     if isinstance(prompt, (list, tuple)):
-        return tokenizer.encode_chat(_check_messages(prompt))
+        from jinja2.exceptions import TemplateError
+        try:
+            return tokenizer.encode_chat(_check_messages(prompt))
+        except (ConfigError, TemplateError) as e:   # no template / the template refused
+            raise InvalidRequestError(f"messages: {e}", field="messages") from None
     raise InvalidRequestError(f"a prompt is text, a list of chat messages or "
                               f"{{'prompt_token_ids': [...]}}, got {type(prompt).__name__}",
                               field="prompt")
+
+
+def check_params_for_model(params: SamplingParams, tokenizer, vocab_size: int) -> None:
+    """What SamplingParams cannot check alone: ids within this vocabulary, stop strings
+    needing a tokenizer."""
+    bad = [t for t in params.stop_token_ids if t >= vocab_size]
+    if bad:
+        raise InvalidRequestError(f"stop_token_ids holds ids outside the vocabulary "
+                                  f"[0, {vocab_size}): {bad[:5]}", field="stop_token_ids")
+    if params.stop and tokenizer is None:
+        raise InvalidRequestError("stop strings need a tokenizer; this model has none: use "
+                                  "stop_token_ids", field="stop")
 
 
 class Detokenized:
@@ -84,7 +101,8 @@ class Detokenized:
         self.logprobs: list[dict[int, float]] = []  # per output token, when asked for
 
     def add(self, token: int, done: bool) -> tuple[str, bool]:
-        """Append a token; returns (delta to emit, whether a stop string ended the text)."""
+        """Append a token; returns (delta to emit, whether a stop string ended the text).
+        `done`: the request ends with this token (flush everything held back)."""
         if self._detok is None:
             return "", False
         new = self._detok.add([token])
@@ -92,15 +110,16 @@ class Detokenized:
             new += self._detok.flush()
         start = max(0, len(self._full) - self._hold)
         self._full += new
-        for s in self._stop:
-            i = self._full.find(s, start)
-            if i >= 0:
-                self._full = self._full[:i]
-                return self._emit(len(self._full)), True
+        hits = [i for i in (self._full.find(s, start) for s in self._stop) if i >= 0]
+        if hits:   # the earliest stop string in the text wins
+            self._full = self._full[:min(hits)]
+            return self._emit(len(self._full)), True
         return self._emit(len(self._full) if done else len(self._full) - self._hold), False
 
     def finish(self) -> str:
-        """The held-back rest, when the request ends for a reason found outside."""
+        """The rest, held back or mid-character, when the request ends from outside (abort)."""
+        if self._detok is not None:
+            self._full += self._detok.flush()
         return self._emit(len(self._full))
 
     def _emit(self, upto: int) -> str:

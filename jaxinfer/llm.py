@@ -39,10 +39,17 @@ class LLM:
                 isinstance(prompts, list) and prompts and isinstance(prompts[0], dict)
                 and "role" in prompts[0]):
             prompts = [prompts]
-        params = sampling_params or SamplingParams()
+        params = SamplingParams() if sampling_params is None else sampling_params
         params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} SamplingParams")
-        ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+        ids: list[str] = []
+        try:
+            for p, sp in zip(prompts, params):
+                ids.append(self.engine.add_request(p, sp))
+        except Exception:   # one bad prompt: leave nothing of this call queued
+            for rid in ids:
+                self.engine.abort_request(rid)
+            raise
         done = self.engine.run_until_done(use_tqdm=use_tqdm)
         return [done[i] for i in ids]

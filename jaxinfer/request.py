@@ -62,8 +62,8 @@ class SamplingParams:
 
         def num(field):
             v = getattr(self, field)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v):
-                bad(field, f"must be a number, got {v!r}")
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                bad(field, f"must be a finite number, got {v!r}")
             return v
 
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool):
@@ -74,8 +74,9 @@ class SamplingParams:
             bad("temperature", f"must be >= 0, got {self.temperature}")
         if not 0 < num("top_p") <= 1:
             bad("top_p", f"must be in (0, 1], got {self.top_p}")
-        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
-            bad("top_k", f"must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or not (
+                0 <= self.top_k < 2**31):
+            bad("top_k", f"must be an integer in [0, 2**31) (0 = off), got {self.top_k!r}")
         if not 0 <= num("min_p") <= 1:
             bad("min_p", f"must be in [0, 1], got {self.min_p}")
         if num("repetition_penalty") <= 0:
@@ -88,9 +89,11 @@ class SamplingParams:
             bad("seed", f"must be an integer in [0, 2**63), got {self.seed!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             bad("stop", "must be non-empty strings")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+        if any(not isinstance(t, int) or isinstance(t, bool) or t < 0
+               for t in self.stop_token_ids):
             bad("stop_token_ids", "must be non-negative integers")
         if self.logprobs is not None and (not isinstance(self.logprobs, int)
+                                          or isinstance(self.logprobs, bool)
                                           or not 0 <= self.logprobs <= MAX_LOGPROBS):
             bad("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
 
@@ -106,7 +109,8 @@ class SamplingParams:
 @dataclasses.dataclass
 class RequestOutput:
     """What a request has produced so far. `new_token_ids`/`text_delta` are this step's delta;
-    `token_ids`/`text` accumulate. `finish_reason` is set on the last output."""
+    `token_ids`/`text`/`logprobs` accumulate (until the last output `token_ids` is the
+    engine's own list, still growing: copy it to keep a snapshot). `finish_reason` is set on the last output."""
 
     request_id: str
     prompt_token_ids: list[int]

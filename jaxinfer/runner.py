@@ -80,14 +80,17 @@ def _step(graphdef, attn_impl, params, kv, inp: StepInput, rng, step_index, kv_s
     return kv, sampling.sample(logits, inp.sampling, jax.random.fold_in(rng, step_index))
 
 
-def dummy_input(bucket) -> StepInput:
-    """An all-padding input of `bucket`'s shapes: writes nothing, used to compile ahead."""
+def dummy_input(bucket, penalties: bool = False) -> StepInput:
+    """An all-padding input of `bucket`'s shapes: writes nothing, used to compile ahead.
+    penalties: with the penalty token window (the second compiled variant of each bucket)."""
     t, b, w = bucket.num_tokens, bucket.num_seqs, bucket.pages_per_seq
     zeros = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731
     md = AttentionMetadata(zeros(t), np.full(t, -1, np.int32), zeros(t), zeros(b, w), zeros(b),
                            zeros(b + 1), decode_only=bucket.decode_only)
-    return StepInput(zeros(t), md, zeros(b), sampling.SamplingArrays.from_params(
-        [], [], batch_size=b))
+    rows = [sampling.SamplingParams(repetition_penalty=1.1)] if penalties else []
+    samp = sampling.SamplingArrays.from_params(rows, [0] * len(rows), [[0]] * len(rows),
+                                               batch_size=b)
+    return StepInput(zeros(t), md, zeros(b), samp)
 
 
 def _all_logits(graphdef, attn_impl, params, kv, tokens, md, kv_sharding=None):
@@ -141,11 +144,13 @@ class ModelRunner:
         self._num_steps += 1
         self.kv, out = self._step_fn(self.params, self.kv, inp, self._rng,
                                      np.uint32(self._num_steps))
-        return jax.tree_util.tree_map(np.asarray, out)
+        return jax.device_get(out)
 
     def warmup(self, bucket) -> None:
-        """Compile (and run once, writing nothing) the step for `bucket`."""
-        self.step(jax.device_put(dummy_input(bucket)))
+        """Compile (and run once, writing nothing) both variants of the step for `bucket`:
+        without and with penalties, so no request compiles anything later."""
+        for penalties in (False, True):
+            self.step(jax.device_put(dummy_input(bucket, penalties)))
 
     def lower(self, inp: StepInput):
         """The step lowered for `inp`'s shapes (for ahead-of-time compilation and the bench)."""

@@ -1,6 +1,5 @@
 """`jaxinfer convert`: the orbax form loads back to the same weights (bf16) or the same
 quantized weights (fp8), with its tokenizer, and generates."""
-import jax.numpy as jnp
 import numpy as np
 import pytest
 

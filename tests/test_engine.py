@@ -72,7 +72,9 @@ def test_mixed_workload_after_warmup_compiles_nothing():
     prompts = random_prompts(50, lo=2, hi=90, seed=4)
     params = [SamplingParams(temperature=float(rng.choice([0.0, 0.8])),
                              max_tokens=int(rng.integers(1, 20)), top_k=int(rng.integers(0, 9)),
-                             logprobs=int(rng.integers(0, 3)), ignore_eos=True)
+                             logprobs=int(rng.integers(0, 3)), ignore_eos=True,
+                             repetition_penalty=float(rng.choice([1.0, 1.2])),
+                             frequency_penalty=float(rng.choice([0.0, 0.5])))
               for _ in range(50)]
     before = CompileCounter.count()
     outs = run_staggered(engine, prompts, params, sorted(rng.integers(0, 60, 50).tolist()))

@@ -40,6 +40,10 @@ def test_unsupported_architecture(tmp_path):
     ({"top_p": 1.5}, "top_p"),
     ({"top_k": -1}, "top_k"),
     ({"logprobs": 21}, "logprobs"),
+    ({"logprobs": True}, "logprobs"),
+    ({"top_k": 2**31}, "top_k"),
+    ({"temperature": float("inf")}, "temperature"),
+    ({"stop_token_ids": (True,)}, "stop_token_ids"),
 ])
 def test_bad_sampling_params_name_the_field(kwargs, field):
     with pytest.raises(InvalidRequestError, match=field) as e:
@@ -81,3 +85,27 @@ def test_cli_help_explains():
     for flag in ("--max-tokens", "--temperature", "--top-p", "--top-k", "--seed", "--chat",
                  "--model", "--input", "--output"):
         assert flag in out
+
+
+def test_stop_token_ids_outside_vocabulary(llm):
+    with pytest.raises(InvalidRequestError, match="stop_token_ids"):
+        llm.generate(["hi"], SamplingParams(stop_token_ids=(10**6,)))
+
+
+def test_model_without_tokenizer_rejects_text_and_stop_strings():
+    llm = LLM("tiny", max_model_len=64, max_num_seqs=1)
+    with pytest.raises(InvalidRequestError, match="no tokenizer"):
+        llm.generate(["hello"])
+    with pytest.raises(InvalidRequestError, match="stop strings need a tokenizer"):
+        llm.generate([{"prompt_token_ids": [1, 2]}], SamplingParams(stop=["x"]))
+
+
+def test_bad_prompt_leaves_nothing_queued(llm):
+    with pytest.raises(InvalidRequestError):
+        llm.generate(["fine", ""])
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_num_pages_too_small():
+    with pytest.raises(ConfigError, match="num_pages"):
+        LLM("tiny", num_pages=1)

@@ -1,0 +1,45 @@
+"""Text out of the engine on the real model: streamed deltas join to the final text and to
+decode(token_ids) (multi-byte characters split across tokens included), and stop strings end
+the request with the text cut before them."""
+import pytest
+
+from jaxinfer import LLM, SamplingParams
+from jaxinfer.request import FinishReason
+
+CHAT = [{"role": "user", "content":
+         "Write the word 'hello' in Chinese characters, Japanese and with an emoji."}]
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM("smollm2", max_num_seqs=2, max_num_batched_tokens=64, max_model_len=256)
+
+
+def stream(engine, prompt, params):
+    engine.add_request(prompt, params)
+    deltas, last = [], None
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            deltas.append(o.text_delta)
+            last = o
+    return "".join(deltas), last
+
+
+def test_deltas_join_to_text_and_decode_with_multibyte_output(llm):
+    joined, last = stream(llm.engine, CHAT, SamplingParams(temperature=0.0, max_tokens=40))
+    assert any(ord(c) > 0x2FFF for c in last.text), "the prompt no longer yields CJK/emoji"
+    # Only a character cut by max_tokens may end as U+FFFD (decode() says the same).
+    assert "\ufffd" not in joined.rstrip("\ufffd")
+    assert joined == last.text == llm.tokenizer.decode(last.token_ids)
+
+
+def test_stop_string_ends_the_request_and_is_cut(llm):
+    free = llm.generate([CHAT], SamplingParams(temperature=0.0, max_tokens=40),
+                        use_tqdm=False)[0]
+    stop = free.text[10:13]          # three characters from inside the free-running answer
+    cut = free.text.index(stop)
+    joined, last = stream(llm.engine, CHAT, SamplingParams(temperature=0.0, max_tokens=40,
+                                                           stop=["zzzq", stop]))
+    assert last.finish_reason == FinishReason.STOP
+    assert joined == last.text == free.text[:cut]
+    assert len(last.token_ids) < len(free.token_ids)
