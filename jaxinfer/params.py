@@ -152,8 +152,3 @@ def build_model(cfg: ModelConfig, flat: Mapping[str, object], dtype=jnp.float32,
         raise ModelLoadError(f"checkpoint does not match the model structure: {e}") from None
     nnx.replace_by_pure_dict(abstract, values)
     return graphdef, abstract
-
-
-def random_model(cfg: ModelConfig, dtype=jnp.float32, seed: int = 0):
-    """A randomly initialised decoder (the tiny test twin)."""
-    return nnx.split(Decoder(cfg, rngs=nnx.Rngs(seed), dtype=dtype))

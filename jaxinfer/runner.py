@@ -25,6 +25,7 @@ from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.errors import ConfigError
 from jaxinfer.kv_cache import FP8_DTYPE, AttentionMetadata, KVCache
 from jaxinfer.ops import resolve_attention_impl
+from jaxinfer.request import SamplingParams
 from jaxinfer.sharding import TPLayout, kv_spec, make_layout
 
 
@@ -87,7 +88,7 @@ def dummy_input(bucket, penalties: bool = False) -> StepInput:
     zeros = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731
     md = AttentionMetadata(zeros(t), np.full(t, -1, np.int32), zeros(t), zeros(b, w), zeros(b),
                            zeros(b + 1), decode_only=bucket.decode_only)
-    rows = [sampling.SamplingParams(repetition_penalty=1.1)] if penalties else []
+    rows = [SamplingParams(repetition_penalty=1.1)] if penalties else []
     samp = sampling.SamplingArrays.from_params(rows, [0] * len(rows), [[0]] * len(rows),
                                                batch_size=b)
     return StepInput(zeros(t), md, zeros(b), samp)

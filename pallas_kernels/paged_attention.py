@@ -90,6 +90,12 @@ def kv_rows(layer, kv_head, pages, slots, num_kv_heads: int, num_pages: int, pag
     return ((layer * num_kv_heads + kv_head) * num_pages + pages) * page_size + slots
 
 
+def empty_carry(rows_q: int, d: int):
+    """The online-softmax state before the first block: (running max, sum, accumulator)."""
+    return (jnp.full((rows_q,), M_INIT, jnp.float32), jnp.zeros((rows_q,), jnp.float32),
+            jnp.zeros((rows_q, d), jnp.float32))
+
+
 def attend_block(q, k_ref, v_ref, ks_ref, vs_ref, rows, carry, *, logit_scale,
                  logit_mask=None, kv_valid=None):
     """One online-softmax step over the KV rows `rows` [N]; q [M, D] in the compute dtype
@@ -163,10 +169,9 @@ def _decode_kernel(layer_ref, lens_ref, table_ref, q_ref, k_ref, v_ref, *refs,
                             logit_mask=None if valid is None else valid[None, :],
                             kv_valid=valid)
 
-    carry = (jnp.full((rows_q,), M_INIT, jnp.float32), jnp.zeros((rows_q,), jnp.float32),
-             jnp.zeros((rows_q, q.shape[1]), jnp.float32))
     n_full = n // bk
-    carry = lax.fori_loop(0, n_full, functools.partial(step, masked=False), carry)
+    carry = lax.fori_loop(0, n_full, functools.partial(step, masked=False),
+                          empty_carry(rows_q, q.shape[1]))
     m, l, acc = lax.fori_loop(n_full, pl.cdiv(n, bk), functools.partial(step, masked=True),
                               carry)
     if len(outs) == 1:

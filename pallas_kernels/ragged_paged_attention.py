@@ -32,9 +32,9 @@ from jax.experimental.pallas import triton as plgpu
 from jaxinfer.errors import ConfigError
 from jaxinfer.kv_cache import FP8_DTYPE
 from pallas_kernels import tuning
-from pallas_kernels.paged_attention import (LOG2E, M_INIT, MIN_ROWS, attend_block, cache_views,
-                                            compute_dtype, gather_kv, kv_rows, prepare_q,
-                                            validate)
+from pallas_kernels.paged_attention import (LOG2E, MIN_ROWS, attend_block, cache_views,
+                                            compute_dtype, empty_carry, gather_kv, kv_rows,
+                                            prepare_q, validate)
 
 
 def _ragged_kernel(layer_ref, qstart_ref, pos_ref, table_ref, q_ref, k_ref, v_ref, *refs,
@@ -72,10 +72,9 @@ def _ragged_kernel(layer_ref, qstart_ref, pos_ref, table_ref, q_ref, k_ref, v_re
                                 logit_scale=logit_scale, logit_mask=t[None, :] <= pos[:, None],
                                 kv_valid=t < hi)
 
-        carry = (jnp.full((rows_q,), M_INIT, jnp.float32), jnp.zeros((rows_q,), jnp.float32),
-                 jnp.zeros((rows_q, q.shape[1]), jnp.float32))
         n_full = lo // bk
-        carry = lax.fori_loop(0, n_full, functools.partial(step, masked=False), carry)
+        carry = lax.fori_loop(0, n_full, functools.partial(step, masked=False),
+                              empty_carry(rows_q, q.shape[1]))
         _, l, acc = lax.fori_loop(n_full, pl.cdiv(hi, bk), functools.partial(step, masked=True),
                                   carry)
         o_ref[tokens * num_heads + heads] = (acc / l[:, None]).astype(o_ref.dtype)
