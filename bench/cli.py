@@ -19,6 +19,8 @@ SUITES = {
     "fusion": ("bench.fusion", "the decode step fused vs op by op vs command buffers off: "
                "step time and kernels per step"),
     "prefill": ("bench.prefill", "TTFT vs prompt length and bucket padding waste"),
+    "profile": ("bench.profile", "where one decode step's device time goes, kernel by kernel "
+                "(jax.profiler trace, summed by category)"),
 }
 # (GPU, CPU) defaults per suite; prefill's contexts are prompt lengths.
 DEFAULTS = {
@@ -28,6 +30,7 @@ DEFAULTS = {
     "prefill": ({"batch_sizes": "1", "contexts": "128,512,1024,2048"},
                 {"batch_sizes": "1", "contexts": "8,40"}),
     "compile": ({"batch_sizes": "1", "contexts": "1"}, {"batch_sizes": "1", "contexts": "1"}),
+    "profile": ({"batch_sizes": "1,64", "contexts": "512"}, {"batch_sizes": "1", "contexts": "16"}),
 }
 
 

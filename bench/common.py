@@ -213,7 +213,7 @@ def pipelined_step_s(runner, inp, reps: int, n: int = 8) -> float:
     def burst():
         kv = runner.kv
         for i in range(n):
-            kv, out = runner._step_fn(runner.params, kv, inp, runner._rng, np.uint32(i))
+            kv, out = runner.dispatch(kv, inp, i)
         runner.kv = jax.block_until_ready(kv)
         jax.block_until_ready(out)
     return timed(burst, reps) / n

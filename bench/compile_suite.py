@@ -54,7 +54,7 @@ def compile_bucket(runner, bucket):
     hits = _cache_hits[0]
     t0 = time.perf_counter()
     # The runner's own jitted step (same function and static args as serving).
-    traced = runner._step_fn.trace(runner.params, runner.kv, inp, runner._rng, np.uint32(0))
+    traced = runner._step_fn.trace(runner._leaves, runner.kv, inp, runner._rng, np.uint32(0))
     t1 = time.perf_counter()
     lowered = traced.lower()
     t2 = time.perf_counter()

@@ -37,8 +37,7 @@ CMDBUF_OFF = "--xla_gpu_enable_command_buffer="
 
 
 def fused_row(runner, cfg, inp, reps: int) -> dict:
-    args = (runner.params, runner.kv, inp, runner._rng, np.uint32(0))
-    a = hlo.analyze(runner._step_fn.lower(*args).compile().as_text(), cfg.num_layers)
+    a = hlo.analyze(runner.lower(inp).compile().as_text(), cfg.num_layers)
     return {"step_ms": round(timed(lambda: runner.step(inp), reps) * 1e3, 4),
             "step_ms_device": round(pipelined_step_s(runner, inp, reps) * 1e3, 4),
             "kernels_per_step": a["kernels_per_step"], "kernels_per_layer": a["kernels_per_layer"],
@@ -68,8 +67,8 @@ def count_primitives(jaxpr, layers: list) -> int:
 def unfused_row(runner, graphdef, cfg, inp, reps: int) -> dict:
     from jaxinfer import runner as runner_mod
 
-    step = functools.partial(runner_mod._step, graphdef, runner.attn_impl)
-    args = (runner.params, runner.kv, inp, runner._rng, np.uint32(0))
+    step = functools.partial(runner_mod._step, graphdef, runner.attn_impl, runner._treedef)
+    args = (runner._leaves, runner.kv, inp, runner._rng, np.uint32(0))
     layers: list[tuple[int, int]] = []  # (length, primitives per iteration) of each scan
     per_step = count_primitives(jax.make_jaxpr(step)(*args).jaxpr, layers)
 

@@ -27,7 +27,9 @@ _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
 _TARGET = re.compile(r'custom_call_target="([^"]+)"')
 _KIND = re.compile(r"kind=(k\w+)")
 # The decoder's lax.scan: op names "jit(<step>)/while/body/..." (nested loops sit deeper).
-_SCAN_OP = re.compile(r'op_name="[^/"]+/while/body/')
+# Kernels of one decoder layer: from the scan body, or (layers unrolled in Python) from the
+# model's "decoder_layer" name scope.
+_SCAN_OP = re.compile(r'op_name="[^/"]+/(?:while/body|decoder_layer)/')
 
 
 @dataclasses.dataclass
@@ -168,7 +170,8 @@ def analyze(text: str, num_layers: int | None = None) -> dict:
 
 
 def _unrolled_per_layer(comps, entry: str, num_layers: int | None):
-    """If XLA unrolled the layer loop, its kernels keep the scan's op names: count those."""
+    """Layers unrolled (by XLA, or in Python: EngineConfig.unroll_layers): count the kernels
+    whose op names come from the scan body or the decoder_layer scope."""
     if not num_layers:
         return None, None
     n = sum(1 for ins in _flatten_calls(comps, entry)
@@ -198,10 +201,13 @@ def decode_step_analysis(model: str, engine, batch: int = 1) -> dict:
     from jaxinfer.params import abstract_model
     from jaxinfer.runner import ModelRunner, dummy_input
 
+    from jaxinfer.loading import resolve_unroll
+
     cfg = standard_config(model)
     graphdef, params = abstract_model(cfg, jax.numpy.dtype(engine.dtype),
-                                      fp8=engine.weights == "fp8")
+                                      fp8=engine.weights == "fp8",
+                                      unroll_layers=resolve_unroll(engine.unroll_layers))
     runner = ModelRunner(cfg, engine.replace(num_pages=2), graphdef, params)
     inp = dummy_input(Bucket(batch, batch, engine.pages_per_seq, True))
-    lowered = runner._step_fn.lower(params, runner.kv, inp, runner._rng, np.uint32(0))
+    lowered = runner.lower(inp)
     return analyze(lowered.compile().as_text(), cfg.num_layers)

@@ -4,8 +4,10 @@
 #   OUT=/path/to/results GIT_SHA=<sha> bash bench/run_h200.sh STAGE [STAGE ...]
 #
 #   check     gpu-marked kernel tests (paged attention incl. the FP8->f16 path, FP8 matmul)  ~3 min
-#   decode    decode roofline, scanned and unrolled (per-layer weights): Llama-3-8B bf16
-#             B 1/64/256 x C 512/1024, FP8 weights B=1, Qwen2.5-32B FP8+FP8 KV B=1            ~6 min
+#   decode    decode roofline: Llama-3-8B bf16 scanned (B=1, the old default) then unrolled
+#             (the GPU default) B 1/64/256 x C 512/1024, FP8 weights B=1, Qwen2.5-32B FP8+FP8
+#             KV B=1                                                                            ~7 min
+#   profile   where the decode step's time goes, kernel by kernel, B 1/64 (unrolled)         ~1 min
 #   kernels   paged attention: FP8 widened to f16 vs bf16 vs bf16 KV (+ bundled, XLA ref)   ~3 min
 #   compile   every bucket cold / warm, kernels per layer                                    ~2 min
 #   fusion    fused vs op-by-op (eager) vs command buffers off, B=1                          ~4 min
@@ -50,15 +52,18 @@ for stage in "$@"; do
       JAXINFER_TEST_GPU=1 run check 200 "$PY" -m pytest -q -m gpu -x \
         tests/test_paged_attention.py tests/test_ragged_paged_attention.py tests/test_fp8_matmul.py ;;
     decode)
-      bench decode 110 decode "${LLAMA[@]}" --batch-sizes "$BATCHES" --contexts "$CONTEXTS" \
-        --reps 5 --out "$OUT/decode.json"
-      bench decode_unrolled 130 decode "${LLAMA[@]}" --unroll-layers --batch-sizes "$BATCHES" \
+      bench decode_scan 90 decode "${LLAMA[@]}" --layer-loop scan --batch-sizes "${BATCHES%%,*}" \
+        --contexts "$CTX1" --reps 5 --out "$OUT/decode.json"
+      bench decode 130 decode "${LLAMA[@]}" --batch-sizes "$BATCHES" \
         --contexts "$CONTEXTS" --reps 5 --append --out "$OUT/decode.json"
-      bench decode_fp8 60 decode "${LLAMA[@]}" --weights fp8 --unroll-layers --batch-sizes 1 \
+      bench decode_fp8 70 decode "${LLAMA[@]}" --weights fp8 --batch-sizes 1 \
         --contexts "$CTX1" --reps 5 --append --out "$OUT/decode.json"
-      bench decode_qwen 120 decode --model "${BIG_MODEL:-qwen2.5-32b}" --dtype "$DTYPE" \
-        --weights fp8 --kv-dtype fp8 --unroll-layers --batch-sizes 1 --contexts "$CTX1" \
+      bench decode_qwen 150 decode --model "${BIG_MODEL:-qwen2.5-32b}" --dtype "$DTYPE" \
+        --weights fp8 --kv-dtype fp8 --batch-sizes 1 --contexts "$CTX1" \
         --reps 5 --kv-budget-gb 8 --append --out "$OUT/decode.json" ;;
+    profile)
+      bench profile 120 profile "${LLAMA[@]}" --batch-sizes 1,64 --contexts "$CTX1" --reps 5 \
+        --out "$OUT/profile.json" ;;
     kernels)
       run kernels 200 "$PY" -m bench.kernels --batches 1,64 --contexts 2048,8192,32768 \
         --git "$GIT" --out "$OUT/paged_attention.json" ;;

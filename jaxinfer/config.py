@@ -177,7 +177,10 @@ class EngineConfig:
     attention_impl: str = "auto"  # "auto": Pallas on GPU, plain-jnp reference elsewhere
     enable_prefix_caching: bool = True
     tensor_parallel: int = 1
-    unroll_layers: bool = False   # Python loop over layers instead of lax.scan (see model.py)
+    # Python loop over per-layer weights instead of lax.scan over stacked ones (model.py).
+    # None: unrolled on a GPU (scan slices copy every layer's weights there, ~2x the bytes
+    # of a decode step), scanned elsewhere (faster compiles); resolved when the model is built.
+    unroll_layers: bool | None = None
     seed: int = 0
 
     def __post_init__(self):
@@ -199,6 +202,8 @@ class EngineConfig:
         check(self.attention_impl in ATTENTION_IMPLS,
               f"attention_impl must be one of {ATTENTION_IMPLS}, got {self.attention_impl!r}")
         check(self.tensor_parallel >= 1, f"tensor_parallel must be >= 1, got {self.tensor_parallel}")
+        check(self.unroll_layers in (None, True, False),
+              f"unroll_layers must be None (auto), True or False, got {self.unroll_layers!r}")
 
     @property
     def pages_per_seq(self) -> int:

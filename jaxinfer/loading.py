@@ -6,11 +6,17 @@ are generated already sharded, so no device ever holds a whole model.
 """
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 from jaxinfer.config import EngineConfig
 from jaxinfer.params import build_model
 from jaxinfer.sharding import make_layout
+
+
+def resolve_unroll(unroll_layers: bool | None) -> bool:
+    """EngineConfig.unroll_layers with None (auto) resolved: unrolled on a GPU."""
+    return jax.default_backend() == "gpu" if unroll_layers is None else bool(unroll_layers)
 
 
 def load_model(model: str, engine_cfg: EngineConfig):
@@ -21,6 +27,7 @@ def load_model(model: str, engine_cfg: EngineConfig):
                                            tensor_parallel=engine_cfg.tensor_parallel)
     layout = make_layout(cfg, engine_cfg.tensor_parallel)
     graphdef, params = build_model(cfg, flat, dtype, fp8=engine_cfg.weights == "fp8",
-                                   unroll_layers=engine_cfg.unroll_layers, layout=layout,
+                                   unroll_layers=resolve_unroll(engine_cfg.unroll_layers),
+                                   layout=layout,
                                    consume=True)
     return cfg, graphdef, params, tokenizer

@@ -74,21 +74,26 @@ def _forward_hidden(graphdef, attn_impl, params, kv, tokens, md, kv_sharding=Non
     return model, h, kv
 
 
-def _step(graphdef, attn_impl, params, kv, inp: StepInput, rng, step_index, kv_sharding=None):
+def _step(graphdef, attn_impl, treedef, leaves, kv, inp: StepInput, rng, step_index,
+          kv_sharding=None):
+    # The params travel as a flat list of arrays: flattening the nnx.State (hundreds of
+    # leaves with per-layer weights) in Python on every dispatch cost more than the rest.
+    params = jax.tree_util.tree_unflatten(treedef, leaves)
     model, h, kv = _forward_hidden(graphdef, attn_impl, params, kv, inp.tokens, inp.md,
                                    kv_sharding)
     logits = model.logits(h[inp.logits_index])                          # [B, V] f32
     return kv, sampling.sample(logits, inp.sampling, jax.random.fold_in(rng, step_index))
 
 
-def dummy_input(bucket, penalties: bool = False) -> StepInput:
+def dummy_input(bucket, full: bool = False) -> StepInput:
     """An all-padding input of `bucket`'s shapes: writes nothing, used to compile ahead.
-    penalties: with the penalty token window (the second compiled variant of each bucket)."""
+    full: the `full` sampling variant (penalty window; sampling.py's module doc) instead of
+    the all-greedy `plain` one: the two compiled variants of each bucket."""
     t, b, w = bucket.num_tokens, bucket.num_seqs, bucket.pages_per_seq
     zeros = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731
     md = AttentionMetadata(zeros(t), np.full(t, -1, np.int32), zeros(t), zeros(b, w), zeros(b),
                            zeros(b + 1), decode_only=bucket.decode_only)
-    rows = [SamplingParams(repetition_penalty=1.1)] if penalties else []
+    rows = [SamplingParams(repetition_penalty=1.1)] if full else []
     samp = sampling.SamplingArrays.from_params(rows, [0] * len(rows), [[0]] * len(rows),
                                                batch_size=b)
     return StepInput(zeros(t), md, zeros(b), samp)
@@ -124,9 +129,12 @@ class ModelRunner:
         CompileCounter.install()
         self.cfg, self.engine = cfg, engine
         self.params = params
+        self._leaves, self._treedef = jax.tree_util.tree_flatten(params)
         self.attn_impl = resolve_attention_impl(engine.attention_impl)
         self.layout = make_layout(cfg, engine.tensor_parallel)
-        if nnx.merge(graphdef, params).layout != self.layout:
+        model = nnx.merge(graphdef, params)
+        self.engine = engine.replace(unroll_layers=model.unroll_layers)  # auto resolved
+        if model.layout != self.layout:
             raise ConfigError(f"the params were built for another tensor-parallel layout than "
                               f"tensor_parallel={engine.tensor_parallel}: build them with "
                               f"params.build_model(..., layout=sharding.make_layout(cfg, tp))")
@@ -134,7 +142,7 @@ class ModelRunner:
         self._rng = jax.random.key(engine.seed)
         self._num_steps = 0
         kv_sharding = None if self.layout.mesh is None else self.layout.named(kv_spec(self.layout))
-        self._step_fn = jax.jit(functools.partial(_step, graphdef, self.attn_impl,
+        self._step_fn = jax.jit(functools.partial(_step, graphdef, self.attn_impl, self._treedef,
                                                   kv_sharding=kv_sharding), donate_argnums=(1,))
         self._logits_fn = jax.jit(functools.partial(_all_logits, graphdef, self.attn_impl,
                                                     kv_sharding=kv_sharding),
@@ -143,19 +151,23 @@ class ModelRunner:
     def step(self, inp: StepInput) -> sampling.SampleOutput:
         """Run one step; returns the sampled tokens etc. as numpy (the one device->host sync)."""
         self._num_steps += 1
-        self.kv, out = self._step_fn(self.params, self.kv, inp, self._rng,
-                                     np.uint32(self._num_steps))
+        self.kv, out = self.dispatch(self.kv, inp, self._num_steps)
         return jax.device_get(out)
 
+    def dispatch(self, kv: KVCache, inp: StepInput, step_index: int):
+        """(new kv, SampleOutput on the device): the compiled step, dispatched without waiting.
+        `kv` is donated. For the bench's back-to-back runs; serving calls `step`."""
+        return self._step_fn(self._leaves, kv, inp, self._rng, np.uint32(step_index))
+
     def warmup(self, bucket) -> None:
-        """Compile (and run once, writing nothing) both variants of the step for `bucket`:
-        without and with penalties, so no request compiles anything later."""
-        for penalties in (False, True):
-            self.step(jax.device_put(dummy_input(bucket, penalties)))
+        """Compile (and run once, writing nothing) both variants of the step for `bucket`
+        (sampling `plain` and `full`), so no request compiles anything later."""
+        for full in (False, True):
+            self.step(jax.device_put(dummy_input(bucket, full)))
 
     def lower(self, inp: StepInput):
         """The step lowered for `inp`'s shapes (for ahead-of-time compilation and the bench)."""
-        return self._step_fn.lower(self.params, self.kv, inp, self._rng, np.uint32(0))
+        return self._step_fn.lower(self._leaves, self.kv, inp, self._rng, np.uint32(0))
 
     def all_logits(self, tokens, md: AttentionMetadata) -> np.ndarray:
         """Teacher-forced logits [T, V] for every new token (tests, perplexity)."""

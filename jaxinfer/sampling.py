@@ -18,21 +18,28 @@ threefry key [seed >> 32, seed & 0xffffffff] (= jax.random.key(seed) under x64, 
 < 2**32), so a seeded request samples the same tokens whatever else is in the batch and
 whichever row it sits in. Rows without a seed take fresh bits from the engine's rng.
 
-Cost control without recompiles: top-k/top-p need sorted candidates. We take the top
-TOP_CANDIDATES (256) per row with lax.top_k and fall back to a full sort of the vocab, under
+Two compiled variants per batch bucket, chosen on the host (static: the window width W):
+  plain  (W = 0): every row greedy, no logprobs, no penalties: one argmax, nothing else. No
+         conditional either: an XLA conditional on the GPU copies its predicate to the host
+         and blocks the dispatching thread until the forward pass is done, so the host could
+         not run ahead of the device.
+  full   (W = `window`): any row sampled, asking for logprobs or using a penalty.
+
+Cost control inside `full` without recompiles: top-k/top-p need sorted candidates. We take the
+top TOP_CANDIDATES (256) per row with lax.top_k and fall back to a full sort of the vocab, under
 lax.cond, only when a row's cut lies beyond them (top_k > 256, or top_p with the 256 best
 holding less than top_p of the mass); results are exact either way. The candidate search, the
-Gumbel draw and the logprobs each sit under a lax.cond on "does any row need it", so a greedy
-batch without logprobs pays for one argmax.
+Gumbel draw and the logprobs each sit under a lax.cond on "does any row need it".
 
 Penalties need each row's seen tokens. The host sends the last W (`window`, default 1024) tokens
 of each row's context (prompt + output) as a [B, W] id window padded with -1, plus where its
 output part starts; the device scatter-adds them into [B, V] counts. Limit: tokens older than the
 last W of the context are not penalized. Host->device cost: 4*B*W bytes (1 MiB at B=256,
-W=1024), only when some row uses a penalty; otherwise W = 0 and nothing is sent or computed.
+W=1024) in every `full` step (rows without a penalty send -1s: an identity); a `plain` step
+sends nothing.
 
-Static (recompile triggers): B, V, W (0 when no row has a penalty, else `window`: so at most two
-variants per batch bucket), dtypes, `candidates`. Every parameter value is dynamic.
+Static (recompile triggers): B, V, W (0 or `window`: two variants per batch bucket), dtypes,
+`candidates`. Every parameter value is dynamic.
 """
 from __future__ import annotations
 
@@ -78,8 +85,8 @@ class SamplingArrays:
     output_start: jax.Array        # [B] i32  index in penalty_tokens where output tokens start
 
     @property
-    def has_penalties(self) -> bool:
-        """Static: the shape, not a value, says whether penalties are compiled in."""
+    def full(self) -> bool:
+        """Static: the shape, not a value, says which variant is compiled (module doc)."""
         return self.penalty_tokens.shape[-1] > 0
 
     @classmethod
@@ -94,6 +101,8 @@ class SamplingArrays:
         output so far (only its last `window` ids are read); needed only when a row uses a
         repetition, presence or frequency penalty."""
         n = len(params)
+        if window < 1:
+            raise ValueError(f"window must be >= 1, got {window}")
         if n > batch_size:
             raise ValueError(f"{n} rows do not fit in batch_size {batch_size}")
         if len(generated_counts) != n:
@@ -125,10 +134,16 @@ def _uses_penalty(p: SamplingParams) -> bool:
     return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
 
 
+def needs_full(p: SamplingParams) -> bool:
+    """Whether a row needs the `full` variant (anything beyond greedy argmax)."""
+    return p.temperature >= MIN_TEMPERATURE or p.logprobs is not None or _uses_penalty(p)
+
+
 def _penalty_window(rows, token_ids, generated_counts, batch_size, window):
-    """[B, W] last-W context ids (-1 padded) and [B] output start; W = 0 if no row needs them."""
+    """[B, W] last-W context ids (-1 padded) and [B] output start; W = 0 (the `plain`
+    variant) when every row is greedy without logprobs or penalties."""
     users = [b for b, p in enumerate(rows) if _uses_penalty(p)]
-    width = window if users else 0
+    width = window if any(needs_full(p) for p in rows) else 0
     tokens = np.full((batch_size, width), -1, np.int32)
     out_start = np.zeros(batch_size, np.int32)
     for b in users:
@@ -157,7 +172,7 @@ class SampleOutput:
 def apply_penalties(logits: jax.Array, arrays: SamplingArrays) -> jax.Array:
     """Repetition (over the window: prompt + output), then frequency and presence (over its
     output part) penalties on [B, V] logits. Identity when the window is empty (W = 0)."""
-    if not arrays.has_penalties:
+    if not arrays.full:
         return logits
     b, v = logits.shape
     ids = arrays.penalty_tokens                                   # [B, W]
@@ -256,6 +271,9 @@ def sample(logits: jax.Array, arrays: SamplingArrays, rng: jax.Array, *,
     """One token per row from [B, V] logits. `rng`: the engine's key for rows without a seed
     (the caller splits it per step). `candidates` (static): top-k/top-p candidate count."""
     logits = logits.astype(jnp.float32)
+    if not arrays.full:  # static: all rows greedy, no logprobs, no penalties
+        tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        return SampleOutput(tokens, *_no_logprobs(logits, tokens))
     adjusted = apply_penalties(logits, arrays)
     greedy = jnp.argmax(adjusted, axis=-1)
     sampled = arrays.temperature >= MIN_TEMPERATURE

@@ -158,9 +158,46 @@ def test_penalty_window_keeps_last_tokens_only():
         _arrays([SamplingParams(presence_penalty=1.0)], [0], None)
 
 
-def test_no_penalty_means_empty_window():
-    arrays = _arrays([SamplingParams(temperature=0.5), None], batch_size=4)
-    assert arrays.penalty_tokens.shape == (4, 0) and not arrays.has_penalties
+def test_variant_plain_only_for_all_greedy_rows():
+    greedy = _arrays([SamplingParams(temperature=0.0), None], batch_size=4)
+    assert greedy.penalty_tokens.shape == (4, 0) and not greedy.full
+    for p in (SamplingParams(temperature=0.5), SamplingParams(temperature=0.0, logprobs=2),
+              SamplingParams(temperature=0.0, presence_penalty=0.5)):
+        arrays = _arrays([SamplingParams(temperature=0.0), p], [0, 0], [[5], [5]],
+                         batch_size=4)
+        assert arrays.full and arrays.penalty_tokens.shape == (4, 64), p
+        assert (arrays.penalty_tokens[0] == -1).all()  # a row without penalty sends nothing
+
+
+def _primitives(jaxpr) -> set:
+    out = set()
+    for eqn in jaxpr.eqns:
+        out.add(eqn.primitive.name)
+        for v in eqn.params.values():
+            for sub in (v if isinstance(v, (list, tuple)) else [v]):
+                inner = getattr(sub, "jaxpr", None)
+                if inner is not None:
+                    out |= _primitives(getattr(inner, "jaxpr", inner))
+    return out
+
+
+def test_plain_variant_has_no_conditional_and_is_argmax():
+    """An XLA conditional on the GPU syncs the host on its predicate: the greedy path must
+    have none (the full one has them)."""
+    rng = np.random.default_rng(3)
+    logits = jnp.asarray(rng.normal(size=(4, V)).astype(np.float32))
+    plain = _arrays([SamplingParams(temperature=0.0)] * 2, batch_size=4)
+    full = _arrays([SamplingParams(temperature=0.0), SamplingParams(temperature=1.0)],
+                   batch_size=4)
+    key = jax.random.key(0)
+    prims = _primitives(jax.make_jaxpr(sample)(logits, plain, key).jaxpr)
+    assert "cond" not in prims and "argmax" in prims
+    assert "cond" in _primitives(jax.make_jaxpr(sample)(logits, full, key).jaxpr)
+    out = sample(logits, plain, key)
+    np.testing.assert_array_equal(out.tokens, np.argmax(np.asarray(logits), axis=-1))
+    assert np.isneginf(np.asarray(out.logprob)).all()
+    # The same greedy rows in the full variant pick the same tokens.
+    np.testing.assert_array_equal(sample(logits, full, key).tokens[0], out.tokens[0])
 
 
 def test_seed_reproducible_across_batches_and_rows():
@@ -236,14 +273,15 @@ def test_new_parameter_values_do_not_recompile():
 
     rng = np.random.default_rng(9)
     logits = _logits(rng, 4)
-    variants = [[None] * 4,
-                [SamplingParams(temperature=0.5, top_k=3, seed=1, logprobs=2)] * 4,
-                [SamplingParams(top_p=0.4, min_p=0.1), None, SamplingParams(temperature=0), None],
-                [SamplingParams(temperature=2.0, top_k=700)] * 4]
-    for params in variants:
+    for params in ([None] * 4, [SamplingParams(temperature=0)] * 2 + [None] * 2):
         jax.block_until_ready(step(logits, _arrays(params, [5] * 4), jax.random.key(0)))
-    assert len(traces) == 1
-    penalized = [SamplingParams(repetition_penalty=1.2)] * 4
-    for counts in ([1] * 4, [3] * 4):
-        step(logits, _arrays(penalized, counts, [[1, 2, 3]] * 4), jax.random.key(0))
-    assert len(traces) == 2  # the one extra variant: penalties compiled in
+    assert len(traces) == 1  # the plain variant
+    ctx = [[1, 2, 3]] * 4
+    variants = [[SamplingParams(temperature=0.5, top_k=3, seed=1, logprobs=2)] * 4,
+                [SamplingParams(top_p=0.4, min_p=0.1), None, SamplingParams(temperature=0), None],
+                [SamplingParams(temperature=2.0, top_k=700)] * 4,
+                [SamplingParams(repetition_penalty=1.2)] * 4,
+                [SamplingParams(presence_penalty=0.3, temperature=0.7)] * 4]
+    for params in variants:
+        jax.block_until_ready(step(logits, _arrays(params, [5] * 4, ctx), jax.random.key(0)))
+    assert len(traces) == 2  # the one extra variant: full
