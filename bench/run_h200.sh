@@ -68,7 +68,7 @@ for stage in "$@"; do
       run kernels 200 "$PY" -m bench.kernels --batches 1,64 --contexts 2048,8192,32768 \
         --git "$GIT" --out "$OUT/paged_attention.json" ;;
     compile)
-      bench compile 150 compile "${LLAMA[@]}" --max-num-seqs "${SEQS:-64}" \
+      bench compile 200 compile "${LLAMA[@]}" --max-num-seqs "${SEQS:-64}" \
         --max-num-batched-tokens 512 --out "$OUT/compile.json" ;;
     fusion)
       bench fusion 260 fusion "${LLAMA[@]}" --batch-sizes 1 --contexts "$CTX1" --reps 3 \
