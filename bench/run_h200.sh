@@ -24,7 +24,10 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-bench/results}
 PY=${PYTHON:-python3}
 GIT=${GIT_SHA:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
-export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} XLA_PYTHON_CLIENT_PREALLOCATE=false
+# Not preallocated, but allowed 90% of the card: with per-layer weight buffers the allocator's
+# free space is fragmented and the 75% default ran out on the decode suite's 32 GB KV pool.
+export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} XLA_PYTHON_CLIENT_PREALLOCATE=false \
+  XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.9}
 mkdir -p "$OUT"
 DEADLINE=${DEADLINE:-570}   # seconds for the whole invocation
 
@@ -75,11 +78,12 @@ for stage in "$@"; do
         --out "$OUT/fusion.json" ;;
     batching)
       run batching 330 "$PY" -m bench.batching --model "${MODEL:-llama-3-8b}" \
-        --max-batch 64,256 --num-requests 384 --git "$GIT" --out "$OUT/batching.json" ;;
+        --max-batch "${MAX_BATCH:-64,256}" --num-requests 384 --git "$GIT" --out "$OUT/batching.json" ;;
     serving)
       run serving 540 "$PY" -m bench.serving --model "${MODEL:-llama-3-8b}" --max-num-seqs 64 \
-        --max-num-batched-tokens 1024 --max-model-len 2048 --rates 4,8,16,24,32,48,64 \
-        --chat-rates 2,4,8,16 --duration 15 --git "$GIT" --out "$OUT/serving.json" ;;
+        --max-num-batched-tokens 1024 --max-model-len 2048 --rates "${RATES:-4,8,16,24,32,48,64}" \
+        --chat-rates "${CHAT_RATES:-2,4,8,16}" --duration "${DURATION:-15}" --git "$GIT" \
+        --out "$OUT/serving.json" ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
 done
