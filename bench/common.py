@@ -129,7 +129,7 @@ def engine_argv(args) -> list[str]:
             "--page-size", str(args.page_size), "--max-model-len", str(args.max_model_len),
             "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens",
             str(args.max_num_batched_tokens), "--num-pages", str(args.num_pages),
-            "--attention", args.attention]
+            "--attention", args.attention, "--layer-loop", args.layer_loop]
     return argv + (["--dtype", args.dtype] if args.dtype else [])
 
 

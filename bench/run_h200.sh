@@ -74,7 +74,7 @@ for stage in "$@"; do
       bench compile 200 compile "${LLAMA[@]}" --max-num-seqs "${SEQS:-64}" \
         --max-num-batched-tokens 512 --out "$OUT/compile.json" ;;
     fusion)
-      bench fusion 260 fusion "${LLAMA[@]}" --batch-sizes 1 --contexts "$CTX1" --reps 3 \
+      bench fusion 220 fusion "${LLAMA[@]}" --batch-sizes 1 --contexts "$CTX1" --reps 3 \
         --out "$OUT/fusion.json" ;;
     batching)
       run batching 330 "$PY" -m bench.batching --model "${MODEL:-llama-3-8b}" \
