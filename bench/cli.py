@@ -69,11 +69,11 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _compile_args(p):
     p.add_argument("--no-warm", action="store_true",
-                   help="skip the warm-start (persistent cache) child process")
+                   help="skip the start-up compile child processes (cold and warm cache)")
     p.add_argument("--cache-dir", default=None,
                    help="persistent compilation cache dir (default: a fresh temp dir)")
     p.add_argument("--phase", choices=("cold", "warm"), default=None,
-                   help=argparse.SUPPRESS)  # internal: the warm child process
+                   help=argparse.SUPPRESS)  # internal: the start-up compile child processes
 
 
 def _fusion_args(p):

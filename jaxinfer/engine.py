@@ -132,9 +132,10 @@ class Engine:
     def warmup(self, progress: bool = True) -> dict:
         """Compile every bucket ahead of time; returns {'compiles', 'seconds', 'buckets'}."""
         t0, c0 = time.perf_counter(), CompileCounter.count()
-        for bucket in tqdm(self.buckets.all_buckets(), desc="compiling buckets",
-                           disable=not progress, unit="bucket"):
-            self.runner.warmup(bucket)
+        buckets = self.buckets.all_buckets()
+        with tqdm(total=2 * len(buckets), desc="compiling buckets (x2 sampling variants)",
+                  disable=not progress, unit="step") as bar:
+            self.runner.warmup(buckets, on_done=lambda: bar.update(1))
         return {"compiles": CompileCounter.count() - c0,
                 "seconds": time.perf_counter() - t0,
                 "buckets": len(self.buckets.all_buckets())}

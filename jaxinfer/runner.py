@@ -5,14 +5,23 @@ Static (a change compiles a new executable): the model graph, the attention impl
 shapes of StepInput (= the bucket: T tokens, B rows, pages_per_seq) plus
 `AttentionMetadata.decode_only` and the sampling arrays' static flags. Dynamic: every value.
 
+Ahead-of-time executables (`compile_ahead`, used by Engine.warmup): every bucket's step is
+lowered (Python tracing: one at a time) and then compiled in a thread pool (XLA compiles
+outside the GIL), so start-up compiles in about the wall time of the slowest bucket rather
+than the sum; `dispatch` then calls the executable matching the input's signature (tree
+structure + shapes + dtypes) and falls back to the jitted function (which compiles, and is
+counted) for anything else.
+
 Tensor parallel (EngineConfig.tensor_parallel > 1): params arrive sharded (loading.py), the
 cache is allocated sharded by kv head and pinned to that layout across the step (so the
 donated buffers are reused in place); step inputs are replicated by jit.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
+import os
 import threading
 
 import jax
@@ -85,6 +94,13 @@ def _step(graphdef, attn_impl, treedef, leaves, kv, inp: StepInput, rng, step_in
     return kv, sampling.sample(logits, inp.sampling, jax.random.fold_in(rng, step_index))
 
 
+def input_signature(inp) -> tuple:
+    """What selects a compiled step: the input's tree structure (static fields included) and
+    every leaf's shape and dtype."""
+    leaves, tree = jax.tree_util.tree_flatten(inp)
+    return tree, tuple((np.shape(x), np.dtype(x.dtype).name) for x in leaves)
+
+
 def dummy_input(bucket, full: bool = False) -> StepInput:
     """An all-padding input of `bucket`'s shapes: writes nothing, used to compile ahead.
     full: the `full` sampling variant (penalty window; sampling.py's module doc) instead of
@@ -130,6 +146,7 @@ class ModelRunner:
         self.cfg, self.engine = cfg, engine
         self.params = params
         self._leaves, self._treedef = jax.tree_util.tree_flatten(params)
+        self._executables: dict = {}  # input signature -> compiled step (compile_ahead)
         self.attn_impl = resolve_attention_impl(engine.attention_impl)
         self.layout = make_layout(cfg, engine.tensor_parallel)
         model = nnx.merge(graphdef, params)
@@ -157,13 +174,35 @@ class ModelRunner:
     def dispatch(self, kv: KVCache, inp: StepInput, step_index: int):
         """(new kv, SampleOutput on the device): the compiled step, dispatched without waiting.
         `kv` is donated. For the bench's back-to-back runs; serving calls `step`."""
-        return self._step_fn(self._leaves, kv, inp, self._rng, np.uint32(step_index))
+        fn = self._executables.get(input_signature(inp), self._step_fn)
+        return fn(self._leaves, kv, inp, self._rng, np.uint32(step_index))
 
-    def warmup(self, bucket) -> None:
-        """Compile (and run once, writing nothing) both variants of the step for `bucket`
-        (sampling `plain` and `full`), so no request compiles anything later."""
-        for full in (False, True):
-            self.step(jax.device_put(dummy_input(bucket, full)))
+    def compile_ahead(self, inputs, workers: int | None = None, on_done=None) -> int:
+        """Compile the step for each of `inputs` (StepInputs of distinct shapes) and keep the
+        executables for `dispatch`: lowered one by one, compiled concurrently. Returns how
+        many were compiled; `on_done()` is called after each (a progress bar)."""
+        lowered = {}
+        for inp in inputs:
+            sig = input_signature(inp)
+            if sig not in self._executables and sig not in lowered:
+                lowered[sig] = self._step_fn.lower(self._leaves, self.kv, inp, self._rng,
+                                                   np.uint32(0))
+        workers = max(1, min(len(lowered), workers or os.cpu_count() or 1))
+        with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+            futures = {pool.submit(low.compile): sig for sig, low in lowered.items()}
+            for done in concurrent.futures.as_completed(futures):
+                self._executables[futures[done]] = done.result()
+                if on_done is not None:
+                    on_done()
+        return len(lowered)
+
+    def warmup(self, buckets, on_done=None) -> None:
+        """Compile both variants of the step (sampling `plain` and `full`) for every bucket
+        ahead of time, then run each once (writing nothing), so no request compiles later."""
+        inputs = [dummy_input(b, full) for b in buckets for full in (False, True)]
+        self.compile_ahead(inputs, on_done=on_done)
+        for inp in inputs:
+            self.step(jax.device_put(inp))
 
     def lower(self, inp: StepInput):
         """The step lowered for `inp`'s shapes (for ahead-of-time compilation and the bench)."""

@@ -83,7 +83,12 @@ def test_compile_suite_cold_and_warm(tmp_path):
     assert [r["bucket"] for r in result["rows"]] == ["decode T1 B1 W128", "mixed T16 B1 W128"]
     for r in result["rows"]:
         _positive(r, "trace_s", "lower_s", "compile_s", "kernels_per_step", "temp_MB")
-        assert r["cache_hit"] is False and r["warm_cache_hit"] is True
+        assert r["cache_hit"] is False
     assert result["kernels_per_layer"] == result["rows"][0]["kernels_per_layer"] > 0
-    assert result["cold_total_s"] > 0 and result["warm_total_s"] > 0
+    assert result["cold_serial_sum_s"] > 0
+    cold, warm = result["cold_startup"], result["warm_startup"]
+    # Both sampling variants of both buckets; the warm start finds all four in the cache.
+    assert cold["executables"] == warm["executables"] == 4 and cold["buckets"] == 2
+    assert cold["cache_hits"] == 0 and warm["cache_hits"] >= 4
+    assert result["cold_total_s"] == cold["wall_s"] > 0 and result["warm_total_s"] > 0
     assert any((tmp_path / "cache").iterdir())
