@@ -269,3 +269,21 @@ def test_server_log_has_no_errors(server):
     log = server.log()
     assert "Traceback" not in log and " ERROR " not in log, log[-3000:]
     assert "prompt not logged" in log
+
+
+def test_serving_bench_saturation_rule():
+    """Long answers that keep up are not 'saturated' (the chat sweep stopped after its first
+    rate on the H200 before this rule); completions falling behind the arrivals are."""
+    from bench.serving import saturated, summarize
+
+    def run(done_at):  # 19 requests sent 0.53 s apart at 2/s, 170 tokens each
+        return [{"code": "OK", "sent": i * 0.53,
+                 "times": [done_at(i) - 0.01 * (169 - k) for k in range(170)]}
+                for i in range(19)]
+    keeping_up = summarize("chat", 2.0, run(lambda i: i * 0.53 + 1.72))
+    assert keeping_up["e2e_p99_ms"] > 500 and not saturated(keeping_up)
+    behind = summarize("chat", 2.0, run(lambda i: 2.0 * (i + 1)))  # serial, 2 s each
+    assert saturated(behind)
+    short_ok = summarize("short", 8.0, [{"code": "OK", "sent": i / 8, "times": [i / 8 + 0.3]}
+                                        for i in range(80)])
+    assert not saturated(short_ok)
