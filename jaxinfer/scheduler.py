@@ -27,6 +27,7 @@ from __future__ import annotations
 import bisect
 import collections
 import dataclasses
+import functools
 import time
 from typing import Callable, Sequence
 
@@ -65,7 +66,7 @@ class SchedulerOutput:
     def num_rows(self) -> int:
         return len(self.rows)
 
-    @property
+    @functools.cached_property
     def num_tokens(self) -> int:
         return sum(r.num_tokens for r in self.rows)
 
@@ -221,9 +222,11 @@ class Scheduler:
     def _grow(self, request: Request, n: int) -> bool:
         """Give the request pages for n more tokens, if the pool has them."""
         need = self.allocator.pages_for(request.num_computed_tokens + n) - len(request.page_ids)
+        if need <= 0:   # the common decode step: the last page still has room
+            return True
         if need > self.allocator.num_free:
             return False
-        request.page_ids.extend(self.allocator.allocate(max(need, 0)))
+        request.page_ids.extend(self.allocator.allocate(need))
         return True
 
     def _make_room(self, request: Request, n: int, preempted: list[str]) -> bool:
