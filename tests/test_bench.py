@@ -92,3 +92,19 @@ def test_compile_suite_cold_and_warm(tmp_path):
     assert cold["cache_hits"] == 0 and warm["cache_hits"] >= 4
     assert result["cold_total_s"] == cold["wall_s"] > 0 and result["warm_total_s"] > 0
     assert any((tmp_path / "cache").iterdir())
+
+
+def test_profile_suite_breaks_the_step_down(tmp_path):
+    """On the CPU the profiler sees host-side XLA ops instead of GPU kernels: the suite must
+    still run end to end and write consistent per-step sums."""
+    out = tmp_path / "profile.json"
+    assert cli.main(["profile", *ENGINE, "--out", str(out), "--batch-sizes", "1,2",
+                     "--contexts", "9", "--page-size", "4"]) == 0
+    result = _load(out, "profile")
+    assert [(r["batch"], r["context"]) for r in result["rows"]] == [(1, 9), (2, 9)]
+    for r in result["rows"]:
+        _positive(r, "kernels_per_step", "busy_ms_per_step", "unprofiled_ms_per_step",
+                  "dispatch_ms_per_step")
+        parts = sum(r[f"{c}_ms"] for c in ("gemm", "attention", "sampling", "copy", "other"))
+        assert abs(parts - r["busy_ms_per_step"]) <= 1e-3 * max(1.0, parts) + 5e-4
+        assert r["top"] and r["families"] and r["host_top_ms_per_step"]
