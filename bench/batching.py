@@ -17,8 +17,10 @@ enough for the max_batch longest requests, so nothing is preempted):
 
 Every bucket is compiled (engine.warmup) before timing and the compile count during the timed
 runs is recorded (it should be 0). Per mode: output tokens / wall time, medians of the host
-part of a step (engine.last_host_s: schedule, batch prep, device transfer, update) and of the
-whole step (engine.last_step_s), and the host share of all step time.
+part of a step (engine.last_host_s: schedule, batch prep, device transfer, update: the time
+`engine.step()` did not spend waiting for a step's tokens) and of the whole step
+(engine.last_step_s), and the host share of all step time. With async scheduling (the
+default; --no-async-scheduling turns it off) the host part overlaps the device step.
 """
 from __future__ import annotations
 
@@ -101,7 +103,8 @@ def engine_config(args, workload, max_batch: int, dtype: str) -> EngineConfig:
         page_size=args.page_size, num_pages=pool_pages(workload, max_batch, args.page_size),
         max_model_len=max(len(p) + o for p, o in workload) + 1, max_num_seqs=max_batch,
         max_num_batched_tokens=args.max_num_batched_tokens, dtype=dtype, weights=args.weights,
-        kv_dtype=args.kv_dtype, attention_impl=args.attention, enable_prefix_caching=False)
+        kv_dtype=args.kv_dtype, attention_impl=args.attention, enable_prefix_caching=False,
+        async_scheduling=not args.no_async_scheduling)
 
 
 def git_sha() -> str:
@@ -138,6 +141,8 @@ def parse_args(argv):
     ap.add_argument("--output-median", type=float, default=64.0)
     ap.add_argument("--sigma", type=float, default=1.0, help="log-normal sigma of both lengths")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-async-scheduling", action="store_true",
+                    help="the synchronous engine (default: host prepares step t+1 while t runs)")
     ap.add_argument("--git", default=None, help="commit to record (default: git rev-parse HEAD)")
     ap.add_argument("--out", default="bench/results/batching.json")
     return ap.parse_args(argv)
@@ -176,6 +181,7 @@ def main(argv=None) -> dict:
         "command": "python -m bench.batching " + " ".join(argv if argv is not None
                                                           else sys.argv[1:]),
         "model": args.model, "dtype": dtype, "weights": args.weights, "kv_dtype": args.kv_dtype,
+        "async_scheduling": not args.no_async_scheduling,
         "workload": {"requests": len(workload), "seed": args.seed, "sigma": args.sigma,
                      "prompt_len": list(args.prompt_len), "output_len": list(args.output_len),
                      "prompt_median": args.prompt_median, "output_median": args.output_median,

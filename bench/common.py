@@ -130,6 +130,8 @@ def engine_argv(args) -> list[str]:
             "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens",
             str(args.max_num_batched_tokens), "--num-pages", str(args.num_pages),
             "--attention", args.attention, "--layer-loop", args.layer_loop]
+    if args.no_async_scheduling:
+        argv.append("--no-async-scheduling")
     return argv + (["--dtype", args.dtype] if args.dtype else [])
 
 
@@ -178,7 +180,8 @@ def decode_input(cfg, engine, batch: int, context: int, rng):
     md = AttentionMetadata(pos, slots, rows, table, pos + 1,
                            np.arange(batch + 1, dtype=np.int32), decode_only=True)
     tokens = rng.integers(0, cfg.vocab_size, batch).astype(np.int32)
-    return StepInput(tokens, md, rows, SamplingArrays.from_params([], [], batch_size=batch))
+    return StepInput(tokens, md, rows, SamplingArrays.from_params([], [], batch_size=batch),
+                     np.zeros(engine.max_num_seqs, np.int32), np.full(batch, -1, np.int32))
 
 
 @functools.partial(jax.jit, donate_argnums=0)
@@ -213,7 +216,7 @@ def pipelined_step_s(runner, inp, reps: int, n: int = 8) -> float:
     def burst():
         kv = runner.kv
         for i in range(n):
-            kv, out = runner.dispatch(kv, inp, i)
+            kv, out, _ = runner.dispatch(kv, inp, i)
         runner.kv = jax.block_until_ready(kv)
         jax.block_until_ready(out)
     return timed(burst, reps) / n

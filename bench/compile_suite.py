@@ -56,7 +56,7 @@ def compile_bucket(runner, bucket):
     """(row of phase seconds, compiled executable) for one bucket."""
     from jaxinfer.runner import dummy_input
 
-    inp = jax.device_put(dummy_input(bucket))
+    inp = jax.device_put(dummy_input(bucket, max_num_seqs=runner.engine.max_num_seqs))
     hits = _cache_hits[0]
     t0 = time.perf_counter()
     # The runner's own jitted step (same function and static args as serving).
@@ -113,7 +113,8 @@ def startup_compile(args) -> dict:
 
     runner, _, _ = load_runner(args, max_num_seqs=args.max_num_seqs, max_len=args.max_model_len)
     buckets = Buckets.from_config(runner.engine).all_buckets()
-    inputs = [dummy_input(b, full) for b in buckets for full in (False, True)]
+    inputs = [dummy_input(b, full, runner.engine.max_num_seqs)
+              for b in buckets for full in (False, True)]
     hits = _cache_hits[0]
     t = time.perf_counter()
     n = runner.compile_ahead(inputs)

@@ -152,7 +152,7 @@ def run(args) -> int:
             def burst(n=args.reps):
                 kv = runner.kv
                 for i in range(n):
-                    kv, out = runner.dispatch(kv, inp, i)
+                    kv, out, _ = runner.dispatch(kv, inp, i)
                 runner.kv = jax.block_until_ready(kv)
                 jax.block_until_ready(out)
 
@@ -160,7 +160,7 @@ def run(args) -> int:
             t0 = time.perf_counter()  # without the profiler: host dispatch vs whole burst
             kv = runner.kv
             for i in range(args.reps):
-                kv, out = runner.dispatch(kv, inp, i)
+                kv, out, _ = runner.dispatch(kv, inp, i)
             t1 = time.perf_counter()
             runner.kv = jax.block_until_ready(kv)
             jax.block_until_ready(out)

@@ -43,6 +43,9 @@ def add_engine_args(p: argparse.ArgumentParser):
                         "copies; longer compiles). auto: unroll on a GPU, scan elsewhere")
     g.add_argument("--unroll-layers", dest="layer_loop", action="store_const", const="unroll",
                    help="same as --layer-loop unroll")
+    g.add_argument("--no-async-scheduling", action="store_true",
+                   help="wait for each step's tokens before preparing the next (default: the "
+                        "host prepares step t+1 while step t runs)")
 
 
 def engine_config_from_args(args):
@@ -56,7 +59,8 @@ def engine_config_from_args(args):
         dtype=dtype, weights=args.weights, kv_dtype=args.kv_dtype,
         attention_impl=args.attention, enable_prefix_caching=not args.no_prefix_caching,
         tensor_parallel=args.tensor_parallel,
-        unroll_layers={"auto": None, "scan": False, "unroll": True}[args.layer_loop])
+        unroll_layers={"auto": None, "scan": False, "unroll": True}[args.layer_loop],
+        async_scheduling=not args.no_async_scheduling)
 
 
 def add_sampling_args(p: argparse.ArgumentParser):

@@ -181,6 +181,8 @@ class EngineConfig:
     # None: unrolled on a GPU (scan slices copy every layer's weights there, ~2x the bytes
     # of a decode step), scanned elsewhere (faster compiles); resolved when the model is built.
     unroll_layers: bool | None = None
+    # Prepare step t+1 on the host while step t runs on the device (engine.py's module doc).
+    async_scheduling: bool = True
     seed: int = 0
 
     def __post_init__(self):

@@ -7,11 +7,24 @@
 
 Only this class touches both sides. Text (detokenization, stop strings) lives here because
 the scheduler sees token ids only.
+
+Async scheduling (EngineConfig.async_scheduling): the host prepares step t+1 while step t
+runs on the device. A step is committed to the scheduler as soon as it is dispatched (its
+sampled tokens PENDING); the next step is scheduled and dispatched at once, its decode rows
+taking their input token from step t's device output; then step t's tokens are fetched and
+resolved (text, stop strings, finishing). So `step()` returns the outputs of the step before
+the one it dispatched. A request that turns out to be finished at t wastes its row in t+1;
+steps whose running requests use penalties wait for the previous step first (the penalty
+window needs the last token).
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
+
+import jax
+import numpy as np
 
 from tqdm import tqdm
 
@@ -21,9 +34,20 @@ from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.errors import ConfigError
 from jaxinfer.engine_io import (Detokenized, build_step_input, check_params_for_model,
                                 logprob_dict, prompt_token_ids)
-from jaxinfer.request import FinishReason, Request, RequestOutput, SamplingParams
+from jaxinfer.request import PENDING, FinishReason, Request, RequestOutput, SamplingParams
 from jaxinfer.runner import CompileCounter, ModelRunner
+from jaxinfer.sampling import uses_penalty
 from jaxinfer.scheduler import Scheduler, SchedulerOutput
+
+
+@dataclasses.dataclass
+class _InFlight:
+    """A dispatched step whose sampled tokens the host has not read yet."""
+
+    out: SchedulerOutput
+    sampled: object        # SampleOutput on the device
+    next_tokens: object    # [max_num_seqs] i32 on the device: its tokens, for the next step
+    row_of: dict           # request id -> row index in this step
 
 
 class Engine:
@@ -44,6 +68,8 @@ class Engine:
         self.num_steps = 0
         self.last_step_s = 0.0
         self.last_host_s = 0.0
+        self._inflight: _InFlight | None = None
+        self._no_prev = jax.device_put(np.zeros(engine_cfg.max_num_seqs, np.int32))
 
     @classmethod
     def from_model(cls, model: str, engine_cfg: EngineConfig) -> "Engine":
@@ -75,29 +101,69 @@ class Engine:
         return out
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished
+        return self.scheduler.has_unfinished or self._inflight is not None
 
     # --- the step -----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """Schedule and dispatch one step; return the outputs of the step that completed
+        (this one, or with async scheduling the one before)."""
         t0 = time.perf_counter()
+        self._waited = 0.0
+        outputs = []
+        prev = self._inflight
+        if prev is not None and self._needs_last_tokens():
+            outputs += self._finish(prev)
+            prev = self._inflight = None
         out = self.scheduler.schedule()
-        if out.is_empty:
-            return []
-        bucket = self.buckets.choose(out.num_tokens, out.num_rows, out.max_pages)
-        arrays = batch.prepare(out, bucket, self.config.page_size)
-        inp = build_step_input(arrays, out, self.scheduler)
-        t1 = time.perf_counter()
-        sampled = self.runner.step(inp)
-        t2 = time.perf_counter()
-        outputs = self._update(out, sampled)
-        self.num_steps += 1
+        new = None
+        if not out.is_empty:
+            bucket = self.buckets.choose(out.num_tokens, out.num_rows, out.max_pages)
+            arrays = batch.prepare(out, bucket, self.config.page_size)
+            inp = build_step_input(arrays, out, self.scheduler, *self._prev_source(prev, out,
+                                                                                   arrays))
+            sampled, next_tokens = self.runner.submit(inp)
+            self.scheduler.commit(out)
+            new = _InFlight(out, sampled, next_tokens,
+                            {r.request_id: b for b, r in enumerate(out.rows)})
+            self.num_steps += 1
+        if prev is not None:
+            outputs += self._finish(prev)
+        if new is not None and not self.config.async_scheduling:
+            outputs += self._finish(new)
+            new = None
+        self._inflight = new
         self.last_step_s = time.perf_counter() - t0
-        self.last_host_s = self.last_step_s - (t2 - t1)
+        self.last_host_s = self.last_step_s - self._waited
         return outputs
+
+    def _needs_last_tokens(self) -> bool:
+        """A running request with a penalty and a pending token: its window needs it."""
+        return any(r.num_pending and uses_penalty(r.sampling_params)
+                   for r in self.scheduler.running)
+
+    def _prev_source(self, prev: _InFlight | None, out: SchedulerOutput, arrays):
+        """(prev_tokens, prev_index) for the step input: where each PENDING token is."""
+        index = np.full(len(arrays.tokens), -1, np.int32)
+        for b, row in enumerate(out.rows):
+            if row.token_ids[-1] != PENDING:
+                continue
+            # Only ever the one token of a decode row, sampled by the step in flight.
+            if prev is None or row.request_id not in prev.row_of or row.num_tokens != 1:
+                raise RuntimeError(f"pending token of {row.request_id!r} has no source")
+            index[arrays.query_start[b]] = prev.row_of[row.request_id]
+        if prev is None:
+            return self._no_prev, index
+        return prev.next_tokens, index
+
+    def _finish(self, step: _InFlight) -> list[RequestOutput]:
+        t = time.perf_counter()
+        sampled = jax.device_get(step.sampled)
+        self._waited += time.perf_counter() - t
+        return self._update(step.out, sampled)
 
     def _update(self, out: SchedulerOutput, sampled) -> list[RequestOutput]:
         tokens = [int(t) for t in sampled.tokens[:out.num_rows]]
-        got_token = {r.request_id: r for r in self.scheduler.update(out, tokens)}
+        got_token = {r.request_id: r for r in self.scheduler.resolve(out, tokens)}
         outputs = []
         for b, row in enumerate(out.rows):
             req = got_token.get(row.request_id)
@@ -145,7 +211,7 @@ class Engine:
         final: dict[str, RequestOutput] = {}
         total = len(self.scheduler.requests)
         with tqdm(total=total, desc="generating", unit="req", disable=not use_tqdm) as bar:
-            while self.scheduler.has_unfinished:
+            while self.has_unfinished_requests():
                 for o in self.step():
                     if o.finished:
                         final[o.request_id] = o

@@ -2,6 +2,8 @@
 (incremental detokenization, stop strings cut correctly), logprobs as dicts."""
 from __future__ import annotations
 
+import dataclasses
+
 import operator
 from typing import Sequence
 
@@ -129,8 +131,11 @@ class Detokenized:
         return delta
 
 
-def build_step_input(arrays: StepArrays, out: SchedulerOutput, scheduler) -> StepInput:
-    """Host arrays -> one device transfer of the whole StepInput."""
+def build_step_input(arrays: StepArrays, out: SchedulerOutput, scheduler, prev_tokens,
+                     prev_index) -> StepInput:
+    """Host arrays -> one device transfer of the whole StepInput. prev_tokens / prev_index:
+    where PENDING tokens come from (runner.StepInput); prev_tokens may already be on the
+    device (the previous step's output)."""
     reqs = [scheduler.get(r.request_id) for r in out.rows]
     samp = SamplingArrays.from_params(
         [r.sampling_params for r in reqs], [r.num_output_tokens for r in reqs],
@@ -138,7 +143,9 @@ def build_step_input(arrays: StepArrays, out: SchedulerOutput, scheduler) -> Ste
     md = AttentionMetadata(arrays.positions, arrays.slot_mapping, arrays.token_seq,
                            arrays.page_table, arrays.seq_lens, arrays.query_start,
                            decode_only=arrays.decode_only)
-    return jax.device_put(StepInput(arrays.tokens, md, arrays.logits_index, samp))
+    host = jax.device_put(StepInput(arrays.tokens, md, arrays.logits_index, samp, None,
+                                    prev_index))
+    return dataclasses.replace(host, prev_tokens=prev_tokens)
 
 
 def logprob_dict(sampled: SampleOutput, row: int, n: int) -> dict[int, float]:

@@ -106,6 +106,9 @@ class SamplingParams:
         return [f.name for f in dataclasses.fields(cls)]
 
 
+
+PENDING = -1  # an output token sampled on the device, not yet seen by the host
+
 @dataclasses.dataclass
 class RequestOutput:
     """What a request has produced so far. `new_token_ids`/`text_delta` are this step's delta;
@@ -155,6 +158,9 @@ class Request:
     num_prefix_hit_tokens: int = 0   # tokens served from the prefix cache at the last admission
     num_preemptions: int = 0
     finish_reason: FinishReason | None = None
+    # Sampled tokens dispatched but not yet received (async scheduling): the last
+    # num_pending entries of output_token_ids are PENDING placeholders.
+    num_pending: int = 0
     first_token_time: float | None = None
     finish_time: float | None = None
 

@@ -66,13 +66,18 @@ class CompileCounter:
 
 
 @functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=["tokens", "md", "logits_index", "sampling"], meta_fields=[])
+                   data_fields=["tokens", "md", "logits_index", "sampling", "prev_tokens",
+                                "prev_index"], meta_fields=[])
 @dataclasses.dataclass(frozen=True)
 class StepInput:
     tokens: jax.Array                  # [T] i32 (padding: 0)
     md: AttentionMetadata
     logits_index: jax.Array            # [B] i32  index in T of each row's last new token
     sampling: sampling.SamplingArrays  # per-row parameters [B, ...]
+    # Async scheduling: tokens the host does not know yet come from the previous step's
+    # sampled tokens (its third output, padded to max_num_seqs), still on the device.
+    prev_tokens: jax.Array             # [S] i32  S = max_num_seqs (zeros when unused)
+    prev_index: jax.Array              # [T] i32  row of prev_tokens for token t, -1 = tokens[t]
 
 
 def _forward_hidden(graphdef, attn_impl, params, kv, tokens, md, kv_sharding=None):
@@ -88,10 +93,15 @@ def _step(graphdef, attn_impl, treedef, leaves, kv, inp: StepInput, rng, step_in
     # The params travel as a flat list of arrays: flattening the nnx.State (hundreds of
     # leaves with per-layer weights) in Python on every dispatch cost more than the rest.
     params = jax.tree_util.tree_unflatten(treedef, leaves)
-    model, h, kv = _forward_hidden(graphdef, attn_impl, params, kv, inp.tokens, inp.md,
+    tokens = jnp.where(inp.prev_index >= 0,
+                       inp.prev_tokens[jnp.maximum(inp.prev_index, 0)], inp.tokens)
+    model, h, kv = _forward_hidden(graphdef, attn_impl, params, kv, tokens, inp.md,
                                    kv_sharding)
     logits = model.logits(h[inp.logits_index])                          # [B, V] f32
-    return kv, sampling.sample(logits, inp.sampling, jax.random.fold_in(rng, step_index))
+    out = sampling.sample(logits, inp.sampling, jax.random.fold_in(rng, step_index))
+    # The sampled tokens padded to [S]: the next step's prev_tokens (one shape for all buckets).
+    next_tokens = jnp.zeros_like(inp.prev_tokens).at[:out.tokens.shape[0]].set(out.tokens)
+    return kv, out, next_tokens
 
 
 def input_signature(inp) -> tuple:
@@ -101,10 +111,11 @@ def input_signature(inp) -> tuple:
     return tree, tuple((np.shape(x), np.dtype(x.dtype).name) for x in leaves)
 
 
-def dummy_input(bucket, full: bool = False) -> StepInput:
+def dummy_input(bucket, full: bool = False, max_num_seqs: int | None = None) -> StepInput:
     """An all-padding input of `bucket`'s shapes: writes nothing, used to compile ahead.
     full: the `full` sampling variant (penalty window; sampling.py's module doc) instead of
-    the all-greedy `plain` one: the two compiled variants of each bucket."""
+    the all-greedy `plain` one: the two compiled variants of each bucket. max_num_seqs: the
+    engine's (the prev_tokens length; default the bucket's rows, for one-off compiles)."""
     t, b, w = bucket.num_tokens, bucket.num_seqs, bucket.pages_per_seq
     zeros = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731
     md = AttentionMetadata(zeros(t), np.full(t, -1, np.int32), zeros(t), zeros(b, w), zeros(b),
@@ -112,7 +123,8 @@ def dummy_input(bucket, full: bool = False) -> StepInput:
     rows = [SamplingParams(repetition_penalty=1.1)] if full else []
     samp = sampling.SamplingArrays.from_params(rows, [0] * len(rows), [[0]] * len(rows),
                                                batch_size=b)
-    return StepInput(zeros(t), md, zeros(b), samp)
+    return StepInput(zeros(t), md, zeros(b), samp, zeros(max_num_seqs or b),
+                     np.full(t, -1, np.int32))
 
 
 def _all_logits(graphdef, attn_impl, params, kv, tokens, md, kv_sharding=None):
@@ -167,13 +179,18 @@ class ModelRunner:
 
     def step(self, inp: StepInput) -> sampling.SampleOutput:
         """Run one step; returns the sampled tokens etc. as numpy (the one device->host sync)."""
+        return jax.device_get(self.submit(inp)[0])
+
+    def submit(self, inp: StepInput):
+        """Dispatch one step without waiting: (SampleOutput, next_tokens [S]), both on the
+        device; the cache is updated in place. Fetch the output with jax.device_get."""
         self._num_steps += 1
-        self.kv, out = self.dispatch(self.kv, inp, self._num_steps)
-        return jax.device_get(out)
+        self.kv, out, next_tokens = self.dispatch(self.kv, inp, self._num_steps)
+        return out, next_tokens
 
     def dispatch(self, kv: KVCache, inp: StepInput, step_index: int):
-        """(new kv, SampleOutput on the device): the compiled step, dispatched without waiting.
-        `kv` is donated. For the bench's back-to-back runs; serving calls `step`."""
+        """(new kv, SampleOutput, next_tokens) on the device: the compiled step, dispatched
+        without waiting. `kv` is donated. For the bench's back-to-back runs."""
         fn = self._executables.get(input_signature(inp), self._step_fn)
         return fn(self._leaves, kv, inp, self._rng, np.uint32(step_index))
 
@@ -199,7 +216,8 @@ class ModelRunner:
     def warmup(self, buckets, on_done=None) -> None:
         """Compile both variants of the step (sampling `plain` and `full`) for every bucket
         ahead of time, then run each once (writing nothing), so no request compiles later."""
-        inputs = [dummy_input(b, full) for b in buckets for full in (False, True)]
+        inputs = [dummy_input(b, full, self.engine.max_num_seqs)
+                  for b in buckets for full in (False, True)]
         self.compile_ahead(inputs, on_done=on_done)
         for inp in inputs:
             self.step(jax.device_put(inp))

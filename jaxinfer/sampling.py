@@ -130,19 +130,19 @@ class SamplingArrays:
             penalty_tokens=tokens, output_start=out_start)
 
 
-def _uses_penalty(p: SamplingParams) -> bool:
+def uses_penalty(p: SamplingParams) -> bool:
     return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
 
 
 def needs_full(p: SamplingParams) -> bool:
     """Whether a row needs the `full` variant (anything beyond greedy argmax)."""
-    return p.temperature >= MIN_TEMPERATURE or p.logprobs is not None or _uses_penalty(p)
+    return p.temperature >= MIN_TEMPERATURE or p.logprobs is not None or uses_penalty(p)
 
 
 def _penalty_window(rows, token_ids, generated_counts, batch_size, window):
     """[B, W] last-W context ids (-1 padded) and [B] output start; W = 0 (the `plain`
     variant) when every row is greedy without logprobs or penalties."""
-    users = [b for b, p in enumerate(rows) if _uses_penalty(p)]
+    users = [b for b, p in enumerate(rows) if uses_penalty(p)]
     width = window if any(needs_full(p) for p in rows) else 0
     tokens = np.full((batch_size, width), -1, np.int32)
     out_start = np.zeros(batch_size, np.int32)

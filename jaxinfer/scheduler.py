@@ -20,7 +20,9 @@ Order and priority (first come, first served):
 All decisions of a step are returned in one `SchedulerOutput`; `update` applies the sampled
 tokens, advances counters, registers newly filled pages in the prefix cache and applies the
 finishing rules (stop/eos token ids, max_tokens, max_model_len). Stop *strings* need text, so
-the engine checks them and calls `finish`.
+the engine checks them and calls `finish`. `update` is `commit` (at dispatch: tokens computed,
+a PENDING output token per sampling row) then `resolve` (tokens known); with async
+scheduling the engine schedules the next step between the two (engine.py).
 """
 from __future__ import annotations
 
@@ -34,7 +36,7 @@ from typing import Callable, Sequence
 from jaxinfer.config import EngineConfig
 from jaxinfer.errors import InvalidRequestError
 from jaxinfer.page_table import PageAllocator, extend_page_keys
-from jaxinfer.request import FinishReason, Request, RequestStatus
+from jaxinfer.request import PENDING, FinishReason, Request, RequestStatus
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,6 +139,10 @@ class Scheduler:
         if request_id not in self.requests:
             raise KeyError(f"no unfinished request {request_id!r}")
         request = self.requests.pop(request_id)
+        if request.num_pending:  # sampled but never seen: not part of the answer
+            del request.output_token_ids[-request.num_pending:]
+            del request.all_token_ids[-request.num_pending:]
+            request.num_pending = 0
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
         else:
@@ -168,6 +174,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
+            if request.num_pending and self._ends_by_length(request):
+                i += 1   # its pending token is its last: nothing more to compute
+                continue
             n = min(request.num_uncomputed_tokens, budget)
             if not self._make_room(request, n, preempted):
                 break   # the request itself was the newest and got preempted
@@ -177,6 +186,8 @@ class Scheduler:
         while (not preempted and self.waiting and budget > 0
                and len(self.running) < self.max_num_seqs):
             request = self.waiting[0]
+            if request.num_pending:
+                break    # preempted with a token in flight: readmit once it is known
             n = self._admit(request, budget)
             if n == 0:
                 break
@@ -188,10 +199,34 @@ class Scheduler:
         return SchedulerOutput(tuple(rows), tuple(preempted))
 
     def update(self, output: SchedulerOutput, sampled_token_ids: Sequence[int]) -> list[Request]:
-        """Apply one step's results. `sampled_token_ids[i]` belongs to `output.rows[i]` and is
-        ignored for rows that do not sample; it may be the bucket-padded [B] array (entries
-        past the real rows are ignored). Returns the requests that got a token, in row order;
-        finished ones have status FINISHED and a finish_reason."""
+        """Apply one step's results (`commit` then `resolve`: the synchronous engine).
+        `sampled_token_ids[i]` belongs to `output.rows[i]` and is ignored for rows that do
+        not sample; it may be the bucket-padded [B] array (entries past the real rows are
+        ignored). Returns the requests that got a token, in row order; finished ones have
+        status FINISHED and a finish_reason."""
+        self.commit(output)
+        return self.resolve(output, sampled_token_ids)
+
+    def commit(self, output: SchedulerOutput) -> None:
+        """The step is dispatched: its tokens count as computed, and each sampling row gets a
+        PENDING output token until `resolve`. The next `schedule` may run before that (async
+        scheduling): a PENDING token is then fed from the device (runner.StepInput)."""
+        for row in output.rows:
+            request = self.requests.get(row.request_id)
+            if request is None:
+                continue   # finished from outside between schedule and commit
+            if request.num_computed_tokens != row.start_pos:
+                raise RuntimeError(f"stale scheduler output for {row.request_id!r}")
+            request.num_computed_tokens += row.num_tokens
+            if row.samples:
+                request.output_token_ids.append(PENDING)
+                request.all_token_ids.append(PENDING)
+                request.num_pending += 1
+
+    def resolve(self, output: SchedulerOutput, sampled_token_ids: Sequence[int]) -> list[Request]:
+        """A committed step's sampled tokens arrived: fill each row's oldest PENDING token,
+        register newly full pages in the prefix cache, apply the finishing rules. Returns the
+        requests that got a token (see `update`)."""
         if len(sampled_token_ids) < output.num_rows:
             raise ValueError(f"got {len(sampled_token_ids)} sampled tokens for "
                              f"{output.num_rows} scheduled rows")
@@ -200,14 +235,19 @@ class Scheduler:
         for row, token in zip(output.rows, sampled_token_ids):
             request = self.requests.get(row.request_id)
             if request is None:
-                continue   # finished from outside between schedule and update
-            if request.num_computed_tokens != row.start_pos:
-                raise RuntimeError(f"stale scheduler output for {row.request_id!r}")
-            request.num_computed_tokens += row.num_tokens
+                continue   # finished (or aborted) after this step was scheduled
+            if row.samples:
+                if not request.num_pending:
+                    raise RuntimeError(f"no pending token for {row.request_id!r}")
+                count = request.num_output_tokens - request.num_pending + 1
+                request.output_token_ids[count - 1] = int(token)
+                request.all_token_ids[request.num_prompt_tokens + count - 1] = int(token)
+                request.num_pending -= 1
+                if request.first_token_time is None:
+                    request.first_token_time = now
             self._cache_full_pages(request)
             if row.samples:
-                request.append_output_token(int(token), now)
-                reason = self._finish_reason(request, int(token))
+                reason = self._finish_reason(request, int(token), count)
                 if reason is not None:
                     self.finish(request.request_id, reason)
                 updated.append(request)
@@ -276,18 +316,26 @@ class Scheduler:
         full = request.num_computed_tokens // self.page_size
         if full <= request.num_cached_pages:
             return
-        extend_page_keys(request.page_keys, request.all_token_ids, self.page_size)
+        # Computed tokens only: a trailing PENDING token must never be hashed into a key.
+        extend_page_keys(request.page_keys, request.all_token_ids[:full * self.page_size],
+                         self.page_size)
         for i in range(request.num_cached_pages, full):
             self.allocator.cache_page(request.page_ids[i], request.page_keys[i])
         request.num_cached_pages = full
 
-    def _finish_reason(self, request: Request, token: int) -> FinishReason | None:
+    def _finish_reason(self, request: Request, token: int, count: int) -> FinishReason | None:
+        """Why the request ends with `token`, its `count`-th output token (None: it goes on)."""
         params = request.sampling_params
         if token in params.stop_token_ids or (
                 not params.ignore_eos and token in self.eos_token_ids):
             return FinishReason.STOP
-        if request.num_output_tokens >= params.max_tokens:
+        if count >= params.max_tokens:
             return FinishReason.LENGTH
-        if request.num_tokens >= self.max_model_len:
+        if request.num_prompt_tokens + count >= self.max_model_len:
             return FinishReason.LENGTH
         return None
+
+    def _ends_by_length(self, request: Request) -> bool:
+        """Its last output token (pending or not) ends it by max_tokens / max_model_len."""
+        return (request.num_output_tokens >= request.sampling_params.max_tokens
+                or request.num_tokens >= self.max_model_len)
