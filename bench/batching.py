@@ -29,13 +29,13 @@ import datetime
 import gc
 import json
 import statistics
-import subprocess
 import sys
 import time
 
 import jax
 import numpy as np
 
+from bench.common import git_sha
 from jaxinfer.config import EngineConfig
 from jaxinfer.engine import Engine
 from jaxinfer.loading import load_model
@@ -107,14 +107,6 @@ def engine_config(args, workload, max_batch: int, dtype: str) -> EngineConfig:
         async_scheduling=not args.no_async_scheduling)
 
 
-def git_sha() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def int_pair(s: str) -> tuple[int, int]:
     lo, hi = (int(x) for x in s.split(","))
     if not 1 <= lo <= hi:
@@ -177,7 +169,7 @@ def main(argv=None) -> dict:
     workload = make_workload(args, loaded[0].vocab_size)
     result = {
         "suite": "batching", "device": jax.devices()[0].device_kind, "jax": jax.__version__,
-        "git": args.git or git_sha(), "date": str(datetime.date.today()),
+        "git": git_sha(args.git), "date": str(datetime.date.today()),
         "command": "python -m bench.batching " + " ".join(argv if argv is not None
                                                           else sys.argv[1:]),
         "model": args.model, "dtype": dtype, "weights": args.weights, "kv_dtype": args.kv_dtype,

@@ -94,7 +94,7 @@ def compile_all(args, analyze: bool):
 
     rows, decode_hlo = [], None
     buckets = Buckets.from_config(runner.engine).all_buckets()
-    for bucket in progress(buckets, f"compiling ({args.phase or 'cold'})"):
+    for bucket in progress(buckets, "compiling"):
         row, compiled = compile_bucket(runner, bucket)
         if analyze:
             extra, full = describe(compiled, cfg.num_layers)

@@ -16,7 +16,6 @@ import functools
 import json
 import math
 import statistics
-import subprocess
 import sys
 import time
 
@@ -24,6 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from bench.common import git_sha
 from checkpoints.fp8 import quantize_linear
 from pallas_kernels import fp8_matmul as fm
 
@@ -183,14 +183,6 @@ def cublaslt_f8_in_hlo(k=4096, n=4096, m=2048):
     return "__cublas$lt$matmul$f8" in hlo
 
 
-def git_sha():
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True, help="results JSON path")
@@ -204,7 +196,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     ms = [int(v) for v in args.ms.split(",")]
     result = {"suite": "fp8_matmul", "device": jax.devices()[0].device_kind,
-              "jax": jax.__version__, "git": args.git or git_sha(),
+              "jax": jax.__version__, "git": git_sha(args.git),
               "date": datetime.date.today().isoformat(),
               "command": " ".join(["python"] + sys.argv), "ceilings": ceilings(),
               "pallas_max_m": fm.PALLAS_MAX_M, "dequant_max_m": fm.DEQUANT_MAX_M,

@@ -24,12 +24,12 @@ import gzip
 import json
 import re
 import tempfile
-import time
 
 import jax
 import numpy as np
 
-from bench.common import decode_input, fill_kv, load_runner, new_result, print_table, save
+from bench.common import (burst, decode_input, fill_kv, load_runner, new_result, print_table,
+                          save)
 
 KEYS = ["batch", "context", "unroll_layers", "unprofiled_ms_per_step", "dispatch_ms_per_step",
         "span_ms_per_step", "busy_ms_per_step",
@@ -55,7 +55,7 @@ def category(label: str) -> str:
     return "other"
 
 
-def trace_events(fn, steps: int) -> list[dict]:
+def trace_events(fn) -> list[dict]:
     """Complete ('X') events of the profiled region, with their process names."""
     with tempfile.TemporaryDirectory() as d:
         options = jax.profiler.ProfileOptions()
@@ -149,23 +149,10 @@ def run(args) -> int:
             for _ in range(3):
                 runner.step(inp)
 
-            def burst(n=args.reps):
-                kv = runner.kv
-                for i in range(n):
-                    kv, out, _ = runner.dispatch(kv, inp, i)
-                runner.kv = jax.block_until_ready(kv)
-                jax.block_until_ready(out)
-
-            burst()
-            t0 = time.perf_counter()  # without the profiler: host dispatch vs whole burst
-            kv = runner.kv
-            for i in range(args.reps):
-                kv, out, _ = runner.dispatch(kv, inp, i)
-            t1 = time.perf_counter()
-            runner.kv = jax.block_until_ready(kv)
-            jax.block_until_ready(out)
-            t2 = time.perf_counter()
-            events = trace_events(burst, args.reps)
+            burst(runner, inp, args.reps)
+            # Without the profiler: host dispatch time vs the whole burst.
+            dispatch_s, total_s = burst(runner, inp, args.reps)
+            events = trace_events(lambda: burst(runner, inp, args.reps))
             summary = summarize(device_events(events), args.reps)
             host = collections.defaultdict(float)
             for e in events:
@@ -174,8 +161,8 @@ def run(args) -> int:
             lanes = collections.Counter(f"{e['process']} | {e['thread']}" for e in events)
             row = {"model": args.model, "batch": b, "context": c,
                    "unroll_layers": runner.engine.unroll_layers,
-                   "dispatch_ms_per_step": round((t1 - t0) / args.reps * 1e3, 4),
-                   "unprofiled_ms_per_step": round((t2 - t0) / args.reps * 1e3, 4), **summary,
+                   "dispatch_ms_per_step": round(dispatch_s / args.reps * 1e3, 4),
+                   "unprofiled_ms_per_step": round(total_s / args.reps * 1e3, 4), **summary,
                    "lanes": dict(lanes.most_common(8)),
                    "host_top_ms_per_step": {k: round(v / 1e3 / args.reps, 4) for k, v in
                                             sorted(host.items(), key=lambda kv: -kv[1])[:20]}}

@@ -2,8 +2,8 @@
 
     out    = scheduler.schedule()                 which requests, how many tokens each
     arrays = batch.prepare(out, bucket, S)        numpy, padded to one bucket
-    y      = runner.step(build_step_input(...))   ONE jitted call, KV donated
-    return self._update(out, y)                   tokens in, text out, finished requests freed
+    y      = runner.submit(build_step_input(...)) ONE jitted call, KV donated; scheduler.commit
+    return self._update(out, y)                   tokens in (scheduler.resolve), text out
 
 Only this class touches both sides. Text (detokenization, stop strings) lives here because
 the scheduler sees token ids only.
@@ -69,6 +69,7 @@ class Engine:
         self.last_step_s = 0.0
         self.last_host_s = 0.0
         self._inflight: _InFlight | None = None
+        self._waited = 0.0   # seconds the current step() spent waiting for tokens
         self._no_prev = jax.device_put(np.zeros(engine_cfg.max_num_seqs, np.int32))
 
     @classmethod

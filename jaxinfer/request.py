@@ -208,9 +208,3 @@ class Request:
     @property
     def latency_s(self) -> float | None:
         return None if self.finish_time is None else self.finish_time - self.arrival_time
-
-    def append_output_token(self, token_id: int, now: float) -> None:
-        self.output_token_ids.append(token_id)
-        self.all_token_ids.append(token_id)
-        if self.first_token_time is None:
-            self.first_token_time = now

@@ -174,7 +174,8 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            if request.num_pending and self._ends_by_length(request):
+            if request.num_pending and self._at_length_limit(request,
+                                                             request.num_output_tokens):
                 i += 1   # its pending token is its last: nothing more to compute
                 continue
             n = min(request.num_uncomputed_tokens, budget)
@@ -329,13 +330,9 @@ class Scheduler:
         if token in params.stop_token_ids or (
                 not params.ignore_eos and token in self.eos_token_ids):
             return FinishReason.STOP
-        if count >= params.max_tokens:
-            return FinishReason.LENGTH
-        if request.num_prompt_tokens + count >= self.max_model_len:
-            return FinishReason.LENGTH
-        return None
+        return FinishReason.LENGTH if self._at_length_limit(request, count) else None
 
-    def _ends_by_length(self, request: Request) -> bool:
-        """Its last output token (pending or not) ends it by max_tokens / max_model_len."""
-        return (request.num_output_tokens >= request.sampling_params.max_tokens
-                or request.num_tokens >= self.max_model_len)
+    def _at_length_limit(self, request: Request, count: int) -> bool:
+        """`count` output tokens reach max_tokens or max_model_len."""
+        return (count >= request.sampling_params.max_tokens
+                or request.num_prompt_tokens + count >= self.max_model_len)
