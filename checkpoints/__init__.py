@@ -18,7 +18,8 @@ def default_gguf_path() -> Path:
     return Path(list(spec.submodule_search_locations)[0]) / _DEFAULT_GGUF
 
 
-def load_checkpoint(source: str | Path, dtype=None, seed: int = 0, tensor_parallel: int = 1):
+def load_checkpoint(source: str | Path, dtype=None, seed: int = 0, tensor_parallel: int = 1,
+                    fp8: bool = False):
     """(ModelConfig, params, Tokenizer | None) from any supported source:
 
     "smollm2" (the embedded default), a .gguf file, an HF model dir (config.json +
@@ -27,7 +28,9 @@ def load_checkpoint(source: str | Path, dtype=None, seed: int = 0, tensor_parall
     File loaders return numpy arrays on the host; orbax and synthetic return jax arrays on the
     default device. `dtype` is the weights' dtype ("float32" or "bfloat16"); None keeps an
     orbax checkpoint's saved dtypes and means float32 otherwise. Synthetic weights are
-    generated already sharded over `tensor_parallel` devices (jaxinfer.sharding).
+    generated already sharded over `tensor_parallel` devices (jaxinfer.sharding), and with
+    fp8=True their decoder linears come FP8-quantized (a big model's float weights never
+    exist); file checkpoints ignore `fp8` (the model quantizes them at load).
     """
     import jax.numpy as jnp
 
@@ -59,7 +62,7 @@ def load_checkpoint(source: str | Path, dtype=None, seed: int = 0, tensor_parall
 
         cfg = standard_config(str(source))
         layout = make_layout(cfg, tensor_parallel)
-        return cfg, synthetic_params(cfg, np_dtype, seed, layout), None
+        return cfg, synthetic_params(cfg, np_dtype, seed, layout, fp8=fp8), None
     shapes = sorted(p.stem for p in STANDARD_CONFIGS_DIR.glob("*.json"))
     raise ModelLoadError(f"no model at {source!r}: not a file or directory, and not "
                          f"{DEFAULT_MODEL!r} or a standard shape ({', '.join(shapes)})")

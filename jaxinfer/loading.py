@@ -24,7 +24,8 @@ def load_model(model: str, engine_cfg: EngineConfig):
 
     dtype = jnp.dtype(engine_cfg.dtype)
     cfg, flat, tokenizer = load_checkpoint(model, dtype=dtype, seed=engine_cfg.seed,
-                                           tensor_parallel=engine_cfg.tensor_parallel)
+                                           tensor_parallel=engine_cfg.tensor_parallel,
+                                           fp8=engine_cfg.weights == "fp8")
     layout = make_layout(cfg, engine_cfg.tensor_parallel)
     graphdef, params = build_model(cfg, flat, dtype, fp8=engine_cfg.weights == "fp8",
                                    unroll_layers=resolve_unroll(engine_cfg.unroll_layers),

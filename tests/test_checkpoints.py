@@ -4,6 +4,7 @@ import json
 
 import gguf
 import jax
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
@@ -191,6 +192,38 @@ def test_synthetic_params():
     c = synthetic_params(cfg, "float32", seed=1)
     np.testing.assert_array_equal(np.asarray(a["w_up"]), np.asarray(b["w_up"]))
     assert not np.allclose(np.asarray(a["w_up"]), np.asarray(c["w_up"]))
+
+
+def test_synthetic_params_fp8():
+    """FP8 synthetic weights come quantized: checkpoints/fp8.py's layout, ~N(0, 0.02) once
+    dequantized, the rest as in the float dict."""
+    from checkpoints.fp8 import dequantize_linear
+    from checkpoints.params import FP8_LINEARS, is_fp8
+
+    cfg = standard_config("tiny")
+    a = synthetic_params(cfg, "bfloat16", seed=0, fp8=True)
+    assert is_fp8(a)
+    assert {k: v.shape for k, v in a.items()} == param_shapes(cfg, fp8=True)
+    for name in FP8_LINEARS:
+        assert a[name].dtype == jnp.float8_e4m3fn and a[name + "_scale"].dtype == np.float32
+        w = np.asarray(dequantize_linear(a[name], a[name + "_scale"]))
+        assert abs(float(w.std()) - 0.02) < 0.003, name
+        assert not np.allclose(w[0], w[1])                 # layers are not copies
+    assert a["embed"].dtype == jnp.bfloat16 and float(a["mlp_norm"].min()) == 1.0
+    b = load_checkpoint("tiny", "bfloat16", seed=0, fp8=True)[1]
+    np.testing.assert_array_equal(np.asarray(a["w_up"], np.float32), np.asarray(b["w_up"], np.float32))
+
+
+def test_synthetic_fp8_scratch_is_one_layer():
+    """Qwen2.5-32B's gate projection: the generator's scratch is a few times one layer's
+    float32 sample (566 MB; the CPU's random bits and the transpose take ~6 of them), never
+    in proportion to the 64 layers (the bf16 stack alone is 18 GB)."""
+    from checkpoints.synthetic import _fp8_generator
+
+    cfg = standard_config("qwen2.5-32b")
+    compiled = _fp8_generator(cfg, "w_gate", None).lower(jax.random.PRNGKey(0)).compile()
+    layer_f32 = cfg.hidden_size * cfg.intermediate_size * 4
+    assert compiled.memory_analysis().temp_size_in_bytes < 8 * layer_f32
 
 
 @pytest.mark.parametrize("name", ["llama-3-8b", "llama-3-70b", "qwen2.5-32b", "smollm2-135m"])
