@@ -41,6 +41,11 @@ def xla_fp8_dequant(x, _w, w_q, scale):
     return fm.xla_dequant_matmul(x, w_q, scale)
 
 
+def xla_fp8_dequant_pad8(x, _w, w_q, scale):
+    """M = 1 padded to 8 rows for XLA's fused-dequant GEMM (it picks another emitter at M=8)."""
+    return fm.xla_dequant_matmul(jnp.pad(x, ((0, 8 - x.shape[0]), (0, 0))), w_q, scale)[:1]
+
+
 def jaxinfer(x, _w, w_q, scale):
     return fm.fp8_linear(x, w_q, scale)
 
@@ -102,6 +107,8 @@ def bench_shape(k, n, ms, args, rows):
             impls["skinny_kernel"] = skinny_kernel
         if m <= fm.DEQUANT_MAX_M:
             impls["tensor_core_route"] = tensor_core_route
+        if m == 1:
+            impls["xla_fp8_dequant_pad8"] = xla_fp8_dequant_pad8
         for name, fn in impls.items():
             try:
                 sec, y = time_per_op(fn, xs, weights, args.samples)
@@ -120,40 +127,43 @@ def bench_shape(k, n, ms, args, rows):
         add_ratios(rows, m, k, n)
 
 
-# (M, shapes, [(bn_cap, bk_cap, num_warps)]): the first entry of each list is the default.
-TUNE = [(1, ("4096x4096", "4096x28672", "14336x4096"),
-         [(8, 512, 4), (4, 1024, 4), (16, 512, 4), (8, 1024, 8), (16, 1024, 8), (32, 512, 8)]),
-        (16, ("4096x4096", "4096x28672"),
-         [(16, 256, 4), (16, 512, 4), (32, 256, 4), (32, 128, 4), (16, 256, 8)]),
-        (64, ("4096x4096", "4096x28672"),
-         [(32, 256, 4), (64, 128, 4), (64, 256, 8), (32, 128, 4)])]
+# GEMV (M = 1) tile variants, the first the default: (bn_cap, bk_cap, num_warps,
+# reduce_each_step, prefetch). Bytes in flight per thread are BN*BK/(32*warps)*prefetch;
+# the [BN, BK] f32 accumulator (reduce_each_step False) costs that many registers again.
+TUNE_SHAPES = ("4096x6144", "4096x4096", "4096x28672", "14336x4096")
+TUNE = [(8, 512, 4, False, 1), (8, 512, 4, False, 2), (8, 1024, 4, True, 1),
+        (16, 1024, 4, True, 1), (16, 1024, 8, True, 1), (16, 512, 4, True, 2),
+        (32, 512, 8, True, 1), (32, 1024, 8, True, 2), (4, 2048, 4, True, 1),
+        (64, 256, 4, True, 2)]
 
 
-def tune(args, rows):
-    """Tile variants of the decode kernel, to set skinny_tiles' defaults from data."""
-    for m, shapes, variants in TUNE:
-        for shape in shapes:
-            k, n = (int(v) for v in shape.split("x"))
-            count = min(args.max_rotate, max(2, math.ceil(args.rotate_mb * 2**20 / (k * n))))
-            weights = make_weights(jax.random.PRNGKey(7), k, n, count)
-            xs = [jax.random.normal(jax.random.PRNGKey(i), (m, k), jnp.bfloat16)
-                  for i in range(count)]
-            ref = fm.fp8_linear_reference(xs[0], weights[0][1], weights[0][2])
-            for bn, bk, warps in variants:
-                t = fm.skinny_tiles(m, k, n, bn_cap=bn, bk_cap=bk, num_warps=warps)
-                fn = functools.partial(_forced_tiles, t=t)
-                try:
-                    sec, y = time_per_op(fn, xs, weights, args.samples)
-                except Exception as e:
-                    rows.append({"impl": "tune", "M": m, "K": k, "N": n, "bn": t.bn,
-                                 "bk": t.bk, "num_warps": warps, "error": repr(e)[:400]})
-                    continue
-                rows.append({"impl": "tune", "M": m, "K": k, "N": n, "bn": t.bn, "bk": t.bk,
-                             "splits": t.splits, "num_warps": warps,
-                             "us": round(sec * 1e6, 2),
-                             "TBps": round((k * n + 4 * n) / sec / 1e12, 3),
-                             "rel_err": round(rel_err(y, ref), 5)})
+def tune(args, rows, on_shape=lambda: None):
+    """GEMV tile variants of the decode kernel, to set skinny_tiles' defaults from data."""
+    for shape in TUNE_SHAPES:
+        k, n = (int(v) for v in shape.split("x"))
+        count = min(args.max_rotate, max(2, math.ceil(args.rotate_mb * 2**20 / (k * n))))
+        weights = make_weights(jax.random.PRNGKey(7), k, n, count)
+        xs = [jax.random.normal(jax.random.PRNGKey(i), (1, k), jnp.bfloat16)
+              for i in range(count)]
+        ref = fm.fp8_linear_reference(xs[0], weights[0][1], weights[0][2])
+        for bn, bk, warps, reduce_each_step, prefetch in TUNE:
+            t = fm.skinny_tiles(1, k, n, bn_cap=bn, bk_cap=bk, num_warps=warps,
+                                reduce_each_step=reduce_each_step, prefetch=prefetch)
+            row = {"impl": "tune", "M": 1, "K": k, "N": n, "bn": t.bn, "bk": t.bk,
+                   "splits": t.splits, "num_warps": warps,
+                   "reduce_each_step": reduce_each_step, "prefetch": prefetch}
+            try:
+                sec, y = time_per_op(functools.partial(_forced_tiles, t=t), xs, weights,
+                                     args.samples)
+            except Exception as e:
+                rows.append({**row, "error": repr(e)[:400]})
                 print(json.dumps(rows[-1]), flush=True)
+                continue
+            rows.append({**row, "us": round(sec * 1e6, 2),
+                         "TBps": round((k * n + 4 * n) / sec / 1e12, 3),
+                         "rel_err": round(rel_err(y, ref), 5)})
+            print(json.dumps(rows[-1]), flush=True)
+        on_shape()
 
 
 def _forced_tiles(x, _w, w_q, scale, t):
@@ -192,7 +202,8 @@ def main(argv=None):
     p.add_argument("--rotate-mb", type=float, default=256.0)
     p.add_argument("--max-rotate", type=int, default=16)
     p.add_argument("--git", default=None, help="commit to record (default: git rev-parse)")
-    p.add_argument("--tune", action="store_true", help="also time decode-kernel tile variants")
+    p.add_argument("--tune", action="store_true", help="also time GEMV tile variants (M=1)")
+    p.add_argument("--tune-only", action="store_true", help="only the tile variants")
     args = p.parse_args(argv)
     ms = [int(v) for v in args.ms.split(",")]
     result = {"suite": "fp8_matmul", "device": jax.devices()[0].device_kind,
@@ -203,13 +214,13 @@ def main(argv=None):
               "checks": {"cublaslt_f8_in_prefill_hlo": cublaslt_f8_in_hlo()},
               "rows": []}
     print(json.dumps({k: v for k, v in result.items() if k != "rows"}), flush=True)
-    for shape in args.shapes.split(","):
+    for shape in ([] if args.tune_only else args.shapes.split(",")):
         k, n = (int(v) for v in shape.split("x"))
         bench_shape(k, n, ms, args, result["rows"])
         write(args.out, result)   # after every shape: a timeout keeps what was done
-    if args.tune:
+    if args.tune or args.tune_only:
         result["tune"] = []
-        tune(args, result["tune"])
+        tune(args, result["tune"], lambda: write(args.out, result))
         write(args.out, result)
     for r in result["rows"]:
         if "us" not in r:

@@ -51,6 +51,11 @@ class Tiles:
     splits: int    # K splits (partial sums added by XLA when > 1)
     num_warps: int = 4
     num_stages: int = 3
+    # GEMV (mp == 1) only: reduce each step's [BN, BK] products to [BN] at once (registers
+    # freed for loads in flight; costs a cross-lane reduction per step) instead of keeping
+    # a [BN, BK] f32 accumulator to the end; and how many tiles ahead the loads run.
+    reduce_each_step: bool = False
+    prefetch: int = 1
 
 
 def _pow2_divisor(n: int, cap: int) -> int:
@@ -62,9 +67,10 @@ def _pow2_divisor(n: int, cap: int) -> int:
 
 
 def skinny_tiles(m: int, k: int, n: int, *, bn_cap: int | None = None,
-                 bk_cap: int | None = None, num_warps: int = 4) -> Tiles | None:
+                 bk_cap: int | None = None, num_warps: int = 4,
+                 reduce_each_step: bool = False, prefetch: int = 1) -> Tiles | None:
     """Tile choice for the decode kernel, or None when the shape does not tile.
-    The caps override the defaults (bench/fp8_matmul.py --tune compares them)."""
+    The caps and flags override the defaults (bench/fp8_matmul.py --tune compares them)."""
     mp = 1 if m == 1 else max(16, 1 << (m - 1).bit_length())
     # x is re-read from L2 by every program: BN >= Mp/2 keeps that traffic near the weight's.
     bn = _pow2_divisor(n, bn_cap or (8 if mp == 1 else max(16, mp // 2)))
@@ -73,30 +79,38 @@ def skinny_tiles(m: int, k: int, n: int, *, bn_cap: int | None = None,
     min_tile = 1 if mp == 1 else 16   # tensor-core dots need 16 along each axis
     if bn < min_tile or bk < max(16, min_tile):
         return None
+    if prefetch < 1:
+        raise ValueError(f"skinny_tiles: prefetch must be >= 1, got {prefetch}")
     splits, steps = 1, k // bk
-    while (n // bn) * splits < _MIN_PROGRAMS and steps % (splits * 2) == 0:
+    while ((n // bn) * splits < _MIN_PROGRAMS and steps % (splits * 2) == 0
+           and steps // (splits * 2) >= prefetch):   # each split keeps `prefetch` steps
         splits *= 2
-    return Tiles(mp, bn, bk, splits, num_warps)
+    return Tiles(mp, bn, bk, splits, num_warps, reduce_each_step=reduce_each_step,
+                 prefetch=prefetch)
 
 
 def _gemv_sum(x_ref, w_ref, layer, chans, k0, steps, t: Tiles):
     """M == 1 on CUDA cores: [BN] partial dot products over K range [k0, k0 + steps * BK).
 
-    The next step's weight tile is loaded before this step's math (carried in the loop), so
-    each thread keeps two tiles' loads in flight; lanes stay apart in an elementwise
-    accumulator and are reduced once at the end, not once per step."""
+    The weight tiles of the next `t.prefetch` steps are loaded before this step's math
+    (carried in the loop), so each thread keeps that many tiles' loads in flight. Lanes
+    stay apart in an elementwise [BN, BK] accumulator reduced once at the end, or, with
+    t.reduce_each_step, each step's products are summed to [BN] right away."""
     def load(i):
-        return w_ref[layer, chans, pl.ds(k0 + i * t.bk, t.bk)]            # [BN, BK] fp8
+        i = jnp.minimum(i, steps - 1)              # the last steps re-read a tile (L2 hit)
+        return w_ref[layer, chans, pl.ds(k0 + i * t.bk, t.bk)]           # [BN, BK] fp8
 
     def step(i, carry):
-        acc, w = carry
-        w_next = load(jnp.minimum(i + 1, steps - 1))   # the last step re-reads its tile (L2)
+        acc, tiles = carry
+        w, tiles = tiles[0], tiles[1:] + (load(i + t.prefetch),)
         x = x_ref[0, pl.ds(k0 + i * t.bk, t.bk)].astype(jnp.float32)     # [BK]
-        return acc + w.astype(jnp.float32) * x[None, :], w_next
+        prod = w.astype(jnp.float32) * x[None, :]
+        return (acc + jnp.sum(prod, axis=1) if t.reduce_each_step else acc + prod), tiles
 
-    acc0 = jnp.zeros((t.bn, t.bk), jnp.float32)
-    acc, _ = lax.fori_loop(0, steps, step, (acc0, load(0)))
-    return jnp.sum(acc, axis=1)                                           # [BN]
+    acc0 = jnp.zeros((t.bn,) if t.reduce_each_step else (t.bn, t.bk), jnp.float32)
+    first = tuple(load(j) for j in range(t.prefetch))
+    acc, _ = lax.fori_loop(0, steps, step, (acc0, first))
+    return acc if t.reduce_each_step else jnp.sum(acc, axis=1)           # [BN]
 
 
 def _dot_sum(x_ref, w_ref, layer, chans, k0, steps, t: Tiles):

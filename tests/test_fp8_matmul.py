@@ -81,6 +81,24 @@ def test_skinny_kernel_matches_reference(k, n):
         assert _rel(y, fm.fp8_linear_reference(x, w_q, scale)) < 5e-3, (m, t)
 
 
+@pytest.mark.parametrize("reduce_each_step,prefetch,bn,bk", [
+    (True, 1, 16, 128), (False, 2, 8, 64), (True, 3, 4, 256), (True, 2, 32, 64)])
+def test_gemv_variants_match_reference(reduce_each_step, prefetch, bn, bk):
+    """The GEMV's tuning variants (per-step reduction, deeper load prefetch, other tiles;
+    bench/fp8_matmul.py --tune times them) compute the same product, splits included."""
+    k, n = 1024, 96
+    rng = np.random.default_rng(bn * bk + prefetch)
+    w_q, scale = ckpt_fp8.quantize_linear(jnp.asarray(_weights(rng, k, n)))
+    x = jnp.asarray(rng.standard_normal((1, k)), jnp.bfloat16)
+    t = fm.skinny_tiles(1, k, n, bn_cap=bn, bk_cap=bk, reduce_each_step=reduce_each_step,
+                        prefetch=prefetch)
+    assert (t.bn, t.bk, t.prefetch, t.reduce_each_step) == (min(bn, 32), bk, prefetch,
+                                                            reduce_each_step)
+    y = fm.skinny_fp8_matmul(x, w_q[None], scale[None], jnp.zeros((1,), jnp.int32), t,
+                             interpret=True)
+    assert _rel(y, fm.fp8_linear_reference(x, w_q, scale)) < 5e-3, t
+
+
 def test_gemv_f32_is_exact_to_f32_rounding():
     rng = np.random.default_rng(1)
     w_q, scale = ckpt_fp8.quantize_linear(jnp.asarray(_weights(rng, 512, 256)))
