@@ -102,11 +102,12 @@ def _fmt(v) -> str:
     return str(v)
 
 
-def progress(iterable, desc: str, total: int | None = None):
+def progress(iterable, desc: str, total: int | None = None, unit: str = "case"):
+    """A tqdm bar on stderr; iterable None gives a manual bar (`bar.update(n)`)."""
     from tqdm import tqdm
 
     # Off a terminal (CI, the GPU script's log) redraw rarely: the log stays readable.
-    return tqdm(iterable, desc=desc, total=total, unit="case", file=sys.stderr,
+    return tqdm(iterable, desc=desc, total=total, unit=unit, file=sys.stderr,
                 mininterval=0.1 if sys.stderr.isatty() else 10.0)
 
 

@@ -9,10 +9,15 @@
 #             KV B=1                                                                            ~7 min
 #   profile   where the decode step's time goes, kernel by kernel, B 1/64 (unrolled)         ~1 min
 #   kernels   paged attention: FP8 widened to f16 vs bf16 vs bf16 KV (+ bundled, XLA ref)   ~3 min
+#   fp8tune   FP8 GEMV (M=1) tile variants on the four Llama-3-8B projection shapes          ~2 min
+#   fp8       FP8 matmul: ours vs XLA bf16 vs XLA dequant, M 1..2048, four shapes            ~5 min
 #   compile   every bucket cold / warm, kernels per layer                                    ~2 min
 #   fusion    fused vs op-by-op (eager) vs command buffers off, B=1                          ~4 min
 #   batching  continuous vs static batching, max batch 64 and 256                            ~6 min
 #   serving   gRPC request-rate sweep, short-answer + chat workloads                         ~8 min
+#   throughput  offline throughput, Llama-3-8B FP8 weights + FP8 KV, $NUM_REQUESTS (1000)
+#             requests of 1000 in / 1000 out, max $THR_SEQS (256) seqs; a partial row if
+#             the 300 s limit comes first                                                    ~5 min
 #
 # Each suite writes its JSON (and a .log) into $OUT and rewrites the JSON after every row, so
 # a suite cut short by its limit keeps what it measured. Memory is not preallocated: suites
@@ -70,6 +75,11 @@ for stage in "$@"; do
     kernels)
       run kernels 200 "$PY" -m bench.kernels --batches 1,64 --contexts 2048,8192,32768 \
         --git "$GIT" --out "$OUT/paged_attention.json" ;;
+    fp8tune)
+      run fp8tune 200 "$PY" -m bench.fp8_matmul --tune-only --git "$GIT" \
+        --out "$OUT/fp8_tune.json" ;;
+    fp8)
+      run fp8 330 "$PY" -m bench.fp8_matmul --git "$GIT" --out "$OUT/fp8_matmul.json" ;;
     compile)
       bench compile 200 compile "${LLAMA[@]}" --max-num-seqs "${SEQS:-64}" \
         --max-num-batched-tokens 512 --out "$OUT/compile.json" ;;
@@ -84,6 +94,14 @@ for stage in "$@"; do
         --max-num-batched-tokens 1024 --max-model-len 2048 --rates "${RATES:-4,8,16,24,32,48,64}" \
         --chat-rates "${CHAT_RATES:-2,4,8,16}" --duration "${DURATION:-15}" --git "$GIT" \
         --out "$OUT/serving.json" ;;
+    throughput)
+      # The suite stops dispatching at --time-limit-s (counted from its start, load and
+      # warmup included) and writes a partial row, before `timeout` would kill it.
+      lim=$((DEADLINE - SECONDS)); (( lim > 300 )) && lim=300
+      run throughput 300 "$PY" -m bench.throughput "${LLAMA[@]}" --weights fp8 --kv-dtype fp8 \
+        --input-len 1000 --output-len 1000 --num-requests "${NUM_REQUESTS:-1000}" \
+        --max-num-seqs "${THR_SEQS:-256}" --time-limit-s $((lim - lim / 10)) --git "$GIT" \
+        --out "$OUT/throughput.json" ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
 done

@@ -1,0 +1,166 @@
+"""Offline throughput: output tokens/s of the engine on a fixed-length workload, by default
+Llama-3-8B with FP8 weights and FP8 KV at 1000 input / 1000 output tokens.
+
+    python -m bench.throughput --model llama-3-8b --num-requests 1000 --time-limit-s 270 \
+        --out bench/results/throughput.json                   # H200: FP8 weights + FP8 KV
+    python -m bench.throughput --model tiny --input-len 12 --output-len 6 --num-requests 5 \
+        --max-num-seqs 2 --max-num-batched-tokens 16 --out /tmp/t.json
+
+Workload (seeded): num_requests prompts of exactly input_len random token ids in [3, vocab),
+greedy, ignore_eos, max_tokens = output_len, so every request emits exactly output_len tokens.
+All of them are queued at t=0 on one engine (prefix caching off; a KV pool sized like
+bench/batching.py's, for max_num_seqs requests of input_len + output_len tokens at once, so
+nothing is preempted); the engine admits a request whenever a row and its pages are free,
+prefill chunks riding along with the running decode rows up to max_num_batched_tokens.
+
+Every bucket is compiled (engine.warmup) before timing. Timed: from queueing the first
+request until the last request's final token is back on the host. The row:
+`output_tokens_per_s` = output tokens / wall, `total_tokens_per_s` = (prompt + output tokens)
+/ wall, medians of the whole `engine.step()` (`step_ms`) and of its host part
+(`host_ms_per_step`, engine.last_host_s), compiles and preemptions during the timed run (both
+should be 0).
+
+--time-limit-s bounds the whole run from the start of main() (model load and warmup
+included): once it is spent no further step is dispatched and the row is written with
+`partial: true`, the tokens received so far (the step still in flight is not counted) and
+`finished_requests`, so a device call with a hard time limit still leaves a result.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import jax
+import numpy as np
+
+from bench.batching import engine_config
+from bench.common import dtype_name, new_result, progress, save, weights_name
+from jaxinfer.config import EngineConfig
+from jaxinfer.engine import Engine
+from jaxinfer.loading import load_model
+from jaxinfer.request import SamplingParams
+from jaxinfer.runner import CompileCounter, kv_dtype_for
+
+
+def make_workload(args, vocab_size: int) -> list[tuple[list[int], int]]:
+    """[(prompt token ids, output length)]: num_requests prompts of input_len ids, seeded."""
+    rng = np.random.default_rng(args.seed)
+    prompts = rng.integers(3, vocab_size, (args.num_requests, args.input_len))
+    return [(p.tolist(), args.output_len) for p in prompts]
+
+
+def run(engine: Engine, workload, deadline: float | None) -> dict:
+    """Queue the workload and step until it is done or the deadline passes."""
+    c0, p0, s0 = CompileCounter.count(), engine.scheduler.num_preemptions, engine.num_steps
+    t0 = time.perf_counter()
+    lengths = {engine.add_request({"prompt_token_ids": prompt},
+                                  SamplingParams(temperature=0.0, max_tokens=n,
+                                                 ignore_eos=True)): (len(prompt), n)
+               for prompt, n in workload}
+    queue_s = time.perf_counter() - t0
+    host, step = [], []
+    tokens = finished = wrong_length = 0
+    started: set[str] = set()
+    partial = False
+    with progress(None, "requests", total=len(workload), unit="req") as bar:
+        while engine.has_unfinished_requests():
+            if deadline is not None and time.perf_counter() >= deadline:
+                partial = True
+                break
+            outs = engine.step()
+            host.append(engine.last_host_s)
+            step.append(engine.last_step_s)
+            done = 0
+            for o in outs:
+                tokens += len(o.new_token_ids)
+                started.add(o.request_id)
+                if o.finished:
+                    done += 1
+                    wrong_length += len(o.token_ids) != lengths[o.request_id][1]
+            finished += done
+            bar.update(done)
+    wall = time.perf_counter() - t0
+    prompt_tokens = sum(lengths[r][0] for r in started)   # prompts that produced a token
+    return {"wall_s": round(wall, 3), "queue_s": round(queue_s, 3),
+            "output_tokens_per_s": round(tokens / wall, 2),
+            "total_tokens_per_s": round((prompt_tokens + tokens) / wall, 2),
+            "output_tokens": tokens, "finished_requests": finished,
+            "wrong_length": wrong_length, "partial": partial,
+            "steps": engine.num_steps - s0,
+            "step_ms": round(statistics.median(step) * 1e3, 3) if step else None,
+            "host_ms_per_step": round(statistics.median(host) * 1e3, 3) if host else None,
+            "host_share": round(sum(host) / sum(step), 4) if step else None,
+            "padding_fraction": round(engine.buckets.padding_fraction, 4),
+            "compiles": CompileCounter.count() - c0,
+            "preemptions": engine.scheduler.num_preemptions - p0}
+
+
+def parse_args(argv):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="llama-3-8b", help="a standard shape (synthetic weights) "
+                                                           "or any --model the CLI takes")
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
+                    help="compute dtype (default: bfloat16 on GPU, float32 on CPU)")
+    ap.add_argument("--weights", choices=("bf16", "fp8"), default="fp8")
+    ap.add_argument("--kv-dtype", choices=("bf16", "fp8"), default="fp8")
+    ap.add_argument("--attention", choices=("auto", "reference", "pallas"), default="auto")
+    ap.add_argument("--input-len", type=int, default=1000, help="prompt tokens per request")
+    ap.add_argument("--output-len", type=int, default=1000, help="output tokens per request")
+    ap.add_argument("--num-requests", type=int, default=1000)
+    ap.add_argument("--max-num-seqs", type=int, default=256, help="rows per step")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                    help="token budget per step (decode rows + prefill chunks)")
+    ap.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
+    ap.add_argument("--seed", type=int, default=0, help="workload seed")
+    ap.add_argument("--no-async-scheduling", action="store_true",
+                    help="the synchronous engine (default: host prepares step t+1 while t runs)")
+    ap.add_argument("--time-limit-s", type=float, default=None,
+                    help="stop dispatching steps this many seconds after start (load and "
+                         "warmup included) and write the partial row")
+    ap.add_argument("--git", default=None, help="commit to record (default: git rev-parse HEAD)")
+    ap.add_argument("--out", required=True, help="results JSON (e.g. "
+                                                  "bench/results/throughput.json)")
+    args = ap.parse_args(argv)
+    for name in ("input_len", "output_len", "num_requests", "max_num_seqs",
+                 "max_num_batched_tokens"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be >= 1")
+    return args
+
+
+def main(argv=None) -> dict:
+    start = time.perf_counter()
+    args = parse_args(argv)
+    deadline = None if args.time_limit_s is None else start + args.time_limit_s
+    dtype = args.dtype or ("bfloat16" if jax.default_backend() == "gpu" else "float32")
+    cfg, graphdef, params, tokenizer = load_model(args.model,
+                                                  EngineConfig(dtype=dtype, weights=args.weights))
+    workload = make_workload(args, cfg.vocab_size)
+    ecfg = engine_config(args, workload, args.max_num_seqs, dtype)
+    engine = Engine(cfg, ecfg, graphdef, params, tokenizer, model_name=args.model)
+    load_s = time.perf_counter() - start
+    warm = engine.warmup(progress=False)
+    print(f"loaded in {load_s:.1f}s; compiled {warm['buckets']} buckets in "
+          f"{warm['seconds']:.1f}s", file=sys.stderr, flush=True)
+    result = new_result("throughput", args.git, command="python -m bench.throughput " + " ".join(
+        argv if argv is not None else sys.argv[1:]))
+    row = {"model": args.model, "weights": weights_name(ecfg),
+           "kv_dtype": dtype_name(kv_dtype_for(ecfg)), "dtype": dtype,
+           "input_len": args.input_len, "output_len": args.output_len,
+           "num_requests": args.num_requests}
+    measured = run(engine, workload, deadline)
+    row.update(output_tokens_per_s=measured.pop("output_tokens_per_s"),
+               total_tokens_per_s=measured.pop("total_tokens_per_s"),
+               max_num_seqs=args.max_num_seqs,
+               max_num_batched_tokens=args.max_num_batched_tokens,
+               page_size=args.page_size, num_pages=ecfg.total_pages,
+               async_scheduling=ecfg.async_scheduling, seed=args.seed, **measured,
+               load_s=round(load_s, 1), warmup_s=round(warm["seconds"], 1))
+    save(result, args.out, [row])
+    return result
+
+
+if __name__ == "__main__":
+    main()

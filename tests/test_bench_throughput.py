@@ -1,0 +1,69 @@
+"""CPU smoke test of bench/throughput.py on the tiny model with FP8 weights and FP8 KV: the
+results file has the BENCH.md schema, every request emits exactly output_len tokens, nothing
+compiles or is preempted while timing, and --time-limit-s leaves a partial row. No timing
+asserts."""
+import json
+
+from bench import throughput
+
+ARGV = ["--model", "tiny", "--weights", "fp8", "--kv-dtype", "fp8", "--input-len", "12",
+        "--output-len", "6", "--num-requests", "5", "--max-num-seqs", "2",
+        "--max-num-batched-tokens", "16", "--git", "abc123"]
+
+
+def test_workload_is_seeded_and_fixed_length():
+    args = throughput.parse_args(["--input-len", "7", "--output-len", "3", "--num-requests", "4",
+                                  "--seed", "5", "--out", "x.json"])
+    a, b = throughput.make_workload(args, 512), throughput.make_workload(args, 512)
+    assert a == b and len(a) == 4 and len({tuple(p) for p, _ in a}) == 4
+    assert all(len(p) == 7 and n == 3 and all(3 <= t < 512 for t in p) for p, n in a)
+
+
+def test_throughput_bench_schema(tmp_path):
+    out = tmp_path / "throughput.json"
+    result = throughput.main(ARGV + ["--out", str(out)])
+    assert json.loads(out.read_text()) == result
+    for key in ("suite", "device", "jax", "git", "date", "command", "rows"):
+        assert result[key], key
+    assert result["suite"] == "throughput" and result["git"] == "abc123"
+    assert result["command"].startswith("python -m bench.throughput --model tiny")
+    [row] = result["rows"]
+    assert (row["model"], row["weights"], row["kv_dtype"]) == ("tiny", "fp8", "fp8")
+    assert (row["input_len"], row["output_len"], row["num_requests"]) == (12, 6, 5)
+    assert row["finished_requests"] == 5 and row["wrong_length"] == 0
+    assert row["output_tokens"] == 5 * 6 and not row["partial"]
+    assert row["compiles"] == 0 and row["preemptions"] == 0
+    assert row["output_tokens_per_s"] > 0
+    assert row["total_tokens_per_s"] > row["output_tokens_per_s"]
+    assert row["max_num_seqs"] == 2 and row["async_scheduling"] is True
+    assert 0 < row["host_ms_per_step"] <= row["step_ms"] and row["steps"] > 0
+
+
+class _Clock:
+    """perf_counter advancing one second per call: the deadline falls at a known call."""
+
+    def __init__(self):
+        self.t = 0.0
+
+    def perf_counter(self):
+        self.t += 1.0
+        return self.t
+
+
+def test_time_limit_writes_partial_row(tmp_path, monkeypatch):
+    monkeypatch.setattr(throughput, "time", _Clock())
+    # No ahead-of-time compile (the buckets the few steps use compile on demand): keeps the
+    # test short; compiles are not checked here.
+    monkeypatch.setattr(throughput.Engine, "warmup",
+                        lambda self, progress=True: {"compiles": 0, "seconds": 0.0,
+                                                     "buckets": 0})
+    out = tmp_path / "throughput.json"
+    # Clock calls: main start 1 (deadline 9), load 2, timer start 3, queued 4, then one per
+    # step before dispatch: 5..8 dispatch, 9 stops.
+    result = throughput.main(ARGV + ["--time-limit-s", "8", "--out", str(out)])
+    assert json.loads(out.read_text()) == result
+    [row] = result["rows"]
+    assert row["partial"] is True and row["steps"] == 4
+    assert row["finished_requests"] < 5 and 0 < row["output_tokens"] < 5 * 6
+    assert row["wall_s"] == 7.0 and row["output_tokens_per_s"] == round(
+        row["output_tokens"] / 7.0, 2)
