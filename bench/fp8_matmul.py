@@ -127,14 +127,20 @@ def bench_shape(k, n, ms, args, rows):
         add_ratios(rows, m, k, n)
 
 
-# GEMV (M = 1) tile variants, the first the default: (bn_cap, bk_cap, num_warps,
-# reduce_each_step, prefetch). Bytes in flight per thread are BN*BK/(32*warps)*prefetch;
-# the [BN, BK] f32 accumulator (reduce_each_step False) costs that many registers again.
+# M = 1 tile variants for skinny_tiles, the first the default (tuning.FP8_GEMV). GEMV on
+# CUDA cores: bytes in flight per thread are BN*BK/(32*warps)*prefetch, and the [BN, BK] f32
+# accumulator (reduce_each_step False) costs that many registers again. tensor_cores: x padded
+# to 16 rows, fp8 -> bf16 dots, Triton's software pipeline over num_stages.
 TUNE_SHAPES = ("4096x6144", "4096x4096", "4096x28672", "14336x4096")
-TUNE = [(8, 512, 4, False, 1), (8, 512, 4, False, 2), (8, 1024, 4, True, 1),
-        (16, 1024, 4, True, 1), (16, 1024, 8, True, 1), (16, 512, 4, True, 2),
-        (32, 512, 8, True, 1), (32, 1024, 8, True, 2), (4, 2048, 4, True, 1),
-        (64, 256, 4, True, 2)]
+TUNE = [dict(),
+        dict(bn_cap=8, bk_cap=512, num_warps=4, reduce_each_step=False, prefetch=1),
+        dict(bn_cap=4, bk_cap=2048, num_warps=4, reduce_each_step=True, prefetch=1),
+        dict(bn_cap=8, bk_cap=2048, num_warps=8, reduce_each_step=True, prefetch=1),
+        dict(tensor_cores=True, bn_cap=64, bk_cap=128, num_stages=3),
+        dict(tensor_cores=True, bn_cap=64, bk_cap=256, num_stages=3),
+        dict(tensor_cores=True, bn_cap=128, bk_cap=128, num_stages=4),
+        dict(tensor_cores=True, bn_cap=32, bk_cap=256, num_stages=4),
+        dict(tensor_cores=True, bn_cap=128, bk_cap=256, num_warps=8, num_stages=3)]
 
 
 def tune(args, rows, on_shape=lambda: None):
@@ -146,12 +152,12 @@ def tune(args, rows, on_shape=lambda: None):
         xs = [jax.random.normal(jax.random.PRNGKey(i), (1, k), jnp.bfloat16)
               for i in range(count)]
         ref = fm.fp8_linear_reference(xs[0], weights[0][1], weights[0][2])
-        for bn, bk, warps, reduce_each_step, prefetch in TUNE:
-            t = fm.skinny_tiles(1, k, n, bn_cap=bn, bk_cap=bk, num_warps=warps,
-                                reduce_each_step=reduce_each_step, prefetch=prefetch)
-            row = {"impl": "tune", "M": 1, "K": k, "N": n, "bn": t.bn, "bk": t.bk,
-                   "splits": t.splits, "num_warps": warps,
-                   "reduce_each_step": reduce_each_step, "prefetch": prefetch}
+        for variant in TUNE:
+            t = fm.skinny_tiles(1, k, n, **variant)
+            row = {"impl": "tune", "M": 1, "K": k, "N": n, "tensor_cores": t.mp > 1,
+                   "bn": t.bn, "bk": t.bk, "splits": t.splits, "num_warps": t.num_warps,
+                   "num_stages": t.num_stages, "reduce_each_step": t.reduce_each_step,
+                   "prefetch": t.prefetch}
             try:
                 sec, y = time_per_op(functools.partial(_forced_tiles, t=t), xs, weights,
                                      args.samples)

@@ -7,6 +7,8 @@
 #   decode    decode roofline: Llama-3-8B bf16 scanned (B=1, the old default) then unrolled
 #             (the GPU default) B 1/64/256 x C 512/1024, FP8 weights B=1, Qwen2.5-32B FP8+FP8
 #             KV B=1                                                                            ~7 min
+#   decode8   only the FP8 rows of `decode` (Llama-3-8B FP8 B=1, Qwen2.5-32B FP8 + FP8 KV),
+#             appended to $OUT/decode.json (seed it with the committed file to extend it)  ~4 min
 #   profile   where the decode step's time goes, kernel by kernel, B 1/64 (unrolled)         ~1 min
 #   kernels   paged attention: FP8 widened to f16 vs bf16 vs bf16 KV (+ bundled, XLA ref)   ~3 min
 #   fp8tune   FP8 GEMV (M=1) tile variants on the four Llama-3-8B projection shapes          ~2 min
@@ -59,6 +61,12 @@ for stage in "$@"; do
     check)
       JAXINFER_TEST_GPU=1 run check 200 "$PY" -m pytest -q -m gpu -x \
         tests/test_paged_attention.py tests/test_ragged_paged_attention.py tests/test_fp8_matmul.py ;;
+    decode8)
+      bench decode_fp8 90 decode "${LLAMA[@]}" --weights fp8 --batch-sizes 1 \
+        --contexts "$CTX1" --reps 5 --append --out "$OUT/decode.json"
+      bench decode_qwen 180 decode --model "${BIG_MODEL:-qwen2.5-32b}" --dtype "$DTYPE" \
+        --weights fp8 --kv-dtype fp8 --batch-sizes 1 --contexts "$CTX1" \
+        --reps 5 --kv-budget-gb 8 --append --out "$OUT/decode.json" ;;
     decode)
       bench decode_scan 90 decode "${LLAMA[@]}" --layer-loop scan --batch-sizes "${BATCHES%%,*}" \
         --contexts "$CTX1" --reps 5 --out "$OUT/decode.json"

@@ -35,6 +35,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from pallas_kernels.tuning import FP8_GEMV
+
 FP8_DTYPE = jnp.float8_e4m3fn
 FP8_MAX = 448.0
 PALLAS_MAX_M = 1     # M > 1: XLA's fused-dequant GEMM measured faster than our dot path
@@ -67,16 +69,22 @@ def _pow2_divisor(n: int, cap: int) -> int:
 
 
 def skinny_tiles(m: int, k: int, n: int, *, bn_cap: int | None = None,
-                 bk_cap: int | None = None, num_warps: int = 4,
-                 reduce_each_step: bool = False, prefetch: int = 1) -> Tiles | None:
+                 bk_cap: int | None = None, num_warps: int | None = None,
+                 reduce_each_step: bool | None = None, prefetch: int | None = None,
+                 tensor_cores: bool = False, num_stages: int = 3) -> Tiles | None:
     """Tile choice for the decode kernel, or None when the shape does not tile.
-    The caps and flags override the defaults (bench/fp8_matmul.py --tune compares them)."""
-    mp = 1 if m == 1 else max(16, 1 << (m - 1).bit_length())
+    Defaults for M == 1 come from pallas_kernels/tuning.py's FP8_GEMV; the arguments
+    override them (bench/fp8_matmul.py --tune-only compares variants). tensor_cores: M == 1
+    too goes through the tensor-core dot path, x padded to 16 rows."""
+    g = FP8_GEMV
+    mp = 1 if m == 1 and not tensor_cores else max(16, 1 << (m - 1).bit_length())
+    gemv = mp == 1
     # x is re-read from L2 by every program: BN >= Mp/2 keeps that traffic near the weight's.
-    bn = _pow2_divisor(n, bn_cap or (8 if mp == 1 else max(16, mp // 2)))
+    bn = _pow2_divisor(n, bn_cap or (g.bn if gemv else max(16, mp // 2)))
     # 3 stages of a [128, 256] bf16 x tile overflow shared memory (seen on the H200).
-    bk = _pow2_divisor(k, bk_cap or (512 if mp == 1 else 256 if mp < 128 else 128))
-    min_tile = 1 if mp == 1 else 16   # tensor-core dots need 16 along each axis
+    bk = _pow2_divisor(k, bk_cap or (g.bk if gemv else 256 if mp < 128 else 128))
+    prefetch = prefetch or (g.prefetch if gemv else 1)
+    min_tile = 1 if gemv else 16   # tensor-core dots need 16 along each axis
     if bn < min_tile or bk < max(16, min_tile):
         return None
     if prefetch < 1:
@@ -85,8 +93,9 @@ def skinny_tiles(m: int, k: int, n: int, *, bn_cap: int | None = None,
     while ((n // bn) * splits < _MIN_PROGRAMS and steps % (splits * 2) == 0
            and steps // (splits * 2) >= prefetch):   # each split keeps `prefetch` steps
         splits *= 2
-    return Tiles(mp, bn, bk, splits, num_warps, reduce_each_step=reduce_each_step,
-                 prefetch=prefetch)
+    return Tiles(mp, bn, bk, splits, num_warps or (g.num_warps if gemv else 4), num_stages,
+                 reduce_each_step=g.reduce_each_step if reduce_each_step is None
+                 else reduce_each_step, prefetch=prefetch)
 
 
 def _gemv_sum(x_ref, w_ref, layer, chans, k0, steps, t: Tiles):

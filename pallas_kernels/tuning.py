@@ -1,4 +1,4 @@
-"""Block sizes for the paged attention kernels, kept as data per shape class.
+"""Block sizes for the paged attention kernels and the FP8 GEMV, kept as data.
 
 Measured on one H200 (bench/kernels.py --tune); a shape class is (KV bytes per element, head
 dim). `num_splits` is not in the table: it follows from the grid size by a rule (below), since
@@ -81,3 +81,22 @@ def ragged_blocks(itemsize: int, head_dim: int, page_size: int) -> RaggedBlocks:
     bq, tokens, warps, stages, fp8 = RAGGED_TABLE.get((itemsize, head_dim),
                                                       (16, 32, 4, 1, "bfloat16"))
     return RaggedBlocks(bq, max(tokens, page_size, 16), warps, stages, fp8)
+
+
+@dataclasses.dataclass(frozen=True)
+class GemvTiles:
+    bn: int                 # output channels per program
+    bk: int                 # K elements per loop step
+    num_warps: int
+    reduce_each_step: bool  # sum each step's products to [BN] (vs a [BN, BK] accumulator)
+    prefetch: int           # weight tiles loaded ahead
+
+
+# The FP8 GEMV (pallas_kernels/fp8_matmul.py, M = 1), from `bench/fp8_matmul.py --tune-only`
+# on one H200 (bench/results/fp8_tune.json), us per call on the four Llama-3-8B projections
+# (K x N: 4096x6144, 4096x4096, 4096x28672, 14336x4096):
+#   bn 8,  bk 512,  acc [BN, BK], prefetch 1 (the previous default): 16.5 13.2 49.4 30.8
+#   bn 8,  bk 1024, reduced per step, prefetch 1 (chosen):           16.9  9.4 46.2 26.3
+#   bn 4,  bk 2048, reduced per step:                                13.4 10.8 49.1 25.6
+# Ten variants in all; none above 2.55 TB/s of fp8 bytes. Split-K follows from the grid size.
+FP8_GEMV = GemvTiles(bn=8, bk=1024, num_warps=4, reduce_each_step=True, prefetch=1)

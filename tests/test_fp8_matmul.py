@@ -99,6 +99,35 @@ def test_gemv_variants_match_reference(reduce_each_step, prefetch, bn, bk):
     assert _rel(y, fm.fp8_linear_reference(x, w_q, scale)) < 5e-3, t
 
 
+def test_gemv_on_tensor_cores_matches_reference():
+    """M = 1 through the dot path (x padded to 16 rows): a --tune-only variant."""
+    k, n = 512, 128
+    rng = np.random.default_rng(5)
+    w_q, scale = ckpt_fp8.quantize_linear(jnp.asarray(_weights(rng, k, n)))
+    x = jnp.asarray(rng.standard_normal((1, k)), jnp.bfloat16)
+    t = fm.skinny_tiles(1, k, n, tensor_cores=True, bn_cap=32, bk_cap=128)
+    assert (t.mp, t.bn, t.bk) == (16, 32, 128)
+    y = fm.skinny_fp8_matmul(x, w_q[None], scale[None], jnp.zeros((1,), jnp.int32), t,
+                             interpret=True)
+    assert y.shape == (1, n) and _rel(y, fm.fp8_linear_reference(x, w_q, scale)) < 5e-3
+
+
+def test_tune_variants_all_tile():
+    """Every variant bench/fp8_matmul.py --tune-only times is a valid tiling of its shapes,
+    and the default is tuning.FP8_GEMV."""
+    from bench import fp8_matmul as bench_fp8
+    from pallas_kernels.tuning import FP8_GEMV
+
+    for shape in bench_fp8.TUNE_SHAPES:
+        k, n = (int(v) for v in shape.split("x"))
+        for variant in bench_fp8.TUNE:
+            t = fm.skinny_tiles(1, k, n, **variant)
+            assert t is not None and (k // t.splits) % t.bk == 0, (shape, variant)
+        t = fm.skinny_tiles(1, k, n)
+        assert (t.bn, t.bk, t.reduce_each_step) == (FP8_GEMV.bn, FP8_GEMV.bk,
+                                                    FP8_GEMV.reduce_each_step)
+
+
 def test_gemv_f32_is_exact_to_f32_rounding():
     rng = np.random.default_rng(1)
     w_q, scale = ckpt_fp8.quantize_linear(jnp.asarray(_weights(rng, 512, 256)))
