@@ -87,7 +87,8 @@ for stage in "$@"; do
       run fp8tune 200 "$PY" -m bench.fp8_matmul --tune-only --git "$GIT" \
         --out "$OUT/fp8_tune.json" ;;
     fp8)
-      run fp8 330 "$PY" -m bench.fp8_matmul --git "$GIT" --out "$OUT/fp8_matmul.json" ;;
+      run fp8 330 "$PY" -m bench.fp8_matmul --git "$GIT" --ms "${FP8_MS:-1,8,16,32,64,128,2048}" \
+        --out "$OUT/fp8_matmul.json" ;;
     compile)
       bench compile 200 compile "${LLAMA[@]}" --max-num-seqs "${SEQS:-64}" \
         --max-num-batched-tokens 512 --out "$OUT/compile.json" ;;

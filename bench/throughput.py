@@ -141,7 +141,9 @@ def main(argv=None) -> dict:
     ecfg = engine_config(args, workload, args.max_num_seqs, dtype)
     engine = Engine(cfg, ecfg, graphdef, params, tokenizer, model_name=args.model)
     load_s = time.perf_counter() - start
-    warm = engine.warmup(progress=False)
+    print(f"loaded in {load_s:.1f}s; compiling {len(engine.buckets.all_buckets())} buckets",
+          file=sys.stderr, flush=True)
+    warm = engine.warmup(progress=True)
     print(f"loaded in {load_s:.1f}s; compiled {warm['buckets']} buckets in "
           f"{warm['seconds']:.1f}s", file=sys.stderr, flush=True)
     result = new_result("throughput", args.git, command="python -m bench.throughput " + " ".join(
