@@ -106,8 +106,8 @@ for stage in "$@"; do
     throughput)
       # The suite stops dispatching at --time-limit-s (counted from its start, load and
       # warmup included) and writes a partial row, before `timeout` would kill it.
-      lim=$((DEADLINE - SECONDS)); (( lim > 300 )) && lim=300
-      run throughput 300 "$PY" -m bench.throughput "${LLAMA[@]}" --weights fp8 --kv-dtype fp8 \
+      lim=$((DEADLINE - SECONDS)); (( lim > ${THR_LIMIT:-300} )) && lim=${THR_LIMIT:-300}
+      run throughput "$lim" "$PY" -m bench.throughput "${LLAMA[@]}" --weights fp8 --kv-dtype fp8 \
         --input-len 1000 --output-len 1000 --num-requests "${NUM_REQUESTS:-1000}" \
         --max-num-seqs "${THR_SEQS:-256}" --time-limit-s $((lim - lim / 10)) --git "$GIT" \
         --out "$OUT/throughput.json" ;;

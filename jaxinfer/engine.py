@@ -196,13 +196,16 @@ class Engine:
             prompt=text.prompt, ttft_s=req.ttft_s, latency_s=req.latency_s)
 
     # --- driving ------------------------------------------------------------------------
-    def warmup(self, progress: bool = True) -> dict:
-        """Compile every bucket ahead of time; returns {'compiles', 'seconds', 'buckets'}."""
+    def warmup(self, progress: bool = True, variants=("plain", "full")) -> dict:
+        """Compile every bucket ahead of time; returns {'compiles', 'seconds', 'buckets'}.
+        variants: the sampling variants to compile (ModelRunner.warmup); a server needs
+        both, an all-greedy offline run only `plain`."""
         t0, c0 = time.perf_counter(), CompileCounter.count()
         buckets = self.buckets.all_buckets()
-        with tqdm(total=2 * len(buckets), desc="compiling buckets (x2 sampling variants)",
+        with tqdm(total=len(variants) * len(buckets),
+                  desc=f"compiling buckets (x{len(variants)} sampling variants)",
                   disable=not progress, unit="step") as bar:
-            self.runner.warmup(buckets, on_done=lambda: bar.update(1))
+            self.runner.warmup(buckets, on_done=lambda: bar.update(1), variants=variants)
         return {"compiles": CompileCounter.count() - c0,
                 "seconds": time.perf_counter() - t0,
                 "buckets": len(self.buckets.all_buckets())}

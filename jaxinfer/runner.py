@@ -212,11 +212,15 @@ class ModelRunner:
                     on_done()
         return len(lowered)
 
-    def warmup(self, buckets, on_done=None) -> None:
-        """Compile both variants of the step (sampling `plain` and `full`) for every bucket
-        ahead of time, then run each once (writing nothing), so no request compiles later."""
+    def warmup(self, buckets, on_done=None, variants=("plain", "full")) -> None:
+        """Compile the step's sampling variants (`plain` and `full` by default) for every
+        bucket ahead of time, then run each once (writing nothing), so no request compiles
+        later. A workload known to be all greedy without logprobs needs only `plain`."""
+        if not variants or set(variants) - {"plain", "full"}:
+            raise ValueError(f"warmup: variants must be from ('plain', 'full'), got {variants}")
         inputs = [dummy_input(b, full, self.engine.max_num_seqs)
-                  for b in buckets for full in (False, True)]
+                  for b in buckets for full in (False, True)
+                  if ("full" if full else "plain") in variants]
         self.compile_ahead(inputs, on_done=on_done)
         for inp in inputs:
             self.step(jax.device_put(inp))

@@ -7,16 +7,21 @@ K the input features and N the output features of one projection.
 
 Routes (M is static, so each bucket compiles exactly one), set from bench/fp8_matmul.py on
 one H200 (bench/results/fp8_matmul.json):
-- M <= PALLAS_MAX_M: the Pallas (Triton backend) skinny kernel below. It streams the fp8
-  weight once, converts it in registers and applies the channel scale in its epilogue; each
-  program owns a few output channels ([BN, K] of w_q), and when N // BN alone gives too few
-  programs for the 132 SMs, K is split too and XLA adds the f32 partial sums. M == 1 is a
-  GEMV on CUDA cores; M > 1 pads x to a power of two >= 16 and uses bf16 tensor-core dots.
-- PALLAS_MAX_M < M <= DEQUANT_MAX_M: x @ upcast(w_q) left to XLA, which fuses the fp8 ->
-  bf16 convert into its own Triton GEMM; measured faster than our M > 1 kernel (which is
-  still built and tested, and timed by the bench as `skinny_kernel`).
+- M <= DEQUANT_MAX_M: x @ upcast(w_q) left to XLA, which fuses the fp8 -> bf16 convert into
+  its own Triton GEMM; M < DEQUANT_PAD_M is padded to DEQUANT_PAD_M rows first: at M = 8
+  XLA picks a faster GEMM than at M = 1 (4096x28672: 36.7 vs 44.0 us; 14336x4096: 21.2 vs
+  24.2 us; our Pallas GEMV below 48.3 and 25.5 us).
 - M > DEQUANT_MAX_M (prefill): XLA's cuBLASLt FP8 GEMM (`__cublas$lt$matmul$f8` in the HLO)
   on x quantized per token to e4m3, with both scales applied to the f32 product.
+- The Pallas (Triton backend) skinny kernel below: used for M == 1 only when the caller
+  passes a stacked weight with `layer` (below). It streams the fp8 weight once, converts it in
+  registers and applies the channel scale in its epilogue; each program owns a few output
+  channels ([BN, K] of w_q), and when N // BN alone gives too few programs for the 132 SMs,
+  K is split too and XLA adds the f32 partial sums. M == 1 is a GEMV on CUDA cores (tiles in
+  pallas_kernels/tuning.py); M > 1 pads x to a power of two >= 16 and uses bf16 tensor-core
+  dots. Nineteen tilings measured on the H200 (bench/results/fp8_tune.json) top out at
+  ~2.5 TB/s of fp8 bytes, below XLA's route above, so it is not the default; it stays built,
+  tested and timed by the bench (`skinny_kernel`).
 
 `layer` lets a decoder that scans over layers pass the whole stacked weight ([L, N, K], [L, N])
 plus the layer index: the kernel then indexes the layer itself, so XLA never copies a layer's
@@ -39,7 +44,8 @@ from pallas_kernels.tuning import FP8_GEMV
 
 FP8_DTYPE = jnp.float8_e4m3fn
 FP8_MAX = 448.0
-PALLAS_MAX_M = 1     # M > 1: XLA's fused-dequant GEMM measured faster than our dot path
+PALLAS_MAX_M = 0     # the Pallas kernel only for stacked weights (`layer`); see above
+DEQUANT_PAD_M = 8    # M < 8 padded to 8 rows for XLA's fused-dequant GEMM
 DEQUANT_MAX_M = 64   # M > 64: the FP8 tensor-core GEMM wins (2048: 1.1-1.2x over bf16)
 _MIN_PROGRAMS = 2 * 132    # two programs per H200 SM, so one slow SM does not set the pace
 _CONTRACT_K = (((1,), (1,)), ((), ()))   # x [M, K] . w [N, K] -> [M, N]
@@ -216,12 +222,14 @@ def _validate(x, w_q, scale, layer):
 def fp8_linear(x, w_q, scale, *, layer=None, interpret: bool = False):
     """y [M, N] = x [M, K] @ W in x.dtype, W given as (w_q [N, K] fp8, scale [N] f32).
 
-    With `layer` (an int32 scalar), w_q is [L, N, K] and scale [L, N]: see the module doc.
+    With `layer` (an int32 scalar), w_q is [L, N, K] and scale [L, N]: see the module doc
+    (at M == 1 the Pallas kernel then indexes the layer itself, no slice is copied).
     On a machine without a GPU and interpret=False this runs the reference; with
     interpret=True the Pallas route runs in interpret mode and the XLA routes as they are.
     """
     _validate(x, w_q, scale, layer)
-    if layer is None:
+    stacked = layer is not None
+    if not stacked:
         w_q, scale, layer = w_q[None], scale[None], jnp.zeros((1,), jnp.int32)
     else:
         layer = jnp.asarray(layer, jnp.int32).reshape(1)
@@ -229,10 +237,11 @@ def fp8_linear(x, w_q, scale, *, layer=None, interpret: bool = False):
     t = skinny_tiles(m, k, w_q.shape[1])
     if not (interpret or jax.default_backend() == "gpu"):
         return fp8_linear_reference(x, w_q[layer[0]], scale[layer[0]])
-    if m <= PALLAS_MAX_M and t is not None:
+    if t is not None and (m <= PALLAS_MAX_M or (stacked and m == 1)):
         return skinny_fp8_matmul(x, w_q, scale, layer, t, interpret=interpret)
     if m <= DEQUANT_MAX_M:
-        return xla_dequant_matmul(x, w_q[layer[0]], scale[layer[0]])
+        xp = jnp.pad(x, ((0, DEQUANT_PAD_M - m), (0, 0))) if m < DEQUANT_PAD_M else x
+        return xla_dequant_matmul(xp, w_q[layer[0]], scale[layer[0]])[:m]
     return tensor_core_fp8_matmul(x, w_q[layer[0]], scale[layer[0]])
 
 

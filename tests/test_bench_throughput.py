@@ -55,7 +55,7 @@ def test_time_limit_writes_partial_row(tmp_path, monkeypatch):
     # No ahead-of-time compile (the buckets the few steps use compile on demand): keeps the
     # test short; compiles are not checked here.
     monkeypatch.setattr(throughput.Engine, "warmup",
-                        lambda self, progress=True: {"compiles": 0, "seconds": 0.0,
+                        lambda self, progress=True, **kw: {"compiles": 0, "seconds": 0.0,
                                                      "buckets": 0})
     out = tmp_path / "throughput.json"
     # Clock calls: main start 1 (deadline 9), load 2, timer start 3, queued 4, then one per

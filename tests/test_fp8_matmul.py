@@ -132,7 +132,8 @@ def test_gemv_f32_is_exact_to_f32_rounding():
     rng = np.random.default_rng(1)
     w_q, scale = ckpt_fp8.quantize_linear(jnp.asarray(_weights(rng, 512, 256)))
     x = jnp.asarray(rng.standard_normal((1, 512)), jnp.float32)
-    y = fm.fp8_linear(x, w_q, scale, interpret=True)
+    y = fm.skinny_fp8_matmul(x, w_q[None], scale[None], jnp.zeros((1,), jnp.int32),
+                             fm.skinny_tiles(1, 512, 256), interpret=True)
     assert y.dtype == jnp.float32
     assert _rel(y, fm.fp8_linear_reference(x, w_q, scale)) < 1e-5
 
@@ -145,8 +146,27 @@ def test_split_k_is_used_and_correct():
     rng = np.random.default_rng(2)
     w_q, scale = ckpt_fp8.quantize_linear(jnp.asarray(_weights(rng, k, n)))
     x = jnp.asarray(rng.standard_normal((1, k)), jnp.bfloat16)
-    y = fm.fp8_linear(x, w_q, scale, interpret=True)
+    y = fm.skinny_fp8_matmul(x, w_q[None], scale[None], jnp.zeros((1,), jnp.int32), t,
+                             interpret=True)
     assert _rel(y, fm.fp8_linear_reference(x, w_q, scale)) < 5e-3
+
+
+@pytest.mark.parametrize("m", [1, 3, 8, 64])
+def test_fp8_linear_routes_by_m(m):
+    """M <= 64 unstacked goes to XLA's fused-dequant GEMM (M < 8 padded to 8 rows and cut
+    back), never the Pallas kernel; stacked weights at M == 1 go to the Pallas kernel."""
+    rng = np.random.default_rng(10 + m)
+    w_q, scale = ckpt_fp8.quantize_linear(jnp.asarray(_weights(rng, 256, 128, layers=2)))
+    x = jnp.asarray(rng.standard_normal((m, 256)), jnp.bfloat16)
+
+    def uses_pallas(**kw):
+        return "pallas_call" in str(jax.make_jaxpr(
+            lambda x: fm.fp8_linear(x, *kw.pop("w"), interpret=True, **kw))(x))
+
+    assert not uses_pallas(w=(w_q[0], scale[0]))
+    assert uses_pallas(w=(w_q, scale), layer=jnp.int32(1)) == (m == 1)
+    y = fm.fp8_linear(x, w_q[0], scale[0], interpret=True)
+    assert y.shape == (m, 128) and _rel(y, fm.fp8_linear_reference(x, w_q[0], scale[0])) < 5e-3
 
 
 @pytest.mark.parametrize("m", [1, 3, 128])
