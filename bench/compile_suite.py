@@ -141,7 +141,8 @@ def run(args) -> int:
     if args.phase in ("cold", "warm"):  # a child: the start-up compile only
         Path(args.out).write_text(json.dumps(startup_compile(args)) + "\n")
         return 0
-    result = new_result("compile", args.git, model=args.model, cache_dir=cache_dir)
+    result = new_result("compile", args.git, model=args.model,
+                        cache_dir=args.cache_dir or "(a fresh temporary directory)")
     rows, decode_hlo = compile_all(args, analyze=True)
     result.update(cold_serial_sum_s=round(sum(r["total_s"] for r in rows), 2),
                   kernels_per_layer=decode_hlo and decode_hlo["kernels_per_layer"],

@@ -215,7 +215,8 @@ def main(argv=None):
     result = {"suite": "fp8_matmul", "device": jax.devices()[0].device_kind,
               "jax": jax.__version__, "git": git_sha(args.git),
               "date": datetime.date.today().isoformat(),
-              "command": " ".join(["python"] + sys.argv), "ceilings": ceilings(),
+              "command": " ".join(["python -m bench.fp8_matmul"] + sys.argv[1:]),
+              "ceilings": ceilings(),
               "pallas_max_m": fm.PALLAS_MAX_M, "dequant_max_m": fm.DEQUANT_MAX_M,
               "checks": {"cublaslt_f8_in_prefill_hlo": cublaslt_f8_in_hlo()},
               "rows": []}
