@@ -56,11 +56,11 @@ def compile_bucket(runner, bucket):
     """(row of phase seconds, compiled executable) for one bucket."""
     from jaxinfer.runner import dummy_input
 
-    inp = jax.device_put(dummy_input(bucket, max_num_seqs=runner.engine.max_num_seqs))
+    inp = runner.prepare(dummy_input(bucket, max_num_seqs=runner.engine.max_num_seqs))
     hits = _cache_hits[0]
     t0 = time.perf_counter()
     # The runner's own jitted step (same function and static args as serving).
-    traced = runner._step_fn.trace(runner._leaves, runner.kv, inp, runner._rng, np.uint32(0))
+    traced = runner.trace(inp)
     t1 = time.perf_counter()
     lowered = traced.lower()
     t2 = time.perf_counter()

@@ -57,7 +57,7 @@ def step_flops(cfg, batch: int, context: int) -> int:
 
 def measure_case(runner, cfg, model: str, batch: int, context: int, ceil: dict,
                  reps: int, rng) -> dict:
-    inp = jax.device_put(decode_input(cfg, runner.engine, batch, context, rng))
+    inp = runner.prepare(decode_input(cfg, runner.engine, batch, context, rng))
     synced = timed(lambda: runner.step(inp), reps)
     device = pipelined_step_s(runner, inp, reps)
     nbytes = (weight_bytes(runner.params, cfg, batch)

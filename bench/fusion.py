@@ -68,7 +68,8 @@ def unfused_row(runner, graphdef, cfg, inp, reps: int) -> dict:
     from jaxinfer import runner as runner_mod
 
     step = functools.partial(runner_mod._step, graphdef, runner.attn_impl, runner._treedef)
-    args = (runner._leaves, runner.kv, inp, runner._rng, np.uint32(0))
+    step_inp = runner_mod.unpack(inp.buf, inp.spec, inp.prev_tokens)   # the StepInput itself
+    args = (runner._leaves, runner.kv, step_inp, runner._rng, np.uint32(0))
     layers: list[tuple[int, int]] = []  # (length, primitives per iteration) of each scan
     per_step = count_primitives(jax.make_jaxpr(step)(*args).jaxpr, layers)
 
@@ -107,7 +108,7 @@ def run(args) -> int:
                         xla_flags=os.environ.get("XLA_FLAGS", ""))
     rng = np.random.default_rng(0)
     for b, c in pairs:
-        inp = jax.device_put(decode_input(cfg, runner.engine, b, c, rng))
+        inp = runner.prepare(decode_input(cfg, runner.engine, b, c, rng))
         case = {"batch": b, "context": c}
         variant = "fused_cmdbuf_off" if args.child else "fused"
         save(result, args.out, [{"variant": variant, **case,

@@ -145,7 +145,7 @@ def run(args) -> int:
     rng = np.random.default_rng(0)
     for b in batches:
         for c in contexts:
-            inp = jax.device_put(decode_input(cfg, runner.engine, b, c, rng))
+            inp = runner.prepare(decode_input(cfg, runner.engine, b, c, rng))
             for _ in range(3):
                 runner.step(inp)
 

@@ -2,12 +2,8 @@
 (incremental detokenization, stop strings cut correctly), logprobs as dicts."""
 from __future__ import annotations
 
-import dataclasses
-
 import operator
 from typing import Sequence
-
-import jax
 
 from jaxinfer.batch import StepArrays
 from jaxinfer.errors import ConfigError, InvalidRequestError
@@ -133,9 +129,9 @@ class Detokenized:
 
 def build_step_input(arrays: StepArrays, out: SchedulerOutput, scheduler, prev_tokens,
                      prev_index) -> StepInput:
-    """Host arrays -> one device transfer of the whole StepInput. prev_tokens / prev_index:
-    where PENDING tokens come from (runner.StepInput); prev_tokens may already be on the
-    device (the previous step's output)."""
+    """The step's StepInput, numpy leaves (the runner packs them into one transfer).
+    prev_tokens / prev_index: where PENDING tokens come from (runner.StepInput); prev_tokens
+    may already be on the device (the previous step's output)."""
     reqs = [scheduler.get(r.request_id) for r in out.rows]
     samp = SamplingArrays.from_params(
         [r.sampling_params for r in reqs], [r.num_output_tokens for r in reqs],
@@ -143,9 +139,7 @@ def build_step_input(arrays: StepArrays, out: SchedulerOutput, scheduler, prev_t
     md = AttentionMetadata(arrays.positions, arrays.slot_mapping, arrays.token_seq,
                            arrays.page_table, arrays.seq_lens, arrays.query_start,
                            decode_only=arrays.decode_only)
-    host = jax.device_put(StepInput(arrays.tokens, md, arrays.logits_index, samp, None,
-                                    prev_index))
-    return dataclasses.replace(host, prev_tokens=prev_tokens)
+    return StepInput(arrays.tokens, md, arrays.logits_index, samp, prev_tokens, prev_index)
 
 
 def logprob_dict(sampled: SampleOutput, row: int, n: int) -> dict[int, float]:

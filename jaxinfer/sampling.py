@@ -108,26 +108,23 @@ class SamplingArrays:
         if len(generated_counts) != n:
             raise ValueError(f"generated_counts has {len(generated_counts)} entries for {n} rows")
         rows = [p or _PAD for p in params] + [_PAD] * (batch_size - n)
-
-        def col(field, dtype):
-            return np.array([getattr(p, field) for p in rows], dtype)
-
-        seeds = [p.seed or 0 for p in rows]
+        # One pass over the rows (a list per field cost ~8x the Python at 256 rows).
+        cols = np.array([(p.temperature, p.top_k, p.top_p, p.min_p, p.repetition_penalty,
+                          p.presence_penalty, p.frequency_penalty,
+                          -1 if p.logprobs is None else p.logprobs) for p in rows],
+                        np.float64).reshape(batch_size, 8).T
+        seeds = np.array([(s >> 32, s & 0xFFFFFFFF) for s in (p.seed or 0 for p in rows)],
+                         np.uint32).reshape(batch_size, 2)
         step = np.zeros(batch_size, np.int32)
         step[:n] = generated_counts
         tokens, out_start = _penalty_window(rows[:n], token_ids, generated_counts,
                                             batch_size, window)
+        f32, i32 = (lambda i: cols[i].astype(np.float32)), (lambda i: cols[i].astype(np.int32))
         return cls(
-            temperature=col("temperature", np.float32), top_k=col("top_k", np.int32),
-            top_p=col("top_p", np.float32), min_p=col("min_p", np.float32),
-            repetition_penalty=col("repetition_penalty", np.float32),
-            presence_penalty=col("presence_penalty", np.float32),
-            frequency_penalty=col("frequency_penalty", np.float32),
-            seed=np.array([(s >> 32, s & 0xFFFFFFFF) for s in seeds], np.uint32),
-            has_seed=np.array([p.seed is not None for p in rows]), step=step,
-            num_logprobs=np.array([-1 if p.logprobs is None else p.logprobs for p in rows],
-                                  np.int32),
-            penalty_tokens=tokens, output_start=out_start)
+            temperature=f32(0), top_k=i32(1), top_p=f32(2), min_p=f32(3),
+            repetition_penalty=f32(4), presence_penalty=f32(5), frequency_penalty=f32(6),
+            seed=seeds, has_seed=np.array([p.seed is not None for p in rows], bool),
+            step=step, num_logprobs=i32(7), penalty_tokens=tokens, output_start=out_start)
 
 
 def uses_penalty(p: SamplingParams) -> bool:

@@ -1,0 +1,54 @@
+"""The step input's one-buffer transfer (runner.PackedInput): packing then unpacking inside a
+jitted function gives back every leaf bit for bit, whatever its dtype."""
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+
+from jaxinfer.buckets import Bucket
+from jaxinfer.runner import PackedInput, ModelRunner, StepInput, dummy_input, pack_host, unpack
+
+
+def _random_like(inp: StepInput, rng) -> StepInput:
+    def fill(x):
+        x = np.asarray(x)
+        if x.dtype == np.bool_:
+            return rng.integers(0, 2, x.shape).astype(bool)
+        if x.dtype == np.uint32:   # high bit set: a plain int32 cast would not survive
+            return rng.integers(2**31, 2**32, x.shape, dtype=np.uint64).astype(np.uint32)
+        if x.dtype == np.float32:
+            return rng.standard_normal(x.shape).astype(np.float32) * 1e3
+        return rng.integers(-2**31, 2**31, x.shape).astype(x.dtype)
+    return jax.tree_util.tree_map(fill, inp)
+
+
+@pytest.mark.parametrize("full", [False, True])
+def test_pack_unpack_round_trip_in_jit(full):
+    rng = np.random.default_rng(int(full))
+    inp = _random_like(dummy_input(Bucket(24, 4, 3, False), full, max_num_seqs=8), rng)
+    buf, spec = pack_host(inp)
+    assert buf.dtype == np.int32 and buf.ndim == 1
+    out = jax.jit(unpack, static_argnums=1)(buf, spec, inp.prev_tokens)
+    want, got = jax.tree_util.tree_leaves(inp), jax.tree_util.tree_leaves(out)
+    assert len(want) == len(got) > 10
+    for w, g in zip(want, got):
+        assert np.asarray(g).dtype == np.asarray(w).dtype and np.shape(g) == np.shape(w)
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    assert out.md.decode_only == inp.md.decode_only   # static field kept in the spec
+
+
+def test_signature_tells_buckets_and_variants_apart():
+    sigs = {ModelRunner.prepare(dummy_input(b, full, max_num_seqs=8)).signature
+            for b in (Bucket(8, 8, 2, True), Bucket(8, 8, 2, False), Bucket(16, 8, 2, False))
+            for full in (False, True)}
+    assert len(sigs) == 6
+    a = ModelRunner.prepare(dummy_input(Bucket(8, 8, 2, True), max_num_seqs=8))
+    assert isinstance(a, PackedInput) and ModelRunner.prepare(a) is a
+
+
+def test_pack_rejects_eight_byte_leaves():
+    inp = dummy_input(Bucket(8, 8, 2, True), max_num_seqs=8)
+    bad = dataclasses.replace(inp, tokens=np.zeros(8, np.int64))
+    with pytest.raises(TypeError, match="int64"):
+        pack_host(bad)
