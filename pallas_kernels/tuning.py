@@ -93,10 +93,14 @@ class GemvTiles:
 
 
 # The FP8 GEMV (pallas_kernels/fp8_matmul.py, M = 1), from `bench/fp8_matmul.py --tune-only`
-# on one H200 (bench/results/fp8_tune.json), us per call on the four Llama-3-8B projections
-# (K x N: 4096x6144, 4096x4096, 4096x28672, 14336x4096):
+# on one H200 (first run: bench/results/history/fp8_tune_fcca621.json), us per call on the
+# four Llama-3-8B projections (K x N: 4096x6144, 4096x4096, 4096x28672, 14336x4096). The
+# second run (bench/results/fp8_tune.json) matched the chosen tiling within 1-2% on three
+# shapes; the small ones are noisy (4096x4096: 9.4 -> 13.3 us; bn 4 on 4096x6144: 13.4 -> 18.1):
 #   bn 8,  bk 512,  acc [BN, BK], prefetch 1 (the previous default): 16.5 13.2 49.4 30.8
 #   bn 8,  bk 1024, reduced per step, prefetch 1 (chosen):           16.9  9.4 46.2 26.3
 #   bn 4,  bk 2048, reduced per step:                                13.4 10.8 49.1 25.6
-# Ten variants in all; none above 2.55 TB/s of fp8 bytes. Split-K follows from the grid size.
+# Nineteen variants over the two runs, tensor-core ones
+# (x padded to 16 rows) included: none above 2.55 TB/s of fp8 bytes, so fp8_linear sends
+# M = 1 to XLA (pallas_kernels/fp8_matmul.py's routes). Split-K follows from the grid size.
 FP8_GEMV = GemvTiles(bn=8, bk=1024, num_warps=4, reduce_each_step=True, prefetch=1)

@@ -153,7 +153,10 @@ def test_cancelled_streams_free_their_pages(server, client):
 def _one(target, prompt):
     try:
         with Client(target, token=TOKEN) as c:
-            done = c.complete(prompt, {"max_tokens": 40, "temperature": 0.0}, timeout=120)
+            # ignore_eos: the tiny model's greedy answer ends in EOS for ~1% of random
+            # prompts (checked against the dense reference); this test is about the queue.
+            done = c.complete(prompt, {"max_tokens": 40, "temperature": 0.0, "ignore_eos": True},
+                              timeout=120)
         return done.finish_reason, len(done.token_ids)
     except grpc.RpcError as e:
         return e.code(), 0
