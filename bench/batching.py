@@ -114,18 +114,27 @@ def int_pair(s: str) -> tuple[int, int]:
     return lo, hi
 
 
+def add_engine_flags(ap: argparse.ArgumentParser, *, model: str, weights: str,
+                     kv_dtype: str) -> None:
+    """The engine flags this bench and bench.throughput share (`engine_config` reads them)."""
+    ap.add_argument("--model", default=model, help="a standard shape (synthetic weights) or "
+                                                   "any --model the CLI takes")
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
+                    help="compute dtype (default: bfloat16 on GPU, float32 on CPU)")
+    ap.add_argument("--weights", choices=("bf16", "fp8"), default=weights)
+    ap.add_argument("--kv-dtype", choices=("auto", "bf16", "fp8"), default=kv_dtype)
+    ap.add_argument("--attention", choices=("auto", "reference", "pallas"), default="auto")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                    help="token budget per step (decode rows + prefill chunks)")
+    ap.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
+    ap.add_argument("--no-async-scheduling", action="store_true",
+                    help="the synchronous engine (default: host prepares step t+1 while t runs)")
+
+
 def parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="tiny", help="a standard shape (synthetic weights) or "
-                                                     "any --model the CLI takes")
-    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
-                    help="default: bfloat16 on GPU, float32 on CPU")
-    ap.add_argument("--weights", choices=("bf16", "fp8"), default="bf16")
-    ap.add_argument("--kv-dtype", choices=("auto", "bf16", "fp8"), default="auto")
-    ap.add_argument("--attention", choices=("auto", "reference", "pallas"), default="auto")
+    add_engine_flags(ap, model="tiny", weights="bf16", kv_dtype="auto")
     ap.add_argument("--max-batch", default="64", help="comma-separated max_num_seqs values")
-    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--num-requests", type=int, default=384)
     ap.add_argument("--prompt-len", type=int_pair, default=(16, 2048), help="min,max")
     ap.add_argument("--output-len", type=int_pair, default=(8, 512), help="min,max")
@@ -133,8 +142,6 @@ def parse_args(argv):
     ap.add_argument("--output-median", type=float, default=64.0)
     ap.add_argument("--sigma", type=float, default=1.0, help="log-normal sigma of both lengths")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--no-async-scheduling", action="store_true",
-                    help="the synchronous engine (default: host prepares step t+1 while t runs)")
     ap.add_argument("--git", default=None, help="commit to record (default: git rev-parse HEAD)")
     ap.add_argument("--out", default="bench/results/batching.json")
     return ap.parse_args(argv)

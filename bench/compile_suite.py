@@ -109,12 +109,11 @@ def startup_compile(args) -> dict:
     """(Child process) Engine.warmup's compile: both sampling variants of every bucket via
     ModelRunner.compile_ahead; wall seconds, executables, persistent-cache hits."""
     from jaxinfer.buckets import Buckets
-    from jaxinfer.runner import dummy_input
+    from jaxinfer.runner import warmup_inputs
 
     runner, _, _ = load_runner(args, max_num_seqs=args.max_num_seqs, max_len=args.max_model_len)
     buckets = Buckets.from_config(runner.engine).all_buckets()
-    inputs = [dummy_input(b, full, runner.engine.max_num_seqs)
-              for b in buckets for full in (False, True)]
+    inputs = warmup_inputs(buckets, runner.engine.max_num_seqs)
     hits = _cache_hits[0]
     t = time.perf_counter()
     n = runner.compile_ahead(inputs)

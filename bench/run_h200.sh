@@ -56,27 +56,27 @@ BATCHES=${BATCHES:-1,64,256}
 CONTEXTS=${CONTEXTS:-512,1024}
 CTX1=${CONTEXTS%%,*}
 
+decode_fp8_rows() {  # the FP8 rows of `decode`, appended to $OUT/decode.json
+  bench decode_fp8 90 decode "${LLAMA[@]}" --weights fp8 --batch-sizes 1 \
+    --contexts "$CTX1" --reps 5 --append --out "$OUT/decode.json"
+  bench decode_qwen 180 decode --model "${BIG_MODEL:-qwen2.5-32b}" --dtype "$DTYPE" \
+    --weights fp8 --kv-dtype fp8 --batch-sizes 1 --contexts "$CTX1" \
+    --reps 5 --kv-budget-gb 8 --append --out "$OUT/decode.json"
+}
+
 for stage in "$@"; do
   case $stage in
     check)
       JAXINFER_TEST_GPU=1 run check 200 "$PY" -m pytest -q -m gpu -x \
         tests/test_paged_attention.py tests/test_ragged_paged_attention.py tests/test_fp8_matmul.py ;;
     decode8)
-      bench decode_fp8 90 decode "${LLAMA[@]}" --weights fp8 --batch-sizes 1 \
-        --contexts "$CTX1" --reps 5 --append --out "$OUT/decode.json"
-      bench decode_qwen 180 decode --model "${BIG_MODEL:-qwen2.5-32b}" --dtype "$DTYPE" \
-        --weights fp8 --kv-dtype fp8 --batch-sizes 1 --contexts "$CTX1" \
-        --reps 5 --kv-budget-gb 8 --append --out "$OUT/decode.json" ;;
+      decode_fp8_rows ;;
     decode)
       bench decode_scan 90 decode "${LLAMA[@]}" --layer-loop scan --batch-sizes "${BATCHES%%,*}" \
         --contexts "$CTX1" --reps 5 --out "$OUT/decode.json"
       bench decode 130 decode "${LLAMA[@]}" --batch-sizes "$BATCHES" \
         --contexts "$CONTEXTS" --reps 5 --append --out "$OUT/decode.json"
-      bench decode_fp8 70 decode "${LLAMA[@]}" --weights fp8 --batch-sizes 1 \
-        --contexts "$CTX1" --reps 5 --append --out "$OUT/decode.json"
-      bench decode_qwen 150 decode --model "${BIG_MODEL:-qwen2.5-32b}" --dtype "$DTYPE" \
-        --weights fp8 --kv-dtype fp8 --batch-sizes 1 --contexts "$CTX1" \
-        --reps 5 --kv-budget-gb 8 --append --out "$OUT/decode.json" ;;
+      decode_fp8_rows ;;
     profile)
       bench profile 120 profile "${LLAMA[@]}" --batch-sizes 1,64 --contexts "$CTX1" --reps 5 \
         --out "$OUT/profile.json" ;;

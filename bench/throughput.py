@@ -1,5 +1,6 @@
-"""Offline throughput: output tokens/s of the engine on a fixed-length workload, by default
-Llama-3-8B with FP8 weights and FP8 KV at 1000 input / 1000 output tokens.
+"""Offline throughput: output tokens/s of the engine on a fixed-length workload.
+
+By default Llama-3-8B with FP8 weights and FP8 KV at 1000 input / 1000 output tokens.
 
     python -m bench.throughput --model llama-3-8b --num-requests 1000 --time-limit-s 270 \
         --out bench/results/throughput.json                   # H200: FP8 weights + FP8 KV
@@ -36,7 +37,7 @@ import time
 import jax
 import numpy as np
 
-from bench.batching import engine_config
+from bench.batching import add_engine_flags, engine_config
 from bench.common import dtype_name, new_result, progress, save, weights_name
 from jaxinfer.config import EngineConfig
 from jaxinfer.engine import Engine
@@ -100,23 +101,12 @@ def run(engine: Engine, workload, deadline: float | None) -> dict:
 
 def parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="llama-3-8b", help="a standard shape (synthetic weights) "
-                                                           "or any --model the CLI takes")
-    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
-                    help="compute dtype (default: bfloat16 on GPU, float32 on CPU)")
-    ap.add_argument("--weights", choices=("bf16", "fp8"), default="fp8")
-    ap.add_argument("--kv-dtype", choices=("bf16", "fp8"), default="fp8")
-    ap.add_argument("--attention", choices=("auto", "reference", "pallas"), default="auto")
+    add_engine_flags(ap, model="llama-3-8b", weights="fp8", kv_dtype="fp8")
     ap.add_argument("--input-len", type=int, default=1000, help="prompt tokens per request")
     ap.add_argument("--output-len", type=int, default=1000, help="output tokens per request")
     ap.add_argument("--num-requests", type=int, default=1000)
     ap.add_argument("--max-num-seqs", type=int, default=256, help="rows per step")
-    ap.add_argument("--max-num-batched-tokens", type=int, default=2048,
-                    help="token budget per step (decode rows + prefill chunks)")
-    ap.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
     ap.add_argument("--seed", type=int, default=0, help="workload seed")
-    ap.add_argument("--no-async-scheduling", action="store_true",
-                    help="the synchronous engine (default: host prepares step t+1 while t runs)")
     ap.add_argument("--time-limit-s", type=float, default=None,
                     help="stop dispatching steps this many seconds after start (load and "
                          "warmup included) and write the partial row")

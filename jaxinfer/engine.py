@@ -25,7 +25,6 @@ import time
 
 import jax
 import numpy as np
-
 from tqdm import tqdm
 
 from jaxinfer import batch
@@ -208,7 +207,7 @@ class Engine:
             self.runner.warmup(buckets, on_done=lambda: bar.update(1), variants=variants)
         return {"compiles": CompileCounter.count() - c0,
                 "seconds": time.perf_counter() - t0,
-                "buckets": len(self.buckets.all_buckets())}
+                "buckets": len(buckets)}
 
     def run_until_done(self, use_tqdm: bool = True) -> dict[str, RequestOutput]:
         """Step until no request is left; returns each request's final output by id."""

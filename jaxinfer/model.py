@@ -160,8 +160,9 @@ def _unrolled_layer(graphdef, attn_impl, state, x, kv, layer, md, cos, sin):
     same structure and shapes, so tracing it once serves all of them (the trace of the whole
     step was ~0.5 s per executable on the H200 host, start-up compiles serial on it). XLA
     inlines the calls: on the CPU the compiled step has the same kernels as without the inner
-    jit (tiny model, when this went in: 75 kernels per step and 20 per layer either way); not
-    yet checked on the GPU."""
+    jit (tiny model, when this went in: 75 kernels per step and 20 per layer either way), and
+    on the H200 the 8B decode step keeps its 13 kernels per layer (bench/results/compile.json);
+    warm start-up went 15.7 -> 6.4 s there."""
     return nnx.merge(graphdef, state)(x, kv, layer, md, cos, sin, attn_impl)
 
 

@@ -106,14 +106,15 @@ class SamplingParams:
         return [f.name for f in dataclasses.fields(cls)]
 
 
-
 PENDING = -1  # an output token sampled on the device, not yet seen by the host
+
 
 @dataclasses.dataclass
 class RequestOutput:
     """What a request has produced so far. `new_token_ids`/`text_delta` are this step's delta;
     `token_ids`/`text`/`logprobs` accumulate (until the last output `token_ids` is the
-    engine's own list, still growing: copy it to keep a snapshot). `finish_reason` is set on the last output."""
+    engine's own list, still growing: copy it to keep a snapshot). `finish_reason` is set on
+    the last output."""
 
     request_id: str
     prompt_token_ids: list[int]

@@ -180,6 +180,15 @@ def dummy_input(bucket, full: bool = False, max_num_seqs: int | None = None) -> 
                      np.full(t, -1, np.int32))
 
 
+def warmup_inputs(buckets, max_num_seqs: int, variants=("plain", "full")) -> list[StepInput]:
+    """The all-padding inputs that compile `variants` (sampling `plain` / `full`) of every
+    bucket: what Engine.warmup compiles ahead of time."""
+    if not variants or set(variants) - {"plain", "full"}:
+        raise ValueError(f"warmup: variants must be from ('plain', 'full'), got {variants}")
+    return [dummy_input(b, full, max_num_seqs) for b in buckets for full in (False, True)
+            if ("full" if full else "plain") in variants]
+
+
 def _all_logits(graphdef, attn_impl, params, kv, tokens, md, kv_sharding=None):
     model, h, kv = _forward_hidden(graphdef, attn_impl, params, kv, tokens, md, kv_sharding)
     return kv, model.logits(h)                                           # [T, V] f32
@@ -274,9 +283,10 @@ class ModelRunner:
         return self.trace(inp).lower()
 
     def compile_ahead(self, inputs, workers: int | None = None, on_done=None) -> int:
-        """Compile the step for each of `inputs` (StepInputs of distinct shapes) and keep the
-        executables for `dispatch`: lowered one by one, compiled concurrently. Returns how
-        many were compiled; `on_done()` is called after each (a progress bar)."""
+        """Compile the step for each of `inputs` (StepInputs or PackedInputs of distinct
+        shapes) and keep the executables for `dispatch`: lowered one by one, compiled
+        concurrently. Returns how many were compiled; `on_done()` is called after each (a
+        progress bar)."""
         lowered = {}
         for inp in inputs:
             p = self.prepare(inp)
@@ -295,11 +305,8 @@ class ModelRunner:
         """Compile the step's sampling variants (`plain` and `full` by default) for every
         bucket ahead of time, then run each once (writing nothing), so no request compiles
         later. A workload known to be all greedy without logprobs needs only `plain`."""
-        if not variants or set(variants) - {"plain", "full"}:
-            raise ValueError(f"warmup: variants must be from ('plain', 'full'), got {variants}")
-        inputs = [dummy_input(b, full, self.engine.max_num_seqs)
-                  for b in buckets for full in (False, True)
-                  if ("full" if full else "plain") in variants]
+        inputs = [self.prepare(i)   # packed once, for the compile and the run
+                  for i in warmup_inputs(buckets, self.engine.max_num_seqs, variants)]
         self.compile_ahead(inputs, on_done=on_done)
         for inp in inputs:
             self.step(inp)

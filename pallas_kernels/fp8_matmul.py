@@ -10,7 +10,7 @@ one H200 (bench/results/fp8_matmul.json):
 - M <= DEQUANT_MAX_M: x @ upcast(w_q) left to XLA, which fuses the fp8 -> bf16 convert into
   its own Triton GEMM; M < DEQUANT_PAD_M is padded to DEQUANT_PAD_M rows first: at M = 8
   XLA picks a faster GEMM than at M = 1 (4096x28672: 36.7 vs 44.0 us; 14336x4096: 21.2 vs
-  24.2 us; our Pallas GEMV below 48.3 and 25.5 us).
+  24.2 us; our Pallas GEMV takes 48.3 and 25.5 us).
 - M > DEQUANT_MAX_M (prefill): XLA's cuBLASLt FP8 GEMM (`__cublas$lt$matmul$f8` in the HLO)
   on x quantized per token to e4m3, with both scales applied to the f32 product.
 - The Pallas (Triton backend) skinny kernel below: used for M == 1 only when the caller
@@ -89,7 +89,8 @@ def skinny_tiles(m: int, k: int, n: int, *, bn_cap: int | None = None,
     bn = _pow2_divisor(n, bn_cap or (g.bn if gemv else max(16, mp // 2)))
     # 3 stages of a [128, 256] bf16 x tile overflow shared memory (seen on the H200).
     bk = _pow2_divisor(k, bk_cap or (g.bk if gemv else 256 if mp < 128 else 128))
-    prefetch = prefetch or (g.prefetch if gemv else 1)
+    if prefetch is None:
+        prefetch = g.prefetch if gemv else 1
     min_tile = 1 if gemv else 16   # tensor-core dots need 16 along each axis
     if bn < min_tile or bk < max(16, min_tile):
         return None

@@ -75,16 +75,16 @@ def _tiny(tp: int, **kw):
     return Engine(TINY, cfg, graphdef, params)
 
 
-def _synthetic_logits(tp: int):
+def _synthetic_logits(tp: int, **kw):
     """Teacher-forced logits of the tiny standard shape loaded by name (synthetic weights
-    generated sharded) through the runner."""
+    generated sharded; with weights="fp8" generated quantized too) through the runner."""
 
     from jaxinfer.config import EngineConfig
     from jaxinfer.engine import Engine
     from test_model import single_sequence_md
 
     engine = Engine.from_model("tiny", EngineConfig(max_model_len=32, max_num_seqs=1,
-                                                    page_size=4, tensor_parallel=tp))
+                                                    page_size=4, tensor_parallel=tp, **kw))
     tokens = np.arange(5, 15, dtype=np.int32)
     md = single_sequence_md(np.arange(10), [1, 2, 3], 4, engine.config.pages_per_seq)
     sharding = engine.runner.params["lm_head"]["kernel"][...].sharding
@@ -130,6 +130,7 @@ def child_main() -> dict:
         res[f"tiny_fp8_{tp}"] = _engine_tokens(_tiny(tp, weights="fp8", kv_dtype="fp8"),
                                                prompts[:2], 6, [0, 1])
     res["synthetic"] = {str(tp): _synthetic_logits(tp) for tp in (1, 2)}
+    res["synthetic_fp8"] = {str(tp): _synthetic_logits(tp, weights="fp8") for tp in (1, 2)}
     res["mismatch_error"] = _layout_mismatch_error()
     smol = ["The capital of France is", "def fib(n):"]
     for tp in (1, 2):
@@ -172,6 +173,13 @@ def test_tiny_fp8_weights_and_kv_shard(results):
 def test_synthetic_weights_generated_sharded(results):
     (ref, ref_spec), (got, spec) = results["synthetic"]["1"], results["synthetic"]["2"]
     assert spec == [None, "tp"] and ref_spec == []
+    np.testing.assert_allclose(got, ref, rtol=2e-4, atol=2e-4)
+
+
+def test_synthetic_fp8_weights_generated_sharded(results):
+    """FP8 synthetic weights are generated quantized per shard: the same model at tp 1, 2."""
+    (ref, _), (got, spec) = results["synthetic_fp8"]["1"], results["synthetic_fp8"]["2"]
+    assert spec == [None, "tp"]
     np.testing.assert_allclose(got, ref, rtol=2e-4, atol=2e-4)
 
 
