@@ -7,6 +7,8 @@ first (never zeros). Two times per case:
   step_ms         back-to-back `runner.step` calls, each syncing on its sampled tokens
                   (what serving sees); median per call
   step_ms_device  N steps dispatched back to back, then one block (no host round trip)
+  dispatch_ms     host time to enqueue one step (of such a burst): if it nears step_ms_device
+                  the host, not the GPU, sets the pace
 Bytes that must move per step: every weight read once (embeddings: only the B looked-up rows;
 the LM head whole) + the KV of B x C tokens read + the new tokens' KV written.
 FLOPs: 2 x matmul params x B + attention (4 x L x H x D x C x B).
@@ -16,6 +18,8 @@ time, against ceilings measured in the same run.
 from __future__ import annotations
 
 import json
+import os
+import statistics
 import sys
 from pathlib import Path
 
@@ -23,10 +27,11 @@ import jax
 import numpy as np
 
 from bench import ceilings as ceilings_mod
-from bench.common import (decode_input, dtype_name, fill_kv, load_runner, new_result,
+from bench.common import (burst, decode_input, dtype_name, fill_kv, load_runner, new_result,
                           pipelined_step_s, print_table, progress, save, timed, weights_name)
 
 KEYS = ["model", "weights", "kv_dtype", "batch", "context", "step_ms", "step_ms_device",
+        "dispatch_ms",
         "tokens_per_s", "mbu", "mbu_device", "intensity_flop_per_byte", "achieved_TFLOPs"]
 
 
@@ -60,6 +65,7 @@ def measure_case(runner, cfg, model: str, batch: int, context: int, ceil: dict,
     inp = runner.prepare(decode_input(cfg, runner.engine, batch, context, rng))
     synced = timed(lambda: runner.step(inp), reps)
     device = pipelined_step_s(runner, inp, reps)
+    dispatch = statistics.median(burst(runner, inp, 8)[0] / 8 for _ in range(3))
     nbytes = (weight_bytes(runner.params, cfg, batch)
               + batch * (context + 1) * kv_bytes_per_token(cfg, runner.kv))
     flops = step_flops(cfg, batch, context)
@@ -69,6 +75,7 @@ def measure_case(runner, cfg, model: str, batch: int, context: int, ceil: dict,
             "kv_dtype": dtype_name(runner.kv.k.dtype), "batch": batch, "context": context,
             "unroll_layers": runner.engine.unroll_layers,
             "step_ms": round(synced * 1e3, 4), "step_ms_device": round(device * 1e3, 4),
+            "dispatch_ms": round(dispatch * 1e3, 4),
             "tokens_per_s": round(batch / synced, 2),
             "tokens_per_s_device": round(batch / device, 2),
             "bytes_per_step": nbytes, "flops_per_step": flops,
@@ -119,7 +126,8 @@ def start_result(args, ceil: dict, skipped: list) -> dict:
     """A new results dict, or with --append the existing file's, this run added to "runs"
     (each run's own command and ceilings; its rows carry its index as "run")."""
     fresh = new_result("decode", args.git, ceilings=ceil, skipped=[], runs=[])
-    run_info = {"command": fresh["command"], "ceilings": ceil}
+    run_info = {"command": fresh["command"], "ceilings": ceil,
+                "xla_flags": os.environ.get("XLA_FLAGS", "")}
     path = Path(args.out)
     result = json.loads(path.read_text()) if args.append and path.exists() else fresh
     result.setdefault("runs", []).append(run_info)

@@ -17,6 +17,10 @@
 #   fusion    fused vs op-by-op (eager) vs command buffers off, B=1                          ~4 min
 #   batching  continuous vs static batching, max batch 64 and 256                            ~6 min
 #   serving   gRPC request-rate sweep, short-answer + chat workloads                         ~8 min
+#   cmdbuf    decode B 1/64 under each XLA command-buffer update mode (one process each),
+#             with XLA's per-call "Updated N commands" log lines; rows in $OUT/cmdbuf.json     ~4 min
+#   engine1   one request through the real engine (async scheduling): 512 in / 256 out,
+#             bf16 then FP8 weights; its median step is the B=1 decode step serving sees  ~3 min
 #   throughput  offline throughput, Llama-3-8B FP8 weights + FP8 KV, $NUM_REQUESTS (1000)
 #             requests of 1000 in / 1000 out, max $THR_SEQS (256) seqs; a partial row if
 #             the 300 s limit comes first                                                    ~5 min
@@ -111,6 +115,21 @@ for stage in "$@"; do
         --input-len 1000 --output-len 1000 --num-requests "${NUM_REQUESTS:-1000}" \
         --max-num-seqs "${THR_SEQS:-256}" --time-limit-s $((lim - lim / 10)) --git "$GIT" \
         --out "$OUT/throughput.json" ;;
+    cmdbuf)
+      for mode in ${CMDBUF_MODES:-ALWAYS_UPDATE SKIP_TEMP SKIP_PROFILED}; do
+        ( export XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }--xla_gpu_command_buffer_update_mode=$mode" \
+            TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_executor=1,command_buffer_thunk=1
+          bench "cmdbuf_$mode" 110 decode "${LLAMA[@]}" --batch-sizes 1,64 --contexts "$CTX1" \
+            --reps 5 --append --out "$OUT/cmdbuf.json" )
+        grep -a -i "updated .* commands" "$OUT/cmdbuf_$mode.log" | tail -n 2 | cut -c1-300
+      done
+      rm -f "$OUT/cmdbuf_roofline.png" ;;
+    engine1)
+      for w in bf16 fp8; do
+        run "engine1_$w" 120 "$PY" -m bench.throughput "${LLAMA[@]}" --weights "$w" \
+          --kv-dtype bf16 --input-len 512 --output-len 256 --num-requests 1 --max-num-seqs 1 \
+          --git "$GIT" --append --out "$OUT/engine_b1.json"
+      done ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
 done

@@ -30,15 +30,17 @@ included): once it is spent no further step is dispatched and the row is written
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import jax
 import numpy as np
 
 from bench.batching import add_engine_flags, engine_config
-from bench.common import dtype_name, new_result, progress, save, weights_name
+from bench.common import dtype_name, git_sha, new_result, progress, save, weights_name
 from jaxinfer.config import EngineConfig
 from jaxinfer.engine import Engine
 from jaxinfer.loading import load_model
@@ -62,7 +64,7 @@ def run(engine: Engine, workload, deadline: float | None) -> dict:
                                                  ignore_eos=True)): (len(prompt), n)
                for prompt, n in workload}
     queue_s = time.perf_counter() - t0
-    host, step = [], []
+    host, step, phases = [], [], []
     tokens = finished = wrong_length = 0
     started: set[str] = set()
     partial = False
@@ -74,6 +76,7 @@ def run(engine: Engine, workload, deadline: float | None) -> dict:
             outs = engine.step()
             host.append(engine.last_host_s)
             step.append(engine.last_step_s)
+            phases.append(engine.last_phases)
             done = 0
             for o in outs:
                 tokens += len(o.new_token_ids)
@@ -94,9 +97,16 @@ def run(engine: Engine, workload, deadline: float | None) -> dict:
             "step_ms": round(statistics.median(step) * 1e3, 3) if step else None,
             "host_ms_per_step": round(statistics.median(host) * 1e3, 3) if host else None,
             "host_share": round(sum(host) / sum(step), 4) if step else None,
+            "host_phases_ms": phase_medians(phases),
             "padding_fraction": round(engine.buckets.padding_fraction, 4),
             "compiles": CompileCounter.count() - c0,
             "preemptions": engine.scheduler.num_preemptions - p0}
+
+
+def phase_medians(phases: list[dict]) -> dict:
+    """Median milliseconds of each of Engine.last_phases' parts over the steps."""
+    return {k: round(statistics.median(p[k] for p in phases) * 1e3, 3)
+            for k in (phases[0] if phases else {})}
 
 
 def parse_args(argv):
@@ -113,6 +123,9 @@ def parse_args(argv):
     ap.add_argument("--git", default=None, help="commit to record (default: git rev-parse HEAD)")
     ap.add_argument("--out", required=True, help="results JSON (e.g. "
                                                   "bench/results/throughput.json)")
+    ap.add_argument("--append", action="store_true",
+                    help="add this run's row to an existing --out file (the row carries its "
+                         "own command) instead of replacing the file")
     args = ap.parse_args(argv)
     for name in ("input_len", "output_len", "num_requests", "max_num_seqs",
                  "max_num_batched_tokens"):
@@ -139,8 +152,11 @@ def main(argv=None) -> dict:
     warm = engine.warmup(progress=True, variants=("plain",))
     print(f"loaded in {load_s:.1f}s; compiled {warm['buckets']} buckets in "
           f"{warm['seconds']:.1f}s", file=sys.stderr, flush=True)
-    result = new_result("throughput", args.git, command="python -m bench.throughput " + " ".join(
-        argv if argv is not None else sys.argv[1:]))
+    command = "python -m bench.throughput " + " ".join(argv if argv is not None
+                                                       else sys.argv[1:])
+    result = new_result("throughput", args.git, command=command)
+    if args.append and Path(args.out).exists():
+        result = json.loads(Path(args.out).read_text())
     row = {"model": args.model, "weights": weights_name(ecfg),
            "kv_dtype": dtype_name(kv_dtype_for(ecfg)), "dtype": dtype,
            "input_len": args.input_len, "output_len": args.output_len,
@@ -152,7 +168,8 @@ def main(argv=None) -> dict:
                max_num_batched_tokens=args.max_num_batched_tokens,
                page_size=args.page_size, num_pages=ecfg.total_pages,
                async_scheduling=ecfg.async_scheduling, seed=args.seed, **measured,
-               load_s=round(load_s, 1), warmup_s=round(warm["seconds"], 1))
+               load_s=round(load_s, 1), warmup_s=round(warm["seconds"], 1),
+               command=command, git=git_sha(args.git))
     save(result, args.out, [row])
     return result
 

@@ -158,10 +158,19 @@ def unpack(buf, spec, prev_tokens) -> StepInput:
                                prev_tokens=prev_tokens)
 
 
-def _packed_step(graphdef, attn_impl, treedef, leaves, kv, buf, prev_tokens, rng, step_index,
-                 spec, kv_sharding=None):
-    return _step(graphdef, attn_impl, treedef, leaves, kv, unpack(buf, spec, prev_tokens),
-                 rng, step_index, kv_sharding)
+def _packed_step(graphdef, attn_impl, treedef, leaves, kv, slot, buf, prev_tokens, rng,
+                 step_index, spec, kv_sharding=None):
+    """The step on a packed input. `buf` is copied into `slot` first, a donated buffer one
+    element longer that comes back as an output, so it keeps its device address from call to
+    call: every layer reads positions and page tables from there, and only the copy reads the
+    fresh `buf`. XLA updates a command buffer's (CUDA graph's) kernels whose buffers moved
+    since the last call; with the step's input read from a fresh buffer, that was a kernel
+    node of every layer on every call. The barrier keeps XLA from reading `buf` directly
+    through the copy; the extra element keeps the update from covering the whole slot."""
+    slot = jax.lax.optimization_barrier(jax.lax.dynamic_update_slice(slot, buf, (0,)))
+    kv, out, next_tokens = _step(graphdef, attn_impl, treedef, leaves, kv,
+                                 unpack(slot, spec, prev_tokens), rng, step_index, kv_sharding)
+    return kv, out, next_tokens, slot
 
 
 def dummy_input(bucket, full: bool = False, max_num_seqs: int | None = None) -> StepInput:
@@ -235,7 +244,8 @@ class ModelRunner:
         kv_sharding = None if self.layout.mesh is None else self.layout.named(kv_spec(self.layout))
         self._step_fn = jax.jit(functools.partial(_packed_step, graphdef, self.attn_impl,
                                                   self._treedef, kv_sharding=kv_sharding),
-                                donate_argnums=(1,), static_argnames=("spec",))
+                                donate_argnums=(1, 2), static_argnames=("spec",))
+        self._slots: dict = {}  # input signature -> its persistent input slot (_packed_step)
         self._logits_fn = jax.jit(functools.partial(_all_logits, graphdef, self.attn_impl,
                                                     kv_sharding=kv_sharding),
                                   donate_argnums=(1,))
@@ -266,17 +276,34 @@ class ModelRunner:
         without waiting. `kv` is donated. For the bench's back-to-back runs."""
         p = self.prepare(inp)
         fn = self._executables.get(p.signature)
+        slot = self._slot(p)
         if fn is not None:
-            return fn(self._leaves, kv, p.buf, p.prev_tokens, self._rng, np.uint32(step_index))
-        return self._step_fn(self._leaves, kv, p.buf, p.prev_tokens, self._rng,
-                             np.uint32(step_index), spec=p.spec)
+            kv, out, next_tokens, slot = fn(self._leaves, kv, slot, p.buf, p.prev_tokens,
+                                            self._rng, np.uint32(step_index))
+        else:
+            kv, out, next_tokens, slot = self._step_fn(
+                self._leaves, kv, slot, p.buf, p.prev_tokens, self._rng,
+                np.uint32(step_index), spec=p.spec)
+        self._slots[p.signature] = slot
+        return kv, out, next_tokens
+
+    def _slot(self, p: PackedInput):
+        """The persistent input slot of `p`'s signature (see _packed_step), made on first use:
+        one int32 longer than the packed input, replicated on a mesh."""
+        slot = self._slots.get(p.signature)
+        if slot is None:
+            zeros = np.zeros(p.buf.shape[0] + 1, np.int32)
+            slot = (jax.device_put(zeros) if self.layout.mesh is None
+                    else jax.device_put(zeros, self.layout.named(jax.sharding.PartitionSpec())))
+            self._slots[p.signature] = slot
+        return slot
 
     def trace(self, inp: StepInput | PackedInput):
         """The step traced for `inp`'s shapes (`.lower()`, `.lower().compile()`: ahead-of-time
         compilation and the bench)."""
         p = self.prepare(inp)
-        return self._step_fn.trace(self._leaves, self.kv, p.buf, p.prev_tokens, self._rng,
-                                   np.uint32(0), spec=p.spec)
+        return self._step_fn.trace(self._leaves, self.kv, self._slot(p), p.buf, p.prev_tokens,
+                                   self._rng, np.uint32(0), spec=p.spec)
 
     def lower(self, inp: StepInput | PackedInput):
         """The step lowered for `inp`'s shapes (for ahead-of-time compilation and the bench)."""

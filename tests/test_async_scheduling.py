@@ -7,6 +7,7 @@ import pytest
 
 from engine_util import random_prompts, run_staggered, tiny_engine
 from jaxinfer.request import FinishReason, SamplingParams
+from jaxinfer.runner import unpack
 
 
 def _workload(n=12, seed=3):
@@ -81,8 +82,9 @@ def test_async_runs_one_step_ahead_with_tokens_from_the_device():
     seen = []
     submit = engine.runner.submit
 
-    def spy(inp):
-        seen.append(np.asarray(inp.prev_index).copy())
+    def spy(inp):   # the packed input, unpacked on the host
+        step_input = unpack(np.asarray(inp.buf), inp.spec, inp.prev_tokens)
+        seen.append(np.asarray(step_input.prev_index).copy())
         return submit(inp)
     engine.runner.submit = spy
     params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)

@@ -37,6 +37,10 @@ def test_throughput_bench_schema(tmp_path):
     assert row["total_tokens_per_s"] > row["output_tokens_per_s"]
     assert row["max_num_seqs"] == 2 and row["async_scheduling"] is True
     assert 0 < row["host_ms_per_step"] <= row["step_ms"] and row["steps"] > 0
+    phases = row["host_phases_ms"]
+    assert set(phases) == {"early_resolve", "schedule", "prepare", "dispatch", "commit",
+                           "resolve", "wait"}
+    assert all(v >= 0 for v in phases.values()) and phases["dispatch"] > 0
 
 
 class _Clock:
@@ -67,3 +71,15 @@ def test_time_limit_writes_partial_row(tmp_path, monkeypatch):
     assert row["finished_requests"] < 5 and 0 < row["output_tokens"] < 5 * 6
     assert row["wall_s"] == 7.0 and row["output_tokens_per_s"] == round(
         row["output_tokens"] / 7.0, 2)
+
+
+def test_append_adds_a_row(tmp_path):
+    out = tmp_path / "throughput.json"
+    small = ["--model", "tiny", "--input-len", "4", "--output-len", "2", "--num-requests", "1",
+             "--max-num-seqs", "1", "--max-num-batched-tokens", "8", "--out", str(out)]
+    throughput.main(small + ["--git", "first"])
+    result = throughput.main(small + ["--git", "second", "--append"])
+    assert json.loads(out.read_text()) == result
+    assert [r["git"] for r in result["rows"]] == ["first", "second"]
+    assert result["git"] == "first" and "--append" in result["rows"][1]["command"]
+    assert all(r["output_tokens"] == 2 and r["steps"] > 0 for r in result["rows"])

@@ -1,11 +1,13 @@
 """The step input's one-buffer transfer (runner.PackedInput): packing then unpacking inside a
 jitted function gives back every leaf bit for bit, whatever its dtype."""
 import dataclasses
+import re
 
 import jax
 import numpy as np
 import pytest
 
+from engine_util import tiny_engine
 from jaxinfer.buckets import Bucket
 from jaxinfer.runner import PackedInput, ModelRunner, StepInput, dummy_input, pack_host, unpack
 
@@ -52,3 +54,28 @@ def test_pack_rejects_eight_byte_leaves():
     bad = dataclasses.replace(inp, tokens=np.zeros(8, np.int64))
     with pytest.raises(TypeError, match="int64"):
         pack_host(bad)
+
+
+def test_step_reads_the_fresh_input_only_through_its_persistent_slot():
+    """The compiled step reads the per-call packed buffer in ONE instruction (its copy into
+    the donated slot), the slot is aliased to an output, and the slot keeps its device
+    buffer across steps: what lets a command buffer skip updating the other kernels."""
+    engine = tiny_engine()
+    runner = engine.runner
+    bucket = engine.buckets.all_buckets()[0]
+    p = runner.prepare(dummy_input(bucket, max_num_seqs=runner.engine.max_num_seqs))
+    n = p.buf.shape[0]
+    text = runner.lower(p).compile().as_text()
+    entry = text[text.index("ENTRY"):]
+    params = dict((int(size), (name, idx)) for name, size, idx in re.findall(
+        r"(\S+) = s32\[(\d+)\]\{0\} parameter\((\d+)\)", entry))
+    (buf_name, _), (_, slot_idx) = params[n], params[n + 1]
+    users = [line for line in entry.splitlines()
+             if re.search(re.escape(buf_name) + r"[,)]", line) and "parameter(" not in line]
+    assert len(users) == 1 and "dynamic-update-slice" in users[0], users
+    assert re.search(rf"\{{\d+\}}: \({slot_idx}, \{{\}}, may-alias\)", text[:text.index("\n")])
+    runner.step(p)
+    first = runner._slots[p.signature].unsafe_buffer_pointer()
+    runner.step(p)
+    runner.step(p)
+    assert runner._slots[p.signature].unsafe_buffer_pointer() == first
