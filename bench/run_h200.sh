@@ -20,7 +20,8 @@
 #   cmdbuf    decode B 1/64 under each XLA command-buffer update mode (one process each),
 #             with XLA's per-call "Updated N commands" log lines; rows in $OUT/cmdbuf.json     ~4 min
 #   engine1   one request through the real engine (async scheduling): 512 in / 256 out,
-#             bf16 then FP8 weights; its median step is the B=1 decode step serving sees  ~3 min
+#             bf16 then FP8 weights ($ENGINE1_WEIGHTS); its median step is the B=1 decode
+#             step serving sees                                                              ~4 min
 #   throughput  offline throughput, Llama-3-8B FP8 weights + FP8 KV, $NUM_REQUESTS (1000)
 #             requests of 1000 in / 1000 out, max $THR_SEQS (256) seqs; a partial row if
 #             the 300 s limit comes first                                                    ~5 min
@@ -125,8 +126,8 @@ for stage in "$@"; do
       done
       rm -f "$OUT/cmdbuf_roofline.png" ;;
     engine1)
-      for w in bf16 fp8; do
-        run "engine1_$w" 120 "$PY" -m bench.throughput "${LLAMA[@]}" --weights "$w" \
+      for w in ${ENGINE1_WEIGHTS:-bf16 fp8}; do
+        run "engine1_$w" 170 "$PY" -m bench.throughput "${LLAMA[@]}" --weights "$w" \
           --kv-dtype bf16 --input-len 512 --output-len 256 --num-requests 1 --max-num-seqs 1 \
           --git "$GIT" --append --out "$OUT/engine_b1.json"
       done ;;
