@@ -189,12 +189,16 @@ def bench_write_kv(batch: int, fp8: bool, key) -> dict:
             "context": 2048, "us": round(sec * 1e6, 2)}
 
 
-def tune(key) -> None:
+TUNE_SHAPES = ((64, 2048), (1, 32768), (256, 2048))
+TUNE_CANDIDATES = ((32, 4, 4), (64, 4, 3), (128, 4, 3), (128, 8, 3), (128, 8, 4), (256, 8, 2))
+
+
+def tune(key, shapes=TUNE_SHAPES, kv=(False, True)) -> None:
     """Time candidate block sizes (FP8: both compute dtypes) on the target shapes; print,
-    don't write."""
-    cands = [(32, 4, 4), (64, 4, 3), (128, 4, 3), (128, 8, 4)]
-    for batch, context in ((64, 2048), (1, 32768)):
-        for fp8 in (False, True):
+    don't write. Candidates too big for shared memory print their error."""
+    cands = TUNE_CANDIDATES
+    for batch, context in shapes:
+        for fp8 in kv:
             case = make_case(batch, context, fp8, key)
             base = tuned_blocks(batch, context, fp8)
             splits = sorted({base.num_splits, 2 * base.num_splits if batch == 1
@@ -216,6 +220,12 @@ def main(argv=None) -> None:
     ap.add_argument("--out", default="bench/results/paged_attention.json")
     ap.add_argument("--git", default=None, help="git sha to record (default: rev-parse HEAD)")
     ap.add_argument("--tune", action="store_true")
+    ap.add_argument("--tune-shapes", type=lambda t: [tuple(map(int, x.split("x")))
+                                                     for x in t.split(",")],
+                    default=list(TUNE_SHAPES), help="BxS,... the --tune sweep times "
+                                                    "(default 64x2048,1x32768,256x2048)")
+    ap.add_argument("--tune-kv", choices=("both", "bf16", "fp8"), default="both",
+                    help="KV dtypes the --tune sweep times")
     ap.add_argument("--batches", type=parse_ints, default=list(BATCHES))
     ap.add_argument("--contexts", type=parse_ints, default=list(CONTEXTS))
     ap.add_argument("--impls", type=lambda t: t.split(","), default=list(IMPLS),
@@ -226,7 +236,8 @@ def main(argv=None) -> None:
         ap.error(f"unknown impls {sorted(set(args.impls) - set(IMPLS))}; known: {IMPLS}")
     key = jax.random.PRNGKey(0)
     if args.tune:
-        tune(key)
+        tune(key, args.tune_shapes, {"both": (False, True), "bf16": (False,),
+                                     "fp8": (True,)}[args.tune_kv])
     result = new_result("paged_attention", args.git,
                         command="python -m bench.kernels " + " ".join(sys.argv[1:]),
                         shape={"Hq": HQ, "Hkv": HKV, "D": D, "page": PAGE},

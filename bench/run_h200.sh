@@ -11,6 +11,9 @@
 #             appended to $OUT/decode.json (seed it with the committed file to extend it)  ~4 min
 #   profile   where the decode step's time goes, kernel by kernel, B 1/64 (unrolled)         ~1 min
 #   kernels   paged attention: FP8 widened to f16 vs bf16 vs bf16 KV (+ bundled, XLA ref)   ~3 min
+#   attnprobe FP8/bf16 paged decode at B=256 S=2048 under Nsight Compute (ncu_*.txt), the
+#             FP8 block-size sweep (--tune, B 64/256 x S 2048), then kernels at B 64/256 x
+#             S 2048/8192 (ours, ours widened to bf16, bundled)                             ~5 min
 #   fp8tune   FP8 GEMV (M=1) tile variants on the four Llama-3-8B projection shapes          ~2 min
 #   fp8       FP8 matmul: ours vs XLA bf16 vs XLA dequant, M 1..2048, four shapes            ~5 min
 #   compile   every bucket cold / warm, kernels per layer                                    ~2 min
@@ -88,6 +91,20 @@ for stage in "$@"; do
     kernels)
       run kernels 200 "$PY" -m bench.kernels --batches 1,64 --contexts 2048,8192,32768 \
         --git "$GIT" --out "$OUT/paged_attention.json" ;;
+    attnprobe)
+      for kv in fp8 bf16; do
+        run "ncu_$kv" 90 ncu --clock-control none -k regex:paged_decode --launch-skip 2 \
+          --launch-count 1 --section SpeedOfLight --section Occupancy --section LaunchStats \
+          --section WarpStateStats --section ComputeWorkloadAnalysis \
+          --section MemoryWorkloadAnalysis "$PY" -m bench.kernel_probe 256 2048 "$kv"
+        mv "$OUT/ncu_$kv.log" "$OUT/ncu_$kv.txt"
+      done
+      run attn_tune 150 "$PY" -m bench.kernels --tune --tune-shapes 64x2048,256x2048 \
+        --tune-kv fp8 --batches 64 --contexts 2048 --impls jaxinfer --no-write-kv \
+        --git "$GIT" --out "$OUT/attn_tune.json"
+      run kernels 200 "$PY" -m bench.kernels --batches 64,256 --contexts 2048,8192 \
+        --impls jaxinfer,jaxinfer_bf16widen,bundled --git "$GIT" \
+        --out "$OUT/paged_attention.json" ;;
     fp8tune)
       run fp8tune 200 "$PY" -m bench.fp8_matmul --tune-only --git "$GIT" \
         --out "$OUT/fp8_tune.json" ;;
