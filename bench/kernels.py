@@ -193,17 +193,20 @@ TUNE_SHAPES = ((64, 2048), (1, 32768), (256, 2048))
 TUNE_CANDIDATES = ((32, 4, 4), (64, 4, 3), (128, 4, 3), (128, 8, 3), (128, 8, 4), (256, 8, 2))
 
 
-def tune(key, shapes=TUNE_SHAPES, kv=(False, True)) -> None:
-    """Time candidate block sizes (FP8: both compute dtypes) on the target shapes; print,
-    don't write. Candidates too big for shared memory print their error."""
-    cands = TUNE_CANDIDATES
+def tune(key, shapes=TUNE_SHAPES, kv=(False, True), tiles=TUNE_CANDIDATES,
+         split_choices=None, fp8_computes=tuning.FP8_COMPUTE) -> None:
+    """Time candidate block sizes (tiles: (block_tokens, warps, stages); FP8: each of
+    fp8_computes) on the target shapes; print, don't write. Splits: split_choices, or the
+    tuned rule's (and twice it at B=1). Candidates too big for shared memory print their
+    error."""
+    cands = tiles
     for batch, context in shapes:
         for fp8 in kv:
             case = make_case(batch, context, fp8, key)
             base = tuned_blocks(batch, context, fp8)
-            splits = sorted({base.num_splits, 2 * base.num_splits if batch == 1
-                             else base.num_splits})
-            computes = tuning.FP8_COMPUTE if fp8 else ("bfloat16",)
+            splits = sorted(split_choices or {base.num_splits, 2 * base.num_splits
+                                              if batch == 1 else base.num_splits})
+            computes = fp8_computes if fp8 else ("bfloat16",)
             for (tok, warps, stages), n, comp in itertools.product(cands, splits, computes):
                 blk = tuning.DecodeBlocks(tok, n, warps, stages, comp)
                 label = f"TUNE B={batch} S={context} fp8={fp8} {blk}"
@@ -226,6 +229,14 @@ def main(argv=None) -> None:
                                                     "(default 64x2048,1x32768,256x2048)")
     ap.add_argument("--tune-kv", choices=("both", "bf16", "fp8"), default="both",
                     help="KV dtypes the --tune sweep times")
+    ap.add_argument("--tune-tiles", type=lambda t: [tuple(map(int, x.split("x")))
+                                                    for x in t.split(",")],
+                    default=list(TUNE_CANDIDATES),
+                    help="block_tokens x warps x stages,... (default: TUNE_CANDIDATES)")
+    ap.add_argument("--tune-splits", type=parse_ints, default=None,
+                    help="split counts to time (default: the tuned rule's)")
+    ap.add_argument("--tune-fp8-compute", type=lambda t: t.split(","),
+                    default=list(tuning.FP8_COMPUTE), help="FP8 widening dtypes to time")
     ap.add_argument("--batches", type=parse_ints, default=list(BATCHES))
     ap.add_argument("--contexts", type=parse_ints, default=list(CONTEXTS))
     ap.add_argument("--impls", type=lambda t: t.split(","), default=list(IMPLS),
@@ -237,7 +248,8 @@ def main(argv=None) -> None:
     key = jax.random.PRNGKey(0)
     if args.tune:
         tune(key, args.tune_shapes, {"both": (False, True), "bf16": (False,),
-                                     "fp8": (True,)}[args.tune_kv])
+                                     "fp8": (True,)}[args.tune_kv], args.tune_tiles,
+             args.tune_splits, args.tune_fp8_compute)
     result = new_result("paged_attention", args.git,
                         command="python -m bench.kernels " + " ".join(sys.argv[1:]),
                         shape={"Hq": HQ, "Hkv": HKV, "D": D, "page": PAGE},
