@@ -30,11 +30,10 @@ logit column after the dot, V's per p column before it).
   p * v_scale / max_scale >= 2^-29: V magnitudes 1e6 apart in one block lose nothing (bare
   p * v_scale would go subnormal below 6e-5). q and p round to 2^-11..2^-12 relative (bf16:
   2^-8..2^-9), so this path is the more accurate (tests: scale stress cases ~3e-4 per
-  sequence with f32 q; bf16 widening ~2.3e-3). Speed PENDING a re-run of bench/kernels.py
-  (rows jaxinfer vs jaxinfer_bf16widen): the previous helper measured this scheme without
-  the normalizations (they add per block an [N] max, an [N] and an [M, D] multiply) at
-  B=64 S=2048 125.3 us (1.32-1.4x the bf16 path), B=1 S=32768 43.6 us, B=64 S=8192 410.9 us
-  (1.37x).
+  sequence with f32 q; bf16 widening ~2.3e-3). Speed on the H200, 3 pipeline stages
+  (bench/results/history/paged_attention_8de99ec.json, bfloat16-widened rows beside it):
+  B=64 S=2048 151.7 us (bf16 widening 178.2), B=256 S=2048 572.5 (904.9), B=64 S=8192
+  533.6 (801.8); the current numbers are in bench/results/paged_attention.json.
 
 Backend: the Pallas Triton backend, chosen because it compiles on jax 0.10.2 and 0.11.x and
 runs in interpret mode on the CPU for the tests; the numbers it reaches on the H200 are in

@@ -6,10 +6,16 @@ the work per program, not the shape, decides how well the 132 SMs are filled.
 
 `fp8_compute` is the dtype FP8 K/V are widened to for the tensor-core dots (numerics in
 pallas_kernels/paged_attention.py's docstring); it only matters for FP8 KV. Decode picks
-float16: 1.3-1.4x faster than bfloat16 widening on the H200 in the previous helper's
-measurement (B=64 S=2048: 125 vs 184 us; unshipped variant without the scale safeguard),
-PENDING a re-run of `python -m bench.kernels` (its `jaxinfer_bf16widen` rows time the
-bfloat16 path beside it). Ragged stays on bfloat16 until it is measured.
+float16, measured on the H200 (`bench/results/history/paged_attention_8de99ec.json`, rows
+`jaxinfer` vs `jaxinfer_bf16widen`, same blocks): B=64 S=2048 151.7 vs 178.2 us, B=64
+S=8192 533.6 vs 801.8, B=256 S=2048 572.5 vs 904.9. FP8 decode uses 2 pipeline stages
+(the --tune sweep of 22f427a: B=64 S=2048 126.0 us with 2 stages, 152.2 with 3, 132.1 with
+4; B=256 S=2048 464.9 / 480.5 / 496.8); (1, 64) was not re-timed and keeps 3. Splitting the
+context did not help at B >= 64 (1, 2 and 4 splits timed: 1 was best or within noise), so the
+split rule below stays. Under Nsight Compute (B=256 S=2048) the FP8 kernel uses 255
+registers per thread, so only 2 blocks (8 warps) fit per SM: it is latency-bound at 58% of
+DRAM peak, where the bf16 kernel (128 registers, 4 blocks per SM) reaches 93%. Fewer live
+registers per program is the next lever. Ragged stays on bfloat16 until it is measured.
 """
 from __future__ import annotations
 
@@ -40,7 +46,7 @@ FP8_COMPUTE = ("bfloat16", "float16")
 # (kv itemsize, head dim) -> (block_tokens, num_warps, num_stages, fp8_compute)
 DECODE_TABLE = {
     (1, 64): (128, 4, 3, "float16"),
-    (1, 128): (128, 4, 3, "float16"),
+    (1, 128): (128, 4, 2, "float16"),
     (2, 64): (128, 4, 3, "bfloat16"),
     (2, 128): (64, 4, 3, "bfloat16"),
     (4, 64): (32, 4, 2, "bfloat16"),
