@@ -10,7 +10,8 @@
 #   decode8   only the FP8 rows of `decode` (Llama-3-8B FP8 B=1, Qwen2.5-32B FP8 + FP8 KV),
 #             appended to $OUT/decode.json (seed it with the committed file to extend it)  ~4 min
 #   profile   where the decode step's time goes, kernel by kernel, B 1/64 (unrolled)         ~1 min
-#   kernels   paged attention: FP8 widened to f16 vs bf16 vs bf16 KV (+ bundled, XLA ref)   ~3 min
+#   kernels   paged attention, the grid B 1/8/64/256 x S 512..32768: ours (FP8 widened
+#             to f16, and to bf16) vs bundled vs the XLA reference, bf16 and FP8 KV         ~4 min
 #   attnprobe FP8/bf16 paged decode at B=256 S=2048 under Nsight Compute (ncu_*.txt), the
 #             FP8 block-size sweep (--tune, B 64/256 x S 2048), then kernels at B 64/256 x
 #             S 2048/8192 (ours, ours widened to bf16, bundled)                             ~5 min
@@ -89,8 +90,7 @@ for stage in "$@"; do
       bench profile 120 profile "${LLAMA[@]}" --batch-sizes 1,64 --contexts "$CTX1" --reps 5 \
         --out "$OUT/profile.json" ;;
     kernels)
-      run kernels 200 "$PY" -m bench.kernels --batches 1,64 --contexts 2048,8192,32768 \
-        --git "$GIT" --out "$OUT/paged_attention.json" ;;
+      run kernels 300 "$PY" -m bench.kernels --git "$GIT" --out "$OUT/paged_attention.json" ;;
     attnprobe)
       for kv in fp8 bf16; do
         run "ncu_$kv" 90 ncu --clock-control none -k regex:paged_decode --launch-skip 2 \
