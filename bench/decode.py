@@ -27,6 +27,7 @@ import jax
 import numpy as np
 
 from bench import ceilings as ceilings_mod
+from pallas_kernels import tuning
 from bench.common import (burst, decode_input, dtype_name, fill_kv, load_runner, new_result,
                           pipelined_step_s, print_table, progress, save, timed, weights_name)
 
@@ -127,7 +128,8 @@ def start_result(args, ceil: dict, skipped: list) -> dict:
     (each run's own command and ceilings; its rows carry its index as "run")."""
     fresh = new_result("decode", args.git, ceilings=ceil, skipped=[], runs=[])
     run_info = {"command": fresh["command"], "ceilings": ceil,
-                "xla_flags": os.environ.get("XLA_FLAGS", "")}
+                "xla_flags": os.environ.get("XLA_FLAGS", ""),
+                "min_split_tokens": tuning.MIN_SPLIT_TOKENS}
     path = Path(args.out)
     result = json.loads(path.read_text()) if args.append and path.exists() else fresh
     result.setdefault("runs", []).append(run_info)

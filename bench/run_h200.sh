@@ -23,6 +23,9 @@
 #   serving   gRPC request-rate sweep, short-answer + chat workloads                         ~8 min
 #   cmdbuf    decode B 1/64 under each XLA command-buffer update mode (one process each),
 #             with XLA's per-call "Updated N commands" log lines; rows in $OUT/cmdbuf.json     ~4 min
+#   splits    decode B=1 C=512, bf16 then FP8 weights, with the attention split floor at 512
+#             (default) and at 64 tokens ($SPLIT_FLOORS), one process each; rows in
+#             $OUT/splits.json                                                               ~3 min
 #   engine1   one request through the real engine (async scheduling): 512 in / 256 out,
 #             bf16 then FP8 weights ($ENGINE1_WEIGHTS); its median step is the B=1 decode
 #             step serving sees                                                              ~4 min
@@ -142,6 +145,15 @@ for stage in "$@"; do
         grep -a -i "updated .* commands" "$OUT/cmdbuf_$mode.log" | tail -n 2 | cut -c1-300
       done
       rm -f "$OUT/cmdbuf_roofline.png" ;;
+    splits)
+      for w in bf16 fp8; do
+        for floor in ${SPLIT_FLOORS:-512 64}; do
+          JAXINFER_MIN_SPLIT_TOKENS=$floor bench "splits_${w}_$floor" 60 decode "${LLAMA[@]}" \
+            --weights "$w" --batch-sizes 1 --contexts "$CTX1" --reps 5 --append \
+            --out "$OUT/splits.json"
+        done
+      done
+      rm -f "$OUT/splits_roofline.png" ;;
     engine1)
       for w in ${ENGINE1_WEIGHTS:-bf16 fp8}; do
         run "engine1_$w" 170 "$PY" -m bench.throughput "${LLAMA[@]}" --weights "$w" \

@@ -20,6 +20,7 @@ registers per program is the next lever. Ragged stays on bfloat16 until it is me
 from __future__ import annotations
 
 import dataclasses
+import os
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,9 +64,11 @@ RAGGED_TABLE = {
 }
 
 # Split the context until the grid holds about this many programs (2 per SM of 132), but
-# never below MIN_SPLIT_TOKENS per split: the combine must stay cheap.
+# never below MIN_SPLIT_TOKENS per split: the combine must stay cheap. The environment
+# variable JAXINFER_MIN_SPLIT_TOKENS overrides the floor for an experiment (read at import,
+# so a process that compares values runs once per value).
 TARGET_PROGRAMS = 264
-MIN_SPLIT_TOKENS = 512
+MIN_SPLIT_TOKENS = int(os.environ.get("JAXINFER_MIN_SPLIT_TOKENS", "512"))
 
 
 def _pow2_floor(n: int) -> int:
