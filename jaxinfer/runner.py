@@ -277,13 +277,17 @@ class ModelRunner:
         p = self.prepare(inp)
         fn = self._executables.get(p.signature)
         slot = self._slot(p)
-        if fn is not None:
-            kv, out, next_tokens, slot = fn(self._leaves, kv, slot, p.buf, p.prev_tokens,
-                                            self._rng, np.uint32(step_index))
-        else:
-            kv, out, next_tokens, slot = self._step_fn(
-                self._leaves, kv, slot, p.buf, p.prev_tokens, self._rng,
-                np.uint32(step_index), spec=p.spec)
+        try:
+            if fn is not None:
+                kv, out, next_tokens, slot = fn(self._leaves, kv, slot, p.buf, p.prev_tokens,
+                                                self._rng, np.uint32(step_index))
+            else:
+                kv, out, next_tokens, slot = self._step_fn(
+                    self._leaves, kv, slot, p.buf, p.prev_tokens, self._rng,
+                    np.uint32(step_index), spec=p.spec)
+        except Exception:
+            self._slots.pop(p.signature, None)   # it may have been donated: make a new one
+            raise
         self._slots[p.signature] = slot
         return kv, out, next_tokens
 

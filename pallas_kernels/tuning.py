@@ -12,7 +12,7 @@ S=8192 533.6 vs 801.8, B=256 S=2048 572.5 vs 904.9. FP8 decode uses 2 pipeline s
 (the --tune sweep of 22f427a: B=64 S=2048 126.0 us with 2 stages, 152.2 with 3, 132.1 with
 4; B=256 S=2048 464.9 / 480.5 / 496.8); (1, 64) was not re-timed and keeps 3. Splitting the
 context did not help at B >= 64 (1, 2 and 4 splits timed: 1 was best or within noise), so the
-split rule below stays. Under Nsight Compute (B=256 S=2048) the FP8 kernel uses 255
+program target below stays; its token floor moved (see there). Under Nsight Compute (B=256 S=2048) the FP8 kernel uses 255
 registers per thread, so only 2 blocks (8 warps) fit per SM: it is latency-bound at 58% of
 DRAM peak, where the bf16 kernel (128 registers, 4 blocks per SM) reaches 93%. Fewer live
 registers per program is the next lever. Ragged stays on bfloat16 until it is measured.
