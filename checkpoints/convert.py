@@ -6,16 +6,33 @@ from pathlib import Path
 from jaxinfer.errors import ModelLoadError
 
 
-def convert(src: str, dst: str | Path, weights: str = "bf16") -> None:
+def convert(src: str, dst: str | Path, weights: str = "bf16", calibrate: bool = False,
+            calibration_windows: int = 8, progress: bool = False) -> None:
     """Load SRC, optionally quantize its decoder linears to FP8, write DST with orbax.
 
-    bf16 keeps float weights as bfloat16 (half of float32's bytes; compute casts as needed)."""
+    bf16 keeps float weights as bfloat16 (half of float32's bytes; compute casts as needed).
+    fp8 rounds to nearest (checkpoints/fp8.py), or with calibrate=True rounds with error
+    compensation on calibration text (checkpoints/calibrate.py: same format and scales,
+    better agreement with bf16; minutes on a CPU for a small model)."""
     from checkpoints import load_checkpoint, orbax_io
     from checkpoints.fp8 import quantize_params
 
     if weights not in ("bf16", "fp8"):
         raise ModelLoadError(f"weights must be 'bf16' or 'fp8', got {weights!r}")
+    if calibrate and weights != "fp8":
+        raise ModelLoadError("--calibrate applies to --weights fp8 only")
+    if calibration_windows < 1:
+        raise ModelLoadError(f"calibration windows must be >= 1, got {calibration_windows}")
     cfg, params, tokenizer = load_checkpoint(src, dtype="bfloat16")
-    if weights == "fp8":
+    if weights == "fp8" and calibrate:
+        from checkpoints.calibrate import calibrated_quantize_params
+
+        if tokenizer is None:
+            raise ModelLoadError(f"{src} has no tokenizer: calibrated FP8 needs one to read "
+                                 "its calibration text (convert without --calibrate)")
+        params = calibrated_quantize_params(cfg, params, tokenizer,
+                                            num_windows=calibration_windows,
+                                            progress=progress)
+    elif weights == "fp8":
         params = quantize_params(params)
     orbax_io.save(dst, cfg, params, tokenizer)

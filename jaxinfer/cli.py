@@ -101,7 +101,8 @@ def cmd_generate(args) -> int:
 def cmd_convert(args) -> int:
     from checkpoints.convert import convert
 
-    convert(args.src, args.dst, weights=args.weights)
+    convert(args.src, args.dst, weights=args.weights, calibrate=args.calibrate,
+            calibration_windows=args.calibration_windows, progress=True)
     print(f"wrote {args.dst}")
     return 0
 
@@ -134,6 +135,14 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("dst")
     c.add_argument("--weights", choices=("bf16", "fp8"), default="bf16",
                    help="store linear weights as-is or quantized to FP8 e4m3")
+    c.add_argument("--calibrate", action="store_true",
+                   help="with --weights fp8: round each weight knowing its inputs (GPTQ-style "
+                        "error compensation over calibration text from Python's own "
+                        "documentation strings): same format and speed, closer to bf16 "
+                        "(SmolLM2 top-1 agreement 92%% -> 95%%); ~1-2 min on a CPU for "
+                        "SmolLM2, far longer for billions of parameters")
+    c.add_argument("--calibration-windows", type=int, default=8, metavar="N",
+                   help="calibration sequences of 512 tokens (default 8)")
     c.set_defaults(func=cmd_convert)
 
     from serve.cli import add_client_arguments, add_serve_arguments, run_client, run_serve

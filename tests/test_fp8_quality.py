@@ -1,13 +1,17 @@
 """FP8 answer quality on the real model (SmolLM2), teacher-forced on >= 4096 tokens of English
-that ships with Python (pydoc_data.topics): FP8 weights within 3% of bf16 perplexity, FP8
-weights + FP8 KV within 5%.
+that ships with Python (pydoc_data.topics).
 
-Top-1 agreement with bf16: the issue asks >= 95%; we measure 92.7% with every decoder linear
-in per-channel e4m3 (attention-only FP8: 95.7%, MLP-only: 95.1%). SmolLM2's weights are
-already 4-bit (Q4_1) and e4m3's 3 mantissa bits add ~2% RMS relative noise per weight, which a
-135M model with many near-tied next tokens feels; finer (per-block) scales do not change a
-float format's relative precision. The assertion guards what we reach (>= 92%) so a regression
-shows; the gap to 95% is recorded in bench/README.md's notes, not hidden.
+Calibrated FP8 (`jaxinfer convert --weights fp8 --calibrate`, checkpoints/calibrate.py: the
+same e4m3 format and per-channel scales, each weight rounded with error compensation over
+calibration text from other Python documentation strings) meets the issue's bar: perplexity
+within 3% of bf16 (measured 1.007x), top-1 agreement with bf16 >= 95% (measured 95.2%: the
+margin is ~9 of 4088 tokens), and within 5% with FP8 KV too (1.017x).
+
+Round-to-nearest FP8 (the default `--weights fp8` load, which needs no calibration pass):
+perplexity within 3%, FP8 KV within 5%; its top-1 agreement is 92.7% (attention-only FP8:
+95.7%, MLP-only: 95.1%): e4m3's 3 mantissa bits add ~2% RMS relative noise per weight, which
+a 135M model with many near-tied next tokens feels. Its assertion (>= 92%) guards that path
+against regressions.
 """
 import numpy as np
 import pytest
@@ -34,10 +38,20 @@ def windows():
     return np.asarray(ids[:WINDOW * NUM_WINDOWS], np.int32).reshape(NUM_WINDOWS, WINDOW)
 
 
-def teacher_forced(windows, weights, kv_dtype):
+@pytest.fixture(scope="module")
+def calibrated(tmp_path_factory):
+    """SmolLM2 converted to calibrated FP8 (orbax dir)."""
+    from checkpoints.convert import convert
+
+    path = tmp_path_factory.mktemp("smollm2_fp8_calibrated")
+    convert("smollm2", path, weights="fp8", calibrate=True)
+    return str(path)
+
+
+def teacher_forced(windows, weights, kv_dtype, model="smollm2"):
     engine = EngineConfig(dtype="bfloat16", weights=weights, kv_dtype=kv_dtype, page_size=16,
                           max_model_len=WINDOW, max_num_seqs=1)
-    cfg, graphdef, params, _ = load_model("smollm2", engine)
+    cfg, graphdef, params, _ = load_model(model, engine)
     runner = ModelRunner(cfg, engine, graphdef, params)
     pages = list(range(1, engine.pages_per_seq + 1))
     nll, top1 = [], []
@@ -50,8 +64,14 @@ def teacher_forced(windows, weights, kv_dtype):
     return float(np.exp(np.concatenate(nll).mean())), np.concatenate(top1)
 
 
-def test_fp8_perplexity_and_agreement(windows):
-    ppl_bf16, top_bf16 = teacher_forced(windows, "bf16", "bf16")
+@pytest.fixture(scope="module")
+def bf16(windows):
+    """(perplexity, top-1 ids) of the bf16 model: the reference of both tests."""
+    return teacher_forced(windows, "bf16", "bf16")
+
+
+def test_fp8_perplexity_and_agreement(windows, bf16):
+    ppl_bf16, top_bf16 = bf16
     ppl_fp8, top_fp8 = teacher_forced(windows, "fp8", "bf16")
     ppl_fp8_kv, _ = teacher_forced(windows, "fp8", "fp8")
     agreement = float((top_fp8 == top_bf16).mean())
@@ -62,3 +82,32 @@ def test_fp8_perplexity_and_agreement(windows):
     assert agreement >= 0.92
     assert ppl_fp8_kv <= 1.05 * ppl_bf16
     assert ppl_fp8 != ppl_bf16, "FP8 weights gave bf16's exact result: nothing was quantized"
+
+
+def test_calibrated_fp8_perplexity_and_agreement(windows, bf16, calibrated):
+    ppl_bf16, top_bf16 = bf16
+    ppl_fp8, top_fp8 = teacher_forced(windows, "fp8", "bf16", model=calibrated)
+    ppl_fp8_kv, _ = teacher_forced(windows, "fp8", "fp8", model=calibrated)
+    agreement = float((top_fp8 == top_bf16).mean())
+    print(f"calibrated: ppl bf16 {ppl_bf16:.3f}  fp8 {ppl_fp8:.3f} ({ppl_fp8 / ppl_bf16:.4f}x)"
+          f"  fp8+fp8kv {ppl_fp8_kv:.3f} ({ppl_fp8_kv / ppl_bf16:.4f}x)  top-1 {agreement:.4f}")
+    assert ppl_fp8 <= 1.03 * ppl_bf16
+    assert agreement >= 0.95
+    assert ppl_fp8_kv <= 1.05 * ppl_bf16
+
+
+def test_calibrated_checkpoint_has_the_round_to_nearest_format(calibrated):
+    """Same keys, dtypes and scales as round-to-nearest FP8: only the rounding moved."""
+    from checkpoints import load_checkpoint
+    from checkpoints.fp8 import LINEAR_NAMES, quantize_params
+
+    _, got, _ = load_checkpoint(calibrated)
+    want = quantize_params(load_checkpoint("smollm2", dtype="bfloat16")[1])
+    assert sorted(got) == sorted(want)
+    for name in LINEAR_NAMES:
+        g, w = np.asarray(got[name]), np.asarray(want[name])
+        assert g.dtype == w.dtype and g.shape == w.shape, name
+        np.testing.assert_array_equal(np.asarray(got[name + "_scale"]),
+                                      np.asarray(want[name + "_scale"]), err_msg=name)
+        moved = float(np.mean(g.astype(np.float32) != w.astype(np.float32)))
+        assert 0.01 < moved < 0.9, (name, moved)

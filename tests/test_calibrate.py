@@ -1,0 +1,80 @@
+"""Calibrated FP8 rounding (checkpoints/calibrate.py): the same format and scales as
+round-to-nearest, less output error on correlated inputs, a calibration forward that agrees
+with the independent dense reference, and calibration text that is not the quality test's."""
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from pydoc_data.topics import topics
+
+from checkpoints.calibrate import _layer_grams, calibration_text, gptq_linear
+from checkpoints.fp8 import dequantize_linear, quantize_linear
+from dense_reference import dense_logits, random_flat
+from jaxinfer.cli import main
+from jaxinfer.config import standard_config
+
+
+def _deq(w_q, scale):
+    return np.asarray(dequantize_linear(jnp.asarray(w_q), jnp.asarray(scale)))
+
+
+def test_without_input_correlation_it_is_round_to_nearest():
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((48, 24)).astype(np.float32)
+    gram = np.diag(rng.uniform(0.5, 2.0, 48))      # independent inputs: nothing to compensate
+    w_q, scale = gptq_linear(w, gram)
+    rtn_q, rtn_scale = quantize_linear(jnp.asarray(w))
+    np.testing.assert_array_equal(scale, np.asarray(rtn_scale))
+    np.testing.assert_array_equal(np.asarray(w_q, np.float32), np.asarray(rtn_q, np.float32))
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+def test_correlated_inputs_cut_the_output_error(act_order):
+    rng = np.random.default_rng(1)
+    w = rng.standard_normal((64, 32)).astype(np.float32)
+    x = rng.standard_normal((512, 16)) @ rng.standard_normal((16, 64))   # rank-16 inputs
+    x += 0.05 * rng.standard_normal(x.shape)
+    w_q, scale = gptq_linear(w, x.T @ x, act_order=act_order)
+    assert w_q.dtype == jnp.float8_e4m3fn and w_q.shape == (32, 64) and scale.shape == (32,)
+    rtn = _deq(*quantize_linear(jnp.asarray(w)))
+    err_rtn = np.sum((x @ (w - rtn)) ** 2)
+    err_gptq = np.sum((x @ (w - _deq(w_q, scale))) ** 2)
+    assert err_gptq < 0.5 * err_rtn, (err_gptq, err_rtn)
+
+
+def test_gram_shape_is_checked():
+    with pytest.raises(ValueError, match="gram"):
+        gptq_linear(np.ones((8, 4), np.float32), np.eye(4))
+
+
+@pytest.mark.parametrize("qkv_bias", [False, True])
+def test_calibration_forward_matches_the_dense_reference(qkv_bias):
+    cfg = dataclasses.replace(standard_config("tiny"), qkv_bias=qkv_bias)
+    flat = random_flat(cfg, seed=3)
+    tokens = np.random.default_rng(4).integers(0, cfg.vocab_size, 24)
+    x = jnp.asarray(flat["embed"][tokens])
+    keys = ["attn_norm", "mlp_norm", "wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"] + (
+        ["bq", "bk", "bv"] if qkv_bias else [])
+    for layer in range(cfg.num_layers):
+        x, grams = _layer_grams(cfg, {k: jnp.asarray(flat[k][layer]) for k in keys}, x)
+        assert grams["attn_in"].shape == (cfg.hidden_size, cfg.hidden_size)
+        assert grams["down_in"].shape == (cfg.intermediate_size,) * 2
+    x = np.asarray(x, np.float64)
+    x = x / np.sqrt((x * x).mean(-1, keepdims=True) + cfg.rms_norm_eps) * flat["final_norm"]
+    head = flat["embed"].T if cfg.tie_word_embeddings else flat["lm_head"]
+    np.testing.assert_allclose(x @ head, dense_logits(cfg, flat, tokens), rtol=2e-3, atol=2e-3)
+
+
+def test_calibration_text_is_not_the_judged_text():
+    text = calibration_text()
+    assert len(text) > 100_000
+    judged = [t[i:i + 80] for t in topics.values() for i in range(0, len(t) - 80, 400)]
+    assert judged and not any(chunk in text for chunk in judged)
+
+
+def test_convert_calibrate_needs_fp8_and_a_tokenizer(tmp_path):
+    assert main(["convert", "smollm2", str(tmp_path / "a"), "--calibrate"]) == 2
+    assert main(["convert", "tiny", str(tmp_path / "b"), "--weights", "fp8",
+                 "--calibrate"]) == 2
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
