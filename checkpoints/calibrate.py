@@ -131,7 +131,7 @@ def input_grams(cfg, flat, windows, progress: bool = False) -> dict[str, np.ndar
     grams: dict[str, list] = {k: [] for k in ("attn_in", "wo_in", "mlp_in", "down_in")}
     for layer in tqdm(range(cfg.num_layers), desc="calibration forward", unit="layer",
                       disable=not progress):
-        p = {k: f32(np.asarray(flat[k])[layer]) for k in layer_keys}
+        p = {k: f32(flat[k][layer]) for k in layer_keys}   # one layer at a time to the host
         total = None
         for i, x in enumerate(xs):
             xs[i], g = _layer_grams(cfg, p, x)
