@@ -30,6 +30,7 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -39,7 +40,8 @@ import numpy as np
 from checkpoints.fp8 import FP8_DTYPE, FP8_MAX, LINEAR_NAMES, quantize_linear
 from checkpoints.params import SCALE_SUFFIX
 
-# Modules whose documentation strings make the calibration text (all in every CPython 3.10+).
+# Modules whose documentation strings make the calibration text (all in every CPython 3.10+;
+# the strings themselves change a little between Python versions, and so the rounding).
 CALIBRATION_MODULES = (
     "collections", "itertools", "functools", "json", "argparse", "pathlib", "re", "typing",
     "dataclasses", "textwrap", "string", "datetime", "random", "statistics", "heapq", "bisect",
@@ -57,8 +59,10 @@ def calibration_text() -> str:
     for name in CALIBRATION_MODULES:
         mod = importlib.import_module(name)
         docs = [inspect.cleandoc(mod.__doc__ or "")]
-        docs += [inspect.getdoc(getattr(mod, m, None)) or "" for m in sorted(dir(mod))
-                 if not m.startswith("_")]
+        with warnings.catch_warnings():   # e.g. typing.io's deprecation, on attribute access
+            warnings.simplefilter("ignore", DeprecationWarning)
+            docs += [inspect.getdoc(getattr(mod, m, None)) or "" for m in sorted(dir(mod))
+                     if not m.startswith("_")]
         for d in docs:
             if len(d) > 200 and d not in seen:
                 seen.add(d)

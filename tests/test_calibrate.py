@@ -77,4 +77,17 @@ def test_convert_calibrate_needs_fp8_and_a_tokenizer(tmp_path):
     assert main(["convert", "smollm2", str(tmp_path / "a"), "--calibrate"]) == 2
     assert main(["convert", "tiny", str(tmp_path / "b"), "--weights", "fp8",
                  "--calibrate"]) == 2
-    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+    assert main(["convert", "smollm2", str(tmp_path / "c"), "--weights", "fp8", "--calibrate",
+                 "--calibration-windows", "0"]) == 2
+    assert not any((tmp_path / d).exists() for d in "abc")
+
+
+def test_too_many_windows_is_a_clear_error():
+    from jaxinfer.tokenizer import Tokenizer
+    from checkpoints import default_gguf_path
+    from checkpoints.calibrate import calibration_windows
+
+    tok = Tokenizer.from_gguf(default_gguf_path())
+    assert calibration_windows(tok, 2, 64).shape == (2, 64)
+    with pytest.raises(ValueError, match="calibration text has"):
+        calibration_windows(tok, 10_000, 512)
