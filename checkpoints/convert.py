@@ -7,13 +7,13 @@ from jaxinfer.errors import ModelLoadError
 
 
 def convert(src: str, dst: str | Path, weights: str = "bf16", calibrate: bool = False,
-            calibration_windows: int = 8, progress: bool = False) -> None:
+            calibration_windows: int = 16, progress: bool = False) -> None:
     """Load SRC, optionally quantize its decoder linears to FP8, write DST with orbax.
 
     bf16 keeps float weights as bfloat16 (half of float32's bytes; compute casts as needed).
     fp8 rounds to nearest (checkpoints/fp8.py), or with calibrate=True rounds with error
     compensation on calibration text (checkpoints/calibrate.py: same format and scales,
-    better agreement with bf16; minutes on a CPU for a small model)."""
+    better agreement with bf16; about a minute on a CPU for SmolLM2)."""
     from checkpoints import load_checkpoint, orbax_io
     from checkpoints.fp8 import quantize_params
 
