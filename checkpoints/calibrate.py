@@ -37,8 +37,8 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from checkpoints.fp8 import FP8_DTYPE, FP8_MAX, LINEAR_NAMES, quantize_linear
-from checkpoints.params import SCALE_SUFFIX
+from checkpoints.fp8 import FP8_DTYPE, FP8_MAX, LINEAR_NAMES, quantize_linear, quantize_params
+from jaxinfer.model import apply_rope, rope_inv_freq
 
 # Modules whose documentation strings make the calibration text (all in every CPython 3.10+;
 # the strings themselves change a little between Python versions, and so the rounding).
@@ -83,26 +83,19 @@ def _rms(x, w, eps):
     return x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + eps) * w
 
 
-def _rope(x, pos, inv):  # x [T, N, D], HF rotate-half layout
-    ang = pos[:, None] * inv[None, :]
-    cos, sin = jnp.cos(ang)[:, None], jnp.sin(ang)[:, None]
-    x1, x2 = jnp.split(x, 2, axis=-1)
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)
-
-
 @functools.partial(jax.jit, static_argnames=("cfg",))
 def _layer_grams(cfg, p, x):
     """One decoder layer in float32 over x [T, E]: (next x, {input kind: X^T X})."""
     t = x.shape[0]
     h, kh, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    pos = jnp.arange(t, dtype=jnp.float32)
-    inv = jnp.asarray(_inv_freq(cfg))
+    ang = jnp.arange(t, dtype=jnp.float32)[:, None] * jnp.asarray(rope_inv_freq(cfg))[None, :]
+    cos, sin = jnp.cos(ang), jnp.sin(ang)
     a = _rms(x, p["attn_norm"], cfg.rms_norm_eps)
     q, k, v = a @ p["wq"], a @ p["wk"], a @ p["wv"]
     if cfg.qkv_bias:
         q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
-    q = _rope(q.reshape(t, h, d), pos, inv)
-    k = jnp.repeat(_rope(k.reshape(t, kh, d), pos, inv), h // kh, axis=1)
+    q = apply_rope(q.reshape(t, h, d), cos, sin)
+    k = jnp.repeat(apply_rope(k.reshape(t, kh, d), cos, sin), h // kh, axis=1)
     v = jnp.repeat(v.reshape(t, kh, d), h // kh, axis=1)
     s = jnp.einsum("qhd,khd->hqk", q, k) / np.sqrt(d)
     s = jnp.where(jnp.tril(jnp.ones((t, t), bool))[None], s, -jnp.inf)
@@ -115,11 +108,6 @@ def _layer_grams(cfg, p, x):
     grams = {name: jnp.matmul(y.T, y, precision=hi) for name, y in
              (("attn_in", a), ("wo_in", o), ("mlp_in", m), ("down_in", act))}
     return x, grams
-
-
-def _inv_freq(cfg):
-    from jaxinfer.model import rope_inv_freq
-    return rope_inv_freq(cfg)
 
 
 def input_grams(cfg, flat, windows, progress: bool = False) -> dict[str, np.ndarray]:
@@ -192,15 +180,9 @@ def calibrated_quantize_params(cfg, flat, tokenizer, *, num_windows: int = 16,
                          "have none)")
     grams = input_grams(cfg, flat, calibration_windows(tokenizer, num_windows, window),
                         progress)
-    out = dict(flat)
     with tqdm(total=len(LINEAR_NAMES) * cfg.num_layers, desc="calibrated FP8 rounding",
               unit="matrix", disable=not progress) as bar:
-        for name in LINEAR_NAMES:
-            pairs = []
-            for layer in range(cfg.num_layers):
-                pairs.append(gptq_linear(np.asarray(flat[name][layer], np.float32),
-                                         grams[INPUT_OF[name]][layer]))
-                bar.update(1)
-            out[name] = np.stack([p[0] for p in pairs])
-            out[name + SCALE_SUFFIX] = np.stack([p[1] for p in pairs])
-    return out
+        def calibrated(name, layer, w):
+            bar.update(1)
+            return gptq_linear(np.asarray(w, np.float32), grams[INPUT_OF[name]][layer])
+        return quantize_params(flat, quantize=calibrated)

@@ -48,13 +48,15 @@ def dequantize_linear(w_q, scale):
 
 
 def quantize_params(flat: Mapping[str, np.ndarray], names: Iterable[str] = LINEAR_NAMES, *,
-                    lm_head: bool = False) -> dict[str, np.ndarray]:
+                    lm_head: bool = False, quantize=None) -> dict[str, np.ndarray]:
     """Quantize the linear weights of a canonical flat parameter dict.
 
     Each key in `names` (plus "lm_head", when lm_head=True and the model has one) is replaced by its
     w_q ([L, out, in] for the stacked [L, in, out] layer weights, [V, E] for lm_head [E, V])
     and gains a companion key name + "_scale" (f32 [L, out] / [V]). Every other key passes
     through unchanged. Values come back as numpy arrays (w_q with ml_dtypes' float8_e4m3fn).
+    quantize(name, layer, w [in, out]) -> (w_q, scale) rounds one layer's weight (default:
+    quantize_linear, round to nearest; checkpoints/calibrate.py passes its calibrated one).
     """
     wanted = set(names) | ({"lm_head"} if lm_head else set())
     missing = sorted(n for n in set(names) if n not in flat)
@@ -71,7 +73,8 @@ def quantize_params(flat: Mapping[str, np.ndarray], names: Iterable[str] = LINEA
                              "is the dict quantized already?")
         # One layer at a time: a whole stacked 8B weight in f32 would need ~8 GB of scratch.
         layers = [value] if value.ndim == 2 else list(value)
-        pairs = [quantize_linear(jnp.asarray(w)) for w in layers]
+        pairs = [quantize_linear(jnp.asarray(w)) if quantize is None else quantize(key, i, w)
+                 for i, w in enumerate(layers)]
         w_q, scale = (np.stack([np.asarray(p[i]) for p in pairs]) for i in (0, 1))
         out[key], out[key + SCALE_SUFFIX] = (w_q[0], scale[0]) if value.ndim == 2 else (w_q, scale)
     return out

@@ -275,16 +275,12 @@ class ModelRunner:
         """(new kv, SampleOutput, next_tokens) on the device: the compiled step, dispatched
         without waiting. `kv` is donated. For the bench's back-to-back runs."""
         p = self.prepare(inp)
-        fn = self._executables.get(p.signature)
+        fn = (self._executables.get(p.signature)
+              or functools.partial(self._step_fn, spec=p.spec))   # not compiled ahead: jit
         slot = self._slot(p)
         try:
-            if fn is not None:
-                kv, out, next_tokens, slot = fn(self._leaves, kv, slot, p.buf, p.prev_tokens,
-                                                self._rng, np.uint32(step_index))
-            else:
-                kv, out, next_tokens, slot = self._step_fn(
-                    self._leaves, kv, slot, p.buf, p.prev_tokens, self._rng,
-                    np.uint32(step_index), spec=p.spec)
+            kv, out, next_tokens, slot = fn(self._leaves, kv, slot, p.buf, p.prev_tokens,
+                                            self._rng, np.uint32(step_index))
         except Exception:
             self._slots.pop(p.signature, None)   # it may have been donated: make a new one
             raise
