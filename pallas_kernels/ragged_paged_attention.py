@@ -6,13 +6,20 @@ in the cache (jaxinfer.kv_cache.write_kv runs first, a scatter of T*K*D elements
 layout, FP8 scales, the FP8 compute dtype (RaggedBlocks.fp8_compute, same numerics) and the
 block step are those of pallas_kernels/paged_attention.py.
 
-Kernel (Pallas Triton, like the decode kernel): grid (B, K, cdiv(T, block_q)). A program
+Kernel (Pallas Triton, like the decode kernel): grid (W, K) over a work list. A program
 takes `block_q` consecutive new tokens of one sequence and all G q heads of one kv head as
 the rows of one tile (row r = token r // G', head r % G', G' = G rounded up to a power of
 two; padding rows repeat a real token/head), so each page is read once per q block, not once
 per token. KV steps below the block's smallest position run unmasked; the rest apply the
-causal mask per row. Programs past a sequence's q_len exit at once. Rows of padding tokens
-(never inside any query_start range) keep the zeros the output starts from.
+causal mask per row. Rows of padding tokens (never inside any query_start range) keep the
+zeros the output starts from.
+
+The work list (work_list below, a few XLA ops on [B] vectors) names the (sequence, q block)
+of each program: sequence b has cdiv(q_len_b, block_q) blocks, so W = min(B * cdiv(T,
+block_q), B + cdiv(T, block_q)) bounds the total for any split of T tokens over B rows;
+entries past the real total exit at once. The grid used to be (B, K, cdiv(T, block_q)):
+at a mixed step of 256 rows and 2048 tokens that is 262,144 programs per layer, all but
+~3,000 empty, each still scheduled on an SM (W = 384 here).
 
 Why a kernel and not gather + dense attention: a gather materializes T x context x K x D, or
 context per sequence plus a ragged-to-dense q regroup; this reads the pages in place with no
@@ -33,25 +40,47 @@ from jaxinfer.errors import ConfigError
 from jaxinfer.kv_cache import FP8_DTYPE
 from pallas_kernels import tuning
 from pallas_kernels.paged_attention import (LOG2E, MIN_ROWS, attend_block, cache_views,
-                                            compute_dtype, empty_carry, gather_kv, kv_rows,
-                                            prepare_q, validate)
+                                            col_chunks, compute_dtype, empty_carry, gather_kv,
+                                            kv_rows, prepare_q, store_chunks,
+                                            validate)
 
 
-def _ragged_kernel(layer_ref, qstart_ref, pos_ref, table_ref, q_ref, k_ref, v_ref, *refs,
-                   groups: int, groups_p2: int, rows_q: int, pages_per_seq: int, blk,
-                   num_kv_heads: int, num_pages: int, page_size: int, num_heads: int,
+def work_list(query_start, num_tokens: int, block_q: int):
+    """(row [W], block [W]) int32: program w handles q block block[w] of sequence row[w];
+    row is -1 past the last real block. W is static (module docstring)."""
+    batch = query_start.shape[0] - 1
+    per_row = pl.cdiv(num_tokens, block_q)
+    w = min(batch * per_row, batch + per_row)
+    q_lens = query_start[1:] - query_start[:-1]
+    blocks = (q_lens + block_q - 1) // block_q                       # [B]
+    ends = jnp.cumsum(blocks)                                         # [B]
+    idx = jnp.arange(w, dtype=jnp.int32)
+    row = jnp.searchsorted(ends, idx, side="right").astype(jnp.int32)
+    live = idx < ends[-1]
+    row_c = jnp.minimum(row, batch - 1)
+    blk = idx - (ends[row_c] - blocks[row_c])
+    return jnp.where(live, row_c, -1), jnp.where(live, blk, 0).astype(jnp.int32)
+
+
+def _ragged_kernel(layer_ref, row_ref, blk_ref, qstart_ref, pos_ref, table_ref, q_ref, k_ref,
+                   v_ref, *refs, groups: int, groups_p2: int, rows_q: int, pages_per_seq: int,
+                   blk, num_kv_heads: int, num_pages: int, page_size: int, num_heads: int,
                    qk_scale: float, fp8: bool, cdt):
     ks_ref, vs_ref, _, o_ref = refs if fp8 else (None, None, *refs)
-    b, h, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    w, h = pl.program_id(0), pl.program_id(1)
+    row, i = row_ref[w], blk_ref[w]
+    b = jnp.maximum(row, 0)
     q0 = qstart_ref[b]
     q_len = qstart_ref[b + 1] - q0
 
-    @pl.when(i * blk.block_q < q_len)
+    @pl.when((row >= 0) & (i * blk.block_q < q_len))
     def _():
         r = jnp.arange(rows_q, dtype=jnp.int32)
         tokens = q0 + jnp.minimum(i * blk.block_q + r // groups_p2, q_len - 1)
         heads = h * groups + jnp.minimum(r % groups_p2, groups - 1)
-        q, logit_scale = prepare_q(q_ref[tokens * num_heads + heads], cdt, qk_scale)
+        chunks = blk.d_chunks
+        q, logit_scale = prepare_q(col_chunks(q_ref, tokens * num_heads + heads, chunks), cdt,
+                                   qk_scale)
         pos = jnp.minimum(pos_ref[tokens], pages_per_seq * page_size - 1)  # [M]
         lo, hi = jnp.min(pos) + 1, jnp.max(pos) + 1
         bk = blk.block_tokens
@@ -74,10 +103,11 @@ def _ragged_kernel(layer_ref, qstart_ref, pos_ref, table_ref, q_ref, k_ref, v_re
 
         n_full = lo // bk
         carry = lax.fori_loop(0, n_full, functools.partial(step, masked=False),
-                              empty_carry(rows_q, q.shape[1]))
+                              empty_carry(rows_q, q_ref.shape[-1], chunks))
         _, l, acc = lax.fori_loop(n_full, pl.cdiv(hi, bk), functools.partial(step, masked=True),
                                   carry)
-        o_ref[tokens * num_heads + heads] = (acc / l[:, None]).astype(o_ref.dtype)
+        store_chunks(o_ref, tokens * num_heads + heads,
+                     [(a / l[:, None]).astype(o_ref.dtype) for a in acc])
 
 
 def _check_metadata(q, md):
@@ -94,7 +124,8 @@ def ragged_paged_attention_blocks(q, k_pages, v_pages, layer, md, k_scale=None, 
                                   blocks: tuning.RaggedBlocks):
     """ragged_paged_attention with explicit block sizes (the benchmark and the tests)."""
     kv_heads, num_pages, page_size, head_dim = validate(q, k_pages, v_pages, k_scale, v_scale,
-                                                        interpret, blocks.block_tokens)
+                                                        interpret, blocks.block_tokens,
+                                                        blocks.d_chunks)
     _check_metadata(q, md)
     num_tokens, num_heads, _ = q.shape
     batch, pages_per_seq = md.page_table.shape
@@ -108,14 +139,16 @@ def ragged_paged_attention_blocks(q, k_pages, v_pages, layer, md, k_scale=None, 
         fp8=k_pages.dtype == FP8_DTYPE, cdt=compute_dtype(k_pages.dtype, blocks.fp8_compute))
     views = cache_views(k_pages, v_pages, k_scale, v_scale)
     zeros = jnp.zeros((num_tokens * num_heads, head_dim), q.dtype)
+    query_start = md.query_start.astype(jnp.int32)
+    rows, q_blocks = work_list(query_start, num_tokens, blocks.block_q)
     out = pl.pallas_call(
-        kernel, grid=(batch, kv_heads, pl.cdiv(num_tokens, blocks.block_q)),
+        kernel, grid=(rows.shape[0], kv_heads),
         out_shape=jax.ShapeDtypeStruct(zeros.shape, q.dtype),
-        input_output_aliases={5 + len(views): 0}, interpret=interpret,
+        input_output_aliases={7 + len(views): 0}, interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=blocks.num_warps,
                                              num_stages=blocks.num_stages),
         name="jaxinfer_ragged_paged_attention",
-    )(jnp.asarray(layer, jnp.int32).reshape(1), md.query_start.astype(jnp.int32),
+    )(jnp.asarray(layer, jnp.int32).reshape(1), rows, q_blocks, query_start,
       md.positions.astype(jnp.int32), md.page_table.astype(jnp.int32).reshape(-1),
       q.reshape(-1, head_dim), *views, zeros)
     return out.reshape(q.shape)

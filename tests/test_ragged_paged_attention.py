@@ -9,7 +9,7 @@ from jaxinfer.kv_cache import AttentionMetadata
 from pallas_kernels.paged_attention import paged_attention_reference
 from pallas_kernels.ragged_paged_attention import (ragged_paged_attention,
                                                    ragged_paged_attention_blocks,
-                                                   ragged_paged_attention_reference)
+                                                   ragged_paged_attention_reference, work_list)
 from pallas_kernels.tuning import RaggedBlocks
 from test_paged_attention import (BF, HF, KV_HEADS, MODES, PAGES_PER_SEQ, make_cache, rel_err,
                                   row_rel_err, stress_cache)
@@ -69,6 +69,37 @@ def test_kernel_matches_reference(page_size, groups, head_dim, kv_dtype, block_q
     assert out.shape == q.shape and out.dtype == q.dtype
     assert rel_err(out, ref) < 1e-2
     np.testing.assert_array_equal(np.asarray(out[sum(q_lens):], np.float32), 0.0)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_work_list_names_every_q_block_once(seed):
+    """Any split of T tokens over B rows (zeros, ones, one long row, T not filled) fits the
+    static W, and the list is exactly each row's q blocks in order, then -1."""
+    rng = np.random.default_rng(seed)
+    batch, t, bq = int(rng.integers(1, 40)), int(rng.integers(1, 300)), int(rng.choice([1, 4, 16]))
+    cuts = np.sort(rng.integers(0, t + 1, batch))      # row b has cuts[b] - cuts[b-1] tokens
+    if seed == 0:
+        cuts = np.full(batch, t)                        # one row takes everything
+    q_lens = np.diff(np.concatenate([[0], cuts]))
+    start = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    rows, blocks = (np.asarray(x) for x in work_list(jnp.asarray(start), t, bq))
+    want = [(b, i) for b, n in enumerate(q_lens) for i in range(-(-n // bq))]
+    assert len(rows) == min(batch * -(-t // bq), batch + -(-t // bq)) >= len(want)
+    assert list(zip(rows[:len(want)].tolist(), blocks[:len(want)].tolist())) == want
+    assert np.all(rows[len(want):] == -1)
+
+
+@pytest.mark.parametrize("interpret", MODES)
+@pytest.mark.parametrize("kv_dtype,compute,chunks", [("fp8", HF, 4), ("bf16", BF, 2)])
+def test_head_dim_chunks_match_reference(kv_dtype, compute, chunks, interpret):
+    """K/V read and widened in column blocks of the head dim (RaggedBlocks.d_chunks)."""
+    q, (k, v, ks, vs), md = make_ragged(31, 16, 4, 128, kv_dtype, [9, 1, 0, 17], 32)
+    args = (q, k, v, jnp.int32(1), md, ks, vs)
+    out = ragged_paged_attention_blocks(*args, sm_scale=128 ** -0.5, interpret=interpret,
+                                        blocks=RaggedBlocks(8, 32, 4, 2, compute, chunks))
+    ref = ragged_paged_attention_reference(*args, sm_scale=128 ** -0.5)
+    assert rel_err(out, ref) < 1e-2
+    np.testing.assert_array_equal(np.asarray(out[27:], np.float32), 0.0)
 
 
 @pytest.mark.parametrize("interpret", MODES)
