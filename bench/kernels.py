@@ -189,13 +189,100 @@ def bench_write_kv(batch: int, fp8: bool, key) -> dict:
             "context": 2048, "us": round(sec * 1e6, 2)}
 
 
+def make_mixed(decode_rows: int, prefill: int, fp8: bool, key, context=(1000, 2000)):
+    """A mixed step: `decode_rows` sequences with one new token each at contexts drawn from
+    `context`, then one sequence's first prefill chunk of `prefill` tokens (causal over
+    itself). Returns q [T, HQ, D], the cache (k, v, ks, vs) and AttentionMetadata, T =
+    decode_rows + prefill."""
+    from jaxinfer.kv_cache import AttentionMetadata
+    ks = jax.random.split(key, 8)
+    lens = jax.random.randint(ks[0], (decode_rows,), *context).tolist() + [prefill]
+    q_lens = [1] * decode_rows + [prefill]
+    pps = -(-max(lens) // PAGE)
+    pages = 1 + sum(-(-n // PAGE) for n in lens)
+    perm = (1 + jax.random.permutation(ks[1], pages - 1)).tolist()
+    table, at = [], 0
+    for n in lens:
+        need = -(-n // PAGE)
+        table.append(perm[at:at + need] + [0] * (pps - need))
+        at += need
+    positions = [p for n, ql in zip(lens, q_lens) for p in range(n - ql, n)]
+    token_seq = [b for b, ql in enumerate(q_lens) for _ in range(ql)]
+    slots = [table[b][p // PAGE] * PAGE + p % PAGE for b, p in zip(token_seq, positions)]
+    start = [0]
+    for ql in q_lens:
+        start.append(start[-1] + ql)
+    md = AttentionMetadata(*(jnp.asarray(x, jnp.int32) for x in
+                             (positions, slots, token_seq, table, lens, start)))
+    shape = (1, HKV, pages, PAGE, D)
+    dt = FP8_DTYPE if fp8 else jnp.bfloat16
+    k = jax.random.normal(ks[2], shape, jnp.bfloat16).astype(dt)
+    v = jax.random.normal(ks[3], shape, jnp.bfloat16).astype(dt)
+    scales = ([jax.random.uniform(x, shape[:-1], jnp.float32, 0.5, 1.5) / 16 for x in ks[4:6]]
+              if fp8 else [None, None])
+    q = jax.random.normal(ks[6], (len(positions), HQ, D), jnp.bfloat16)
+    return q, (k, v, *scales), md
+
+
+# (label, RaggedBlocks fields past the defaults' (block_q, block_tokens, warps, stages,
+# fp8_compute, d_chunks)); None = the tuned table's
+RAGGED_VARIANTS = (("tuned", None), ("bq16_f16_c4", (16, 64, 4, 2, "float16", 4)),
+                   ("bq4_f16_c4", (4, 64, 4, 2, "float16", 4)),
+                   ("bq4_bt128_c4", (4, 128, 4, 2, "float16", 4)))
+
+
+def bench_mixed(key, decode_rows: int = 255, prefill: int = 1793,
+                variants=RAGGED_VARIANTS) -> list[dict]:
+    """The attention of one mixed step (what the engine's prefill-carrying steps run), per
+    layer: the ragged kernel over all rows, per block variant; and the split it could be
+    instead, the decode kernel over the decode rows + the ragged kernel over the prefill
+    row alone (`split_decode`, `split_prefill`)."""
+    from pallas_kernels.ragged_paged_attention import (ragged_paged_attention,
+                                                       ragged_paged_attention_blocks)
+    scale = D ** -0.5
+    rows = []
+    for fp8 in (False, True):
+        q, (k, v, ks, vs), md = make_mixed(decode_rows, prefill, fp8, key)
+        base = {"kv_dtype": "fp8" if fp8 else "bf16", "batch": decode_rows + 1,
+                "tokens": int(q.shape[0]), "decode_rows": decode_rows, "prefill": prefill}
+        fns = {}
+        for label, fields in variants:
+            if fields is None:
+                fns["ragged_" + label] = jax.jit(lambda q, md: ragged_paged_attention(
+                    q, k, v, 0, md, ks, vs, sm_scale=scale))
+            else:
+                blk = tuning.RaggedBlocks(*fields)
+                fns["ragged_" + label] = jax.jit(functools.partial(
+                    lambda q, md, blk: ragged_paged_attention_blocks(
+                        q, k, v, 0, md, ks, vs, sm_scale=scale, blocks=blk), blk=blk))
+        fns["split_decode"] = jax.jit(lambda q, md: paged_attention(
+            q[:decode_rows], k, v, 0, md.seq_lens[:decode_rows],
+            md.page_table[:decode_rows], ks, vs, sm_scale=scale))
+        # the decode rows given no new tokens: only the prefill row's q blocks do work
+        only_prefill = dataclasses.replace(md, query_start=md.query_start.at[
+            :decode_rows + 1].set(md.query_start[decode_rows]))
+        fns["split_prefill"] = jax.jit(lambda q, md: ragged_paged_attention(
+            q, k, v, 0, md, ks, vs, sm_scale=scale))
+        for name, fn in fns.items():
+            arg_md = only_prefill if name == "split_prefill" else md
+            try:
+                sec = timed(fn, (q, arg_md))
+                rows.append({"impl": name, **base, "us": round(sec * 1e6, 2)})
+            except Exception as e:
+                rows.append({"impl": name, **base, "error": f"{type(e).__name__}: {e}"[:300]})
+            print(rows[-1], flush=True)
+    return rows
+
+
 TUNE_SHAPES = ((64, 2048), (1, 32768), (256, 2048))
-TUNE_CANDIDATES = ((32, 4, 4), (64, 4, 3), (128, 4, 3), (128, 8, 3), (128, 8, 4), (256, 8, 2))
+# (block_tokens, warps, stages[, d_chunks]); d_chunks defaults to 1
+TUNE_CANDIDATES = ((32, 4, 4), (64, 4, 3), (128, 4, 3), (128, 8, 3), (128, 8, 4), (256, 8, 2),
+                   (128, 4, 2, 4), (64, 4, 3, 4))
 
 
 def tune(key, shapes=TUNE_SHAPES, kv=(False, True), tiles=TUNE_CANDIDATES,
          split_choices=None, fp8_computes=tuning.FP8_COMPUTE) -> None:
-    """Time candidate block sizes (tiles: (block_tokens, warps, stages); FP8: each of
+    """Time candidate block sizes (tiles: (block_tokens, warps, stages[, d_chunks]); FP8: each of
     fp8_computes) on the target shapes; print, don't write. Splits: split_choices, or the
     tuned rule's (and twice it at B=1). Candidates too big for shared memory print their
     error."""
@@ -207,8 +294,9 @@ def tune(key, shapes=TUNE_SHAPES, kv=(False, True), tiles=TUNE_CANDIDATES,
             splits = sorted(split_choices or {base.num_splits, 2 * base.num_splits
                                               if batch == 1 else base.num_splits})
             computes = fp8_computes if fp8 else ("bfloat16",)
-            for (tok, warps, stages), n, comp in itertools.product(cands, splits, computes):
-                blk = tuning.DecodeBlocks(tok, n, warps, stages, comp)
+            for (tok, warps, stages, *chunks), n, comp in itertools.product(cands, splits,
+                                                                            computes):
+                blk = tuning.DecodeBlocks(tok, n, warps, stages, comp, *chunks)
                 label = f"TUNE B={batch} S={context} fp8={fp8} {blk}"
                 try:
                     sec = time_impl(impls(fp8, blk, tuned=False)["jaxinfer"], case)
@@ -232,7 +320,8 @@ def main(argv=None) -> None:
     ap.add_argument("--tune-tiles", type=lambda t: [tuple(map(int, x.split("x")))
                                                     for x in t.split(",")],
                     default=list(TUNE_CANDIDATES),
-                    help="block_tokens x warps x stages,... (default: TUNE_CANDIDATES)")
+                    help="block_tokens x warps x stages[ x d_chunks],... (default: "
+                         "TUNE_CANDIDATES)")
     ap.add_argument("--tune-splits", type=parse_ints, default=None,
                     help="split counts to time (default: the tuned rule's)")
     ap.add_argument("--tune-fp8-compute", type=lambda t: t.split(","),
@@ -242,6 +331,10 @@ def main(argv=None) -> None:
     ap.add_argument("--impls", type=lambda t: t.split(","), default=list(IMPLS),
                     help=f"comma-separated subset of {','.join(IMPLS)}")
     ap.add_argument("--no-write-kv", action="store_true", help="skip the write_kv rows")
+    ap.add_argument("--mixed", action="store_true",
+                    help="also time one mixed step's attention (255 decode rows + a "
+                         "1793-token prefill chunk): ragged kernel variants vs decode + "
+                         "ragged split (rows impl ragged_* / split_*)")
     args = ap.parse_args(argv)
     if set(args.impls) - set(IMPLS):
         ap.error(f"unknown impls {sorted(set(args.impls) - set(IMPLS))}; known: {IMPLS}")
@@ -254,6 +347,8 @@ def main(argv=None) -> None:
                         command="python -m bench.kernels " + " ".join(sys.argv[1:]),
                         shape={"Hq": HQ, "Hkv": HKV, "D": D, "page": PAGE},
                         ceilings=ceilings.measure())
+    if args.mixed:
+        save(result, args.out, bench_mixed(key))
     for batch in args.batches:
         for context in args.contexts:
             if batch * context > MAX_TOKENS:
