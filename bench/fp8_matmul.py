@@ -60,12 +60,6 @@ def tensor_core_route(x, _w, w_q, scale):
     return fm.tensor_core_fp8_matmul(x, w_q, scale)
 
 
-def tensor_core_f32_product(x, _w, w_q, scale):
-    """The prefill route with the GEMM's product in f32 (before bf16 products: one more
-    f32 [M, N] write and read)."""
-    return fm.tensor_core_fp8_matmul(x, w_q, scale, product_dtype=jnp.float32)
-
-
 def time_per_op(fn, xs, weights, samples):
     """Median seconds per op; the program applies fn once per (x, weight) pair."""
     run = jax.jit(lambda xs, ws: [fn(x, *w) for x, w in zip(xs, ws)])
@@ -115,8 +109,6 @@ def bench_shape(k, n, ms, args, rows):
             impls["tensor_core_route"] = tensor_core_route
         if m == 1:
             impls["xla_fp8_dequant_pad8"] = xla_fp8_dequant_pad8
-        if m > fm.DEQUANT_MAX_M:
-            impls["tensor_core_f32_product"] = tensor_core_f32_product
         for name, fn in impls.items():
             try:
                 sec, y = time_per_op(fn, xs, weights, args.samples)
