@@ -224,19 +224,18 @@ def make_mixed(decode_rows: int, prefill: int, fp8: bool, key, context=(1000, 20
     return q, (k, v, *scales), md
 
 
-# (label, RaggedBlocks fields past the defaults' (block_q, block_tokens, warps, stages,
-# fp8_compute, d_chunks)); None = the tuned table's
-RAGGED_VARIANTS = (("tuned", None), ("bq16_f16_c4", (16, 64, 4, 2, "float16", 4)),
-                   ("bq4_f16_c4", (4, 64, 4, 2, "float16", 4)),
-                   ("bq4_bt128_c4", (4, 128, 4, 2, "float16", 4)))
+# the ragged kernel over every row of the step, with these RaggedBlocks(block_q, block_tokens,
+# warps, stages, fp8_compute); None = the tuned table's
+RAGGED_VARIANTS = (("tuned", None), ("bq16_f16", (16, 64, 4, 2, "float16")),
+                   ("bq4_f16", (4, 64, 4, 2, "float16")))
 
 
 def bench_mixed(key, decode_rows: int = 255, prefill: int = 1793,
                 variants=RAGGED_VARIANTS) -> list[dict]:
-    """The attention of one mixed step (what the engine's prefill-carrying steps run), per
-    layer: the ragged kernel over all rows, per block variant; and the split it could be
-    instead, the decode kernel over the decode rows + the ragged kernel over the prefill
-    row alone (`split_decode`, `split_prefill`)."""
+    """The attention of one mixed step (what the engine's prefill-carrying steps run), one
+    layer: `ragged_public` (the public entry: decode rows through the decode kernel, the
+    prefill row through the ragged kernel, `split_decode` + `split_prefill` alone), and
+    `ragged_all_<variant>`: the ragged kernel over every row (the route before the split)."""
     from pallas_kernels.ragged_paged_attention import (ragged_paged_attention,
                                                        ragged_paged_attention_blocks)
     scale = D ** -0.5
@@ -245,28 +244,23 @@ def bench_mixed(key, decode_rows: int = 255, prefill: int = 1793,
         q, (k, v, ks, vs), md = make_mixed(decode_rows, prefill, fp8, key)
         base = {"kv_dtype": "fp8" if fp8 else "bf16", "batch": decode_rows + 1,
                 "tokens": int(q.shape[0]), "decode_rows": decode_rows, "prefill": prefill}
-        fns = {}
+        fns = {"ragged_public": jax.jit(lambda q, md: ragged_paged_attention(
+            q, k, v, 0, md, ks, vs, sm_scale=scale))}
         for label, fields in variants:
-            if fields is None:
-                fns["ragged_" + label] = jax.jit(lambda q, md: ragged_paged_attention(
-                    q, k, v, 0, md, ks, vs, sm_scale=scale))
-            else:
-                blk = tuning.RaggedBlocks(*fields)
-                fns["ragged_" + label] = jax.jit(functools.partial(
-                    lambda q, md, blk: ragged_paged_attention_blocks(
-                        q, k, v, 0, md, ks, vs, sm_scale=scale, blocks=blk), blk=blk))
+            blk = (tuning.ragged_blocks(1 if fp8 else 2, D, PAGE) if fields is None
+                   else tuning.RaggedBlocks(*fields))
+            fns["ragged_all_" + label] = jax.jit(functools.partial(
+                lambda q, md, blk: ragged_paged_attention_blocks(
+                    q, k, v, 0, md, ks, vs, sm_scale=scale, blocks=blk), blk=blk))
         fns["split_decode"] = jax.jit(lambda q, md: paged_attention(
             q[:decode_rows], k, v, 0, md.seq_lens[:decode_rows],
             md.page_table[:decode_rows], ks, vs, sm_scale=scale))
-        # the decode rows given no new tokens: only the prefill row's q blocks do work
-        only_prefill = dataclasses.replace(md, query_start=md.query_start.at[
-            :decode_rows + 1].set(md.query_start[decode_rows]))
-        fns["split_prefill"] = jax.jit(lambda q, md: ragged_paged_attention(
-            q, k, v, 0, md, ks, vs, sm_scale=scale))
+        fns["split_prefill"] = jax.jit(lambda q, md: ragged_paged_attention_blocks(
+            q, k, v, 0, md, ks, vs, sm_scale=scale, skip_single=True,
+            blocks=tuning.ragged_blocks(1 if fp8 else 2, D, PAGE)))
         for name, fn in fns.items():
-            arg_md = only_prefill if name == "split_prefill" else md
             try:
-                sec = timed(fn, (q, arg_md))
+                sec = timed(fn, (q, md))
                 rows.append({"impl": name, **base, "us": round(sec * 1e6, 2)})
             except Exception as e:
                 rows.append({"impl": name, **base, "error": f"{type(e).__name__}: {e}"[:300]})
@@ -275,14 +269,12 @@ def bench_mixed(key, decode_rows: int = 255, prefill: int = 1793,
 
 
 TUNE_SHAPES = ((64, 2048), (1, 32768), (256, 2048))
-# (block_tokens, warps, stages[, d_chunks]); d_chunks defaults to 1
-TUNE_CANDIDATES = ((32, 4, 4), (64, 4, 3), (128, 4, 3), (128, 8, 3), (128, 8, 4), (256, 8, 2),
-                   (128, 4, 2, 4), (64, 4, 3, 4))
+TUNE_CANDIDATES = ((32, 4, 4), (64, 4, 3), (128, 4, 3), (128, 8, 3), (128, 8, 4), (256, 8, 2))
 
 
 def tune(key, shapes=TUNE_SHAPES, kv=(False, True), tiles=TUNE_CANDIDATES,
          split_choices=None, fp8_computes=tuning.FP8_COMPUTE) -> None:
-    """Time candidate block sizes (tiles: (block_tokens, warps, stages[, d_chunks]); FP8: each of
+    """Time candidate block sizes (tiles: (block_tokens, warps, stages); FP8: each of
     fp8_computes) on the target shapes; print, don't write. Splits: split_choices, or the
     tuned rule's (and twice it at B=1). Candidates too big for shared memory print their
     error."""
@@ -294,9 +286,8 @@ def tune(key, shapes=TUNE_SHAPES, kv=(False, True), tiles=TUNE_CANDIDATES,
             splits = sorted(split_choices or {base.num_splits, 2 * base.num_splits
                                               if batch == 1 else base.num_splits})
             computes = fp8_computes if fp8 else ("bfloat16",)
-            for (tok, warps, stages, *chunks), n, comp in itertools.product(cands, splits,
-                                                                            computes):
-                blk = tuning.DecodeBlocks(tok, n, warps, stages, comp, *chunks)
+            for (tok, warps, stages), n, comp in itertools.product(cands, splits, computes):
+                blk = tuning.DecodeBlocks(tok, n, warps, stages, comp)
                 label = f"TUNE B={batch} S={context} fp8={fp8} {blk}"
                 try:
                     sec = time_impl(impls(fp8, blk, tuned=False)["jaxinfer"], case)
@@ -320,8 +311,7 @@ def main(argv=None) -> None:
     ap.add_argument("--tune-tiles", type=lambda t: [tuple(map(int, x.split("x")))
                                                     for x in t.split(",")],
                     default=list(TUNE_CANDIDATES),
-                    help="block_tokens x warps x stages[ x d_chunks],... (default: "
-                         "TUNE_CANDIDATES)")
+                    help="block_tokens x warps x stages,... (default: TUNE_CANDIDATES)")
     ap.add_argument("--tune-splits", type=parse_ints, default=None,
                     help="split counts to time (default: the tuned rule's)")
     ap.add_argument("--tune-fp8-compute", type=lambda t: t.split(","),
@@ -333,8 +323,8 @@ def main(argv=None) -> None:
     ap.add_argument("--no-write-kv", action="store_true", help="skip the write_kv rows")
     ap.add_argument("--mixed", action="store_true",
                     help="also time one mixed step's attention (255 decode rows + a "
-                         "1793-token prefill chunk): ragged kernel variants vs decode + "
-                         "ragged split (rows impl ragged_* / split_*)")
+                         "1793-token prefill chunk): the public entry (decode rows split "
+                         "off) vs the ragged kernel over every row (rows ragged_*, split_*)")
     args = ap.parse_args(argv)
     if set(args.impls) - set(IMPLS):
         ap.error(f"unknown impls {sorted(set(args.impls) - set(IMPLS))}; known: {IMPLS}")

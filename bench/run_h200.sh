@@ -15,8 +15,8 @@
 #   attnprobe FP8/bf16 paged decode at B=256 S=2048 under Nsight Compute (ncu_*.txt), the
 #             FP8 block-size sweep (--tune, B 64/256 x S 2048), then kernels at B 64/256 x
 #             S 2048/8192 (ours, ours widened to bf16, bundled)                             ~5 min
-#   attnsweep the --tune sweep over head-dim chunking (d_chunks) for FP8 and bf16 KV at B 64/256
-#             x S 2048 and B=1 S=32768, and one mixed step's attention (--mixed)           ~5 min
+#   mixed     one mixed step's attention (255 decode rows + a 1793-token prefill chunk), bf16
+#             and FP8 KV: the ragged kernel (tuned and variants) vs decode + ragged split  ~2 min
 #   fp8tune   FP8 GEMV (M=1) tile variants on the four Llama-3-8B projection shapes          ~2 min
 #   fp8       FP8 matmul: ours vs XLA bf16 vs XLA dequant, M 1..2048, four shapes            ~5 min
 #   compile   every bucket cold / warm, kernels per layer                                    ~2 min
@@ -110,19 +110,9 @@ for stage in "$@"; do
       run kernels 200 "$PY" -m bench.kernels --batches 64,256 --contexts 2048,8192 \
         --impls jaxinfer,jaxinfer_bf16widen,bundled --git "$GIT" \
         --out "$OUT/paged_attention.json" ;;
-    attnsweep)
-      # head-dim chunking (DecodeBlocks.d_chunks) against the tuned tiles, FP8 then bf16,
-      # and one mixed step's attention (ragged variants vs a decode + ragged split)
-      run attn_sweep_fp8 200 "$PY" -m bench.kernels --tune --tune-kv fp8 \
-        --tune-shapes 64x2048,256x2048,1x32768 --tune-fp8-compute float16 \
-        --tune-tiles "${FP8_TILES:-128x4x2,128x4x2x2,128x4x2x4,128x4x1x4,64x4x2x4,64x4x3x4,64x4x3x2,32x4x4x4,128x4x3x4}" \
-        --mixed --batches 64 --contexts 2048 --impls jaxinfer --no-write-kv --git "$GIT" \
-        --out "$OUT/attn_sweep.json"
-      run attn_sweep_bf16 150 "$PY" -m bench.kernels --tune --tune-kv bf16 \
-        --tune-shapes 64x2048,256x2048,1x32768 \
-        --tune-tiles "${BF16_TILES:-64x4x3,64x4x3x2,64x4x3x4,128x4x2x4,32x4x4x2}" \
-        --batches 64 --contexts 2048 --impls jaxinfer --no-write-kv --git "$GIT" \
-        --out "$OUT/attn_sweep_bf16.json" ;;
+    mixed)
+      run mixed 200 "$PY" -m bench.kernels --mixed --batches 64 --contexts 2048 \
+        --impls jaxinfer --no-write-kv --git "$GIT" --out "$OUT/mixed_attention.json" ;;
     fp8tune)
       run fp8tune 200 "$PY" -m bench.fp8_matmul --tune-only --git "$GIT" \
         --out "$OUT/fp8_tune.json" ;;

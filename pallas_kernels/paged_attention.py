@@ -71,36 +71,16 @@ def compute_dtype(kv_dtype, fp8_compute: str = "bfloat16") -> jnp.dtype:
     return jnp.dtype(jnp.float32 if kv_dtype == jnp.float32 else jnp.bfloat16)
 
 
-def prepare_q(parts, cdt, qk_scale: float):
-    """q, given as column blocks [M, D/c] (a tuple), in the compute dtype, and the factor the
-    f32 logits take: qk_scale, or for f16 each row's max |q| (over all blocks) times
-    qk_scale ([M, 1]), q being divided by that max first so any magnitude fits f16's
-    range."""
+def prepare_q(q, cdt, qk_scale: float):
+    """q [M, D] in the compute dtype, and the factor the f32 logits take: qk_scale, or for
+    f16 each row's max |q| times qk_scale ([M, 1]), q being divided by that max first so
+    any magnitude fits f16's range."""
     if cdt != jnp.float16:
-        return tuple(p.astype(cdt) for p in parts), qk_scale
-    parts = [p.astype(jnp.float32) for p in parts]
-    amax = functools.reduce(jnp.maximum, [jnp.max(jnp.maximum(p, -p), axis=1) for p in parts])
+        return q.astype(cdt), qk_scale
+    qf = q.astype(jnp.float32)
+    amax = jnp.max(jnp.maximum(qf, -qf), axis=1)
     norm = jnp.where(amax > 0, amax, 1.0)
-    return (tuple((p / norm[:, None]).astype(cdt) for p in parts),
-            (norm * qk_scale)[:, None])
-
-
-def col_chunks(ref, idx, chunks: int):
-    """ref[idx] as `chunks` column blocks (ref[idx, c*w:(c+1)*w]); one block is ref[idx]."""
-    if chunks == 1:
-        return (ref[idx],)
-    w = ref.shape[-1] // chunks
-    return tuple(ref[idx, pl.ds(c * w, w)] for c in range(chunks))
-
-
-def store_chunks(ref, idx, parts) -> None:
-    """ref[idx] = concatenation of the column blocks `parts`."""
-    if len(parts) == 1:
-        ref[idx] = parts[0]
-        return
-    w = parts[0].shape[-1]
-    for c, part in enumerate(parts):
-        ref[idx, pl.ds(c * w, w)] = part
+    return (qf / norm[:, None]).astype(cdt), (norm * qk_scale)[:, None]
 
 
 def kv_rows(layer, kv_head, pages, slots, num_kv_heads: int, num_pages: int, page_size: int):
@@ -109,34 +89,31 @@ def kv_rows(layer, kv_head, pages, slots, num_kv_heads: int, num_pages: int, pag
     return ((layer * num_kv_heads + kv_head) * num_pages + pages) * page_size + slots
 
 
-def empty_carry(rows_q: int, d: int, chunks: int = 1):
-    """The online-softmax state before the first block: (running max, sum, accumulator as
-    `chunks` column blocks [rows_q, d/chunks])."""
+def empty_carry(rows_q: int, d: int):
+    """The online-softmax state before the first block: (running max, sum, accumulator)."""
     return (jnp.full((rows_q,), M_INIT, jnp.float32), jnp.zeros((rows_q,), jnp.float32),
-            tuple(jnp.zeros((rows_q, d // chunks), jnp.float32) for _ in range(chunks)))
+            jnp.zeros((rows_q, d), jnp.float32))
 
 
 def attend_block(q, k_ref, v_ref, ks_ref, vs_ref, rows, carry, *, logit_scale,
                  logit_mask=None, kv_valid=None):
-    """One online-softmax step over the KV rows `rows` [N]. q: a tuple of c column blocks
-    [M, D/c] in the compute dtype and logit_scale (scalar or [M, 1]) from prepare_q;
-    carry (m, l, acc) with m, l [M] f32 in the base-2 domain and acc a tuple of c blocks
-    [M, D/c] f32. K and V are read and widened one column block at a time (c > 1 keeps
-    fewer widened values live at once). logit_mask [M|1, N] hides logits, kv_valid [N]
+    """One online-softmax step over the KV rows `rows` [N]; q [M, D] in the compute dtype
+    and logit_scale (scalar or [M, 1]) from prepare_q; carry (m, l, acc) with m, l [M] f32 in
+    the base-2 domain and acc [M, D] f32. logit_mask [M|1, N] hides logits, kv_valid [N]
     zeroes V rows (and their scales) that may hold stale data."""
     m, l, acc = carry
-    chunks = len(q)
-    cdt = q[0].dtype
-    logits = None
-    for qc, kc in zip(q, col_chunks(k_ref, rows, chunks)):
-        part = lax.dot_general(qc, kc.astype(cdt), (((1,), (1,)), ((), ())),
-                               preferred_element_type=jnp.float32)
-        logits = part if logits is None else logits + part
+    cdt = q.dtype
+    k = k_ref[rows].astype(cdt)
+    v = v_ref[rows].astype(cdt)
+    logits = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
+                             preferred_element_type=jnp.float32)
     if ks_ref is not None:
         logits = logits * ks_ref[rows][None, :]
     logits = logits * logit_scale
     if logit_mask is not None:
         logits = jnp.where(logit_mask, logits, -jnp.inf)
+    if kv_valid is not None:
+        v = jnp.where(kv_valid[:, None], v, jnp.zeros_like(v))
     m_new = jnp.maximum(m, jnp.max(logits, axis=1))
     alpha = jnp.exp2(m - m_new)
     p = jnp.exp2(logits - m_new[:, None])
@@ -146,40 +123,32 @@ def attend_block(q, k_ref, v_ref, ks_ref, vs_ref, rows, carry, *, logit_scale,
         vs = vs_ref[rows]
         if kv_valid is not None:
             vs = jnp.where(kv_valid, vs, jnp.zeros_like(vs))
-    pw, back = _value_weights(p, vs, cdt)
-    new_acc = []
-    for a, vc in zip(acc, col_chunks(v_ref, rows, chunks)):
-        vc = vc.astype(cdt)
-        if kv_valid is not None:
-            vc = jnp.where(kv_valid[:, None], vc, jnp.zeros_like(vc))
-        pv = jnp.dot(pw, vc, preferred_element_type=jnp.float32)
-        new_acc.append(a * alpha[:, None] + (pv if back is None else pv * back))
-    return m_new, l, tuple(new_acc)
+    return m_new, l, acc * alpha[:, None] + _weighted_values(p, v, vs)
 
 
-def _value_weights(p, vs, cdt):
-    """The left operand of p V in the compute dtype for V's per-token scales vs [N] (or
-    None), and the f32 factor the product takes back (or None). In f16, p * vs is taken
-    relative to the block's largest scale (see the module docstring) so it neither
-    overflows nor underflows."""
+def _weighted_values(p, v, vs):
+    """p [M, N] f32 times V [N, D] (compute dtype) with V's per-token scales vs [N] (or None)
+    -> [M, D] f32. In f16, p * vs is taken relative to the block's largest scale (see the
+    module docstring) so it neither overflows nor underflows."""
+    cdt = v.dtype
     if vs is None:
-        return p.astype(cdt), None
+        return jnp.dot(p.astype(cdt), v, preferred_element_type=jnp.float32)
     if cdt != jnp.float16:
-        return (p * vs[None, :]).astype(cdt), None
+        return jnp.dot((p * vs[None, :]).astype(cdt), v, preferred_element_type=jnp.float32)
     vmax = jnp.maximum(jnp.max(vs), 1e-30)  # a block of only masked rows has vs == 0
-    return (p * (vs * (P_RANGE / vmax))[None, :]).astype(cdt), vmax / P_RANGE
+    pv = jnp.dot((p * (vs * (P_RANGE / vmax))[None, :]).astype(cdt), v,
+                 preferred_element_type=jnp.float32)
+    return pv * (vmax / P_RANGE)
 
 
 def _decode_kernel(layer_ref, lens_ref, table_ref, q_ref, k_ref, v_ref, *refs,
                    groups: int, rows_q: int, pages_per_seq: int, split_tokens: int,
                    blk, num_kv_heads: int, num_pages: int, page_size: int, num_heads: int,
-                   head_dim: int, batch: int, qk_scale: float, fp8: bool, cdt):
+                   batch: int, qk_scale: float, fp8: bool, cdt):
     ks_ref, vs_ref, *outs = refs if fp8 else (None, None, *refs)
     b, h, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     heads = h * groups + jnp.minimum(jnp.arange(rows_q, dtype=jnp.int32), groups - 1)
-    chunks = blk.d_chunks
-    q, logit_scale = prepare_q(col_chunks(q_ref, b * num_heads + heads, chunks), cdt,
-                                      qk_scale)
+    q, logit_scale = prepare_q(q_ref[b * num_heads + heads], cdt, qk_scale)
     seq_len = jnp.minimum(lens_ref[b], pages_per_seq * page_size)
     start = s * split_tokens
     n = jnp.clip(seq_len - start, 0, split_tokens)
@@ -201,17 +170,16 @@ def _decode_kernel(layer_ref, lens_ref, table_ref, q_ref, k_ref, v_ref, *refs,
 
     n_full = n // bk
     carry = lax.fori_loop(0, n_full, functools.partial(step, masked=False),
-                          empty_carry(rows_q, head_dim, chunks))
+                          empty_carry(rows_q, q.shape[1]))
     m, l, acc = lax.fori_loop(n_full, pl.cdiv(n, bk), functools.partial(step, masked=True),
                               carry)
     if len(outs) == 1:
-        denom = jnp.where(l > 0, l, 1.0)[:, None]
-        store_chunks(outs[0], b * num_heads + heads,
-                     [(a / denom).astype(outs[0].dtype) for a in acc])
+        out = acc / jnp.where(l > 0, l, 1.0)[:, None]
+        outs[0][b * num_heads + heads] = out.astype(outs[0].dtype)
     else:
         o_ref, m_ref, l_ref = outs
         flat = (s * batch + b) * num_heads + heads
-        store_chunks(o_ref, flat, acc)
+        o_ref[flat] = acc
         m_ref[flat] = m
         l_ref[flat] = l
 
@@ -224,8 +192,7 @@ def _combine(acc, m, l):
     return out / jnp.where(denom > 0, denom, 1.0)[..., None]
 
 
-def validate(q, k_pages, v_pages, k_scale, v_scale, interpret: bool, block_tokens: int,
-             d_chunks: int = 1):
+def validate(q, k_pages, v_pages, k_scale, v_scale, interpret: bool, block_tokens: int):
     """Shape, dtype and block checks shared with the ragged kernel; returns (K, P, S, D)."""
     if q.ndim != 3 or k_pages.ndim != 5 or k_pages.shape != v_pages.shape:
         raise ConfigError(f"paged attention wants q [*, H, D] and k/v pages [L, K, P, S, D] "
@@ -245,10 +212,6 @@ def validate(q, k_pages, v_pages, k_scale, v_scale, interpret: bool, block_token
     if block_tokens % page_size or (block_tokens < MIN_BLOCK_TOKENS and not interpret):
         raise ConfigError(f"block_tokens {block_tokens} must be a multiple of the page size "
                           f"{page_size} and >= {MIN_BLOCK_TOKENS} on the GPU")
-    width = head_dim // max(d_chunks, 1)
-    if d_chunks < 1 or head_dim % d_chunks or (width < MIN_BLOCK_TOKENS and not interpret):
-        raise ConfigError(f"d_chunks {d_chunks} must divide the head dim {head_dim} into "
-                          f"blocks of >= {MIN_BLOCK_TOKENS} columns on the GPU")
     return kv_heads, num_pages, page_size, head_dim
 
 
@@ -268,8 +231,7 @@ def paged_attention_blocks(q, k_pages, v_pages, layer, seq_lens, page_table, k_s
                            blocks: tuning.DecodeBlocks):
     """paged_attention with explicit block sizes (the benchmark's tuning and the tests)."""
     kv_heads, num_pages, page_size, head_dim = validate(q, k_pages, v_pages, k_scale, v_scale,
-                                                        interpret, blocks.block_tokens,
-                                                        blocks.d_chunks)
+                                                        interpret, blocks.block_tokens)
     batch, num_heads, _ = q.shape
     if seq_lens.shape != (batch,) or page_table.ndim != 2 or page_table.shape[0] != batch:
         raise ConfigError(f"seq_lens {seq_lens.shape} / page_table {page_table.shape} do not "
@@ -282,7 +244,7 @@ def paged_attention_blocks(q, k_pages, v_pages, layer, seq_lens, page_table, k_s
     kernel = functools.partial(
         _decode_kernel, groups=groups, rows_q=rows_q, pages_per_seq=pages_per_seq,
         split_tokens=split_tokens, blk=blocks, num_kv_heads=kv_heads, num_pages=num_pages,
-        page_size=page_size, num_heads=num_heads, head_dim=head_dim, batch=batch,
+        page_size=page_size, num_heads=num_heads, batch=batch,
         qk_scale=float(sm_scale) * LOG2E, fp8=k_pages.dtype == FP8_DTYPE,
         cdt=compute_dtype(k_pages.dtype, blocks.fp8_compute))
     n = blocks.num_splits

@@ -40,19 +40,21 @@ from jaxinfer.errors import ConfigError
 from jaxinfer.kv_cache import FP8_DTYPE
 from pallas_kernels import tuning
 from pallas_kernels.paged_attention import (LOG2E, MIN_ROWS, attend_block, cache_views,
-                                            col_chunks, compute_dtype, empty_carry, gather_kv,
-                                            kv_rows, prepare_q, store_chunks,
-                                            validate)
+                                            compute_dtype, empty_carry, gather_kv, kv_rows,
+                                            paged_attention, prepare_q, validate)
 
 
-def work_list(query_start, num_tokens: int, block_q: int):
+def work_list(query_start, num_tokens: int, block_q: int, skip_single: bool = False):
     """(row [W], block [W]) int32: program w handles q block block[w] of sequence row[w];
-    row is -1 past the last real block. W is static (module docstring)."""
+    row is -1 past the last real block. W is static (module docstring). skip_single leaves
+    out rows with exactly one new token (the caller runs them through the decode kernel)."""
     batch = query_start.shape[0] - 1
     per_row = pl.cdiv(num_tokens, block_q)
     w = min(batch * per_row, batch + per_row)
     q_lens = query_start[1:] - query_start[:-1]
     blocks = (q_lens + block_q - 1) // block_q                       # [B]
+    if skip_single:
+        blocks = jnp.where(q_lens == 1, 0, blocks)
     ends = jnp.cumsum(blocks)                                         # [B]
     idx = jnp.arange(w, dtype=jnp.int32)
     row = jnp.searchsorted(ends, idx, side="right").astype(jnp.int32)
@@ -78,9 +80,7 @@ def _ragged_kernel(layer_ref, row_ref, blk_ref, qstart_ref, pos_ref, table_ref, 
         r = jnp.arange(rows_q, dtype=jnp.int32)
         tokens = q0 + jnp.minimum(i * blk.block_q + r // groups_p2, q_len - 1)
         heads = h * groups + jnp.minimum(r % groups_p2, groups - 1)
-        chunks = blk.d_chunks
-        q, logit_scale = prepare_q(col_chunks(q_ref, tokens * num_heads + heads, chunks), cdt,
-                                   qk_scale)
+        q, logit_scale = prepare_q(q_ref[tokens * num_heads + heads], cdt, qk_scale)
         pos = jnp.minimum(pos_ref[tokens], pages_per_seq * page_size - 1)  # [M]
         lo, hi = jnp.min(pos) + 1, jnp.max(pos) + 1
         bk = blk.block_tokens
@@ -103,11 +103,10 @@ def _ragged_kernel(layer_ref, row_ref, blk_ref, qstart_ref, pos_ref, table_ref, 
 
         n_full = lo // bk
         carry = lax.fori_loop(0, n_full, functools.partial(step, masked=False),
-                              empty_carry(rows_q, q_ref.shape[-1], chunks))
+                              empty_carry(rows_q, q.shape[1]))
         _, l, acc = lax.fori_loop(n_full, pl.cdiv(hi, bk), functools.partial(step, masked=True),
                                   carry)
-        store_chunks(o_ref, tokens * num_heads + heads,
-                     [(a / l[:, None]).astype(o_ref.dtype) for a in acc])
+        o_ref[tokens * num_heads + heads] = (acc / l[:, None]).astype(o_ref.dtype)
 
 
 def _check_metadata(q, md):
@@ -118,14 +117,14 @@ def _check_metadata(q, md):
                           f"page_table {md.page_table.shape}")
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "interpret", "blocks"))
+@functools.partial(jax.jit, static_argnames=("sm_scale", "interpret", "blocks", "skip_single"))
 def ragged_paged_attention_blocks(q, k_pages, v_pages, layer, md, k_scale=None, v_scale=None,
                                   *, sm_scale: float, interpret: bool = False,
-                                  blocks: tuning.RaggedBlocks):
-    """ragged_paged_attention with explicit block sizes (the benchmark and the tests)."""
+                                  blocks: tuning.RaggedBlocks, skip_single: bool = False):
+    """The ragged kernel alone with explicit block sizes, over every row (the benchmark and
+    the tests); skip_single leaves rows with one new token at zero."""
     kv_heads, num_pages, page_size, head_dim = validate(q, k_pages, v_pages, k_scale, v_scale,
-                                                        interpret, blocks.block_tokens,
-                                                        blocks.d_chunks)
+                                                        interpret, blocks.block_tokens)
     _check_metadata(q, md)
     num_tokens, num_heads, _ = q.shape
     batch, pages_per_seq = md.page_table.shape
@@ -140,7 +139,7 @@ def ragged_paged_attention_blocks(q, k_pages, v_pages, layer, md, k_scale=None, 
     views = cache_views(k_pages, v_pages, k_scale, v_scale)
     zeros = jnp.zeros((num_tokens * num_heads, head_dim), q.dtype)
     query_start = md.query_start.astype(jnp.int32)
-    rows, q_blocks = work_list(query_start, num_tokens, blocks.block_q)
+    rows, q_blocks = work_list(query_start, num_tokens, blocks.block_q, skip_single)
     out = pl.pallas_call(
         kernel, grid=(rows.shape[0], kv_heads),
         out_shape=jax.ShapeDtypeStruct(zeros.shape, q.dtype),
@@ -157,13 +156,25 @@ def ragged_paged_attention_blocks(q, k_pages, v_pages, layer, md, k_scale=None, 
 def ragged_paged_attention(q, k_pages, v_pages, layer, md, k_scale=None, v_scale=None, *,
                            sm_scale: float, interpret: bool = False) -> jax.Array:
     """Attention of T new tokens over the paged cache. q [T, H, D]; md: AttentionMetadata
-    (positions, query_start, page_table used); k/v pages [L, K, P, S, D], FP8 with
-    k_scale/v_scale [L, K, P, S]. Returns [T, H, D] in q.dtype; padding tokens output 0."""
+    (positions, query_start, page_table, seq_lens used); k/v pages [L, K, P, S, D], FP8 with
+    k_scale/v_scale [L, K, P, S]. Returns [T, H, D] in q.dtype; padding tokens output 0.
+
+    Rows with exactly one new token (the decode rows of a mixed step) go through the decode
+    kernel (pallas_kernels/paged_attention.py: 16-row tiles where the ragged kernel's are
+    G' x block_q, and its split rule), the others through the ragged kernel; the decode
+    rows' outputs are scattered into their token slots."""
     _, _, _, page_size, head_dim = k_pages.shape
     blocks = tuning.ragged_blocks(jnp.dtype(k_pages.dtype).itemsize, head_dim, page_size)
-    return ragged_paged_attention_blocks(q, k_pages, v_pages, layer, md, k_scale, v_scale,
-                                         sm_scale=sm_scale, interpret=interpret,
-                                         blocks=blocks)
+    out = ragged_paged_attention_blocks(q, k_pages, v_pages, layer, md, k_scale, v_scale,
+                                        sm_scale=sm_scale, interpret=interpret,
+                                        blocks=blocks, skip_single=True)
+    starts = md.query_start[:-1]
+    single = (md.query_start[1:] - starts) == 1
+    q_first = q[jnp.minimum(starts, q.shape[0] - 1)]                     # [B, H, D]
+    dec = paged_attention(q_first, k_pages, v_pages, layer, jnp.where(single, md.seq_lens, 0),
+                          md.page_table, k_scale, v_scale, sm_scale=sm_scale,
+                          interpret=interpret)
+    return out.at[jnp.where(single, starts, q.shape[0])].set(dec, mode="drop")
 
 
 def _reference_tokens(q, k_pages, v_pages, layer, md, k_scale, v_scale, sm_scale: float):

@@ -30,7 +30,6 @@ class DecodeBlocks:
     num_warps: int
     num_stages: int
     fp8_compute: str = "bfloat16"  # FP8 K/V widened to: "bfloat16" | "float16"
-    d_chunks: int = 1  # K/V read and widened in this many column blocks of the head dim
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,7 +39,6 @@ class RaggedBlocks:
     num_warps: int
     num_stages: int
     fp8_compute: str = "bfloat16"
-    d_chunks: int = 1
 
 
 FP8_COMPUTE = ("bfloat16", "float16")

@@ -1,6 +1,9 @@
 """Ragged paged attention (several new tokens per sequence, causal within the chunk) vs its
 plain-jnp reference, and against the decode kernel where the two must agree. Same tolerance
 reasoning as tests/test_paged_attention.py."""
+import functools
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -10,6 +13,7 @@ from pallas_kernels.paged_attention import paged_attention_reference
 from pallas_kernels.ragged_paged_attention import (ragged_paged_attention,
                                                    ragged_paged_attention_blocks,
                                                    ragged_paged_attention_reference, work_list)
+from pallas_kernels import tuning
 from pallas_kernels.tuning import RaggedBlocks
 from test_paged_attention import (BF, HF, KV_HEADS, MODES, PAGES_PER_SEQ, make_cache, rel_err,
                                   row_rel_err, stress_cache)
@@ -90,29 +94,50 @@ def test_work_list_names_every_q_block_once(seed):
 
 
 @pytest.mark.parametrize("interpret", MODES)
-@pytest.mark.parametrize("kv_dtype,compute,chunks", [("fp8", HF, 4), ("bf16", BF, 2)])
-def test_head_dim_chunks_match_reference(kv_dtype, compute, chunks, interpret):
-    """K/V read and widened in column blocks of the head dim (RaggedBlocks.d_chunks)."""
-    q, (k, v, ks, vs), md = make_ragged(31, 16, 4, 128, kv_dtype, [9, 1, 0, 17], 32)
-    args = (q, k, v, jnp.int32(1), md, ks, vs)
-    out = ragged_paged_attention_blocks(*args, sm_scale=128 ** -0.5, interpret=interpret,
-                                        blocks=RaggedBlocks(8, 32, 4, 2, compute, chunks))
-    ref = ragged_paged_attention_reference(*args, sm_scale=128 ** -0.5)
-    assert rel_err(out, ref) < 1e-2
-    np.testing.assert_array_equal(np.asarray(out[27:], np.float32), 0.0)
+def test_public_entry_and_decode_agreement(interpret):
+    """One new token per row is decode: ragged and decode references, the ragged kernel over
+    every row (tuned blocks) and the public entry (which sends such rows to the decode
+    kernel) must agree."""
+    q, (k, v, ks, vs), md = make_ragged(2, 16, 4, 128, "fp8", [1, 1, 1, 0], 4)
+    scale = 128 ** -0.5
+    dec = paged_attention_reference(q, k, v, 0, md.seq_lens, md.page_table, ks, vs,
+                                    sm_scale=scale)
+    kernel = ragged_paged_attention_blocks(q, k, v, 0, md, ks, vs, sm_scale=scale,
+                                           interpret=interpret,
+                                           blocks=tuning.ragged_blocks(1, 128, 16))
+    out = ragged_paged_attention(q, k, v, 0, md, ks, vs, sm_scale=scale, interpret=interpret)
+    for got in (kernel, out):
+        assert rel_err(got[:3], dec[:3]) < 1e-2
+        np.testing.assert_array_equal(np.asarray(got[3], np.float32), 0.0)
+
+
+def pallas_calls(jaxpr) -> set:
+    """Names of the Pallas kernels a jaxpr calls, through nested jits."""
+    names = set()
+    for e in jaxpr.eqns:
+        if e.primitive.name == "pallas_call":
+            names.add(e.params["name"])
+        elif "jaxpr" in e.params:                                      # a nested jit
+            inner = e.params["jaxpr"]
+            names |= pallas_calls(getattr(inner, "jaxpr", inner))
+    return names
 
 
 @pytest.mark.parametrize("interpret", MODES)
-def test_public_entry_and_decode_agreement(interpret):
-    """One new token per row is decode: ragged and decode references and the ragged kernel
-    (tuned blocks) must agree."""
-    q, (k, v, ks, vs), md = make_ragged(2, 16, 4, 128, "fp8", [1, 1, 1, 0], 4)
-    scale = 128 ** -0.5
-    out = ragged_paged_attention(q, k, v, 0, md, ks, vs, sm_scale=scale, interpret=interpret)
-    dec = paged_attention_reference(q, k, v, 0, md.seq_lens, md.page_table, ks, vs,
-                                    sm_scale=scale)
-    assert rel_err(out[:3], dec[:3]) < 1e-2
-    np.testing.assert_array_equal(np.asarray(out[3], np.float32), 0.0)
+@pytest.mark.parametrize("kv_dtype", ["bf16", "fp8"])
+def test_mixed_step_splits_decode_rows_off(kv_dtype, interpret):
+    """A mixed step (decode rows between prefill chunks, a padded row, padding tokens): the
+    public entry runs both kernels and matches the reference token for token."""
+    q_lens = [1, 9, 1, 0, 17, 1]
+    q, (k, v, ks, vs), md = make_ragged(37, 16, 4, 128, kv_dtype, q_lens, 32)
+    args = (q, k, v, jnp.int32(1), md, ks, vs)
+    fn = functools.partial(ragged_paged_attention, sm_scale=128 ** -0.5, interpret=interpret)
+    assert pallas_calls(jax.make_jaxpr(fn)(*args).jaxpr) == {
+        "jaxinfer_paged_decode", "jaxinfer_ragged_paged_attention"}
+    out = fn(*args)
+    ref = ragged_paged_attention_reference(*args, sm_scale=128 ** -0.5)
+    assert row_rel_err(out[:29], ref[:29]) < 1e-2
+    np.testing.assert_array_equal(np.asarray(out[29:], np.float32), 0.0)
 
 
 @pytest.mark.parametrize("interpret", MODES)
