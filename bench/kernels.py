@@ -244,23 +244,24 @@ def bench_mixed(key, decode_rows: int = 255, prefill: int = 1793,
         q, (k, v, ks, vs), md = make_mixed(decode_rows, prefill, fp8, key)
         base = {"kv_dtype": "fp8" if fp8 else "bf16", "batch": decode_rows + 1,
                 "tokens": int(q.shape[0]), "decode_rows": decode_rows, "prefill": prefill}
-        fns = {"ragged_public": jax.jit(lambda q, md: ragged_paged_attention(
-            q, k, v, 0, md, ks, vs, sm_scale=scale))}
+        # the cache travels as arguments: closed over, jit would embed it as a constant
+        fns = {"ragged_public": lambda q, md, k, v, ks, vs: ragged_paged_attention(
+            q, k, v, 0, md, ks, vs, sm_scale=scale)}
         for label, fields in variants:
             blk = (tuning.ragged_blocks(1 if fp8 else 2, D, PAGE) if fields is None
                    else tuning.RaggedBlocks(*fields))
-            fns["ragged_all_" + label] = jax.jit(functools.partial(
-                lambda q, md, blk: ragged_paged_attention_blocks(
-                    q, k, v, 0, md, ks, vs, sm_scale=scale, blocks=blk), blk=blk))
-        fns["split_decode"] = jax.jit(lambda q, md: paged_attention(
+            fns["ragged_all_" + label] = functools.partial(
+                lambda q, md, k, v, ks, vs, blk: ragged_paged_attention_blocks(
+                    q, k, v, 0, md, ks, vs, sm_scale=scale, blocks=blk), blk=blk)
+        fns["split_decode"] = lambda q, md, k, v, ks, vs: paged_attention(
             q[:decode_rows], k, v, 0, md.seq_lens[:decode_rows],
-            md.page_table[:decode_rows], ks, vs, sm_scale=scale))
-        fns["split_prefill"] = jax.jit(lambda q, md: ragged_paged_attention_blocks(
+            md.page_table[:decode_rows], ks, vs, sm_scale=scale)
+        fns["split_prefill"] = lambda q, md, k, v, ks, vs: ragged_paged_attention_blocks(
             q, k, v, 0, md, ks, vs, sm_scale=scale, skip_single=True,
-            blocks=tuning.ragged_blocks(1 if fp8 else 2, D, PAGE)))
+            blocks=tuning.ragged_blocks(1 if fp8 else 2, D, PAGE))
         for name, fn in fns.items():
             try:
-                sec = timed(fn, (q, md))
+                sec = timed(jax.jit(fn), (q, md, k, v, ks, vs))
                 rows.append({"impl": name, **base, "us": round(sec * 1e6, 2)})
             except Exception as e:
                 rows.append({"impl": name, **base, "error": f"{type(e).__name__}: {e}"[:300]})
