@@ -274,7 +274,7 @@ TUNE_CANDIDATES = ((32, 4, 4), (64, 4, 3), (128, 4, 3), (128, 8, 3), (128, 8, 4)
 
 
 def tune(key, shapes=TUNE_SHAPES, kv=(False, True), tiles=TUNE_CANDIDATES,
-         split_choices=None, fp8_computes=tuning.FP8_COMPUTE, transposes=(False,)) -> None:
+         split_choices=None, fp8_computes=tuning.FP8_COMPUTE) -> None:
     """Time candidate block sizes (tiles: (block_tokens, warps, stages); FP8: each of
     fp8_computes) on the target shapes; print, don't write. Splits: split_choices, or the
     tuned rule's (and twice it at B=1). Candidates too big for shared memory print their
@@ -287,9 +287,8 @@ def tune(key, shapes=TUNE_SHAPES, kv=(False, True), tiles=TUNE_CANDIDATES,
             splits = sorted(split_choices or {base.num_splits, 2 * base.num_splits
                                               if batch == 1 else base.num_splits})
             computes = fp8_computes if fp8 else ("bfloat16",)
-            for (tok, warps, stages), n, comp, tn in itertools.product(cands, splits, computes,
-                                                                       transposes):
-                blk = tuning.DecodeBlocks(tok, n, warps, stages, comp, tn)
+            for (tok, warps, stages), n, comp in itertools.product(cands, splits, computes):
+                blk = tuning.DecodeBlocks(tok, n, warps, stages, comp)
                 label = f"TUNE B={batch} S={context} fp8={fp8} {blk}"
                 try:
                     sec = time_impl(impls(fp8, blk, tuned=False)["jaxinfer"], case)
@@ -318,9 +317,6 @@ def main(argv=None) -> None:
                     help="split counts to time (default: the tuned rule's)")
     ap.add_argument("--tune-fp8-compute", type=lambda t: t.split(","),
                     default=list(tuning.FP8_COMPUTE), help="FP8 widening dtypes to time")
-    ap.add_argument("--tune-transpose-narrow", type=lambda t: [bool(int(x)) for x in
-                                                               t.split(",")], default=[False],
-                    help="DecodeBlocks.transpose_narrow values to time, e.g. 0,1")
     ap.add_argument("--batches", type=parse_ints, default=list(BATCHES))
     ap.add_argument("--contexts", type=parse_ints, default=list(CONTEXTS))
     ap.add_argument("--impls", type=lambda t: t.split(","), default=list(IMPLS),
@@ -337,7 +333,7 @@ def main(argv=None) -> None:
     if args.tune:
         tune(key, args.tune_shapes, {"both": (False, True), "bf16": (False,),
                                      "fp8": (True,)}[args.tune_kv], args.tune_tiles,
-             args.tune_splits, args.tune_fp8_compute, args.tune_transpose_narrow)
+             args.tune_splits, args.tune_fp8_compute)
     result = new_result("paged_attention", args.git,
                         command="python -m bench.kernels " + " ".join(sys.argv[1:]),
                         shape={"Hq": HQ, "Hkv": HKV, "D": D, "page": PAGE},

@@ -96,21 +96,17 @@ def empty_carry(rows_q: int, d: int):
 
 
 def attend_block(q, k_ref, v_ref, ks_ref, vs_ref, rows, carry, *, logit_scale,
-                 logit_mask=None, kv_valid=None, transpose_narrow=False):
+                 logit_mask=None, kv_valid=None):
     """One online-softmax step over the KV rows `rows` [N]; q [M, D] in the compute dtype
     and logit_scale (scalar or [M, 1]) from prepare_q; carry (m, l, acc) with m, l [M] f32 in
     the base-2 domain and acc [M, D] f32. logit_mask [M|1, N] hides logits, kv_valid [N]
-    zeroes V rows (and their scales) that may hold stale data. transpose_narrow: K is
-    transposed before it is widened (FP8: Triton then widens it in the dot's operand layout
-    instead of widening and transposing a [N, D] tile in registers)."""
+    zeroes V rows (and their scales) that may hold stale data."""
     m, l, acc = carry
     cdt = q.dtype
+    k = k_ref[rows].astype(cdt)
     v = v_ref[rows].astype(cdt)
-    if transpose_narrow:
-        logits = jnp.dot(q, k_ref[rows].T.astype(cdt), preferred_element_type=jnp.float32)
-    else:
-        logits = lax.dot_general(q, k_ref[rows].astype(cdt), (((1,), (1,)), ((), ())),
-                                 preferred_element_type=jnp.float32)
+    logits = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
+                             preferred_element_type=jnp.float32)
     if ks_ref is not None:
         logits = logits * ks_ref[rows][None, :]
     logits = logits * logit_scale
@@ -170,7 +166,7 @@ def _decode_kernel(layer_ref, lens_ref, table_ref, q_ref, k_ref, v_ref, *refs,
         return attend_block(q, k_ref, v_ref, ks_ref, vs_ref, rows, carry,
                             logit_scale=logit_scale,
                             logit_mask=None if valid is None else valid[None, :],
-                            kv_valid=valid, transpose_narrow=blk.transpose_narrow)
+                            kv_valid=valid)
 
     n_full = n // bk
     carry = lax.fori_loop(0, n_full, functools.partial(step, masked=False),

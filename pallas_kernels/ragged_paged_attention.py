@@ -46,11 +46,8 @@ from pallas_kernels.paged_attention import (LOG2E, MIN_ROWS, attend_block, cache
 
 def work_list(query_start, num_tokens: int, block_q: int, skip_single: bool = False):
     """(row [W], block [W]) int32: program w handles q block block[w] of sequence row[w];
-    row is -1 past the last real block. W is static (module docstring). A row's blocks are
-    listed last first: under the causal mask the last attends to the most keys, and programs
-    start roughly in grid order, so the long ones no longer finish the grid. skip_single
-    leaves out rows with exactly one new token (the caller runs them through the decode
-    kernel)."""
+    row is -1 past the last real block. W is static (module docstring). skip_single leaves
+    out rows with exactly one new token (the caller runs them through the decode kernel)."""
     batch = query_start.shape[0] - 1
     per_row = pl.cdiv(num_tokens, block_q)
     w = min(batch * per_row, batch + per_row)
@@ -63,7 +60,7 @@ def work_list(query_start, num_tokens: int, block_q: int, skip_single: bool = Fa
     row = jnp.searchsorted(ends, idx, side="right").astype(jnp.int32)
     live = idx < ends[-1]
     row_c = jnp.minimum(row, batch - 1)
-    blk = ends[row_c] - 1 - idx          # a row's last (causally heaviest) block first
+    blk = idx - (ends[row_c] - blocks[row_c])
     return jnp.where(live, row_c, -1), jnp.where(live, blk, 0).astype(jnp.int32)
 
 

@@ -30,7 +30,6 @@ class DecodeBlocks:
     num_warps: int
     num_stages: int
     fp8_compute: str = "bfloat16"  # FP8 K/V widened to: "bfloat16" | "float16"
-    transpose_narrow: bool = False  # K transposed before it is widened (attend_block)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -138,16 +138,6 @@ def test_kernel_matches_reference(page_size, groups, head_dim, kv_dtype, tokens,
 
 
 @pytest.mark.parametrize("interpret", MODES)
-@pytest.mark.parametrize("kv_dtype,compute", [("fp8", HF), ("fp8", BF), ("bf16", BF)])
-def test_transpose_before_widening_matches_reference(kv_dtype, compute, interpret):
-    """DecodeBlocks.transpose_narrow (K transposed before it is widened) is the same math."""
-    case = make_decode(41, 16, 4, 128, kv_dtype)
-    out, ref = run_pair(case, interpret, DecodeBlocks(32, 2, 4, 2, compute, True))
-    assert rel_err(out, ref) < 1e-2
-    np.testing.assert_array_equal(np.asarray(out[-1], np.float32), 0.0)
-
-
-@pytest.mark.parametrize("interpret", MODES)
 @pytest.mark.parametrize("kv_dtype", ["bf16", "fp8"])
 def test_public_entry_uses_tuned_blocks(kv_dtype, interpret):
     case = make_decode(7, 16, 4, 128, kv_dtype)

@@ -78,7 +78,7 @@ def test_kernel_matches_reference(page_size, groups, head_dim, kv_dtype, block_q
 @pytest.mark.parametrize("seed", range(6))
 def test_work_list_names_every_q_block_once(seed):
     """Any split of T tokens over B rows (zeros, ones, one long row, T not filled) fits the
-    static W, and the list is exactly each row's q blocks, last first, then -1."""
+    static W, and the list is exactly each row's q blocks in order, then -1."""
     rng = np.random.default_rng(seed)
     batch, t, bq = int(rng.integers(1, 40)), int(rng.integers(1, 300)), int(rng.choice([1, 4, 16]))
     cuts = np.sort(rng.integers(0, t + 1, batch))      # row b has cuts[b] - cuts[b-1] tokens
@@ -87,7 +87,7 @@ def test_work_list_names_every_q_block_once(seed):
     q_lens = np.diff(np.concatenate([[0], cuts]))
     start = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
     rows, blocks = (np.asarray(x) for x in work_list(jnp.asarray(start), t, bq))
-    want = [(b, i) for b, n in enumerate(q_lens) for i in reversed(range(-(-n // bq)))]
+    want = [(b, i) for b, n in enumerate(q_lens) for i in range(-(-n // bq))]
     assert len(rows) == min(batch * -(-t // bq), batch + -(-t // bq)) >= len(want)
     assert list(zip(rows[:len(want)].tolist(), blocks[:len(want)].tolist())) == want
     assert np.all(rows[len(want):] == -1)
