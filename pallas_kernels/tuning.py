@@ -15,7 +15,12 @@ context did not help at B >= 64 (1, 2 and 4 splits timed: 1 was best or within n
 program target below stays; its token floor moved (see there). Under Nsight Compute (B=256 S=2048) the FP8 kernel uses 255
 registers per thread, so only 2 blocks (8 warps) fit per SM: it is latency-bound at 58% of
 DRAM peak, where the bf16 kernel (128 registers, 4 blocks per SM) reaches 93%. Fewer live
-registers per program is the next lever. Ragged stays on bfloat16 until it is measured.
+registers per program looked like the next lever; two ways of getting them were measured and
+dropped (bench/README.md, fifth session): K/V widened in head-dim column blocks (255 -> 168
+registers by ptxas, 3 blocks per SM, but B=64 S=2048 136.6 -> 188.3 us) and K transposed
+before widening (within noise). Ragged keeps bfloat16 widening: over a whole mixed step's rows
+f16 widening was 4-12% faster (bench/results/mixed_attention.json, `ragged_all_*`), but decode
+rows now go to the decode kernel and the ragged kernel's prefill-only case was not compared.
 """
 from __future__ import annotations
 
