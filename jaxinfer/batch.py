@@ -59,7 +59,7 @@ def prepare(output: SchedulerOutput, bucket: Bucket, page_size: int) -> StepArra
     query_start[1:n_rows + 1] = np.cumsum(q_len)
 
     page_table = np.zeros((B, W), np.int32)
-    for b, r in enumerate(rows):
+    for b, r in enumerate(rows):   # r.page_ids: an int32 array (a numpy copy, not Python ints)
         page_table[b, :len(r.page_ids)] = r.page_ids
 
     seq = np.repeat(np.arange(n_rows, dtype=np.int32), q_len)          # [n_tok]

@@ -27,6 +27,8 @@ import collections
 import hashlib
 from typing import Iterable, Sequence
 
+import numpy as np
+
 RESERVED_PAGE = 0
 
 
@@ -168,3 +170,59 @@ class PageAllocator:
             raise RuntimeError("free/evictable pages disagree with the prefix cache")
         if {self._page_by_key[k]: k for k in self._page_by_key} != self._key_by_page:
             raise RuntimeError("prefix cache maps are inconsistent")
+
+
+class PageList:
+    """A request's page ids: a list's interface over an int32 buffer that grows by doubling.
+
+    Each step copies every running row's pages into the page table; from Python ints that
+    cost ~3 us per row of ~100 pages (0.6-0.8 ms at 256 rows), from this buffer a numpy copy.
+    `array()` is a read-only view of the pages so far, safe to keep as a snapshot: pages
+    below the length are never rewritten (a request that gives its pages back gets a new
+    PageList) and growth copies into a new buffer."""
+
+    __slots__ = ("_buf", "_len", "_view")
+
+    def __init__(self, pages: Iterable[int] = ()):
+        pages = np.fromiter(pages, np.int32)
+        self._buf = np.empty(max(8, len(pages)), np.int32)
+        self._buf[:len(pages)] = pages
+        self._len = len(pages)
+        self._view = None
+
+    def extend(self, pages: Iterable[int]) -> None:
+        pages = np.fromiter(pages, np.int32)
+        n = self._len + len(pages)
+        if n > len(self._buf):
+            grown = np.empty(max(n, 2 * len(self._buf)), np.int32)
+            grown[:self._len] = self._buf[:self._len]
+            self._buf = grown
+        self._buf[self._len:n] = pages
+        self._len = n
+        self._view = None
+
+    def array(self) -> np.ndarray:
+        if self._view is None:   # made once per length: a decode row grows every S tokens
+            self._view = self._buf[:self._len]
+            self._view.flags.writeable = False
+        return self._view
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return self._buf[:self._len][i].tolist()
+        return int(self._buf[:self._len][i])
+
+    def __iter__(self):
+        return iter(self._buf[:self._len].tolist())
+
+    def __reversed__(self):
+        return reversed(self._buf[:self._len].tolist())
+
+    def __eq__(self, other) -> bool:
+        return list(self) == list(other)
+
+    def __repr__(self) -> str:
+        return f"PageList({list(self)})"

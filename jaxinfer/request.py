@@ -18,6 +18,7 @@ import time
 from typing import Sequence
 
 from jaxinfer.errors import InvalidRequestError
+from jaxinfer.page_table import PageList
 
 MAX_LOGPROBS = 20
 
@@ -151,7 +152,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = dataclasses.field(default_factory=list)
     num_computed_tokens: int = 0
-    page_ids: list[int] = dataclasses.field(default_factory=list)
+    page_ids: PageList = dataclasses.field(default_factory=PageList)
     # Prefix-cache keys (page_table.page_key) of the full pages of all_token_ids, append-only
     # like the tokens; and how many leading pages of page_ids are registered in the cache.
     page_keys: list[bytes] = dataclasses.field(default_factory=list)

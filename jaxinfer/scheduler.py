@@ -33,9 +33,11 @@ import functools
 import time
 from typing import Callable, Sequence
 
+import numpy as np
+
 from jaxinfer.config import EngineConfig
 from jaxinfer.errors import InvalidRequestError
-from jaxinfer.page_table import PageAllocator, extend_page_keys
+from jaxinfer.page_table import PageAllocator, PageList, extend_page_keys
 from jaxinfer.request import PENDING, FinishReason, Request, RequestStatus
 
 
@@ -46,7 +48,8 @@ class ScheduledRow:
     request_id: str
     token_ids: tuple[int, ...]   # fed this step
     start_pos: int               # position of token_ids[0] in the request
-    page_ids: tuple[int, ...]    # all pages of the request, covering start_pos + len(token_ids)
+    page_ids: np.ndarray         # [pages] i32, read-only: all pages of the request, covering
+                                 # start_pos + len(token_ids)
     samples: bool                # this chunk ends the request's tokens: sample the next one
 
     @property
@@ -258,7 +261,7 @@ class Scheduler:
     def _row(self, request: Request, n: int) -> ScheduledRow:
         start = request.num_computed_tokens
         return ScheduledRow(request.request_id, tuple(request.all_token_ids[start:start + n]),
-                            start, tuple(request.page_ids), start + n == request.num_tokens)
+                            start, request.page_ids.array(), start + n == request.num_tokens)
 
     def _grow(self, request: Request, n: int) -> bool:
         """Give the request pages for n more tokens, if the pool has them."""
@@ -294,7 +297,7 @@ class Scheduler:
             extend_page_keys(request.page_keys, request.all_token_ids, self.page_size)
             # At least one token must be computed, for the logits of the next token.
             usable = request.page_keys[:(request.num_tokens - 1) // self.page_size]
-            request.page_ids = self.allocator.match_prefix(usable)
+            request.page_ids = PageList(self.allocator.match_prefix(usable))
             request.num_cached_pages = len(request.page_ids)
             request.num_computed_tokens = len(request.page_ids) * self.page_size
         n = min(request.num_uncomputed_tokens, budget)
@@ -307,7 +310,7 @@ class Scheduler:
 
     def _release_pages(self, request: Request) -> None:
         self.allocator.free(reversed(request.page_ids))
-        request.page_ids = []
+        request.page_ids = PageList()
         request.num_computed_tokens = 0
         request.num_cached_pages = 0
 

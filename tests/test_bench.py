@@ -108,3 +108,11 @@ def test_profile_suite_breaks_the_step_down(tmp_path):
         parts = sum(r[f"{c}_ms"] for c in ("gemm", "attention", "sampling", "copy", "other"))
         assert abs(parts - r["busy_ms_per_step"]) <= 1e-3 * max(1.0, parts) + 5e-4
         assert r["top"] and r["families"] and r["host_top_ms_per_step"]
+
+
+def test_host_step_times_every_phase():
+    from bench import host_step
+    result = host_step.main(["--rows", "8", "--context", "200", "--steps", "3"])
+    assert set(result) == {*host_step.PHASES, "total"}
+    _positive(result, *host_step.PHASES)
+    assert result["total"] == pytest.approx(sum(result[p] for p in host_step.PHASES), abs=0.01)

@@ -1,9 +1,10 @@
-"""PageAllocator: reserved page 0, ref counts, prefix-cache sharing and LRU eviction."""
+"""PageAllocator: reserved page 0, ref counts, prefix-cache sharing and LRU eviction; PageList."""
 import random
 
+import numpy as np
 import pytest
 
-from jaxinfer.page_table import PageAllocator, extend_page_keys, page_key
+from jaxinfer.page_table import PageAllocator, PageList, extend_page_keys, page_key
 
 
 def keys_of(tokens, page_size):
@@ -136,3 +137,22 @@ def test_random_ops_never_leak_or_double_free():
         a.free(pages)
     a.check()
     assert a.num_free == a.num_usable
+
+
+def test_page_list_acts_like_a_list_and_its_snapshots_stay_put():
+    rng = random.Random(3)
+    pages, mirror, snapshots = PageList([5, 9]), [5, 9], []
+    for _ in range(40):                     # grows past its first buffers several times
+        snapshots.append((pages.array(), list(mirror)))
+        new = [rng.randrange(1, 1000) for _ in range(rng.randrange(0, 4))]
+        pages.extend(new)
+        mirror.extend(new)
+        assert len(pages) == len(mirror) and pages == mirror and list(pages) == mirror
+        assert pages.array().tolist() == mirror
+        assert pages[-1] == mirror[-1] and type(pages[0]) is int
+        assert pages[1:3] == mirror[1:3] and list(reversed(pages)) == mirror[::-1]
+    for view, then in snapshots:            # what a scheduled row saw is what it keeps
+        assert view.tolist() == then and view.dtype == np.int32
+        with pytest.raises(ValueError):
+            view[0] = 0
+    assert PageList() == [] and len(PageList()) == 0 and PageList().array().shape == (0,)
