@@ -3,6 +3,10 @@
 #
 #   OUT=/path/to/results GIT_SHA=<sha> bash bench/run_h200.sh STAGE [STAGE ...]
 #
+# Pass GIT_SHA: the device tool's copy of the tree has run with a .git whose HEAD was an
+# older commit than the files (this session's first calls recorded the session's first
+# commit), so `git rev-parse` there can name the wrong code.
+#
 #   check     gpu-marked kernel tests (paged attention incl. the FP8->f16 path, FP8 matmul)  ~3 min
 #   decode    decode roofline: Llama-3-8B bf16 scanned (B=1, the old default) then unrolled
 #             (the GPU default) B 1/64/256 x C 512/1024, FP8 weights B=1, Qwen2.5-32B FP8+FP8
