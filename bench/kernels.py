@@ -36,10 +36,12 @@ import jax.numpy as jnp
 
 from bench import ceilings
 from bench.common import new_result, parse_ints, save
-from jaxinfer.kv_cache import FP8_DTYPE, KVCache, write_kv
+from jaxinfer.kv_cache import FP8_DTYPE, AttentionMetadata, KVCache, write_kv
 from pallas_kernels import tuning
 from pallas_kernels.paged_attention import (paged_attention, paged_attention_blocks,
                                             paged_attention_reference)
+from pallas_kernels.ragged_paged_attention import (ragged_paged_attention,
+                                                   ragged_paged_attention_blocks)
 
 HQ, HKV, D, PAGE = 32, 8, 128, 16
 BATCHES, CONTEXTS = (1, 8, 64, 256), (512, 2048, 8192, 32768)
@@ -194,7 +196,6 @@ def make_mixed(decode_rows: int, prefill: int, fp8: bool, key, context=(1000, 20
     `context`, then one sequence's first prefill chunk of `prefill` tokens (causal over
     itself). Returns q [T, HQ, D], the cache (k, v, ks, vs) and AttentionMetadata, T =
     decode_rows + prefill."""
-    from jaxinfer.kv_cache import AttentionMetadata
     ks = jax.random.split(key, 8)
     lens = jax.random.randint(ks[0], (decode_rows,), *context).tolist() + [prefill]
     q_lens = [1] * decode_rows + [prefill]
@@ -236,8 +237,6 @@ def bench_mixed(key, decode_rows: int = 255, prefill: int = 1793,
     layer: `ragged_public` (the public entry: decode rows through the decode kernel, the
     prefill row through the ragged kernel, `split_decode` + `split_prefill` alone), and
     `ragged_all_<variant>`: the ragged kernel over every row (the route before the split)."""
-    from pallas_kernels.ragged_paged_attention import (ragged_paged_attention,
-                                                       ragged_paged_attention_blocks)
     scale = D ** -0.5
     rows = []
     for fp8 in (False, True):
