@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from checkpoints.fp8 import FP8_DTYPE, FP8_MAX, LINEAR_NAMES, quantize_linear, quantize_params
+from checkpoints.fp8 import FP8_DTYPE, FP8_MAX, LINEAR_NAMES, channel_scales, quantize_params
 from jaxinfer.model import apply_rope, rope_inv_freq
 
 # Modules whose documentation strings make the calibration text (all in every CPython 3.10+;
@@ -146,7 +146,7 @@ def gptq_linear(w, gram, *, damp: float = 0.001, block: int = 128, act_order: bo
     n = w.shape[0]
     if gram.shape != (n, n):
         raise ValueError(f"gptq_linear: gram {gram.shape} does not match w {w.shape}")
-    scale32 = np.asarray(quantize_linear(jnp.asarray(w, jnp.float32))[1])  # RTN's own scales
+    scale32 = np.asarray(channel_scales(jnp.asarray(w, jnp.float32)))   # RTN's own scales
     scale = scale32.astype(np.float64)
     g = np.array(gram, np.float64)
     dead = np.diag(g) == 0          # inputs never seen: nothing to compensate with
@@ -176,8 +176,9 @@ def calibrated_quantize_params(cfg, flat, tokenizer, *, num_windows: int = 16,
     from tqdm import tqdm
 
     if tokenizer is None:
-        raise ValueError("calibrated FP8 needs the model's tokenizer (synthetic-weight shapes "
-                         "have none)")
+        raise ValueError("calibrated FP8 needs the model's tokenizer to read its calibration "
+                         "text (synthetic-weight shapes have none): quantize without "
+                         "calibration instead")
     grams = input_grams(cfg, flat, calibration_windows(tokenizer, num_windows, window),
                         progress)
     with tqdm(total=len(LINEAR_NAMES) * cfg.num_layers, desc="calibrated FP8 rounding",

@@ -27,18 +27,24 @@ FP8_MAX = 448.0
 LINEAR_NAMES = FP8_LINEARS
 
 
+def channel_scales(w):
+    """w [..., in, out] float -> scale f32 [..., out]: max|w[..., :, n]| / 448 (1 for an
+    all-zero channel, where any scale is exact)."""
+    if w.ndim < 2:
+        raise ValueError(f"FP8 quantization: w must be [..., in, out], got shape {w.shape}")
+    if not jnp.issubdtype(w.dtype, jnp.floating):
+        raise TypeError(f"FP8 quantization: w must be a float array, got {w.dtype}")
+    amax = jnp.max(jnp.abs(jnp.asarray(w, jnp.float32)), axis=-2)       # [..., out]
+    return jnp.where(amax > 0, amax / FP8_MAX, 1.0).astype(jnp.float32)
+
+
 def quantize_linear(w):
     """w [..., in, out] float -> (w_q float8_e4m3fn [..., out, in], scale f32 [..., out])."""
-    if w.ndim < 2:
-        raise ValueError(f"quantize_linear: w must be [..., in, out], got shape {w.shape}")
-    if not jnp.issubdtype(w.dtype, jnp.floating):
-        raise TypeError(f"quantize_linear: w must be a float array, got {w.dtype}")
+    scale = channel_scales(w)
     wt = jnp.swapaxes(jnp.asarray(w, jnp.float32), -1, -2)             # [..., out, in]
-    amax = jnp.max(jnp.abs(wt), axis=-1)                                  # [..., out]
-    scale = jnp.where(amax > 0, amax / FP8_MAX, 1.0)                      # zero channel: any scale
     # clip: amax / (amax / 448) can round a hair above 448, which e4m3fn would turn into NaN.
     w_q = jnp.clip(wt / scale[..., None], -FP8_MAX, FP8_MAX).astype(FP8_DTYPE)
-    return w_q, scale.astype(jnp.float32)
+    return w_q, scale
 
 
 def dequantize_linear(w_q, scale):

@@ -211,15 +211,13 @@ class PageList:
         return self._len
 
     def __getitem__(self, i):
-        if isinstance(i, slice):
-            return self._buf[:self._len][i].tolist()
-        return int(self._buf[:self._len][i])
+        return self.array()[i].tolist()   # Python ints, like the list it stands in for
 
     def __iter__(self):
-        return iter(self._buf[:self._len].tolist())
+        return iter(self.array().tolist())
 
     def __reversed__(self):
-        return reversed(self._buf[:self._len].tolist())
+        return reversed(self.array().tolist())
 
     def __eq__(self, other) -> bool:
         return list(self) == list(other)
