@@ -4,13 +4,13 @@ bf16 and FP8 KV, plus the cost of writing the step's new K/V (jaxinfer.kv_cache.
 
     python -m bench.kernels --out bench/results/paged_attention.json [--tune] [--git SHA]
 
-FP8 KV has two kernel rows: `jaxinfer` (the tuned blocks: FP8 widened to f16) and
-`jaxinfer_bf16widen` (the same blocks widened to bf16, the earlier path); every FP8 row of
-either carries `vs_bf16_kv` (jaxinfer on bf16 KV of the same shape, same run / this). The
-three-way check of the f16 choice alone, ~2-3 minutes on an H200:
+FP8 KV has two kernel rows: `jaxinfer` (the tuned blocks: FP8 read as u16 byte pairs) and
+`jaxinfer_f16widen` (the same blocks with e4m3 tiles widened to f16, the earlier path); every
+FP8 row of either carries `vs_bf16_kv` (jaxinfer on bf16 KV of the same shape, same run /
+this). The check of the FP8 choice alone, ~2-3 minutes on an H200:
 
     python -m bench.kernels --batches 1,64 --contexts 2048,8192,32768 \
-        --impls jaxinfer,jaxinfer_bf16widen --no-write-kv --out /tmp/paged_attention_fp8.json
+        --impls jaxinfer,jaxinfer_f16widen --no-write-kv --out /tmp/paged_attention_fp8.json
 
 Method (shared/BENCH.md): one process; ceilings (bench/ceilings.py) measured in the same
 run; random data; each timed call runs the op over R page tables drawn from one large cache,
@@ -48,7 +48,7 @@ BATCHES, CONTEXTS = (1, 8, 64, 256), (512, 2048, 8192, 32768)
 MAX_TOKENS = 1 << 21       # B*S cap: 8.6 GB of bf16 KV per page-table set
 MAX_REF_TOKENS = 1 << 19   # the XLA reference materializes f32 K/V: keep it smaller
 TOUCH_BYTES = 256 << 20
-IMPLS = ("jaxinfer", "jaxinfer_bf16widen", "bundled", "xla_reference")
+IMPLS = ("jaxinfer", "jaxinfer_f16widen", "bundled", "xla_reference")
 
 
 def timed(fn, args, reps: int = 15, min_s: float = 2e-3) -> float:
@@ -95,14 +95,14 @@ def tuned_blocks(batch: int, context: int, fp8: bool) -> tuning.DecodeBlocks:
     return tuning.decode_blocks(batch, HKV, context, PAGE, 1 if fp8 else 2, D)
 
 
-def widened_bf16(blocks: tuning.DecodeBlocks) -> tuning.DecodeBlocks:
-    return dataclasses.replace(blocks, fp8_compute="bfloat16")
+def widened_f16(blocks: tuning.DecodeBlocks) -> tuning.DecodeBlocks:
+    return dataclasses.replace(blocks, fp8_compute="float16")
 
 
 def impls(fp8: bool, blocks: tuning.DecodeBlocks, tuned: bool = True):
     """name -> f(q, k, v, ks, vs, table, lens) on the [1, K, P, S, D] cache, layer 0.
     jaxinfer is the public entry (tuned blocks) unless `tuned` is False (a --tune
-    candidate); jaxinfer_bf16widen is `blocks` widening FP8 to bf16."""
+    candidate); jaxinfer_f16widen is `blocks` with e4m3 tiles widened to f16."""
     scale = D ** -0.5
 
     def ours(blk):
@@ -121,7 +121,7 @@ def impls(fp8: bool, blocks: tuning.DecodeBlocks, tuned: bool = True):
         return paged_attention_reference(q, k, v, 0, n, t, ks, vs, sm_scale=scale)
     out = {"jaxinfer": ours(None if tuned else blocks)}
     if fp8:
-        out["jaxinfer_bf16widen"] = ours(widened_bf16(blocks))
+        out["jaxinfer_f16widen"] = ours(widened_f16(blocks))
     return {**out, "bundled": bundled, "xla_reference": ref}
 
 
@@ -157,7 +157,7 @@ def bench_attention(batch, context, fp8, key, names, bf16_kv_s=None) -> list[dic
         if "bundled" in times:
             row["vs_bundled"] = round(times["bundled"] / sec, 3)
         if name.startswith("jaxinfer"):
-            row["blocks"] = str(blocks if name == "jaxinfer" else widened_bf16(blocks))
+            row["blocks"] = str(blocks if name == "jaxinfer" else widened_f16(blocks))
             if fp8 and bf16_kv_s:
                 row["vs_bf16_kv"] = round(bf16_kv_s / sec, 3)
         rows.append(row)

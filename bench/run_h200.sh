@@ -14,11 +14,11 @@
 #   decode8   only the FP8 rows of `decode` (Llama-3-8B FP8 B=1, Qwen2.5-32B FP8 + FP8 KV),
 #             appended to $OUT/decode.json (seed it with the committed file to extend it)  ~4 min
 #   profile   where the decode step's time goes, kernel by kernel, B 1/64 (unrolled)         ~1 min
-#   kernels   paged attention, the grid B 1/8/64/256 x S 512..32768: ours (FP8 widened
-#             to f16, and to bf16) vs bundled vs the XLA reference, bf16 and FP8 KV         ~4 min
+#   kernels   paged attention, the grid B 1/8/64/256 x S 512..32768: ours (FP8 read as
+#             byte pairs, and widened to f16) vs bundled vs the XLA reference, bf16 and FP8 KV         ~4 min
 #   attnprobe FP8/bf16 paged decode at B=256 S=2048 under Nsight Compute (ncu_*.txt), the
 #             FP8 block-size sweep (--tune, B 64/256 x S 2048), then kernels at B 64/256 x
-#             S 2048/8192 (ours, ours widened to bf16, bundled)                             ~5 min
+#             S 2048/8192 (ours, ours widened to f16, bundled)                              ~5 min
 #   mixed     one mixed step's attention (255 decode rows + a 1793-token prefill chunk), bf16
 #             and FP8 KV: the ragged kernel (tuned and variants) vs decode + ragged split  ~2 min
 #   fp8tune   FP8 GEMV (M=1) tile variants on the four Llama-3-8B projection shapes          ~2 min
@@ -112,7 +112,7 @@ for stage in "$@"; do
         --tune-kv fp8 --batches 64 --contexts 2048 --impls jaxinfer --no-write-kv \
         --git "$GIT" --out "$OUT/attn_tune.json"
       run kernels 200 "$PY" -m bench.kernels --batches 64,256 --contexts 2048,8192 \
-        --impls jaxinfer,jaxinfer_bf16widen,bundled --git "$GIT" \
+        --impls jaxinfer,jaxinfer_f16widen,bundled --git "$GIT" \
         --out "$OUT/paged_attention.json" ;;
     mixed)
       run mixed 200 "$PY" -m bench.kernels --mixed --batches 64 --contexts 2048 \

@@ -34,6 +34,19 @@ logit column after the dot, V's per p column before it).
   (bench/results/history/paged_attention_8de99ec.json, bfloat16-widened rows beside it):
   B=64 S=2048 151.7 us (bf16 widening 178.2), B=256 S=2048 572.5 (904.9), B=64 S=8192
   533.6 (801.8); the current numbers are in bench/results/paged_attention.json.
+- "f16pairs" (decode default for head dim 128, its own program _decode_kernel_pairs): the
+  f16 numerics above, but K/V are read as u16 rows [L*K*P*S, D/2] (a bitcast of the pages),
+  each element two e4m3 bytes (even and odd head dim). An e4m3 tile cannot be read from
+  shared memory with ldmatrix (16-bit only), and where the dot wants it transposed (V's
+  reduction dim is the token) Triton read it byte by byte: the widening kernel's SASS had 253
+  scalar shared loads, 128 of them single bytes, and 241 registers. As u16 the tiles load
+  like bf16 ones; one byte permute plus one cvt.rn.f16x2.e4m3x2 (inline PTX, two packed
+  elements) splits a pair of u16 into the even (odd) dims' f16. q is split the same way
+  outside the kernel (qe = q[:, 0::2], qo = q[:, 1::2]), logits = qe ke^T + qo ko^T, and the
+  two output halves are interleaved back after it. ptxas: 168 registers, 53 shared loads.
+  H200, 4 warps, 2 stages, 128 tokens (bench/results/attn_tune.txt, one process): B=256
+  S=2048 481.3 -> 345.4 us, B=64 S=2048 135.1 -> 120.6. Interpret mode (no PTX) splits the
+  pairs with a bitcast to bytes; the gpu-marked tests run the PTX.
 
 Backend: the Pallas Triton backend, chosen because it compiles on jax 0.10.2 and 0.11.x and
 runs in interpret mode on the CPU for the tests; the numbers it reaches on the H200 are in
@@ -184,6 +197,107 @@ def _decode_kernel(layer_ref, lens_ref, table_ref, q_ref, k_ref, v_ref, *refs,
         l_ref[flat] = l
 
 
+# Two u16 elements (four e4m3 bytes: even0, odd0, even1, odd1) per 32-bit register: one byte
+# permute gathers the even (selector 0x0020) or odd (0x0031) bytes, one hardware convert
+# widens them to f16x2. One asm per output: Pallas' lowering of a multi-result asm fails.
+_PAIRS_ASM = """{
+.reg .b32 t;
+.reg .b16 lo, hi;
+prmt.b32 t, $1, 0, %s;
+mov.b32 {lo, hi}, t;
+cvt.rn.f16x2.e4m3x2 $0, lo;
+}"""
+
+
+def fp8_pairs_to_f16(x, interpret: bool):
+    """u16 [..] holding two e4m3 bytes (the lower byte is the even head dim) -> f16 arrays
+    (even, odd), exact. On the GPU, inline PTX (byte permute + cvt.f16x2.e4m3x2); in
+    interpret mode, a bitcast to bytes."""
+    if interpret:
+        b = lax.bitcast_convert_type(x, FP8_DTYPE)
+        return b[..., 0].astype(jnp.float16), b[..., 1].astype(jnp.float16)
+    half = [jax.ShapeDtypeStruct(x.shape, jnp.float16)]
+    return tuple(plgpu.elementwise_inline_asm(_PAIRS_ASM % sel, args=[x], constraints="=r,r",
+                                              pack=2, result_shape_dtypes=half)[0]
+                 for sel in ("0x0020", "0x0031"))
+
+
+def _decode_kernel_pairs(layer_ref, lens_ref, table_ref, qe_ref, qo_ref, k_ref, v_ref, ks_ref,
+                         vs_ref, *outs, groups: int, rows_q: int, pages_per_seq: int,
+                         split_tokens: int, blk, num_kv_heads: int, num_pages: int,
+                         page_size: int, num_heads: int, batch: int, qk_scale: float,
+                         interpret: bool):
+    """The FP8 decode program with K/V read as u16 pairs of e4m3 bytes: 16-bit tiles load
+    from shared memory the way bf16 tiles do (ldmatrix), and each pair splits into the even
+    and odd head dims by bit moves. q comes split the same way (qe, qo); the outputs too."""
+    b, h, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    heads = h * groups + jnp.minimum(jnp.arange(rows_q, dtype=jnp.int32), groups - 1)
+    qe = qe_ref[b * num_heads + heads].astype(jnp.float32)
+    qo = qo_ref[b * num_heads + heads].astype(jnp.float32)
+    amax = jnp.maximum(jnp.max(jnp.maximum(qe, -qe), axis=1), jnp.max(jnp.maximum(qo, -qo), axis=1))
+    norm = jnp.where(amax > 0, amax, 1.0)
+    qe = (qe / norm[:, None]).astype(jnp.float16)
+    qo = (qo / norm[:, None]).astype(jnp.float16)
+    logit_scale = (norm * qk_scale)[:, None]
+    seq_len = jnp.minimum(lens_ref[b], pages_per_seq * page_size)
+    start = s * split_tokens
+    n = jnp.clip(seq_len - start, 0, split_tokens)
+    bk = blk.block_tokens
+    tok = jnp.arange(bk, dtype=jnp.int32)
+    page_off, slots = tok // page_size, tok % page_size
+    layer = layer_ref[0]
+    half = qe.shape[1]
+
+    def step(i, carry, masked):
+        m, l, acc_e, acc_o = carry
+        t0 = start + i * bk
+        idx = jnp.minimum(t0 // page_size + page_off, pages_per_seq - 1)
+        pages = table_ref[b * pages_per_seq + idx]
+        rows = kv_rows(layer, h, pages, slots, num_kv_heads, num_pages, page_size)
+        ke, ko = fp8_pairs_to_f16(k_ref[rows], interpret)
+        dims = (((1,), (1,)), ((), ()))
+        logits = (lax.dot_general(qe, ke, dims, preferred_element_type=jnp.float32)
+                  + lax.dot_general(qo, ko, dims, preferred_element_type=jnp.float32))
+        logits = logits * ks_ref[rows][None, :] * logit_scale
+        vs = vs_ref[rows]
+        v16 = v_ref[rows]
+        if masked:
+            valid = t0 + tok < seq_len
+            logits = jnp.where(valid[None, :], logits, -jnp.inf)
+            v16 = jnp.where(valid[:, None], v16, jnp.zeros_like(v16))
+            vs = jnp.where(valid, vs, jnp.zeros_like(vs))
+        ve, vo = fp8_pairs_to_f16(v16, interpret)
+        m_new = jnp.maximum(m, jnp.max(logits, axis=1))
+        alpha = jnp.exp2(m - m_new)
+        p = jnp.exp2(logits - m_new[:, None])
+        l = l * alpha + jnp.sum(p, axis=1)
+        vmax = jnp.maximum(jnp.max(vs), 1e-30)
+        pv = (p * (vs * (P_RANGE / vmax))[None, :]).astype(jnp.float16)
+        back = vmax / P_RANGE
+        acc_e = acc_e * alpha[:, None] + jnp.dot(pv, ve, preferred_element_type=jnp.float32) * back
+        acc_o = acc_o * alpha[:, None] + jnp.dot(pv, vo, preferred_element_type=jnp.float32) * back
+        return m_new, l, acc_e, acc_o
+
+    m0, l0, _ = empty_carry(rows_q, half)
+    zeros = jnp.zeros((rows_q, half), jnp.float32)
+    n_full = n // bk
+    carry = lax.fori_loop(0, n_full, functools.partial(step, masked=False),
+                          (m0, l0, zeros, zeros))
+    m, l, acc_e, acc_o = lax.fori_loop(n_full, pl.cdiv(n, bk),
+                                       functools.partial(step, masked=True), carry)
+    if len(outs) == 2:
+        inv = 1.0 / jnp.where(l > 0, l, 1.0)[:, None]
+        outs[0][b * num_heads + heads] = (acc_e * inv).astype(outs[0].dtype)
+        outs[1][b * num_heads + heads] = (acc_o * inv).astype(outs[1].dtype)
+    else:
+        oe_ref, oo_ref, m_ref, l_ref = outs
+        flat = (s * batch + b) * num_heads + heads
+        oe_ref[flat] = acc_e
+        oo_ref[flat] = acc_o
+        m_ref[flat] = m
+        l_ref[flat] = l
+
+
 def _combine(acc, m, l):
     """Merge split partials: acc [N, B, H, D], m/l [N, B, H] (base-2 max) -> [B, H, D]."""
     w = jnp.exp2(m - jnp.max(m, axis=0, keepdims=True))
@@ -241,6 +355,14 @@ def paged_attention_blocks(q, k_pages, v_pages, layer, seq_lens, page_table, k_s
     split_tokens = pl.cdiv(per_split, blocks.block_tokens) * blocks.block_tokens
     groups = num_heads // kv_heads
     rows_q = max(MIN_ROWS, 1 << (groups - 1).bit_length())
+    if k_pages.dtype == FP8_DTYPE and blocks.fp8_compute == "f16pairs":
+        if head_dim % 2:
+            raise ConfigError(f"fp8_compute f16pairs needs an even head dim, got {head_dim}")
+        return _paged_attention_pairs(q, k_pages, v_pages, layer, seq_lens, page_table,
+                                      k_scale, v_scale, sm_scale=sm_scale, interpret=interpret,
+                                      blocks=blocks, groups=groups, rows_q=rows_q,
+                                      split_tokens=split_tokens, kv_heads=kv_heads,
+                                      num_pages=num_pages, page_size=page_size)
     kernel = functools.partial(
         _decode_kernel, groups=groups, rows_q=rows_q, pages_per_seq=pages_per_seq,
         split_tokens=split_tokens, blk=blocks, num_kv_heads=kv_heads, num_pages=num_pages,
@@ -265,6 +387,50 @@ def paged_attention_blocks(q, k_pages, v_pages, layer, seq_lens, page_table, k_s
     if n == 1:
         return outs.reshape(q.shape)
     acc, m, l = outs
+    out = _combine(acc.reshape(n, batch, num_heads, head_dim), m.reshape(n, batch, num_heads),
+                   l.reshape(n, batch, num_heads))
+    return out.astype(q.dtype)
+
+
+def pair_view(pages):
+    """FP8 pages [L, K, P, S, D] as u16 rows [L*K*P*S, D/2] of byte pairs (a bitcast)."""
+    d = pages.shape[-1]
+    return lax.bitcast_convert_type(pages.reshape(-1, d // 2, 2), jnp.uint16)
+
+
+def _paged_attention_pairs(q, k_pages, v_pages, layer, seq_lens, page_table, k_scale, v_scale,
+                           *, sm_scale, interpret, blocks, groups, rows_q, split_tokens,
+                           kv_heads, num_pages, page_size):
+    batch, num_heads, head_dim = q.shape
+    half = head_dim // 2
+    pages_per_seq = page_table.shape[1]
+    kernel = functools.partial(
+        _decode_kernel_pairs, groups=groups, rows_q=rows_q, pages_per_seq=pages_per_seq,
+        split_tokens=split_tokens, blk=blocks, num_kv_heads=kv_heads, num_pages=num_pages,
+        page_size=page_size, num_heads=num_heads, batch=batch,
+        qk_scale=float(sm_scale) * LOG2E, interpret=interpret)
+    n = blocks.num_splits
+    if n == 1:
+        out_shape = (jax.ShapeDtypeStruct((batch * num_heads, half), q.dtype),) * 2
+    else:
+        acc = jax.ShapeDtypeStruct((n * batch * num_heads, half), jnp.float32)
+        ml = jax.ShapeDtypeStruct((n * batch * num_heads,), jnp.float32)
+        out_shape = (acc, acc, ml, ml)
+    qf = q.reshape(-1, head_dim)
+    outs = pl.pallas_call(
+        kernel, grid=(batch, kv_heads, n), out_shape=out_shape, interpret=interpret,
+        compiler_params=plgpu.CompilerParams(num_warps=blocks.num_warps,
+                                             num_stages=blocks.num_stages),
+        name="jaxinfer_paged_decode_fp8",
+    )(jnp.asarray(layer, jnp.int32).reshape(1), seq_lens.astype(jnp.int32),
+      page_table.astype(jnp.int32).reshape(-1), qf[:, 0::2], qf[:, 1::2],
+      pair_view(k_pages), pair_view(v_pages), k_scale.reshape(-1).astype(jnp.float32),
+      v_scale.reshape(-1).astype(jnp.float32))
+    if n == 1:
+        even, odd = outs
+        return jnp.stack([even, odd], axis=-1).reshape(q.shape)
+    acc_e, acc_o, m, l = outs
+    acc = jnp.stack([acc_e, acc_o], axis=-1)
     out = _combine(acc.reshape(n, batch, num_heads, head_dim), m.reshape(n, batch, num_heads),
                    l.reshape(n, batch, num_heads))
     return out.astype(q.dtype)

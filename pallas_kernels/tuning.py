@@ -21,6 +21,15 @@ registers by ptxas, 3 blocks per SM, but B=64 S=2048 136.6 -> 188.3 us) and K tr
 before widening (within noise). Ragged keeps bfloat16 widening: over a whole mixed step's rows
 f16 widening was 4-12% faster (bench/results/mixed_attention.json, `ragged_all_*`), but decode
 rows now go to the decode kernel and the ragged kernel's prefill-only case was not compared.
+
+"f16pairs" (decode only; pallas_kernels/paged_attention.py) reads FP8 K/V as u16 pairs of
+e4m3 bytes, so their shared-memory tiles load with ldmatrix like bf16 ones, and splits each
+pair into the even and odd head dims in registers (ptxas: 241 -> 168 registers, 253 -> 53
+scalar shared loads). Sixth session's sweep (attn_tune.txt, one process, 4 warps, 2 stages,
+128 tokens): B=64 S=2048 135.1 -> 120.6 us, B=256 S=2048 481.3 -> 345.4 (3.22 TB/s), B=1
+S=32768 (32 splits) 52.2 -> 43.9, B=8 S=8192 80.4 -> 73.1; 3 stages, 8 warps and 256-token
+blocks were slower for pairs at B=64/256. It is the (1, 128) choice; (1, 64) was not timed
+with it and keeps "float16".
 """
 from __future__ import annotations
 
@@ -34,7 +43,7 @@ class DecodeBlocks:
     num_splits: int    # split-K partitions of the context, combined afterwards
     num_warps: int
     num_stages: int
-    fp8_compute: str = "bfloat16"  # FP8 K/V widened to: "bfloat16" | "float16"
+    fp8_compute: str = "bfloat16"  # FP8 K/V widened to: "bfloat16" | "float16" | "f16pairs"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,13 +55,13 @@ class RaggedBlocks:
     fp8_compute: str = "bfloat16"
 
 
-FP8_COMPUTE = ("bfloat16", "float16")
+FP8_COMPUTE = ("bfloat16", "float16", "f16pairs")
 
 
 # (kv itemsize, head dim) -> (block_tokens, num_warps, num_stages, fp8_compute)
 DECODE_TABLE = {
     (1, 64): (128, 4, 3, "float16"),
-    (1, 128): (128, 4, 2, "float16"),
+    (1, 128): (128, 4, 2, "f16pairs"),
     (2, 64): (128, 4, 3, "bfloat16"),
     (2, 128): (64, 4, 3, "bfloat16"),
     (4, 64): (32, 4, 2, "bfloat16"),

@@ -115,13 +115,14 @@ def run_pair(case, interpret, blocks=None, layer=1):
 
 
 # (page size, q heads per kv head, head dim, kv dtype, block tokens, splits, fp8 compute)
-BF, HF = "bfloat16", "float16"
+BF, HF, PR = "bfloat16", "float16", "f16pairs"
 GRID = [
     (8, 1, 64, "bf16", 16, 1, BF), (8, 4, 128, "fp8", 32, 2, HF), (8, 8, 64, "bf16", 16, 3, BF),
     (16, 1, 128, "fp8", 16, 1, BF), (16, 4, 64, "bf16", 32, 4, BF),
     (16, 8, 128, "bf16", 64, 1, BF), (16, 8, 64, "fp8", 16, 2, HF),
     (32, 4, 128, "bf16", 32, 2, BF), (32, 1, 64, "fp8", 64, 1, BF),
     (32, 8, 128, "fp8", 32, 1, HF), (16, 3, 64, "bf16", 16, 2, BF), (8, 4, 64, "f32", 16, 2, BF),
+    (8, 4, 128, "fp8", 32, 2, PR), (16, 8, 64, "fp8", 16, 1, PR), (32, 1, 128, "fp8", 64, 3, PR),
 ]
 
 
@@ -147,7 +148,7 @@ def test_public_entry_uses_tuned_blocks(kv_dtype, interpret):
 
 # (kind, q magnitude, fp8 compute; None = the public entry's tuned blocks)
 STRESS = [("wide_v", 1.0, None), ("wide_v", 2e5, HF), ("wide_v", 1e-6, HF), ("wide_k", 1.0, HF),
-          ("wide_v", 2e5, BF)]
+          ("wide_v", 2e5, BF), ("wide_v", 2e5, PR), ("wide_k", 1e-6, PR)]
 
 
 @pytest.mark.parametrize("interpret", MODES)
