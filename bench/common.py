@@ -42,11 +42,14 @@ def device_name() -> str:
 
 
 def new_result(suite: str, git: str | None = None, **extra) -> dict:
+    """A result file's header; JAXINFER_* environment overrides (experiments, e.g. the
+    tuning tables' in pallas_kernels/tuning.py) are recorded under "env"."""
+    env = {k: v for k, v in sorted(os.environ.items()) if k.startswith("JAXINFER_")}
     return {"suite": suite, "device": device_name(), "jax": jax.__version__,
             "git": git_sha(git), "date": str(datetime.date.today()),
             "command": " ".join(["jaxinfer", "bench"] + sys.argv[sys.argv.index(suite):]
                                 if suite in sys.argv else sys.argv),
-            **extra, "rows": []}
+            **({"env": env} if env else {}), **extra, "rows": []}
 
 
 def save(result: dict, path: str | Path, rows: list[dict] = ()) -> None:

@@ -227,16 +227,21 @@ def make_mixed(decode_rows: int, prefill: int, fp8: bool, key, context=(1000, 20
 
 # the ragged kernel over every row of the step, with these RaggedBlocks(block_q, block_tokens,
 # warps, stages, fp8_compute); None = the tuned table's
-RAGGED_VARIANTS = (("tuned", None), ("bq16_f16", (16, 64, 4, 2, "float16")),
-                   ("bq4_f16", (4, 64, 4, 2, "float16")))
+RAGGED_VARIANTS = (("tuned", None),)
+# the ragged kernel over the prefill row alone (what it runs in the engine now), as
+# "block_q,block_tokens,warps,stages,fp8_compute" (fp8_compute only matters for FP8 KV)
+PREFILL_VARIANTS = ("16,64,4,2,bfloat16", "16,64,4,2,f16pairs", "32,64,8,2,bfloat16",
+                    "32,64,8,2,f16pairs", "32,32,4,2,bfloat16", "64,32,8,2,bfloat16",
+                    "64,64,8,2,bfloat16", "64,32,8,2,f16pairs", "128,32,8,2,bfloat16")
 
 
 def bench_mixed(key, decode_rows: int = 255, prefill: int = 1793,
-                variants=RAGGED_VARIANTS) -> list[dict]:
+                variants=RAGGED_VARIANTS, prefill_variants=PREFILL_VARIANTS) -> list[dict]:
     """The attention of one mixed step (what the engine's prefill-carrying steps run), one
     layer: `ragged_public` (the public entry: decode rows through the decode kernel, the
-    prefill row through the ragged kernel, `split_decode` + `split_prefill` alone), and
-    `ragged_all_<variant>`: the ragged kernel over every row (the route before the split)."""
+    prefill row through the ragged kernel, `split_decode` + `split_prefill` alone),
+    `ragged_all_<variant>`: the ragged kernel over every row (the route before the split),
+    and `split_prefill@<blocks>`: the prefill row alone under other block sizes."""
     scale = D ** -0.5
     rows = []
     for fp8 in (False, True):
@@ -258,6 +263,13 @@ def bench_mixed(key, decode_rows: int = 255, prefill: int = 1793,
         fns["split_prefill"] = lambda q, md, k, v, ks, vs: ragged_paged_attention_blocks(
             q, k, v, 0, md, ks, vs, sm_scale=scale, skip_single=True,
             blocks=tuning.ragged_blocks(1 if fp8 else 2, D, PAGE))
+        for text in prefill_variants:
+            if not fp8 and not text.endswith(",bfloat16"):
+                continue          # the FP8 widening choices are the same kernel on bf16 KV
+            fns["split_prefill@" + text] = functools.partial(
+                lambda q, md, k, v, ks, vs, blk: ragged_paged_attention_blocks(
+                    q, k, v, 0, md, ks, vs, sm_scale=scale, skip_single=True, blocks=blk),
+                blk=tuning.RaggedBlocks(*tuning.parse_ragged(text)))
         for name, fn in fns.items():
             try:
                 sec = timed(jax.jit(fn), (q, md, k, v, ks, vs))

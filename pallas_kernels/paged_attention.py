@@ -80,20 +80,32 @@ def compute_dtype(kv_dtype, fp8_compute: str = "bfloat16") -> jnp.dtype:
     if kv_dtype == FP8_DTYPE:
         if fp8_compute not in tuning.FP8_COMPUTE:
             raise ConfigError(f"fp8_compute {fp8_compute!r} is not one of {tuning.FP8_COMPUTE}")
-        return jnp.dtype(fp8_compute)
+        return jnp.dtype(jnp.float16 if fp8_compute == "f16pairs" else fp8_compute)
     return jnp.dtype(jnp.float32 if kv_dtype == jnp.float32 else jnp.bfloat16)
+
+
+def uses_pairs(kv_dtype, fp8_compute: str, head_dim: int) -> bool:
+    """Whether FP8 K/V are read as u16 byte pairs (fp8_compute f16pairs; module docstring)."""
+    if kv_dtype != FP8_DTYPE or fp8_compute != "f16pairs":
+        return False
+    if head_dim % 2:
+        raise ConfigError(f"fp8_compute f16pairs needs an even head dim, got {head_dim}")
+    return True
 
 
 def prepare_q(q, cdt, qk_scale: float):
     """q [M, D] in the compute dtype, and the factor the f32 logits take: qk_scale, or for
     f16 each row's max |q| times qk_scale ([M, 1]), q being divided by that max first so
-    any magnitude fits f16's range."""
+    any magnitude fits f16's range. For f16pairs q is a tuple (even dims, odd dims) [M, D/2]
+    and so is the result."""
+    parts = q if isinstance(q, tuple) else (q,)
     if cdt != jnp.float16:
         return q.astype(cdt), qk_scale
-    qf = q.astype(jnp.float32)
-    amax = jnp.max(jnp.maximum(qf, -qf), axis=1)
+    qf = [x.astype(jnp.float32) for x in parts]
+    amax = functools.reduce(jnp.maximum, [jnp.max(jnp.maximum(x, -x), axis=1) for x in qf])
     norm = jnp.where(amax > 0, amax, 1.0)
-    return (qf / norm[:, None]).astype(cdt), (norm * qk_scale)[:, None]
+    out = tuple((x / norm[:, None]).astype(cdt) for x in qf)
+    return (out if isinstance(q, tuple) else out[0]), (norm * qk_scale)[:, None]
 
 
 def kv_rows(layer, kv_head, pages, slots, num_kv_heads: int, num_pages: int, page_size: int):
@@ -102,99 +114,12 @@ def kv_rows(layer, kv_head, pages, slots, num_kv_heads: int, num_pages: int, pag
     return ((layer * num_kv_heads + kv_head) * num_pages + pages) * page_size + slots
 
 
-def empty_carry(rows_q: int, d: int):
-    """The online-softmax state before the first block: (running max, sum, accumulator)."""
-    return (jnp.full((rows_q,), M_INIT, jnp.float32), jnp.zeros((rows_q,), jnp.float32),
-            jnp.zeros((rows_q, d), jnp.float32))
-
-
-def attend_block(q, k_ref, v_ref, ks_ref, vs_ref, rows, carry, *, logit_scale,
-                 logit_mask=None, kv_valid=None):
-    """One online-softmax step over the KV rows `rows` [N]; q [M, D] in the compute dtype
-    and logit_scale (scalar or [M, 1]) from prepare_q; carry (m, l, acc) with m, l [M] f32 in
-    the base-2 domain and acc [M, D] f32. logit_mask [M|1, N] hides logits, kv_valid [N]
-    zeroes V rows (and their scales) that may hold stale data."""
-    m, l, acc = carry
-    cdt = q.dtype
-    k = k_ref[rows].astype(cdt)
-    v = v_ref[rows].astype(cdt)
-    logits = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
-                             preferred_element_type=jnp.float32)
-    if ks_ref is not None:
-        logits = logits * ks_ref[rows][None, :]
-    logits = logits * logit_scale
-    if logit_mask is not None:
-        logits = jnp.where(logit_mask, logits, -jnp.inf)
-    if kv_valid is not None:
-        v = jnp.where(kv_valid[:, None], v, jnp.zeros_like(v))
-    m_new = jnp.maximum(m, jnp.max(logits, axis=1))
-    alpha = jnp.exp2(m - m_new)
-    p = jnp.exp2(logits - m_new[:, None])
-    l = l * alpha + jnp.sum(p, axis=1)
-    vs = None
-    if vs_ref is not None:
-        vs = vs_ref[rows]
-        if kv_valid is not None:
-            vs = jnp.where(kv_valid, vs, jnp.zeros_like(vs))
-    return m_new, l, acc * alpha[:, None] + _weighted_values(p, v, vs)
-
-
-def _weighted_values(p, v, vs):
-    """p [M, N] f32 times V [N, D] (compute dtype) with V's per-token scales vs [N] (or None)
-    -> [M, D] f32. In f16, p * vs is taken relative to the block's largest scale (see the
-    module docstring) so it neither overflows nor underflows."""
-    cdt = v.dtype
-    if vs is None:
-        return jnp.dot(p.astype(cdt), v, preferred_element_type=jnp.float32)
-    if cdt != jnp.float16:
-        return jnp.dot((p * vs[None, :]).astype(cdt), v, preferred_element_type=jnp.float32)
-    vmax = jnp.maximum(jnp.max(vs), 1e-30)  # a block of only masked rows has vs == 0
-    pv = jnp.dot((p * (vs * (P_RANGE / vmax))[None, :]).astype(cdt), v,
-                 preferred_element_type=jnp.float32)
-    return pv * (vmax / P_RANGE)
-
-
-def _decode_kernel(layer_ref, lens_ref, table_ref, q_ref, k_ref, v_ref, *refs,
-                   groups: int, rows_q: int, pages_per_seq: int, split_tokens: int,
-                   blk, num_kv_heads: int, num_pages: int, page_size: int, num_heads: int,
-                   batch: int, qk_scale: float, fp8: bool, cdt):
-    ks_ref, vs_ref, *outs = refs if fp8 else (None, None, *refs)
-    b, h, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    heads = h * groups + jnp.minimum(jnp.arange(rows_q, dtype=jnp.int32), groups - 1)
-    q, logit_scale = prepare_q(q_ref[b * num_heads + heads], cdt, qk_scale)
-    seq_len = jnp.minimum(lens_ref[b], pages_per_seq * page_size)
-    start = s * split_tokens
-    n = jnp.clip(seq_len - start, 0, split_tokens)
-    bk = blk.block_tokens
-    tok = jnp.arange(bk, dtype=jnp.int32)
-    page_off, slots = tok // page_size, tok % page_size
-    layer = layer_ref[0]
-
-    def step(i, carry, masked):
-        t0 = start + i * bk
-        idx = jnp.minimum(t0 // page_size + page_off, pages_per_seq - 1)
-        pages = table_ref[b * pages_per_seq + idx]
-        rows = kv_rows(layer, h, pages, slots, num_kv_heads, num_pages, page_size)
-        valid = (t0 + tok < seq_len) if masked else None
-        return attend_block(q, k_ref, v_ref, ks_ref, vs_ref, rows, carry,
-                            logit_scale=logit_scale,
-                            logit_mask=None if valid is None else valid[None, :],
-                            kv_valid=valid)
-
-    n_full = n // bk
-    carry = lax.fori_loop(0, n_full, functools.partial(step, masked=False),
-                          empty_carry(rows_q, q.shape[1]))
-    m, l, acc = lax.fori_loop(n_full, pl.cdiv(n, bk), functools.partial(step, masked=True),
-                              carry)
-    if len(outs) == 1:
-        out = acc / jnp.where(l > 0, l, 1.0)[:, None]
-        outs[0][b * num_heads + heads] = out.astype(outs[0].dtype)
-    else:
-        o_ref, m_ref, l_ref = outs
-        flat = (s * batch + b) * num_heads + heads
-        o_ref[flat] = acc
-        m_ref[flat] = m
-        l_ref[flat] = l
+def empty_carry(rows_q: int, d: int, pairs: bool = False):
+    """The online-softmax state before the first block: (running max, sum, accumulator);
+    with pairs the accumulator is (even dims, odd dims) [rows_q, d/2] each."""
+    acc = ((jnp.zeros((rows_q, d // 2), jnp.float32),) * 2 if pairs
+           else jnp.zeros((rows_q, d), jnp.float32))
+    return (jnp.full((rows_q,), M_INIT, jnp.float32), jnp.zeros((rows_q,), jnp.float32), acc)
 
 
 # Two u16 elements (four e4m3 bytes: even0, odd0, even1, odd1) per 32-bit register: one byte
@@ -222,23 +147,97 @@ def fp8_pairs_to_f16(x, interpret: bool):
                  for sel in ("0x0020", "0x0031"))
 
 
-def _decode_kernel_pairs(layer_ref, lens_ref, table_ref, qe_ref, qo_ref, k_ref, v_ref, ks_ref,
-                         vs_ref, *outs, groups: int, rows_q: int, pages_per_seq: int,
-                         split_tokens: int, blk, num_kv_heads: int, num_pages: int,
-                         page_size: int, num_heads: int, batch: int, qk_scale: float,
-                         interpret: bool):
-    """The FP8 decode program with K/V read as u16 pairs of e4m3 bytes: 16-bit tiles load
-    from shared memory the way bf16 tiles do (ldmatrix), and each pair splits into the even
-    and odd head dims by bit moves. q comes split the same way (qe, qo); the outputs too."""
+def _logits(q, k):
+    return lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def attend_block(q, k_ref, v_ref, ks_ref, vs_ref, rows, carry, *, logit_scale,
+                 logit_mask=None, kv_valid=None, interpret: bool = False):
+    """One online-softmax step over the KV rows `rows` [N]; q [M, D] in the compute dtype
+    and logit_scale (scalar or [M, 1]) from prepare_q; carry (m, l, acc) with m, l [M] f32 in
+    the base-2 domain and acc [M, D] f32. logit_mask [M|1, N] hides logits, kv_valid [N]
+    zeroes V rows (and their scales) that may hold stale data. With f16pairs, q and acc are
+    (even, odd) tuples and k_ref/v_ref hold u16 byte pairs (pair_view)."""
+    m, l, acc = carry
+    pairs = isinstance(q, tuple)
+    if pairs:   # V is read and split after the softmax: its f16 parts stay live less long
+        k = fp8_pairs_to_f16(k_ref[rows], interpret)
+        logits = _logits(q[0], k[0]) + _logits(q[1], k[1])
+    else:
+        k = k_ref[rows].astype(q.dtype)
+        v = v_ref[rows].astype(q.dtype)
+        logits = _logits(q, k)
+    if ks_ref is not None:
+        logits = logits * ks_ref[rows][None, :]
+    logits = logits * logit_scale
+    if logit_mask is not None:
+        logits = jnp.where(logit_mask, logits, -jnp.inf)
+    if pairs:
+        v = v_ref[rows]
+    if kv_valid is not None:
+        v = jnp.where(kv_valid[:, None], v, jnp.zeros_like(v))
+    if pairs:
+        v = fp8_pairs_to_f16(v, interpret)
+    m_new = jnp.maximum(m, jnp.max(logits, axis=1))
+    alpha = jnp.exp2(m - m_new)
+    p = jnp.exp2(logits - m_new[:, None])
+    l = l * alpha + jnp.sum(p, axis=1)
+    vs = None
+    if vs_ref is not None:
+        vs = vs_ref[rows]
+        if kv_valid is not None:
+            vs = jnp.where(kv_valid, vs, jnp.zeros_like(vs))
+    pv = _weighted_values(p, v, vs)
+    if isinstance(acc, tuple):
+        return m_new, l, tuple(a * alpha[:, None] + x for a, x in zip(acc, pv))
+    return m_new, l, acc * alpha[:, None] + pv
+
+
+def _weighted_values(p, v, vs):
+    """p [M, N] f32 times V [N, D] (compute dtype; a tuple of parts with f16pairs, giving a
+    tuple) with V's per-token scales vs [N] (or None) -> [M, D] f32. In f16, p * vs is taken
+    relative to the block's largest scale (see the module docstring) so it neither overflows
+    nor underflows."""
+    parts = v if isinstance(v, tuple) else (v,)
+    cdt = parts[0].dtype
+    back = None
+    if vs is None:
+        w = p.astype(cdt)
+    elif cdt != jnp.float16:
+        w = (p * vs[None, :]).astype(cdt)
+    else:
+        vmax = jnp.maximum(jnp.max(vs), 1e-30)  # a block of only masked rows has vs == 0
+        w = (p * (vs * (P_RANGE / vmax))[None, :]).astype(cdt)
+        back = vmax / P_RANGE
+    out = tuple(jnp.dot(w, x, preferred_element_type=jnp.float32) for x in parts)
+    if back is not None:
+        out = tuple(x * back for x in out)
+    return out if isinstance(v, tuple) else out[0]
+
+
+def split_q(q2d, pairs: bool) -> tuple:
+    """q rows [N, D] as the kernels' q operands: (q,), or (even dims, odd dims) for pairs."""
+    return (q2d[:, 0::2], q2d[:, 1::2]) if pairs else (q2d,)
+
+
+def join_parts(parts, pairs: bool):
+    """The kernels' output parts back to [N, D]: the even and odd dims interleaved for pairs."""
+    if not pairs:
+        return parts[0]
+    return jnp.stack(parts, axis=-1).reshape(parts[0].shape[0], -1)
+
+
+def _decode_kernel(layer_ref, lens_ref, table_ref, *refs, groups: int, rows_q: int,
+                   pages_per_seq: int, split_tokens: int, blk, num_kv_heads: int,
+                   num_pages: int, page_size: int, num_heads: int, head_dim: int, batch: int,
+                   qk_scale: float, fp8: bool, cdt, pairs: bool, interpret: bool):
+    nq = 2 if pairs else 1            # q, and the outputs, come in (even, odd) parts
+    q_refs, k_ref, v_ref = refs[:nq], refs[nq], refs[nq + 1]
+    ks_ref, vs_ref, *outs = refs[nq + 2:] if fp8 else (None, None, *refs[nq + 2:])
     b, h, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     heads = h * groups + jnp.minimum(jnp.arange(rows_q, dtype=jnp.int32), groups - 1)
-    qe = qe_ref[b * num_heads + heads].astype(jnp.float32)
-    qo = qo_ref[b * num_heads + heads].astype(jnp.float32)
-    amax = jnp.maximum(jnp.max(jnp.maximum(qe, -qe), axis=1), jnp.max(jnp.maximum(qo, -qo), axis=1))
-    norm = jnp.where(amax > 0, amax, 1.0)
-    qe = (qe / norm[:, None]).astype(jnp.float16)
-    qo = (qo / norm[:, None]).astype(jnp.float16)
-    logit_scale = (norm * qk_scale)[:, None]
+    q = tuple(r[b * num_heads + heads] for r in q_refs)
+    q, logit_scale = prepare_q(q if pairs else q[0], cdt, qk_scale)
     seq_len = jnp.minimum(lens_ref[b], pages_per_seq * page_size)
     start = s * split_tokens
     n = jnp.clip(seq_len - start, 0, split_tokens)
@@ -246,54 +245,33 @@ def _decode_kernel_pairs(layer_ref, lens_ref, table_ref, qe_ref, qo_ref, k_ref, 
     tok = jnp.arange(bk, dtype=jnp.int32)
     page_off, slots = tok // page_size, tok % page_size
     layer = layer_ref[0]
-    half = qe.shape[1]
 
     def step(i, carry, masked):
-        m, l, acc_e, acc_o = carry
         t0 = start + i * bk
         idx = jnp.minimum(t0 // page_size + page_off, pages_per_seq - 1)
         pages = table_ref[b * pages_per_seq + idx]
         rows = kv_rows(layer, h, pages, slots, num_kv_heads, num_pages, page_size)
-        ke, ko = fp8_pairs_to_f16(k_ref[rows], interpret)
-        dims = (((1,), (1,)), ((), ()))
-        logits = (lax.dot_general(qe, ke, dims, preferred_element_type=jnp.float32)
-                  + lax.dot_general(qo, ko, dims, preferred_element_type=jnp.float32))
-        logits = logits * ks_ref[rows][None, :] * logit_scale
-        vs = vs_ref[rows]
-        v16 = v_ref[rows]
-        if masked:
-            valid = t0 + tok < seq_len
-            logits = jnp.where(valid[None, :], logits, -jnp.inf)
-            v16 = jnp.where(valid[:, None], v16, jnp.zeros_like(v16))
-            vs = jnp.where(valid, vs, jnp.zeros_like(vs))
-        ve, vo = fp8_pairs_to_f16(v16, interpret)
-        m_new = jnp.maximum(m, jnp.max(logits, axis=1))
-        alpha = jnp.exp2(m - m_new)
-        p = jnp.exp2(logits - m_new[:, None])
-        l = l * alpha + jnp.sum(p, axis=1)
-        vmax = jnp.maximum(jnp.max(vs), 1e-30)
-        pv = (p * (vs * (P_RANGE / vmax))[None, :]).astype(jnp.float16)
-        back = vmax / P_RANGE
-        acc_e = acc_e * alpha[:, None] + jnp.dot(pv, ve, preferred_element_type=jnp.float32) * back
-        acc_o = acc_o * alpha[:, None] + jnp.dot(pv, vo, preferred_element_type=jnp.float32) * back
-        return m_new, l, acc_e, acc_o
+        valid = (t0 + tok < seq_len) if masked else None
+        return attend_block(q, k_ref, v_ref, ks_ref, vs_ref, rows, carry,
+                            logit_scale=logit_scale,
+                            logit_mask=None if valid is None else valid[None, :],
+                            kv_valid=valid, interpret=interpret)
 
-    m0, l0, _ = empty_carry(rows_q, half)
-    zeros = jnp.zeros((rows_q, half), jnp.float32)
     n_full = n // bk
     carry = lax.fori_loop(0, n_full, functools.partial(step, masked=False),
-                          (m0, l0, zeros, zeros))
-    m, l, acc_e, acc_o = lax.fori_loop(n_full, pl.cdiv(n, bk),
-                                       functools.partial(step, masked=True), carry)
-    if len(outs) == 2:
+                          empty_carry(rows_q, head_dim, pairs))
+    m, l, acc = lax.fori_loop(n_full, pl.cdiv(n, bk), functools.partial(step, masked=True),
+                              carry)
+    accs = acc if pairs else (acc,)
+    if len(outs) == nq:
         inv = 1.0 / jnp.where(l > 0, l, 1.0)[:, None]
-        outs[0][b * num_heads + heads] = (acc_e * inv).astype(outs[0].dtype)
-        outs[1][b * num_heads + heads] = (acc_o * inv).astype(outs[1].dtype)
+        for o_ref, a in zip(outs, accs):
+            o_ref[b * num_heads + heads] = (a * inv).astype(o_ref.dtype)
     else:
-        oe_ref, oo_ref, m_ref, l_ref = outs
+        *o_refs, m_ref, l_ref = outs
         flat = (s * batch + b) * num_heads + heads
-        oe_ref[flat] = acc_e
-        oo_ref[flat] = acc_o
+        for o_ref, a in zip(o_refs, accs):
+            o_ref[flat] = a
         m_ref[flat] = m
         l_ref[flat] = l
 
@@ -329,10 +307,15 @@ def validate(q, k_pages, v_pages, k_scale, v_scale, interpret: bool, block_token
     return kv_heads, num_pages, page_size, head_dim
 
 
-def cache_views(k_pages, v_pages, k_scale, v_scale):
-    """Flatten the cache to rows ([L*K*P*S, D]; scales [L*K*P*S]): free reshapes in XLA."""
+def cache_views(k_pages, v_pages, k_scale, v_scale, pairs: bool = False):
+    """Flatten the cache to rows ([L*K*P*S, D]; scales [L*K*P*S]): free reshapes in XLA.
+    With pairs, FP8 K/V as u16 rows [L*K*P*S, D/2] of byte pairs (a bitcast)."""
     d = k_pages.shape[-1]
-    views = [k_pages.reshape(-1, d), v_pages.reshape(-1, d)]
+    if pairs:
+        views = [lax.bitcast_convert_type(x.reshape(-1, d // 2, 2), jnp.uint16)
+                 for x in (k_pages, v_pages)]
+    else:
+        views = [k_pages.reshape(-1, d), v_pages.reshape(-1, d)]
     if k_pages.dtype == FP8_DTYPE:
         views += [k_scale.reshape(-1).astype(jnp.float32),
                   v_scale.reshape(-1).astype(jnp.float32)]
@@ -355,83 +338,34 @@ def paged_attention_blocks(q, k_pages, v_pages, layer, seq_lens, page_table, k_s
     split_tokens = pl.cdiv(per_split, blocks.block_tokens) * blocks.block_tokens
     groups = num_heads // kv_heads
     rows_q = max(MIN_ROWS, 1 << (groups - 1).bit_length())
-    if k_pages.dtype == FP8_DTYPE and blocks.fp8_compute == "f16pairs":
-        if head_dim % 2:
-            raise ConfigError(f"fp8_compute f16pairs needs an even head dim, got {head_dim}")
-        return _paged_attention_pairs(q, k_pages, v_pages, layer, seq_lens, page_table,
-                                      k_scale, v_scale, sm_scale=sm_scale, interpret=interpret,
-                                      blocks=blocks, groups=groups, rows_q=rows_q,
-                                      split_tokens=split_tokens, kv_heads=kv_heads,
-                                      num_pages=num_pages, page_size=page_size)
+    pairs = uses_pairs(k_pages.dtype, blocks.fp8_compute, head_dim)
     kernel = functools.partial(
         _decode_kernel, groups=groups, rows_q=rows_q, pages_per_seq=pages_per_seq,
         split_tokens=split_tokens, blk=blocks, num_kv_heads=kv_heads, num_pages=num_pages,
-        page_size=page_size, num_heads=num_heads, batch=batch,
+        page_size=page_size, num_heads=num_heads, head_dim=head_dim, batch=batch,
         qk_scale=float(sm_scale) * LOG2E, fp8=k_pages.dtype == FP8_DTYPE,
-        cdt=compute_dtype(k_pages.dtype, blocks.fp8_compute))
-    n = blocks.num_splits
+        cdt=compute_dtype(k_pages.dtype, blocks.fp8_compute), pairs=pairs,
+        interpret=interpret)
+    n, nq = blocks.num_splits, 2 if pairs else 1
+    rows, width = batch * num_heads, head_dim // nq
     if n == 1:
-        out_shape = jax.ShapeDtypeStruct((batch * num_heads, head_dim), q.dtype)
+        out_shape = (jax.ShapeDtypeStruct((rows, width), q.dtype),) * nq
     else:
-        out_shape = (jax.ShapeDtypeStruct((n * batch * num_heads, head_dim), jnp.float32),
-                     jax.ShapeDtypeStruct((n * batch * num_heads,), jnp.float32),
-                     jax.ShapeDtypeStruct((n * batch * num_heads,), jnp.float32))
+        ml = jax.ShapeDtypeStruct((n * rows,), jnp.float32)
+        out_shape = (jax.ShapeDtypeStruct((n * rows, width), jnp.float32),) * nq + (ml, ml)
     outs = pl.pallas_call(
         kernel, grid=(batch, kv_heads, n), out_shape=out_shape, interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=blocks.num_warps,
                                              num_stages=blocks.num_stages),
-        name="jaxinfer_paged_decode",
+        name="jaxinfer_paged_decode" + ("_pairs" if pairs else ""),
     )(jnp.asarray(layer, jnp.int32).reshape(1), seq_lens.astype(jnp.int32),
-      page_table.astype(jnp.int32).reshape(-1), q.reshape(-1, head_dim),
-      *cache_views(k_pages, v_pages, k_scale, v_scale))
+      page_table.astype(jnp.int32).reshape(-1), *split_q(q.reshape(-1, head_dim), pairs),
+      *cache_views(k_pages, v_pages, k_scale, v_scale, pairs))
+    out = join_parts(outs[:nq], pairs)
     if n == 1:
-        return outs.reshape(q.shape)
-    acc, m, l = outs
-    out = _combine(acc.reshape(n, batch, num_heads, head_dim), m.reshape(n, batch, num_heads),
-                   l.reshape(n, batch, num_heads))
-    return out.astype(q.dtype)
-
-
-def pair_view(pages):
-    """FP8 pages [L, K, P, S, D] as u16 rows [L*K*P*S, D/2] of byte pairs (a bitcast)."""
-    d = pages.shape[-1]
-    return lax.bitcast_convert_type(pages.reshape(-1, d // 2, 2), jnp.uint16)
-
-
-def _paged_attention_pairs(q, k_pages, v_pages, layer, seq_lens, page_table, k_scale, v_scale,
-                           *, sm_scale, interpret, blocks, groups, rows_q, split_tokens,
-                           kv_heads, num_pages, page_size):
-    batch, num_heads, head_dim = q.shape
-    half = head_dim // 2
-    pages_per_seq = page_table.shape[1]
-    kernel = functools.partial(
-        _decode_kernel_pairs, groups=groups, rows_q=rows_q, pages_per_seq=pages_per_seq,
-        split_tokens=split_tokens, blk=blocks, num_kv_heads=kv_heads, num_pages=num_pages,
-        page_size=page_size, num_heads=num_heads, batch=batch,
-        qk_scale=float(sm_scale) * LOG2E, interpret=interpret)
-    n = blocks.num_splits
-    if n == 1:
-        out_shape = (jax.ShapeDtypeStruct((batch * num_heads, half), q.dtype),) * 2
-    else:
-        acc = jax.ShapeDtypeStruct((n * batch * num_heads, half), jnp.float32)
-        ml = jax.ShapeDtypeStruct((n * batch * num_heads,), jnp.float32)
-        out_shape = (acc, acc, ml, ml)
-    qf = q.reshape(-1, head_dim)
-    outs = pl.pallas_call(
-        kernel, grid=(batch, kv_heads, n), out_shape=out_shape, interpret=interpret,
-        compiler_params=plgpu.CompilerParams(num_warps=blocks.num_warps,
-                                             num_stages=blocks.num_stages),
-        name="jaxinfer_paged_decode_fp8",
-    )(jnp.asarray(layer, jnp.int32).reshape(1), seq_lens.astype(jnp.int32),
-      page_table.astype(jnp.int32).reshape(-1), qf[:, 0::2], qf[:, 1::2],
-      pair_view(k_pages), pair_view(v_pages), k_scale.reshape(-1).astype(jnp.float32),
-      v_scale.reshape(-1).astype(jnp.float32))
-    if n == 1:
-        even, odd = outs
-        return jnp.stack([even, odd], axis=-1).reshape(q.shape)
-    acc_e, acc_o, m, l = outs
-    acc = jnp.stack([acc_e, acc_o], axis=-1)
-    out = _combine(acc.reshape(n, batch, num_heads, head_dim), m.reshape(n, batch, num_heads),
+        return out.reshape(q.shape)
+    m, l = outs[nq:]
+    out = _combine(out.reshape(n, batch, num_heads, head_dim), m.reshape(n, batch, num_heads),
                    l.reshape(n, batch, num_heads))
     return out.astype(q.dtype)
 

@@ -40,8 +40,9 @@ from jaxinfer.errors import ConfigError
 from jaxinfer.kv_cache import FP8_DTYPE
 from pallas_kernels import tuning
 from pallas_kernels.paged_attention import (LOG2E, MIN_ROWS, attend_block, cache_views,
-                                            compute_dtype, empty_carry, gather_kv, kv_rows,
-                                            paged_attention, prepare_q, validate)
+                                            compute_dtype, empty_carry, gather_kv, join_parts,
+                                            kv_rows, paged_attention, prepare_q, split_q,
+                                            uses_pairs, validate)
 
 
 def work_list(query_start, num_tokens: int, block_q: int, skip_single: bool = False):
@@ -64,11 +65,15 @@ def work_list(query_start, num_tokens: int, block_q: int, skip_single: bool = Fa
     return jnp.where(live, row_c, -1), jnp.where(live, blk, 0).astype(jnp.int32)
 
 
-def _ragged_kernel(layer_ref, row_ref, blk_ref, qstart_ref, pos_ref, table_ref, q_ref, k_ref,
-                   v_ref, *refs, groups: int, groups_p2: int, rows_q: int, pages_per_seq: int,
-                   blk, num_kv_heads: int, num_pages: int, page_size: int, num_heads: int,
-                   qk_scale: float, fp8: bool, cdt):
-    ks_ref, vs_ref, _, o_ref = refs if fp8 else (None, None, *refs)
+def _ragged_kernel(layer_ref, row_ref, blk_ref, qstart_ref, pos_ref, table_ref, *refs,
+                   groups: int, groups_p2: int, rows_q: int, pages_per_seq: int, blk,
+                   num_kv_heads: int, num_pages: int, page_size: int, num_heads: int,
+                   head_dim: int, qk_scale: float, fp8: bool, cdt, pairs: bool,
+                   interpret: bool):
+    nq = 2 if pairs else 1            # q, and the outputs, come in (even, odd) parts
+    q_refs, k_ref, v_ref = refs[:nq], refs[nq], refs[nq + 1]
+    rest = refs[nq + 2:] if fp8 else (None, None, *refs[nq + 2:])
+    ks_ref, vs_ref, o_refs = rest[0], rest[1], rest[2 + nq:]     # past the aliased zeros
     w, h = pl.program_id(0), pl.program_id(1)
     row, i = row_ref[w], blk_ref[w]
     b = jnp.maximum(row, 0)
@@ -80,7 +85,8 @@ def _ragged_kernel(layer_ref, row_ref, blk_ref, qstart_ref, pos_ref, table_ref, 
         r = jnp.arange(rows_q, dtype=jnp.int32)
         tokens = q0 + jnp.minimum(i * blk.block_q + r // groups_p2, q_len - 1)
         heads = h * groups + jnp.minimum(r % groups_p2, groups - 1)
-        q, logit_scale = prepare_q(q_ref[tokens * num_heads + heads], cdt, qk_scale)
+        q = tuple(r[tokens * num_heads + heads] for r in q_refs)
+        q, logit_scale = prepare_q(q if pairs else q[0], cdt, qk_scale)
         pos = jnp.minimum(pos_ref[tokens], pages_per_seq * page_size - 1)  # [M]
         lo, hi = jnp.min(pos) + 1, jnp.max(pos) + 1
         bk = blk.block_tokens
@@ -95,18 +101,19 @@ def _ragged_kernel(layer_ref, row_ref, blk_ref, qstart_ref, pos_ref, table_ref, 
             rows = kv_rows(layer, h, pages, slots, num_kv_heads, num_pages, page_size)
             if not masked:
                 return attend_block(q, k_ref, v_ref, ks_ref, vs_ref, rows, carry,
-                                    logit_scale=logit_scale)
+                                    logit_scale=logit_scale, interpret=interpret)
             t = t0 + tok
             return attend_block(q, k_ref, v_ref, ks_ref, vs_ref, rows, carry,
                                 logit_scale=logit_scale, logit_mask=t[None, :] <= pos[:, None],
-                                kv_valid=t < hi)
+                                kv_valid=t < hi, interpret=interpret)
 
         n_full = lo // bk
         carry = lax.fori_loop(0, n_full, functools.partial(step, masked=False),
-                              empty_carry(rows_q, q.shape[1]))
+                              empty_carry(rows_q, head_dim, pairs))
         _, l, acc = lax.fori_loop(n_full, pl.cdiv(hi, bk), functools.partial(step, masked=True),
                                   carry)
-        o_ref[tokens * num_heads + heads] = (acc / l[:, None]).astype(o_ref.dtype)
+        for o_ref, a in zip(o_refs, acc if pairs else (acc,)):
+            o_ref[tokens * num_heads + heads] = (a / l[:, None]).astype(o_ref.dtype)
 
 
 def _check_metadata(q, md):
@@ -130,27 +137,32 @@ def ragged_paged_attention_blocks(q, k_pages, v_pages, layer, md, k_scale=None, 
     batch, pages_per_seq = md.page_table.shape
     groups = num_heads // kv_heads
     groups_p2 = 1 << (groups - 1).bit_length()
+    pairs = uses_pairs(k_pages.dtype, blocks.fp8_compute, head_dim)
+    nq = 2 if pairs else 1
     kernel = functools.partial(
         _ragged_kernel, groups=groups, groups_p2=groups_p2,
         rows_q=max(MIN_ROWS, groups_p2 * blocks.block_q), pages_per_seq=pages_per_seq,
         blk=blocks, num_kv_heads=kv_heads, num_pages=num_pages, page_size=page_size,
-        num_heads=num_heads, qk_scale=float(sm_scale) * LOG2E,
-        fp8=k_pages.dtype == FP8_DTYPE, cdt=compute_dtype(k_pages.dtype, blocks.fp8_compute))
-    views = cache_views(k_pages, v_pages, k_scale, v_scale)
-    zeros = jnp.zeros((num_tokens * num_heads, head_dim), q.dtype)
+        num_heads=num_heads, head_dim=head_dim, qk_scale=float(sm_scale) * LOG2E,
+        fp8=k_pages.dtype == FP8_DTYPE, cdt=compute_dtype(k_pages.dtype, blocks.fp8_compute),
+        pairs=pairs, interpret=interpret)
+    q_parts = split_q(q.reshape(-1, head_dim), pairs)
+    views = cache_views(k_pages, v_pages, k_scale, v_scale, pairs)
+    zeros = [jnp.zeros(x.shape, q.dtype) for x in q_parts]
     query_start = md.query_start.astype(jnp.int32)
     rows, q_blocks = work_list(query_start, num_tokens, blocks.block_q, skip_single)
-    out = pl.pallas_call(
+    first_zero = 6 + nq + len(views)   # the operand index of zeros[0]
+    outs = pl.pallas_call(
         kernel, grid=(rows.shape[0], kv_heads),
-        out_shape=jax.ShapeDtypeStruct(zeros.shape, q.dtype),
-        input_output_aliases={7 + len(views): 0}, interpret=interpret,
+        out_shape=[jax.ShapeDtypeStruct(z.shape, q.dtype) for z in zeros],
+        input_output_aliases={first_zero + i: i for i in range(nq)}, interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=blocks.num_warps,
                                              num_stages=blocks.num_stages),
         name="jaxinfer_ragged_paged_attention",
     )(jnp.asarray(layer, jnp.int32).reshape(1), rows, q_blocks, query_start,
       md.positions.astype(jnp.int32), md.page_table.astype(jnp.int32).reshape(-1),
-      q.reshape(-1, head_dim), *views, zeros)
-    return out.reshape(q.shape)
+      *q_parts, *views, *zeros)
+    return join_parts(outs, pairs).reshape(q.shape)
 
 
 def ragged_paged_attention(q, k_pages, v_pages, layer, md, k_scale=None, v_scale=None, *,

@@ -105,9 +105,24 @@ def decode_blocks(batch: int, kv_heads: int, max_tokens: int, page_size: int,
     return DecodeBlocks(tokens, _pow2_floor(min(want, most)), warps, stages, fp8)
 
 
+def parse_ragged(text: str) -> tuple:
+    """'block_q,block_tokens,warps,stages,fp8_compute' -> a RAGGED_TABLE value."""
+    parts = text.split(",")
+    if len(parts) != 5 or parts[4] not in FP8_COMPUTE:
+        raise ValueError(f"ragged blocks {text!r}: want block_q,block_tokens,warps,stages,"
+                         f"fp8_compute with fp8_compute one of {FP8_COMPUTE}")
+    return (*map(int, parts[:4]), parts[4])
+
+
+# An experiment's override of RAGGED_TABLE for every class (bench result files record it under
+# "env"); read at import, like JAXINFER_MIN_SPLIT_TOKENS.
+RAGGED_OVERRIDE = (parse_ragged(os.environ["JAXINFER_RAGGED_BLOCKS"])
+                   if os.environ.get("JAXINFER_RAGGED_BLOCKS") else None)
+
+
 def ragged_blocks(itemsize: int, head_dim: int, page_size: int) -> RaggedBlocks:
-    bq, tokens, warps, stages, fp8 = RAGGED_TABLE.get((itemsize, head_dim),
-                                                      (16, 32, 4, 1, "bfloat16"))
+    bq, tokens, warps, stages, fp8 = RAGGED_OVERRIDE or RAGGED_TABLE.get(
+        (itemsize, head_dim), (16, 32, 4, 1, "bfloat16"))
     return RaggedBlocks(bq, max(tokens, page_size, 16), warps, stages, fp8)
 
 

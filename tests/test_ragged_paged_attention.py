@@ -15,8 +15,8 @@ from pallas_kernels.ragged_paged_attention import (ragged_paged_attention,
                                                    ragged_paged_attention_reference, work_list)
 from pallas_kernels import tuning
 from pallas_kernels.tuning import RaggedBlocks
-from test_paged_attention import (BF, HF, KV_HEADS, MODES, PAGES_PER_SEQ, make_cache, rel_err,
-                                  row_rel_err, stress_cache)
+from test_paged_attention import (BF, HF, KV_HEADS, MODES, PAGES_PER_SEQ, PR, make_cache,
+                                  rel_err, row_rel_err, stress_cache)
 
 
 def make_ragged(seed, page_size, groups, head_dim, kv_dtype, q_lens, num_tokens):
@@ -55,6 +55,7 @@ GRID = [
     (16, 3, 64, "fp8", 4, 16, [6, 6], 16, BF),
     (8, 8, 128, "fp8", 16, 16, [20, 2], 24, HF),
     (32, 1, 64, "bf16", 16, 64, [33, 1], 40, BF),
+    (16, 4, 128, "fp8", 8, 32, [9, 1, 14], 28, PR),
 ]
 
 
@@ -132,7 +133,7 @@ def test_mixed_step_splits_decode_rows_off(kv_dtype, interpret):
     q, (k, v, ks, vs), md = make_ragged(37, 16, 4, 128, kv_dtype, q_lens, 32)
     args = (q, k, v, jnp.int32(1), md, ks, vs)
     fn = functools.partial(ragged_paged_attention, sm_scale=128 ** -0.5, interpret=interpret)
-    decode = "jaxinfer_paged_decode" + ("_fp8" if kv_dtype == "fp8" else "")  # f16pairs
+    decode = "jaxinfer_paged_decode" + ("_pairs" if kv_dtype == "fp8" else "")  # f16pairs
     assert pallas_calls(jax.make_jaxpr(fn)(*args).jaxpr) == {
         decode, "jaxinfer_ragged_paged_attention"}
     out = fn(*args)
@@ -142,15 +143,15 @@ def test_mixed_step_splits_decode_rows_off(kv_dtype, interpret):
 
 
 @pytest.mark.parametrize("interpret", MODES)
-@pytest.mark.parametrize("q_mag", [2e5, 1e-6])
-def test_fp8_scale_stress(q_mag, interpret):
+@pytest.mark.parametrize("q_mag,compute", [(2e5, HF), (1e-6, HF), (2e5, PR)])
+def test_fp8_scale_stress(q_mag, compute, interpret):
     """The f16 path's range corners (tests/test_paged_attention.py's stress_cache, wide V
     scales) with causal chunks: every token's own relative error."""
     q, (k, _, _, _), md = make_ragged(23, 16, 4, 128, "fp8", [12, 1, 0, 5], 20)
     q, (k, v, ks, vs) = stress_cache(np.random.default_rng(29), q, k.shape, "wide_v", q_mag)
     args = (q, k, v, jnp.int32(1), md, ks, vs)
     out = ragged_paged_attention_blocks(*args, sm_scale=128 ** -0.5, interpret=interpret,
-                                        blocks=RaggedBlocks(8, 32, 4, 2, HF))
+                                        blocks=RaggedBlocks(8, 32, 4, 2, compute))
     ref = ragged_paged_attention_reference(*args, sm_scale=128 ** -0.5)
     assert row_rel_err(out, ref) < 4e-3
     np.testing.assert_array_equal(np.asarray(out[18:]), 0.0)
