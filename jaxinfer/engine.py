@@ -118,13 +118,16 @@ class Engine:
             prev = self._inflight = None
         t1 = clock()
         out = self.scheduler.schedule()
-        t2 = t3 = t4 = t5 = clock()
+        t2 = ta = tb = t3 = t4 = t5 = clock()
         new = None
         if not out.is_empty:
             bucket = self.buckets.choose(out.num_tokens, out.num_rows, out.max_pages)
             arrays = batch.prepare(out, bucket, self.config.page_size)
-            inp = self.runner.prepare(build_step_input(
-                arrays, out, self.scheduler, *self._prev_source(prev, out, arrays)))
+            ta = clock()
+            step_input = build_step_input(arrays, out, self.scheduler,
+                                          *self._prev_source(prev, out, arrays))
+            tb = clock()
+            inp = self.runner.prepare(step_input)
             t3 = clock()
             sampled, next_tokens = self.runner.submit(inp)
             t4 = clock()
@@ -145,7 +148,9 @@ class Engine:
         self.last_host_s = self.last_step_s - self._waited
         # Where the host's time went (seconds): the bench reports their medians.
         self.last_phases = {"early_resolve": t1 - t0 - waited_before, "schedule": t2 - t1,
-                            "prepare": t3 - t2, "dispatch": t4 - t3, "commit": t5 - t4,
+                            "prepare": t3 - t2, "prepare_arrays": ta - t2,
+                            "prepare_input": tb - ta, "prepare_transfer": t3 - tb,
+                            "dispatch": t4 - t3, "commit": t5 - t4,
                             "resolve": t6 - t5 - (self._waited - waited_before),
                             "wait": self._waited}
         return outputs

@@ -38,9 +38,11 @@ def test_throughput_bench_schema(tmp_path):
     assert row["max_num_seqs"] == 2 and row["async_scheduling"] is True
     assert 0 < row["host_ms_per_step"] <= row["step_ms"] and row["steps"] > 0
     phases = row["host_phases_ms"]
+    parts = {"prepare_arrays", "prepare_input", "prepare_transfer"}
     assert set(phases) == {"early_resolve", "schedule", "prepare", "dispatch", "commit",
-                           "resolve", "wait"}
+                           "resolve", "wait"} | parts
     assert all(v >= 0 for v in phases.values()) and phases["dispatch"] > 0
+    assert all(phases[k] <= phases["prepare"] for k in parts) and phases["prepare_transfer"] > 0
 
 
 class _Clock:
