@@ -15,12 +15,13 @@
 #             appended to $OUT/decode.json (seed it with the committed file to extend it)  ~4 min
 #   profile   where the decode step's time goes, kernel by kernel, B 1/64 (unrolled)         ~1 min
 #   kernels   paged attention, the grid B 1/8/64/256 x S 512..32768: ours (FP8 read as
-#             byte pairs, and widened to f16) vs bundled vs the XLA reference, bf16 and FP8 KV         ~4 min
+#             byte pairs, and widened to f16) vs bundled vs the XLA reference, both KV dtypes ~4 min
 #   attnprobe FP8/bf16 paged decode at B=256 S=2048 under Nsight Compute (ncu_*.txt), the
 #             FP8 block-size sweep (--tune, B 64/256 x S 2048), then kernels at B 64/256 x
 #             S 2048/8192 (ours, ours widened to f16, bundled)                              ~5 min
 #   mixed     one mixed step's attention (255 decode rows + a 1793-token prefill chunk), bf16
-#             and FP8 KV: the ragged kernel (tuned and variants) vs decode + ragged split  ~2 min
+#             and FP8 KV: the ragged kernel over every row vs decode + ragged split, and the
+#             prefill row alone under other ragged blocks (bench.kernels PREFILL_VARIANTS)  ~1 min
 #   fp8tune   FP8 GEMV (M=1) tile variants on the four Llama-3-8B projection shapes          ~2 min
 #   fp8       FP8 matmul: ours vs XLA bf16 vs XLA dequant, M 1..2048, four shapes            ~5 min
 #   compile   every bucket cold / warm, kernels per layer                                    ~2 min

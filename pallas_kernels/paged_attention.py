@@ -34,8 +34,9 @@ logit column after the dot, V's per p column before it).
   (bench/results/history/paged_attention_8de99ec.json, bfloat16-widened rows beside it):
   B=64 S=2048 151.7 us (bf16 widening 178.2), B=256 S=2048 572.5 (904.9), B=64 S=8192
   533.6 (801.8); the current numbers are in bench/results/paged_attention.json.
-- "f16pairs" (decode default for head dim 128, its own program _decode_kernel_pairs): the
-  f16 numerics above, but K/V are read as u16 rows [L*K*P*S, D/2] (a bitcast of the pages),
+- "f16pairs" (decode default for head dim 128; the same programs with q, the outputs and the
+  accumulator in (even, odd) halves, see attend_block): the f16 numerics above, but K/V are
+  read as u16 rows [L*K*P*S, D/2] (a bitcast of the pages),
   each element two e4m3 bytes (even and odd head dim). An e4m3 tile cannot be read from
   shared memory with ldmatrix (16-bit only), and where the dot wants it transposed (V's
   reduction dim is the token) Triton read it byte by byte: the widening kernel's SASS had 253

@@ -85,7 +85,7 @@ def _ragged_kernel(layer_ref, row_ref, blk_ref, qstart_ref, pos_ref, table_ref, 
         r = jnp.arange(rows_q, dtype=jnp.int32)
         tokens = q0 + jnp.minimum(i * blk.block_q + r // groups_p2, q_len - 1)
         heads = h * groups + jnp.minimum(r % groups_p2, groups - 1)
-        q = tuple(r[tokens * num_heads + heads] for r in q_refs)
+        q = tuple(ref[tokens * num_heads + heads] for ref in q_refs)
         q, logit_scale = prepare_q(q if pairs else q[0], cdt, qk_scale)
         pos = jnp.minimum(pos_ref[tokens], pages_per_seq * page_size - 1)  # [M]
         lo, hi = jnp.min(pos) + 1, jnp.max(pos) + 1

@@ -22,14 +22,18 @@ before widening (within noise). Ragged keeps bfloat16 widening: over a whole mix
 f16 widening was 4-12% faster (bench/results/mixed_attention.json, `ragged_all_*`), but decode
 rows now go to the decode kernel and the ragged kernel's prefill-only case was not compared.
 
-"f16pairs" (decode only; pallas_kernels/paged_attention.py) reads FP8 K/V as u16 pairs of
+"f16pairs" (pallas_kernels/paged_attention.py) reads FP8 K/V as u16 pairs of
 e4m3 bytes, so their shared-memory tiles load with ldmatrix like bf16 ones, and splits each
 pair into the even and odd head dims in registers (ptxas: 241 -> 168 registers, 253 -> 53
 scalar shared loads). Sixth session's sweep (attn_tune.txt, one process, 4 warps, 2 stages,
 128 tokens): B=64 S=2048 135.1 -> 120.6 us, B=256 S=2048 481.3 -> 345.4 (3.22 TB/s), B=1
 S=32768 (32 splits) 52.2 -> 43.9, B=8 S=8192 80.4 -> 73.1; 3 stages, 8 warps and 256-token
-blocks were slower for pairs at B=64/256. It is the (1, 128) choice; (1, 64) was not timed
-with it and keeps "float16".
+blocks were slower for pairs at B=64/256. It is the (1, 128) decode choice; (1, 64) was not
+timed with it and keeps "float16". The ragged kernel takes it too, but on a mixed step's
+prefill row it ran slower than bf16 widening (480-598 vs ~410 us per layer, 255 registers;
+bench/results/mixed_attention.json, rows split_prefill@...), so RAGGED_TABLE keeps bfloat16.
+Splitting the FP8 decode context 2, 3, 5 or 6 ways at B=64 S=2048 (512 programs for ~396
+block slots) stayed within noise (attn_tune.txt).
 """
 from __future__ import annotations
 

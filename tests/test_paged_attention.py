@@ -8,7 +8,7 @@ CPU; the same cases marked gpu run compiled on the H200 (JAXINFER_TEST_GPU=1 -m 
 Tolerance, relative L2 (‖out-ref‖/‖ref‖): 1e-2 for bf16 and FP8 KV. The reference reads the
 same quantized FP8 cache in f32; e4m3 widens to bf16 and f16 exactly, so the kernel's only
 extra rounding is q and p in the compute dtype for the tensor cores (bf16 ~2^-9, f16 ~2^-12
-relative) and the bf16 output, the same as for bf16 KV. FP8 cases run both compute dtypes
+relative) and the bf16 output, the same as for bf16 KV. FP8 cases run each compute choice
 (DecodeBlocks.fp8_compute; f16pairs, the f16 numerics on K/V read as byte pairs, is the
 decode default at head dim 128). The scale stress cases (per-token magnitudes 1e-3..1e3, e4m3
 values at 448, |q| from 1e-6 to 2e5) use f32 q, so the output is not rounded to bf16, and
