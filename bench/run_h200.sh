@@ -23,7 +23,7 @@
 #             and FP8 KV: the ragged kernel over every row vs decode + ragged split, and the
 #             prefill row alone under other ragged blocks (bench.kernels PREFILL_VARIANTS)  ~1 min
 #   fp8tune   FP8 GEMV (M=1) tile variants on the four Llama-3-8B projection shapes          ~2 min
-#   fp8       FP8 matmul: ours vs XLA bf16 vs XLA dequant, M 1..2048, four shapes            ~5 min
+#   fp8       FP8 matmul: ours vs XLA bf16 vs XLA dequant, M 1..2048, four shapes            ~7 min
 #   compile   every bucket cold / warm, kernels per layer                                    ~2 min
 #   fusion    fused vs op-by-op (eager) vs command buffers off, B=1                          ~4 min
 #   batching  continuous vs static batching, max batch 64 and 256                            ~6 min
@@ -122,7 +122,7 @@ for stage in "$@"; do
       run fp8tune 200 "$PY" -m bench.fp8_matmul --tune-only --git "$GIT" \
         --out "$OUT/fp8_tune.json" ;;
     fp8)
-      run fp8 330 "$PY" -m bench.fp8_matmul --git "$GIT" --ms "${FP8_MS:-1,8,16,32,64,128,2048}" \
+      run fp8 450 "$PY" -m bench.fp8_matmul --git "$GIT" --ms "${FP8_MS:-1,8,16,32,64,128,2048}" \
         --out "$OUT/fp8_matmul.json" ;;
     compile)
       bench compile 200 compile "${LLAMA[@]}" --max-num-seqs "${SEQS:-64}" \
