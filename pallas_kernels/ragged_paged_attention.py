@@ -4,7 +4,7 @@ hits, mixed steps) over the paged KV cache, causal within the chunk.
 Token t attends to positions 0..positions[t] of sequence token_seq[t]; its own K/V are already
 in the cache (jaxinfer.kv_cache.write_kv runs first, a scatter of T*K*D elements). Cache
 layout, FP8 scales, the FP8 compute dtype (RaggedBlocks.fp8_compute, same numerics) and the
-block step are those of pallas_kernels/paged_attention.py.
+block step are those of pallas_kernels/attention_block.py, shared with the decode kernel.
 
 Kernel (Pallas Triton, like the decode kernel): grid (W, K) over a work list. A program
 takes `block_q` consecutive new tokens of one sequence and all G q heads of one kv head as
@@ -39,10 +39,10 @@ from jax.experimental.pallas import triton as plgpu
 from jaxinfer.errors import ConfigError
 from jaxinfer.kv_cache import FP8_DTYPE
 from pallas_kernels import tuning
-from pallas_kernels.paged_attention import (LOG2E, MIN_ROWS, attend_block, cache_views,
-                                            compute_dtype, empty_carry, gather_kv, join_parts,
-                                            kv_rows, paged_attention, prepare_q, split_q,
-                                            uses_pairs, validate)
+from pallas_kernels.attention_block import (LOG2E, MIN_ROWS, attend_block, cache_views,
+                                            compute_dtype, empty_carry, join_parts, kv_rows,
+                                            prepare_q, split_q, uses_pairs, validate)
+from pallas_kernels.paged_attention import gather_kv, paged_attention
 
 
 def work_list(query_start, num_tokens: int, block_q: int, skip_single: bool = False):

@@ -5,14 +5,15 @@ dim). `num_splits` is not in the table: it follows from the grid size by a rule 
 the work per program, not the shape, decides how well the 132 SMs are filled.
 
 `fp8_compute` is the dtype FP8 K/V are widened to for the tensor-core dots (numerics in
-pallas_kernels/paged_attention.py's docstring); it only matters for FP8 KV. Decode picks
-float16, measured on the H200 (`bench/results/history/paged_attention_8de99ec.json`, rows
-`jaxinfer` vs `jaxinfer_bf16widen`, same blocks): B=64 S=2048 151.7 vs 178.2 us, B=64
-S=8192 533.6 vs 801.8, B=256 S=2048 572.5 vs 904.9. FP8 decode uses 2 pipeline stages
-(the --tune sweep of 22f427a: B=64 S=2048 126.0 us with 2 stages, 152.2 with 3, 132.1 with
-4; B=256 S=2048 464.9 / 480.5 / 496.8); (1, 64) was not re-timed and keeps 3. Splitting the
-context did not help at B >= 64 (1, 2 and 4 splits timed: 1 was best or within noise), so the
-program target below stays; its token floor moved (see there). Under Nsight Compute (B=256 S=2048) the FP8 kernel uses 255
+pallas_kernels/attention_block.py's docstring); it only matters for FP8 KV. Decode picked
+float16 before f16pairs (below), measured on the H200
+(`bench/results/history/paged_attention_8de99ec.json`, rows `jaxinfer` vs
+`jaxinfer_bf16widen`, same blocks): B=64 S=2048 151.7 vs 178.2 us, B=64 S=8192 533.6 vs 801.8,
+B=256 S=2048 572.5 vs 904.9. FP8 decode uses 2 pipeline stages (the --tune sweep of 22f427a:
+B=64 S=2048 126.0 us with 2 stages, 152.2 with 3, 132.1 with 4; B=256 S=2048 464.9 / 480.5 /
+496.8); (1, 64) was not re-timed and keeps 3. Splitting the context did not help at B >= 64
+(1, 2 and 4 splits timed: 1 was best or within noise), so the program target below stays; its
+token floor moved (see there). Under Nsight Compute (B=256 S=2048) the FP8 kernel uses 255
 registers per thread, so only 2 blocks (8 warps) fit per SM: it is latency-bound at 58% of
 DRAM peak, where the bf16 kernel (128 registers, 4 blocks per SM) reaches 93%. Fewer live
 registers per program looked like the next lever; two ways of getting them were measured and
@@ -22,7 +23,7 @@ before widening (within noise). Ragged keeps bfloat16 widening: over a whole mix
 f16 widening was 4-12% faster (bench/results/mixed_attention.json, `ragged_all_*`), but decode
 rows now go to the decode kernel and the ragged kernel's prefill-only case was not compared.
 
-"f16pairs" (pallas_kernels/paged_attention.py) reads FP8 K/V as u16 pairs of
+"f16pairs" (pallas_kernels/attention_block.py) reads FP8 K/V as u16 pairs of
 e4m3 bytes, so their shared-memory tiles load with ldmatrix like bf16 ones, and splits each
 pair into the even and odd head dims in registers (ptxas: 241 -> 168 registers, 253 -> 53
 scalar shared loads). Sixth session's sweep (attn_tune.txt, one process, 4 warps, 2 stages,

@@ -1,0 +1,250 @@
+"""The block step the paged-attention kernels share (decode: pallas_kernels/paged_attention.py,
+ragged: pallas_kernels/ragged_paged_attention.py): one online-softmax step over `block_tokens`
+KV rows gathered through the page table, the q preparation, the cache views and the checks.
+
+Cache layout (jaxinfer/kv_cache.py): k, v [L, K, P, S, D]; FP8 e4m3 KV carries one f32 scale
+per page slot and kv head, k_scale/v_scale [L, K, P, S] (a token's K row is q8 * scale), so
+a token is quantized alone when written. The kernels view the cache as rows [L*K*P*S, D]
+(cache_views) and read the layer's pages in place.
+FP8 KV: only the FP8 bytes and scales are read; K/V are widened in registers to the dtype
+`blocks.fp8_compute` names (pallas_kernels/tuning.py); scales are applied in f32 (K's per
+logit column after the dot, V's per p column before it).
+- "bfloat16": q and p * v_scale in bf16. Per-token work (widening, softmax bookkeeping), not
+  bytes, bounds it: 184 us at B=64 S=2048 (Hq 32, Hkv 8, D 128, page 16) vs 180 us bf16 KV.
+- "float16" (the decode choice at head dim 64): every e4m3 value (3 mantissa bits, 2^-9..448)
+  is an f16 normal (10 bits, 2^-14..65504): widening is exact, and a cheap convert. Two
+  normalizations keep f16's narrow range safe. q is divided by its row's max |q| before the
+  cast (|q| <= 1, any magnitude works, nothing clipped); that max joins K's scale and the
+  softmax scale on the f32 logits (K needs none: |q8| <= 448, f32 accumulate). p * v_scale is
+  divided by the block's largest V scale and lifted by P_RANGE = 2^15 (<= 2^15 < 65504: no
+  overflow); the block's p v is multiplied back by max_scale / 2^15 in f32. A term stays an
+  f16 normal while p * v_scale / max_scale >= 2^-29: V magnitudes 1e6 apart in one block lose
+  nothing (bare p * v_scale would go subnormal below 6e-5). q and p round to 2^-11..2^-12
+  relative (bf16: 2^-8..2^-9), so this path is the more accurate (tests: scale stress cases
+  ~3e-4 per sequence with f32 q; bf16 widening ~2.3e-3). Speed on the H200, 3 pipeline stages
+  (bench/results/history/paged_attention_8de99ec.json, bfloat16-widened rows beside it): B=64
+  S=2048 151.7 us (bf16 widening 178.2), B=256 S=2048 572.5 (904.9), B=64 S=8192 533.6
+  (801.8); the current numbers are in bench/results/paged_attention.json.
+- "f16pairs" (decode default for head dim 128; the same programs with q, the outputs and the
+  accumulator in (even, odd) halves, see attend_block): the f16 numerics above, but K/V are
+  read as u16 rows [L*K*P*S, D/2] (a bitcast of the pages), each element two e4m3 bytes (even
+  and odd head dim). An e4m3 tile cannot be read from shared memory with ldmatrix (16-bit
+  only), and where the dot wants it transposed (V's reduction dim is the token) Triton read it
+  byte by byte: the widening kernel's SASS had 253 scalar shared loads, 128 of them single
+  bytes, and 241 registers. As u16 the tiles load like bf16 ones; one byte permute plus one
+  cvt.rn.f16x2.e4m3x2 (inline PTX, two packed elements) splits a pair of u16 into the even
+  (odd) dims' f16. q is split the same way outside the kernel (qe = q[:, 0::2], qo = q[:,
+  1::2]), logits = qe ke^T + qo ko^T, and the two output halves are interleaved back after it.
+  ptxas: 168 registers, 53 shared loads. H200, 4 warps, 2 stages, 128 tokens
+  (bench/results/attn_tune.txt, one process): B=256 S=2048 481.3 -> 345.4 us, B=64 S=2048
+  135.1 -> 120.6. Interpret mode (no PTX) splits the pairs with a bitcast to bytes; the gpu-
+  marked tests run the PTX.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental.pallas import triton as plgpu
+
+from jaxinfer.errors import ConfigError
+from jaxinfer.kv_cache import FP8_DTYPE
+from pallas_kernels import tuning
+
+LOG2E = math.log2(math.e)
+M_INIT = -1e30  # finite, so an empty split combines to 0 instead of NaN
+MIN_ROWS = 16   # tensor-core tiles need 16 rows
+MIN_BLOCK_TOKENS = 16  # and 16 columns: Triton's dot with N = 8 returned doubled sums (H200)
+P_RANGE = 2.0 ** 15   # f16 path: p * v_scale / max scale is lifted to <= 2^15 < f16's 65504
+
+
+def compute_dtype(kv_dtype, fp8_compute: str = "bfloat16") -> jnp.dtype:
+    """The dtype K/V are widened to for the two dots (e4m3 -> bf16 or f16 is exact)."""
+    if kv_dtype == FP8_DTYPE:
+        if fp8_compute not in tuning.FP8_COMPUTE:
+            raise ConfigError(f"fp8_compute {fp8_compute!r} is not one of {tuning.FP8_COMPUTE}")
+        return jnp.dtype(jnp.float16 if fp8_compute == "f16pairs" else fp8_compute)
+    return jnp.dtype(jnp.float32 if kv_dtype == jnp.float32 else jnp.bfloat16)
+
+
+def uses_pairs(kv_dtype, fp8_compute: str, head_dim: int) -> bool:
+    """Whether FP8 K/V are read as u16 byte pairs (fp8_compute f16pairs; module docstring)."""
+    if kv_dtype != FP8_DTYPE or fp8_compute != "f16pairs":
+        return False
+    if head_dim % 2:
+        raise ConfigError(f"fp8_compute f16pairs needs an even head dim, got {head_dim}")
+    return True
+
+
+def prepare_q(q, cdt, qk_scale: float):
+    """q [M, D] in the compute dtype, and the factor the f32 logits take: qk_scale, or for
+    f16 each row's max |q| times qk_scale ([M, 1]), q being divided by that max first so
+    any magnitude fits f16's range. For f16pairs q is a tuple (even dims, odd dims) [M, D/2]
+    and so is the result."""
+    parts = q if isinstance(q, tuple) else (q,)
+    if cdt != jnp.float16:
+        return q.astype(cdt), qk_scale
+    qf = [x.astype(jnp.float32) for x in parts]
+    amax = functools.reduce(jnp.maximum, [jnp.max(jnp.maximum(x, -x), axis=1) for x in qf])
+    norm = jnp.where(amax > 0, amax, 1.0)
+    out = tuple((x / norm[:, None]).astype(cdt) for x in qf)
+    return (out if isinstance(q, tuple) else out[0]), (norm * qk_scale)[:, None]
+
+
+def kv_rows(layer, kv_head, pages, slots, num_kv_heads: int, num_pages: int, page_size: int):
+    """Row indices into the cache viewed as [L*K*P*S, D] (an int32 suffices: 2**31 rows of
+    D >= 64 would exceed any GPU's memory)."""
+    return ((layer * num_kv_heads + kv_head) * num_pages + pages) * page_size + slots
+
+
+def empty_carry(rows_q: int, d: int, pairs: bool = False):
+    """The online-softmax state before the first block: (running max, sum, accumulator);
+    with pairs the accumulator is (even dims, odd dims) [rows_q, d/2] each."""
+    acc = ((jnp.zeros((rows_q, d // 2), jnp.float32),) * 2 if pairs
+           else jnp.zeros((rows_q, d), jnp.float32))
+    return (jnp.full((rows_q,), M_INIT, jnp.float32), jnp.zeros((rows_q,), jnp.float32), acc)
+
+
+# Two u16 elements (four e4m3 bytes: even0, odd0, even1, odd1) per 32-bit register: one byte
+# permute gathers the even (selector 0x0020) or odd (0x0031) bytes, one hardware convert
+# widens them to f16x2. One asm per output: Pallas' lowering of a multi-result asm fails.
+_PAIRS_ASM = """{
+.reg .b32 t;
+.reg .b16 lo, hi;
+prmt.b32 t, $1, 0, %s;
+mov.b32 {lo, hi}, t;
+cvt.rn.f16x2.e4m3x2 $0, lo;
+}"""
+
+
+def fp8_pairs_to_f16(x, interpret: bool):
+    """u16 [..] holding two e4m3 bytes (the lower byte is the even head dim) -> f16 arrays
+    (even, odd), exact. On the GPU, inline PTX (byte permute + cvt.f16x2.e4m3x2); in
+    interpret mode, a bitcast to bytes."""
+    if interpret:
+        b = lax.bitcast_convert_type(x, FP8_DTYPE)
+        return b[..., 0].astype(jnp.float16), b[..., 1].astype(jnp.float16)
+    half = [jax.ShapeDtypeStruct(x.shape, jnp.float16)]
+    return tuple(plgpu.elementwise_inline_asm(_PAIRS_ASM % sel, args=[x], constraints="=r,r",
+                                              pack=2, result_shape_dtypes=half)[0]
+                 for sel in ("0x0020", "0x0031"))
+
+
+def _logits(q, k):
+    return lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def attend_block(q, k_ref, v_ref, ks_ref, vs_ref, rows, carry, *, logit_scale,
+                 logit_mask=None, kv_valid=None, interpret: bool = False):
+    """One online-softmax step over the KV rows `rows` [N]; q [M, D] in the compute dtype
+    and logit_scale (scalar or [M, 1]) from prepare_q; carry (m, l, acc) with m, l [M] f32 in
+    the base-2 domain and acc [M, D] f32. logit_mask [M|1, N] hides logits, kv_valid [N]
+    zeroes V rows (and their scales) that may hold stale data. With f16pairs, q and acc are
+    (even, odd) tuples and k_ref/v_ref hold u16 byte pairs (pair_view)."""
+    m, l, acc = carry
+    pairs = isinstance(q, tuple)
+    if pairs:   # V is read and split after the softmax: its f16 parts stay live less long
+        k = fp8_pairs_to_f16(k_ref[rows], interpret)
+        logits = _logits(q[0], k[0]) + _logits(q[1], k[1])
+    else:
+        k = k_ref[rows].astype(q.dtype)
+        v = v_ref[rows].astype(q.dtype)
+        logits = _logits(q, k)
+    if ks_ref is not None:
+        logits = logits * ks_ref[rows][None, :]
+    logits = logits * logit_scale
+    if logit_mask is not None:
+        logits = jnp.where(logit_mask, logits, -jnp.inf)
+    if pairs:
+        v = v_ref[rows]
+    if kv_valid is not None:
+        v = jnp.where(kv_valid[:, None], v, jnp.zeros_like(v))
+    if pairs:
+        v = fp8_pairs_to_f16(v, interpret)
+    m_new = jnp.maximum(m, jnp.max(logits, axis=1))
+    alpha = jnp.exp2(m - m_new)
+    p = jnp.exp2(logits - m_new[:, None])
+    l = l * alpha + jnp.sum(p, axis=1)
+    vs = None
+    if vs_ref is not None:
+        vs = vs_ref[rows]
+        if kv_valid is not None:
+            vs = jnp.where(kv_valid, vs, jnp.zeros_like(vs))
+    pv = _weighted_values(p, v, vs)
+    if isinstance(acc, tuple):
+        return m_new, l, tuple(a * alpha[:, None] + x for a, x in zip(acc, pv))
+    return m_new, l, acc * alpha[:, None] + pv
+
+
+def _weighted_values(p, v, vs):
+    """p [M, N] f32 times V [N, D] (compute dtype; a tuple of parts with f16pairs, giving a
+    tuple) with V's per-token scales vs [N] (or None) -> [M, D] f32. In f16, p * vs is taken
+    relative to the block's largest scale (see the module docstring) so it neither overflows
+    nor underflows."""
+    parts = v if isinstance(v, tuple) else (v,)
+    cdt = parts[0].dtype
+    back = None
+    if vs is None:
+        w = p.astype(cdt)
+    elif cdt != jnp.float16:
+        w = (p * vs[None, :]).astype(cdt)
+    else:
+        vmax = jnp.maximum(jnp.max(vs), 1e-30)  # a block of only masked rows has vs == 0
+        w = (p * (vs * (P_RANGE / vmax))[None, :]).astype(cdt)
+        back = vmax / P_RANGE
+    out = tuple(jnp.dot(w, x, preferred_element_type=jnp.float32) for x in parts)
+    if back is not None:
+        out = tuple(x * back for x in out)
+    return out if isinstance(v, tuple) else out[0]
+
+
+def split_q(q2d, pairs: bool) -> tuple:
+    """q rows [N, D] as the kernels' q operands: (q,), or (even dims, odd dims) for pairs."""
+    return (q2d[:, 0::2], q2d[:, 1::2]) if pairs else (q2d,)
+
+
+def join_parts(parts, pairs: bool):
+    """The kernels' output parts back to [N, D]: the even and odd dims interleaved for pairs."""
+    if not pairs:
+        return parts[0]
+    return jnp.stack(parts, axis=-1).reshape(parts[0].shape[0], -1)
+
+def validate(q, k_pages, v_pages, k_scale, v_scale, interpret: bool, block_tokens: int):
+    """Shape, dtype and block checks shared with the ragged kernel; returns (K, P, S, D)."""
+    if q.ndim != 3 or k_pages.ndim != 5 or k_pages.shape != v_pages.shape:
+        raise ConfigError(f"paged attention wants q [*, H, D] and k/v pages [L, K, P, S, D] "
+                          f"of one shape; got {q.shape}, {k_pages.shape}, {v_pages.shape}")
+    _, kv_heads, num_pages, page_size, head_dim = k_pages.shape
+    if q.shape[1] % kv_heads or q.shape[2] != head_dim:
+        raise ConfigError(f"q heads {q.shape[1]} must be a multiple of kv heads {kv_heads} "
+                          f"and head dims must match ({q.shape[2]} vs {head_dim})")
+    fp8 = k_pages.dtype == FP8_DTYPE
+    if fp8 and (k_scale is None or v_scale is None
+                or k_scale.shape != k_pages.shape[:-1] or v_scale.shape != k_scale.shape):
+        raise ConfigError("FP8 KV pages need k_scale and v_scale of shape [L, K, P, S]")
+    pow2 = all(x & (x - 1) == 0 for x in (page_size, head_dim))
+    if not interpret and not pow2:
+        raise ConfigError(f"page size {page_size} and head dim {head_dim} must be powers of "
+                          "two for the GPU kernel")
+    if block_tokens % page_size or (block_tokens < MIN_BLOCK_TOKENS and not interpret):
+        raise ConfigError(f"block_tokens {block_tokens} must be a multiple of the page size "
+                          f"{page_size} and >= {MIN_BLOCK_TOKENS} on the GPU")
+    return kv_heads, num_pages, page_size, head_dim
+
+
+def cache_views(k_pages, v_pages, k_scale, v_scale, pairs: bool = False):
+    """Flatten the cache to rows ([L*K*P*S, D]; scales [L*K*P*S]): free reshapes in XLA.
+    With pairs, FP8 K/V as u16 rows [L*K*P*S, D/2] of byte pairs (a bitcast)."""
+    d = k_pages.shape[-1]
+    if pairs:
+        views = [lax.bitcast_convert_type(x.reshape(-1, d // 2, 2), jnp.uint16)
+                 for x in (k_pages, v_pages)]
+    else:
+        views = [k_pages.reshape(-1, d), v_pages.reshape(-1, d)]
+    if k_pages.dtype == FP8_DTYPE:
+        views += [k_scale.reshape(-1).astype(jnp.float32),
+                  v_scale.reshape(-1).astype(jnp.float32)]
+    return views
