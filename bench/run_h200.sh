@@ -33,6 +33,9 @@
 #   splits    decode B=1 C=512, bf16 then FP8 weights, with the attention split floor at 512
 #             (default) and at 64 tokens ($SPLIT_FLOORS), one process each; rows in
 #             $OUT/splits.json                                                               ~3 min
+#   xlaflags  decode B=1, bf16 then FP8 weights, under each XLA flag set of $FLAG_SETS (e.g.
+#             PDL, exhaustive GEMM tiling search), one process each; rows in
+#             $OUT/xla_flags.json                                                            ~1 min/set
 #   engine1   one request through the real engine (async scheduling): 512 in / 256 out,
 #             bf16 then FP8 weights ($ENGINE1_WEIGHTS); its median step is the B=1 decode
 #             step serving sees                                                              ~4 min
@@ -164,6 +167,29 @@ for stage in "$@"; do
         done
       done
       rm -f "$OUT/splits_roofline.png" ;;
+    xlaflags)
+      # decode B=1 C=$CTX1 (weights $FLAG_WEIGHTS) under each XLA flag set of $FLAG_SETS
+      # (';'-separated, '-' = none), one process each; every run records its XLA_FLAGS
+      IFS=';' read -ra sets <<< "${FLAG_SETS:--;--xla_gpu_enable_pdl=true}"
+      for w in ${FLAG_WEIGHTS:-bf16 fp8}; do
+        i=0
+        for fs in "${sets[@]}"; do
+          [[ $fs == - ]] && fs=
+          ( export XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }$fs"
+            bench "xlaflags_${w}_$i" "${FLAG_LIMIT:-100}" decode "${LLAMA[@]}" --weights "$w" \
+              --batch-sizes 1 --contexts "$CTX1" --reps 5 --append --out "$OUT/xla_flags.json" )
+          i=$((i + 1))
+        done
+      done
+      rm -f "$OUT/xla_flags_roofline.png"
+      "$PY" - "$OUT/xla_flags.json" <<'PYEOF'
+import json, sys
+d = json.load(open(sys.argv[1]))
+for r in d["rows"]:
+    print(f'{r["weights"]:5} {r["step_ms"]:8.3f} ms synced {r["step_ms_device"]:8.3f} ms b2b '
+          f'{r["tokens_per_s"]:8.1f} tok/s  {d["runs"][r["run"]]["xla_flags"] or "(default)"}')
+PYEOF
+      ;;
     engine1)
       for w in ${ENGINE1_WEIGHTS:-bf16 fp8}; do
         run "engine1_$w" 170 "$PY" -m bench.throughput "${LLAMA[@]}" --weights "$w" \
