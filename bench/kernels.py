@@ -229,10 +229,11 @@ def make_mixed(decode_rows: int, prefill: int, fp8: bool, key, context=(1000, 20
 # warps, stages, fp8_compute); None = the tuned table's
 RAGGED_VARIANTS = (("tuned", None),)
 # the ragged kernel over the prefill row alone (what it runs in the engine now), as
-# "block_q,block_tokens,warps,stages,fp8_compute" (fp8_compute only matters for FP8 KV)
-PREFILL_VARIANTS = ("16,64,4,2,bfloat16", "16,64,4,2,f16pairs", "32,64,8,2,bfloat16",
-                    "32,64,8,2,f16pairs", "32,32,4,2,bfloat16", "64,32,8,2,bfloat16",
-                    "64,64,8,2,bfloat16", "64,32,8,2,f16pairs", "128,32,8,2,bfloat16")
+# "block_q,block_tokens,warps,stages,fp8_compute[,prefetch]" (fp8_compute only matters for
+# FP8 KV; prefetch: RaggedBlocks.prefetch_table)
+PREFILL_VARIANTS = ("16,64,4,2,bfloat16", "16,64,4,3,bfloat16,1", "32,64,4,3,bfloat16,1",
+                    "32,32,4,3,bfloat16,1", "64,32,8,3,bfloat16,1", "32,64,8,3,bfloat16,1",
+                    "16,64,4,3,f16pairs,1", "32,64,8,3,f16pairs,1")
 
 
 def bench_mixed(key, decode_rows: int = 255, prefill: int = 1793,
@@ -264,7 +265,7 @@ def bench_mixed(key, decode_rows: int = 255, prefill: int = 1793,
             q, k, v, 0, md, ks, vs, sm_scale=scale, skip_single=True,
             blocks=tuning.ragged_blocks(1 if fp8 else 2, D, PAGE))
         for text in prefill_variants:
-            if not fp8 and not text.endswith(",bfloat16"):
+            if not fp8 and tuning.parse_ragged(text)[4] != "bfloat16":
                 continue          # the FP8 widening choices are the same kernel on bf16 KV
             fns["split_prefill@" + text] = functools.partial(
                 lambda q, md, k, v, ks, vs, blk: ragged_paged_attention_blocks(
@@ -285,11 +286,17 @@ TUNE_CANDIDATES = ((32, 4, 4), (64, 4, 3), (128, 4, 3), (128, 8, 3), (128, 8, 4)
 
 
 def tune(key, shapes=TUNE_SHAPES, kv=(False, True), tiles=TUNE_CANDIDATES,
-         split_choices=None, fp8_computes=tuning.FP8_COMPUTE) -> None:
+         split_choices=None, fp8_computes=tuning.FP8_COMPUTE, prefetch=(False,),
+         repeat: int = 1) -> None:
     """Time candidate block sizes (tiles: (block_tokens, warps, stages); FP8: each of
-    fp8_computes) on the target shapes; print, don't write. Splits: split_choices, or the
-    tuned rule's (and twice it at B=1). Candidates too big for shared memory print their
-    error."""
+    fp8_computes; each page-table prefetch choice, timed back to back) on the target shapes,
+    the whole sweep `repeat` times; print, don't write. Splits: split_choices, or the tuned
+    rule's (and twice it at B=1). Candidates too big for shared memory print their error."""
+    for _ in range(repeat):
+        _tune_once(key, shapes, kv, tiles, split_choices, fp8_computes, prefetch)
+
+
+def _tune_once(key, shapes, kv, tiles, split_choices, fp8_computes, prefetch) -> None:
     cands = tiles
     for batch, context in shapes:
         for fp8 in kv:
@@ -298,8 +305,9 @@ def tune(key, shapes=TUNE_SHAPES, kv=(False, True), tiles=TUNE_CANDIDATES,
             splits = sorted(split_choices or {base.num_splits, 2 * base.num_splits
                                               if batch == 1 else base.num_splits})
             computes = fp8_computes if fp8 else ("bfloat16",)
-            for (tok, warps, stages), n, comp in itertools.product(cands, splits, computes):
-                blk = tuning.DecodeBlocks(tok, n, warps, stages, comp)
+            for (tok, warps, stages), n, comp, pre in itertools.product(cands, splits,
+                                                                         computes, prefetch):
+                blk = tuning.DecodeBlocks(tok, n, warps, stages, comp, pre)
                 label = f"TUNE B={batch} S={context} fp8={fp8} {blk}"
                 try:
                     sec = time_impl(impls(fp8, blk, tuned=False)["jaxinfer"], case)
@@ -328,6 +336,9 @@ def main(argv=None) -> None:
                     help="split counts to time (default: the tuned rule's)")
     ap.add_argument("--tune-fp8-compute", type=lambda t: t.split(","),
                     default=list(tuning.FP8_COMPUTE), help="FP8 widening dtypes to time")
+    ap.add_argument("--tune-prefetch", type=parse_ints, default=[0],
+                    help="page-table prefetch choices to time, 0 and/or 1 (default 0)")
+    ap.add_argument("--tune-repeat", type=int, default=1, help="run the --tune sweep N times")
     ap.add_argument("--batches", type=parse_ints, default=list(BATCHES))
     ap.add_argument("--contexts", type=parse_ints, default=list(CONTEXTS))
     ap.add_argument("--impls", type=lambda t: t.split(","), default=list(IMPLS),
@@ -344,7 +355,8 @@ def main(argv=None) -> None:
     if args.tune:
         tune(key, args.tune_shapes, {"both": (False, True), "bf16": (False,),
                                      "fp8": (True,)}[args.tune_kv], args.tune_tiles,
-             args.tune_splits, args.tune_fp8_compute)
+             args.tune_splits, args.tune_fp8_compute,
+             tuple(bool(x) for x in args.tune_prefetch), args.tune_repeat)
     result = new_result("paged_attention", args.git,
                         command="python -m bench.kernels " + " ".join(sys.argv[1:]),
                         shape={"Hq": HQ, "Hkv": HKV, "D": D, "page": PAGE},

@@ -28,7 +28,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
@@ -37,7 +36,8 @@ from jaxinfer.kv_cache import FP8_DTYPE
 from pallas_kernels import tuning
 from pallas_kernels.attention_block import (LOG2E, MIN_ROWS, attend_block, cache_views,
                                             compute_dtype, empty_carry, join_parts, kv_rows,
-                                            prepare_q, split_q, uses_pairs, validate)
+                                            paged_loop, prepare_q, split_q, uses_pairs,
+                                            validate)
 
 def _decode_kernel(layer_ref, lens_ref, table_ref, *refs, groups: int, rows_q: int,
                    pages_per_seq: int, split_tokens: int, blk, num_kv_heads: int,
@@ -58,22 +58,20 @@ def _decode_kernel(layer_ref, lens_ref, table_ref, *refs, groups: int, rows_q: i
     page_off, slots = tok // page_size, tok % page_size
     layer = layer_ref[0]
 
-    def step(i, carry, masked):
-        t0 = start + i * bk
-        idx = jnp.minimum(t0 // page_size + page_off, pages_per_seq - 1)
-        pages = table_ref[b * pages_per_seq + idx]
+    def block_pages(i):   # block i's page of each token; past the end: the last page
+        idx = jnp.minimum((start + i * bk) // page_size + page_off, pages_per_seq - 1)
+        return table_ref[b * pages_per_seq + idx]
+
+    def body(i, pages, state, masked):
         rows = kv_rows(layer, h, pages, slots, num_kv_heads, num_pages, page_size)
-        valid = (t0 + tok < seq_len) if masked else None
-        return attend_block(q, k_ref, v_ref, ks_ref, vs_ref, rows, carry,
+        valid = (start + i * bk + tok < seq_len) if masked else None
+        return attend_block(q, k_ref, v_ref, ks_ref, vs_ref, rows, state,
                             logit_scale=logit_scale,
                             logit_mask=None if valid is None else valid[None, :],
                             kv_valid=valid, interpret=interpret)
 
-    n_full = n // bk
-    carry = lax.fori_loop(0, n_full, functools.partial(step, masked=False),
-                          empty_carry(rows_q, head_dim, pairs))
-    m, l, acc = lax.fori_loop(n_full, pl.cdiv(n, bk), functools.partial(step, masked=True),
-                              carry)
+    m, l, acc = paged_loop(block_pages, body, empty_carry(rows_q, head_dim, pairs), n // bk,
+                           pl.cdiv(n, bk), bk, blk.prefetch_table)
     accs = acc if pairs else (acc,)
     if len(outs) == nq:
         inv = 1.0 / jnp.where(l > 0, l, 1.0)[:, None]

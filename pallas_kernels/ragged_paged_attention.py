@@ -41,7 +41,8 @@ from jaxinfer.kv_cache import FP8_DTYPE
 from pallas_kernels import tuning
 from pallas_kernels.attention_block import (LOG2E, MIN_ROWS, attend_block, cache_views,
                                             compute_dtype, empty_carry, join_parts, kv_rows,
-                                            prepare_q, split_q, uses_pairs, validate)
+                                            paged_loop, prepare_q, split_q, uses_pairs,
+                                            validate)
 from pallas_kernels.paged_attention import gather_kv, paged_attention
 
 
@@ -94,24 +95,22 @@ def _ragged_kernel(layer_ref, row_ref, blk_ref, qstart_ref, pos_ref, table_ref, 
         page_off, slots = tok // page_size, tok % page_size
         layer = layer_ref[0]
 
-        def step(j, carry, masked):
-            t0 = j * bk
-            idx = jnp.minimum(t0 // page_size + page_off, pages_per_seq - 1)
-            pages = table_ref[b * pages_per_seq + idx]
+        def block_pages(j):
+            idx = jnp.minimum(j * bk // page_size + page_off, pages_per_seq - 1)
+            return table_ref[b * pages_per_seq + idx]
+
+        def body(j, pages, state, masked):
             rows = kv_rows(layer, h, pages, slots, num_kv_heads, num_pages, page_size)
             if not masked:
-                return attend_block(q, k_ref, v_ref, ks_ref, vs_ref, rows, carry,
+                return attend_block(q, k_ref, v_ref, ks_ref, vs_ref, rows, state,
                                     logit_scale=logit_scale, interpret=interpret)
-            t = t0 + tok
-            return attend_block(q, k_ref, v_ref, ks_ref, vs_ref, rows, carry,
+            t = j * bk + tok
+            return attend_block(q, k_ref, v_ref, ks_ref, vs_ref, rows, state,
                                 logit_scale=logit_scale, logit_mask=t[None, :] <= pos[:, None],
                                 kv_valid=t < hi, interpret=interpret)
 
-        n_full = lo // bk
-        carry = lax.fori_loop(0, n_full, functools.partial(step, masked=False),
-                              empty_carry(rows_q, head_dim, pairs))
-        _, l, acc = lax.fori_loop(n_full, pl.cdiv(hi, bk), functools.partial(step, masked=True),
-                                  carry)
+        _, l, acc = paged_loop(block_pages, body, empty_carry(rows_q, head_dim, pairs),
+                               lo // bk, pl.cdiv(hi, bk), bk, blk.prefetch_table)
         for o_ref, a in zip(o_refs, acc if pairs else (acc,)):
             o_ref[tokens * num_heads + heads] = (a / l[:, None]).astype(o_ref.dtype)
 

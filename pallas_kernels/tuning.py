@@ -49,6 +49,10 @@ class DecodeBlocks:
     num_warps: int
     num_stages: int
     fp8_compute: str = "bfloat16"  # FP8 K/V widened to: "bfloat16" | "float16" | "f16pairs"
+    # Read the next block's page-table entries one loop step ahead (carried), so the
+    # K/V copies' addresses do not wait on a page-table load and Triton's pipeliner can
+    # double-buffer K/V (without it, it keeps one K/V buffer whatever num_stages is).
+    prefetch_table: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +62,7 @@ class RaggedBlocks:
     num_warps: int
     num_stages: int
     fp8_compute: str = "bfloat16"
+    prefetch_table: bool = False   # as DecodeBlocks'
 
 
 FP8_COMPUTE = ("bfloat16", "float16", "f16pairs")
@@ -111,12 +116,15 @@ def decode_blocks(batch: int, kv_heads: int, max_tokens: int, page_size: int,
 
 
 def parse_ragged(text: str) -> tuple:
-    """'block_q,block_tokens,warps,stages,fp8_compute' -> a RAGGED_TABLE value."""
+    """'block_q,block_tokens,warps,stages,fp8_compute[,prefetch]' -> a RAGGED_TABLE value
+    (prefetch: 0 or 1, default 0)."""
     parts = text.split(",")
-    if len(parts) != 5 or parts[4] not in FP8_COMPUTE:
+    if (len(parts) not in (5, 6) or parts[4] not in FP8_COMPUTE
+            or parts[5:] not in ([], ["0"], ["1"])):
         raise ValueError(f"ragged blocks {text!r}: want block_q,block_tokens,warps,stages,"
-                         f"fp8_compute with fp8_compute one of {FP8_COMPUTE}")
-    return (*map(int, parts[:4]), parts[4])
+                         f"fp8_compute[,prefetch] with fp8_compute one of {FP8_COMPUTE} and "
+                         f"prefetch 0 or 1")
+    return (*map(int, parts[:4]), parts[4], parts[5:] == ["1"])
 
 
 # An experiment's override of RAGGED_TABLE for every class (bench result files record it under
@@ -126,9 +134,9 @@ RAGGED_OVERRIDE = (parse_ragged(os.environ["JAXINFER_RAGGED_BLOCKS"])
 
 
 def ragged_blocks(itemsize: int, head_dim: int, page_size: int) -> RaggedBlocks:
-    bq, tokens, warps, stages, fp8 = RAGGED_OVERRIDE or RAGGED_TABLE.get(
+    bq, tokens, warps, stages, fp8, *prefetch = RAGGED_OVERRIDE or RAGGED_TABLE.get(
         (itemsize, head_dim), (16, 32, 4, 1, "bfloat16"))
-    return RaggedBlocks(bq, max(tokens, page_size, 16), warps, stages, fp8)
+    return RaggedBlocks(bq, max(tokens, page_size, 16), warps, stages, fp8, *prefetch)
 
 
 @dataclasses.dataclass(frozen=True)

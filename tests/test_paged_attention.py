@@ -115,25 +115,29 @@ def run_pair(case, interpret, blocks=None, layer=1):
     return out, paged_attention_reference(*args, sm_scale=scale)
 
 
-# (page size, q heads per kv head, head dim, kv dtype, block tokens, splits, fp8 compute)
+# (page size, q heads per kv head, head dim, kv dtype, block tokens, splits, fp8 compute,
+#  page-table prefetch)
 BF, HF, PR = "bfloat16", "float16", "f16pairs"
 GRID = [
-    (8, 1, 64, "bf16", 16, 1, BF), (8, 8, 64, "bf16", 16, 3, BF),
-    (16, 1, 128, "fp8", 16, 1, BF), (16, 4, 64, "bf16", 32, 4, BF),
-    (16, 8, 128, "bf16", 64, 1, BF), (16, 8, 64, "fp8", 16, 2, HF),
-    (32, 4, 128, "bf16", 32, 2, BF), (32, 1, 64, "fp8", 64, 1, BF),
-    (32, 8, 128, "fp8", 32, 1, HF), (16, 3, 64, "bf16", 16, 2, BF), (8, 4, 64, "f32", 16, 2, BF),
-    (8, 4, 128, "fp8", 32, 2, PR), (16, 8, 64, "fp8", 16, 1, PR), (32, 1, 128, "fp8", 64, 3, PR),
+    (8, 1, 64, "bf16", 16, 1, BF, 0), (8, 8, 64, "bf16", 16, 3, BF, 1),
+    (16, 1, 128, "fp8", 16, 1, BF, 1), (16, 4, 64, "bf16", 32, 4, BF, 0),
+    (16, 8, 128, "bf16", 64, 1, BF, 1), (16, 8, 64, "fp8", 16, 2, HF, 0),
+    (32, 4, 128, "bf16", 32, 2, BF, 0), (32, 1, 64, "fp8", 64, 1, BF, 1),
+    (32, 8, 128, "fp8", 32, 1, HF, 1), (16, 3, 64, "bf16", 16, 2, BF, 0),
+    (8, 4, 64, "f32", 16, 2, BF, 1), (8, 4, 128, "fp8", 32, 2, PR, 1),
+    (16, 8, 64, "fp8", 16, 1, PR, 0), (32, 1, 128, "fp8", 64, 3, PR, 1),
 ]
 
 
 @pytest.mark.parametrize("interpret", MODES)
-@pytest.mark.parametrize("page_size,groups,head_dim,kv_dtype,tokens,splits,compute", GRID)
+@pytest.mark.parametrize("page_size,groups,head_dim,kv_dtype,tokens,splits,compute,prefetch",
+                         GRID)
 def test_kernel_matches_reference(page_size, groups, head_dim, kv_dtype, tokens, splits,
-                                  compute, interpret):
+                                  compute, prefetch, interpret):
     seed = page_size * 1000 + groups * 100 + head_dim + tokens + splits
     case = make_decode(seed, page_size, groups, head_dim, kv_dtype)
-    out, ref = run_pair(case, interpret, DecodeBlocks(tokens, splits, 4, 2, compute))
+    out, ref = run_pair(case, interpret,
+                        DecodeBlocks(tokens, splits, 4, 2, compute, bool(prefetch)))
     assert out.shape == case[0].shape and out.dtype == case[0].dtype
     assert rel_err(out, ref) < (1e-3 if kv_dtype == "f32" else 1e-2)
     np.testing.assert_array_equal(np.asarray(out[-1], np.float32), 0.0)  # padded row

@@ -47,29 +47,30 @@ def make_ragged(seed, page_size, groups, head_dim, kv_dtype, q_lens, num_tokens)
 
 
 # (page size, q heads per kv head, head dim, kv dtype, block_q, block tokens, q_lens, T,
-#  fp8 compute)
+#  fp8 compute, page-table prefetch)
 GRID = [
-    (8, 4, 64, "bf16", 4, 16, [7, 1, 0, 12], 24, BF),
-    (16, 1, 128, "fp8", 8, 32, [9, 3, 16], 32, HF),
-    (32, 8, 64, "bf16", 2, 32, [5, 0, 1, 4], 12, BF),
-    (16, 3, 64, "fp8", 4, 16, [6, 6], 16, BF),
-    (8, 8, 128, "fp8", 16, 16, [20, 2], 24, HF),
-    (32, 1, 64, "bf16", 16, 64, [33, 1], 40, BF),
-    (16, 4, 128, "fp8", 8, 32, [9, 1, 14], 28, PR),
+    (8, 4, 64, "bf16", 4, 16, [7, 1, 0, 12], 24, BF, 0),
+    (16, 1, 128, "fp8", 8, 32, [9, 3, 16], 32, HF, 1),
+    (32, 8, 64, "bf16", 2, 32, [5, 0, 1, 4], 12, BF, 0),
+    (16, 3, 64, "fp8", 4, 16, [6, 6], 16, BF, 1),
+    (8, 8, 128, "fp8", 16, 16, [20, 2], 24, HF, 0),
+    (32, 1, 64, "bf16", 16, 64, [33, 1], 40, BF, 1),
+    (16, 4, 128, "fp8", 8, 32, [9, 1, 14], 28, PR, 1),
 ]
 
 
 @pytest.mark.parametrize("interpret", MODES)
-@pytest.mark.parametrize("page_size,groups,head_dim,kv_dtype,block_q,tokens,q_lens,t,compute",
-                         GRID)
+@pytest.mark.parametrize("page_size,groups,head_dim,kv_dtype,block_q,tokens,q_lens,t,compute,"
+                         "prefetch", GRID)
 def test_kernel_matches_reference(page_size, groups, head_dim, kv_dtype, block_q, tokens,
-                                  q_lens, t, compute, interpret):
+                                  q_lens, t, compute, prefetch, interpret):
     q, (k, v, ks, vs), md = make_ragged(sum(q_lens) * page_size + groups, page_size, groups,
                                         head_dim, kv_dtype, q_lens, t)
     scale = head_dim ** -0.5
     args = (q, k, v, jnp.int32(1), md, ks, vs)
     out = ragged_paged_attention_blocks(*args, sm_scale=scale, interpret=interpret,
-                                        blocks=RaggedBlocks(block_q, tokens, 4, 2, compute))
+                                        blocks=RaggedBlocks(block_q, tokens, 4, 2, compute,
+                                                            bool(prefetch)))
     ref = ragged_paged_attention_reference(*args, sm_scale=scale)
     assert out.shape == q.shape and out.dtype == q.dtype
     assert rel_err(out, ref) < 1e-2
@@ -155,3 +156,11 @@ def test_fp8_scale_stress(q_mag, compute, interpret):
     ref = ragged_paged_attention_reference(*args, sm_scale=128 ** -0.5)
     assert row_rel_err(out, ref) < 4e-3
     np.testing.assert_array_equal(np.asarray(out[18:]), 0.0)
+
+
+def test_parse_ragged_blocks():
+    assert tuning.parse_ragged("32,32,4,2,bfloat16") == (32, 32, 4, 2, "bfloat16", False)
+    assert tuning.parse_ragged("16,64,4,3,f16pairs,1") == (16, 64, 4, 3, "f16pairs", True)
+    for bad in ("16,64,4,3", "16,64,4,3,float8", "16,64,4,3,bfloat16,2"):
+        with pytest.raises(ValueError, match="ragged blocks"):
+            tuning.parse_ragged(bad)
