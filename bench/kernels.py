@@ -317,6 +317,15 @@ def _tune_once(key, shapes, kv, tiles, split_choices, fp8_computes, prefetch) ->
                     print(f"{label} failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
 
 
+def parse_flags(text: str) -> list[int]:
+    """'0,1' -> [0, 1]: a comma-separated list of 0/1 choices."""
+    values = text.split(",")
+    if not set(values) <= {"0", "1"}:
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list of 0 and 1, got "
+                                          f"{text!r}")
+    return [int(x) for x in values]
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="bench/results/paged_attention.json")
@@ -336,7 +345,7 @@ def main(argv=None) -> None:
                     help="split counts to time (default: the tuned rule's)")
     ap.add_argument("--tune-fp8-compute", type=lambda t: t.split(","),
                     default=list(tuning.FP8_COMPUTE), help="FP8 widening dtypes to time")
-    ap.add_argument("--tune-prefetch", type=parse_ints, default=[0],
+    ap.add_argument("--tune-prefetch", type=parse_flags, default=[0],
                     help="page-table prefetch choices to time, 0 and/or 1 (default 0)")
     ap.add_argument("--tune-repeat", type=int, default=1, help="run the --tune sweep N times")
     ap.add_argument("--batches", type=parse_ints, default=list(BATCHES))
