@@ -68,21 +68,22 @@ class RaggedBlocks:
 FP8_COMPUTE = ("bfloat16", "float16", "f16pairs")
 
 
-# (kv itemsize, head dim) -> (block_tokens, num_warps, num_stages, fp8_compute)
+# (kv itemsize, head dim) -> (block_tokens, num_warps, num_stages, fp8_compute[, prefetch_table])
 DECODE_TABLE = {
     (1, 64): (128, 4, 3, "float16"),
-    (1, 128): (128, 4, 2, "f16pairs"),
+    (1, 128): (128, 4, 3, "f16pairs", True),
     (2, 64): (128, 4, 3, "bfloat16"),
-    (2, 128): (64, 4, 3, "bfloat16"),
+    (2, 128): (64, 4, 3, "bfloat16", True),
     (4, 64): (32, 4, 2, "bfloat16"),
     (4, 128): (32, 4, 2, "bfloat16"),
 }
-# (kv itemsize, head dim) -> (block_q, block_tokens, num_warps, num_stages, fp8_compute)
+# (kv itemsize, head dim) -> (block_q, block_tokens, num_warps, num_stages, fp8_compute[,
+#  prefetch_table])
 RAGGED_TABLE = {
     (1, 64): (16, 64, 4, 2, "bfloat16"),
-    (1, 128): (16, 64, 4, 2, "bfloat16"),
+    (1, 128): (32, 64, 4, 3, "bfloat16", True),
     (2, 64): (16, 64, 4, 2, "bfloat16"),
-    (2, 128): (16, 64, 4, 2, "bfloat16"),
+    (2, 128): (16, 64, 4, 3, "bfloat16", True),
     (4, 64): (16, 32, 4, 1, "bfloat16"),
     (4, 128): (16, 32, 4, 1, "bfloat16"),
 }
@@ -106,13 +107,13 @@ def _pow2_floor(n: int) -> int:
 
 def decode_blocks(batch: int, kv_heads: int, max_tokens: int, page_size: int,
                   itemsize: int, head_dim: int) -> DecodeBlocks:
-    tokens, warps, stages, fp8 = DECODE_TABLE.get((itemsize, head_dim),
-                                                  (32, 4, 2, "bfloat16"))
+    tokens, warps, stages, fp8, *prefetch = DECODE_TABLE.get((itemsize, head_dim),
+                                                             (32, 4, 2, "bfloat16"))
     tokens = max(tokens, page_size, 16)
     programs = batch * kv_heads
     want = -(-TARGET_PROGRAMS // programs)
     most = max(max_tokens // MIN_SPLIT_TOKENS, 1)
-    return DecodeBlocks(tokens, _pow2_floor(min(want, most)), warps, stages, fp8)
+    return DecodeBlocks(tokens, _pow2_floor(min(want, most)), warps, stages, fp8, *prefetch)
 
 
 def parse_ragged(text: str) -> tuple:
