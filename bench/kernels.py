@@ -236,13 +236,20 @@ PREFILL_VARIANTS = ("16,64,4,2,bfloat16", "16,64,4,3,bfloat16,1", "32,64,4,3,bfl
                     "16,64,4,3,f16pairs,1", "32,64,8,3,f16pairs,1")
 
 
+# the decode rows alone under other DecodeBlocks (block_tokens, warps, stages, fp8_compute,
+# prefetch_table), per KV dtype: the tables before page-table prefetch
+DECODE_VARIANTS = {"fp8": ((128, 4, 2, "f16pairs", False),),
+                   "bf16": ((64, 4, 3, "bfloat16", False),)}
+
+
 def bench_mixed(key, decode_rows: int = 255, prefill: int = 1793,
                 variants=RAGGED_VARIANTS, prefill_variants=PREFILL_VARIANTS) -> list[dict]:
     """The attention of one mixed step (what the engine's prefill-carrying steps run), one
     layer: `ragged_public` (the public entry: decode rows through the decode kernel, the
     prefill row through the ragged kernel, `split_decode` + `split_prefill` alone),
     `ragged_all_<variant>`: the ragged kernel over every row (the route before the split),
-    and `split_prefill@<blocks>`: the prefill row alone under other block sizes."""
+    and `split_decode@<blocks>` / `split_prefill@<blocks>`: the decode rows / the prefill
+    row alone under other block sizes."""
     scale = D ** -0.5
     rows = []
     for fp8 in (False, True):
@@ -264,6 +271,12 @@ def bench_mixed(key, decode_rows: int = 255, prefill: int = 1793,
         fns["split_prefill"] = lambda q, md, k, v, ks, vs: ragged_paged_attention_blocks(
             q, k, v, 0, md, ks, vs, sm_scale=scale, skip_single=True,
             blocks=tuning.ragged_blocks(1 if fp8 else 2, D, PAGE))
+        for tok, warps, stages, comp, pre in DECODE_VARIANTS[base["kv_dtype"]]:
+            fns[f"split_decode@{tok},{warps},{stages},{comp},{int(pre)}"] = functools.partial(
+                lambda q, md, k, v, ks, vs, blk: paged_attention_blocks(
+                    q[:decode_rows], k, v, 0, md.seq_lens[:decode_rows],
+                    md.page_table[:decode_rows], ks, vs, sm_scale=scale, blocks=blk),
+                blk=tuning.DecodeBlocks(tok, 1, warps, stages, comp, pre))
         for text in prefill_variants:
             if not fp8 and tuning.parse_ragged(text)[4] != "bfloat16":
                 continue          # the FP8 widening choices are the same kernel on bf16 KV
