@@ -343,7 +343,8 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="bench/results/paged_attention.json")
     ap.add_argument("--git", default=None, help="git sha to record (default: rev-parse HEAD)")
-    ap.add_argument("--tune", action="store_true")
+    ap.add_argument("--tune", action="store_true",
+                    help="only print the block-size sweep (--tune-*); write no file")
     ap.add_argument("--tune-shapes", type=lambda t: [tuple(map(int, x.split("x")))
                                                      for x in t.split(",")],
                     default=list(TUNE_SHAPES), help="BxS,... the --tune sweep times "
@@ -379,6 +380,7 @@ def main(argv=None) -> None:
                                      "fp8": (True,)}[args.tune_kv], args.tune_tiles,
              args.tune_splits, args.tune_fp8_compute,
              tuple(bool(x) for x in args.tune_prefetch), args.tune_repeat)
+        return        # a sweep only prints (it once went on to the whole default grid)
     result = new_result("paged_attention", args.git,
                         command="python -m bench.kernels " + " ".join(sys.argv[1:]),
                         shape={"Hq": HQ, "Hkv": HKV, "D": D, "page": PAGE},

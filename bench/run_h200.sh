@@ -113,8 +113,7 @@ for stage in "$@"; do
         mv "$OUT/ncu_$kv.log" "$OUT/ncu_$kv.txt"
       done
       run attn_tune 150 "$PY" -m bench.kernels --tune --tune-shapes 64x2048,256x2048 \
-        --tune-kv fp8 --batches 64 --contexts 2048 --impls jaxinfer --no-write-kv \
-        --git "$GIT" --out "$OUT/attn_tune.json"
+        --tune-kv fp8 --tune-prefetch 0,1 --git "$GIT"
       run kernels 200 "$PY" -m bench.kernels --batches 64,256 --contexts 2048,8192 \
         --impls jaxinfer,jaxinfer_f16widen,bundled --git "$GIT" \
         --out "$OUT/paged_attention.json" ;;

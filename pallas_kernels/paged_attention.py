@@ -8,7 +8,9 @@ reads the layer's pages in place, no slice of the cache is ever copied.
 Kernel: grid (B, K, splits). One program owns one sequence, one kv head and one split of the
 context, and holds all G = H/K q heads of that kv head as the rows of one tile (padded to 16
 rows for the tensor cores by repeating the last head), so each K/V page is read from HBM
-once. Per step it gathers `block_tokens` KV rows through the page table, computes
+once. Per step it gathers `block_tokens` KV rows through the page table (with
+blocks.prefetch_table, the next block's page ids are read one step ahead: see
+attention_block.paged_loop), computes
 logits = q k^T (f32 accumulate), runs the online softmax in f32 (base 2, scale folded in),
 and accumulates p v. Full blocks run unmasked; only the tail block of a split masks
 positions >= seq_len (and zeroes their V rows, so stale slot contents never leak).

@@ -9,7 +9,8 @@ pallas_kernels/attention_block.py's docstring); it only matters for FP8 KV. Deco
 float16 before f16pairs (below), measured on the H200
 (`bench/results/history/paged_attention_8de99ec.json`, rows `jaxinfer` vs
 `jaxinfer_bf16widen`, same blocks): B=64 S=2048 151.7 vs 178.2 us, B=64 S=8192 533.6 vs 801.8,
-B=256 S=2048 572.5 vs 904.9. FP8 decode uses 2 pipeline stages (the --tune sweep of 22f427a:
+B=256 S=2048 572.5 vs 904.9. FP8 decode used 2 pipeline stages before page-table prefetch (below;
+the --tune sweep of 22f427a:
 B=64 S=2048 126.0 us with 2 stages, 152.2 with 3, 132.1 with 4; B=256 S=2048 464.9 / 480.5 /
 496.8); (1, 64) was not re-timed and keeps 3. Splitting the context did not help at B >= 64
 (1, 2 and 4 splits timed: 1 was best or within noise), so the program target below stays; its
@@ -20,8 +21,9 @@ registers per program looked like the next lever; two ways of getting them were 
 dropped (bench/README.md, fifth session): K/V widened in head-dim column blocks (255 -> 168
 registers by ptxas, 3 blocks per SM, but B=64 S=2048 136.6 -> 188.3 us) and K transposed
 before widening (within noise). Ragged keeps bfloat16 widening: over a whole mixed step's rows
-f16 widening was 4-12% faster (bench/results/mixed_attention.json, `ragged_all_*`), but decode
-rows now go to the decode kernel and the ragged kernel's prefill-only case was not compared.
+f16 widening was 4-12% faster (bench/results/history/mixed_attention_bffea72.json,
+`ragged_all_*`), but decode rows now go to the decode kernel and the ragged kernel's
+prefill-only case was not compared.
 
 "f16pairs" (pallas_kernels/attention_block.py) reads FP8 K/V as u16 pairs of
 e4m3 bytes, so their shared-memory tiles load with ldmatrix like bf16 ones, and splits each
@@ -29,12 +31,29 @@ pair into the even and odd head dims in registers (ptxas: 241 -> 168 registers, 
 scalar shared loads). Sixth session's sweep (attn_tune.txt, one process, 4 warps, 2 stages,
 128 tokens): B=64 S=2048 135.1 -> 120.6 us, B=256 S=2048 481.3 -> 345.4 (3.22 TB/s), B=1
 S=32768 (32 splits) 52.2 -> 43.9, B=8 S=8192 80.4 -> 73.1; 3 stages, 8 warps and 256-token
-blocks were slower for pairs at B=64/256. It is the (1, 128) decode choice; (1, 64) was not
-timed with it and keeps "float16". The ragged kernel takes it too, but on a mixed step's
-prefill row it ran slower than bf16 widening (480-598 vs ~410 us per layer, 255 registers;
-bench/results/mixed_attention.json, rows split_prefill@...), so RAGGED_TABLE keeps bfloat16.
+blocks were slower for pairs at B=64/256 (without prefetch). It is the (1, 128) decode
+choice; (1, 64) was not timed with it and keeps "float16". The ragged kernel takes it too,
+but on a mixed step's prefill row it ran slower than bf16 widening (480-598 vs ~410 us per
+layer, 255 registers; history/mixed_attention_e098ea5.json, rows split_prefill@...), so
+RAGGED_TABLE keeps bfloat16.
 Splitting the FP8 decode context 2, 3, 5 or 6 ways at B=64 S=2048 (512 programs for ~396
 block slots) stayed within noise (attn_tune.txt).
+
+Page-table prefetch (prefetch_table; attention_block.paged_loop). With the page ids read inside
+the loop step, Triton's pipeliner keeps one K/V buffer in shared memory at any num_stages (the
+ids' load takes the earlier stage), so a program's next copy is issued only after its current
+block's math. Carrying the next block's ids makes the K/V loads pipelinable: at 3 stages the
+ttgir holds 2x K/V tiles (FP8 pairs at 128 tokens: 75 -> 109 KB shared, 3 -> 2 blocks per SM;
+168 registers either way). Seventh session (attn_tune.txt, two passes, each pair back to back):
+FP8 pairs, 128 tokens, 4 warps, 3 stages: B=64 S=2048 96.6/105.3 us with prefetch vs 140.1/140.5
+without (and 138.8/129.9 for the old 2-stage entry); B=256 S=2048 344.1/373.7 vs 359.6/381.6;
+64-token and 4-stage variants were slower with it. That is the (1, 128) entry now; the whole grid
+(bench/results/paged_attention.json) has B=64 S=2048 at 102 us and B=256 S=2048 at 326. bf16
+gained 3-5% at B=64 S=2048 in the sweep but lost at 256 rows (88 KB shared, 2 blocks per SM
+instead of 4): one mixed step's 255 decode rows 556/573 us with it vs 534/444 without
+(mixed_attention.json, rows split_decode@...), so bf16 keeps it off. The ragged kernel's
+prefill row under prefetch variants stayed within the bench's noise (same file); its table is
+unchanged.
 """
 from __future__ import annotations
 
