@@ -14,6 +14,8 @@
 #   decode8   only the FP8 rows of `decode` (Llama-3-8B FP8 B=1, Qwen2.5-32B FP8 + FP8 KV),
 #             appended to $OUT/decode.json (seed it with the committed file to extend it)  ~4 min
 #   profile   where the decode step's time goes, kernel by kernel, B 1/64 (unrolled)         ~1 min
+#   profile256  the same for the throughput run's decode step: FP8 weights + FP8 KV, B=256,
+#             C=$PROFILE_CONTEXT (1536); $OUT/profile_b256_fp8.json                         ~2 min
 #   kernels   paged attention, the grid B 1/8/64/256 x S 512..32768: ours (FP8 read as
 #             byte pairs, and widened to f16) vs bundled vs the XLA reference, both KV dtypes ~4 min
 #   attnprobe FP8/bf16 paged decode at B=256 S=2048 under Nsight Compute (ncu_*.txt), the
@@ -102,6 +104,11 @@ for stage in "$@"; do
     profile)
       bench profile 120 profile "${LLAMA[@]}" --batch-sizes 1,64 --contexts "$CTX1" --reps 5 \
         --out "$OUT/profile.json" ;;
+    profile256)
+      # the throughput run's decode step: FP8 weights + FP8 KV, 256 rows at ~1500 tokens
+      bench profile256 150 profile "${LLAMA[@]}" --weights fp8 --kv-dtype fp8 --batch-sizes 256 \
+        --contexts "${PROFILE_CONTEXT:-1536}" --reps 5 --kv-budget-gb 40 \
+        --out "$OUT/profile_b256_fp8.json" ;;
     kernels)
       run kernels 300 "$PY" -m bench.kernels --git "$GIT" --out "$OUT/paged_attention.json" ;;
     attnprobe)
