@@ -19,8 +19,10 @@ Every bucket is compiled (engine.warmup) before timing and the compile count dur
 runs is recorded (it should be 0). Per mode: output tokens / wall time, medians of the host
 part of a step (engine.last_host_s: schedule, batch prep, device transfer, update: the time
 `engine.step()` did not spend waiting for a step's tokens) and of the whole step
-(engine.last_step_s), and the host share of all step time. With async scheduling (the
-default; --no-async-scheduling turns it off) the host part overlaps the device step.
+(engine.last_step_s), the host share of all step time, the scheduler's own share
+(`schedule_share`: Scheduler.schedule's time over all step time) and each host phase's median
+(`host_phases_ms`, Engine.last_phases). With async scheduling (the default;
+--no-async-scheduling turns it off) the host part overlaps the device step.
 """
 from __future__ import annotations
 
@@ -68,13 +70,20 @@ def drive(engine: Engine, requests) -> dict:
     for prompt, n in requests:
         engine.add_request({"prompt_token_ids": prompt},
                            SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
-    host, step, tokens = [], [], 0
+    host, step, phases, tokens = [], [], [], 0
     while engine.has_unfinished_requests():
         outs = engine.step()
         tokens += len(outs)
         host.append(engine.last_host_s)
         step.append(engine.last_step_s)
-    return {"host": host, "step": step, "tokens": tokens}
+        phases.append(engine.last_phases)
+    return {"host": host, "step": step, "phases": phases, "tokens": tokens}
+
+
+def phase_medians(phases: list[dict]) -> dict:
+    """Median milliseconds of each of Engine.last_phases' parts over the steps."""
+    return {k: round(statistics.median(p[k] for p in phases) * 1e3, 3)
+            for k in (phases[0] if phases else {})}
 
 
 def measure(engine: Engine, workload, mode: str, max_batch: int) -> dict:
@@ -86,6 +95,7 @@ def measure(engine: Engine, workload, mode: str, max_batch: int) -> dict:
     wall = time.perf_counter() - t0
     host = [h for r in runs for h in r["host"]]
     step = [s for r in runs for s in r["step"]]
+    phases = [p for r in runs for p in r["phases"]]
     tokens = sum(r["tokens"] for r in runs)
     return {"mode": mode, "max_batch": max_batch, "requests": len(workload),
             "output_tokens": tokens, "steps": len(step), "wall_s": round(wall, 3),
@@ -94,6 +104,11 @@ def measure(engine: Engine, workload, mode: str, max_batch: int) -> dict:
             "host_ms_per_step": round(statistics.median(host) * 1e3, 3),
             "step_ms": round(statistics.median(step) * 1e3, 3),
             "host_share": round(sum(host) / sum(step), 4),
+            # the scheduler's own part (Scheduler.schedule) of all step time, and every
+            # host phase's median (Engine.last_phases)
+            "schedule_share": round(sum(p.get("schedule", 0.0) for p in phases)
+                                    / sum(step), 4),
+            "host_phases_ms": phase_medians(phases),
             "compiles_during_run": CompileCounter.count() - c0,
             "preemptions": engine.scheduler.num_preemptions - p0}
 

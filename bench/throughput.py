@@ -39,7 +39,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from bench.batching import add_engine_flags, engine_config
+from bench.batching import add_engine_flags, engine_config, phase_medians
 from bench.common import dtype_name, git_sha, new_result, progress, save, weights_name
 from jaxinfer.config import EngineConfig
 from jaxinfer.engine import Engine
@@ -97,16 +97,12 @@ def run(engine: Engine, workload, deadline: float | None) -> dict:
             "step_ms": round(statistics.median(step) * 1e3, 3) if step else None,
             "host_ms_per_step": round(statistics.median(host) * 1e3, 3) if host else None,
             "host_share": round(sum(host) / sum(step), 4) if step else None,
+            "schedule_share": round(sum(p.get("schedule", 0.0) for p in phases)
+                                    / sum(step), 4) if step else None,
             "host_phases_ms": phase_medians(phases),
             "padding_fraction": round(engine.buckets.padding_fraction, 4),
             "compiles": CompileCounter.count() - c0,
             "preemptions": engine.scheduler.num_preemptions - p0}
-
-
-def phase_medians(phases: list[dict]) -> dict:
-    """Median milliseconds of each of Engine.last_phases' parts over the steps."""
-    return {k: round(statistics.median(p[k] for p in phases) * 1e3, 3)
-            for k in (phases[0] if phases else {})}
 
 
 def parse_args(argv):

@@ -9,7 +9,8 @@ from bench import batching
 
 ROW_KEYS = {"mode", "max_batch", "requests", "output_tokens", "steps", "wall_s",
             "output_tokens_per_s", "output_tokens_per_step", "host_ms_per_step", "step_ms",
-            "host_share", "compiles_during_run", "preemptions", "warmup_s"}
+            "host_share", "schedule_share", "host_phases_ms", "compiles_during_run",
+            "preemptions", "warmup_s"}
 
 
 def test_workload_is_seeded_and_within_ranges():
@@ -46,6 +47,8 @@ def test_batching_bench_schema(tmp_path):
         assert r["compiles_during_run"] == 0 and r["preemptions"] == 0
         assert r["output_tokens_per_s"] > 0 and 0 < r["host_ms_per_step"] <= r["step_ms"]
         assert 0 < r["host_share"] <= 1
+        assert 0 < r["schedule_share"] < r["host_share"]
+        assert r["host_phases_ms"]["schedule"] > 0 and r["host_phases_ms"]["dispatch"] > 0
     # Static groups run to completion one after the other: never fewer steps than continuous.
     assert rows[1]["steps"] >= rows[0]["steps"]
     assert set(result["continuous_over_static"]) == {"2"}

@@ -42,6 +42,7 @@ def test_throughput_bench_schema(tmp_path):
     assert set(phases) == {"early_resolve", "schedule", "prepare", "dispatch", "commit",
                            "resolve", "wait"} | parts
     assert all(v >= 0 for v in phases.values()) and phases["dispatch"] > 0
+    assert 0 < row["schedule_share"] < row["host_share"]
     assert all(phases[k] <= phases["prepare"] for k in parts) and phases["prepare_transfer"] > 0
 
 
