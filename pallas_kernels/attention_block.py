@@ -100,24 +100,27 @@ def kv_rows(layer, kv_head, pages, slots, num_kv_heads: int, num_pages: int, pag
     return ((layer * num_kv_heads + kv_head) * num_pages + pages) * page_size + slots
 
 
-def paged_loop(read_pages, body, state, n_full, n_all, block_tokens: int, prefetch: bool):
+def paged_loop(read_pages, body, state, n_full, n_all, prefetch: bool):
     """Run body(i, pages, state, masked) -> state for blocks i in [0, n_full) unmasked, then
     [n_full, n_all) masked; read_pages(i) -> block i's page ids [block_tokens] (clamped by
     the caller). With `prefetch` block i + 1's ids are read before block i's math and
     carried, so the K/V copies' addresses never wait on a page-table load: Triton's
     pipeliner then double-buffers K/V at num_stages >= 3 (ttgir: 2x tiles), where with the
     read inside the step it keeps one K/V buffer whatever num_stages is (tuning.py)."""
-    def step(i, carry, masked):
+    if not prefetch:
+        def step(i, st, masked):
+            return body(i, read_pages(i), st, masked)
+        st = lax.fori_loop(0, n_full, functools.partial(step, masked=False), state)
+        return lax.fori_loop(n_full, n_all, functools.partial(step, masked=True), st)
+
+    def step_ahead(i, carry, masked):
         st, pages = carry
-        if prefetch:
-            nxt = read_pages(i + 1)
-        else:
-            pages = nxt = read_pages(i)
+        nxt = read_pages(i + 1)
         return body(i, pages, st, masked), nxt
 
-    first = read_pages(0) if prefetch else jnp.zeros((block_tokens,), jnp.int32)
-    carry = lax.fori_loop(0, n_full, functools.partial(step, masked=False), (state, first))
-    return lax.fori_loop(n_full, n_all, functools.partial(step, masked=True), carry)[0]
+    carry = lax.fori_loop(0, n_full, functools.partial(step_ahead, masked=False),
+                          (state, read_pages(0)))
+    return lax.fori_loop(n_full, n_all, functools.partial(step_ahead, masked=True), carry)[0]
 
 
 def empty_carry(rows_q: int, d: int, pairs: bool = False):

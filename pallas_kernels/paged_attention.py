@@ -73,7 +73,7 @@ def _decode_kernel(layer_ref, lens_ref, table_ref, *refs, groups: int, rows_q: i
                             kv_valid=valid, interpret=interpret)
 
     m, l, acc = paged_loop(block_pages, body, empty_carry(rows_q, head_dim, pairs), n // bk,
-                           pl.cdiv(n, bk), bk, blk.prefetch_table)
+                           pl.cdiv(n, bk), blk.prefetch_table)
     accs = acc if pairs else (acc,)
     if len(outs) == nq:
         inv = 1.0 / jnp.where(l > 0, l, 1.0)[:, None]

@@ -110,7 +110,7 @@ def _ragged_kernel(layer_ref, row_ref, blk_ref, qstart_ref, pos_ref, table_ref, 
                                 kv_valid=t < hi, interpret=interpret)
 
         _, l, acc = paged_loop(block_pages, body, empty_carry(rows_q, head_dim, pairs),
-                               lo // bk, pl.cdiv(hi, bk), bk, blk.prefetch_table)
+                               lo // bk, pl.cdiv(hi, bk), blk.prefetch_table)
         for o_ref, a in zip(o_refs, acc if pairs else (acc,)):
             o_ref[tokens * num_heads + heads] = (a / l[:, None]).astype(o_ref.dtype)
 
