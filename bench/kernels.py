@@ -16,9 +16,10 @@ Method (shared/BENCH.md): one process; ceilings (bench/ceilings.py) measured in 
 run; random data; each timed call runs the op over R page tables drawn from one large cache,
 R chosen so the bytes touched per call exceed 4x the 60 MB L2; calls are dispatched back to
 back and the median over repeats of (elapsed / ops) is reported. Bytes counted: K/V (+ FP8
-scales) of every sequence's live tokens, q and the output. `--tune` first times candidate
-block sizes (and, for FP8, both compute dtypes) on the target shapes and prints them (the
-winners go into pallas_kernels/tuning.py by hand).
+scales) of every sequence's live tokens, q and the output. `--tune` only times candidate
+block sizes (for FP8 also the compute dtypes; page-table prefetch on/off) on the target shapes
+and prints them (the winners go into pallas_kernels/tuning.py by hand). `--mixed` adds one
+mixed step's attention (bench/mixed_attention.py).
 """
 from __future__ import annotations
 
