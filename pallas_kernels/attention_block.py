@@ -100,6 +100,22 @@ def kv_rows(layer, kv_head, pages, slots, num_kv_heads: int, num_pages: int, pag
     return ((layer * num_kv_heads + kv_head) * num_pages + pages) * page_size + slots
 
 
+def kernel_refs(refs, pairs: bool, fp8: bool):
+    """A kernel's refs after its metadata -> (q parts, k, v, k scale, v scale, the rest):
+    q comes in (even, odd) parts with pairs, and FP8 KV brings two scale refs (else None)."""
+    nq = 2 if pairs else 1
+    q_refs, k_ref, v_ref, rest = refs[:nq], refs[nq], refs[nq + 1], refs[nq + 2:]
+    ks_ref, vs_ref, rest = (rest[0], rest[1], rest[2:]) if fp8 else (None, None, rest)
+    return q_refs, k_ref, v_ref, ks_ref, vs_ref, rest
+
+
+def block_pages(table_ref, seq, first_token, page_off, pages_per_seq: int, page_size: int):
+    """The page id of each token of the block starting at `first_token` of row `seq`
+    (page_off [block_tokens] = arange // page_size); past the row's table: its last page."""
+    idx = jnp.minimum(first_token // page_size + page_off, pages_per_seq - 1)
+    return table_ref[seq * pages_per_seq + idx]
+
+
 def paged_loop(read_pages, body, state, n_full, n_all, prefetch: bool):
     """Run body(i, pages, state, masked) -> state for blocks i in [0, n_full) unmasked, then
     [n_full, n_all) masked; read_pages(i) -> block i's page ids [block_tokens] (clamped by
@@ -166,7 +182,7 @@ def attend_block(q, k_ref, v_ref, ks_ref, vs_ref, rows, carry, *, logit_scale,
     and logit_scale (scalar or [M, 1]) from prepare_q; carry (m, l, acc) with m, l [M] f32 in
     the base-2 domain and acc [M, D] f32. logit_mask [M|1, N] hides logits, kv_valid [N]
     zeroes V rows (and their scales) that may hold stale data. With f16pairs, q and acc are
-    (even, odd) tuples and k_ref/v_ref hold u16 byte pairs (pair_view)."""
+    (even, odd) tuples and k_ref/v_ref hold u16 byte pairs (cache_views)."""
     m, l, acc = carry
     pairs = isinstance(q, tuple)
     if pairs:   # V is read and split after the softmax: its f16 parts stay live less long
@@ -234,6 +250,7 @@ def join_parts(parts, pairs: bool):
     if not pairs:
         return parts[0]
     return jnp.stack(parts, axis=-1).reshape(parts[0].shape[0], -1)
+
 
 def validate(q, k_pages, v_pages, k_scale, v_scale, interpret: bool, block_tokens: int):
     """Shape, dtype and block checks shared with the ragged kernel; returns (K, P, S, D)."""

@@ -36,18 +36,17 @@ from jax.experimental.pallas import triton as plgpu
 from jaxinfer.errors import ConfigError
 from jaxinfer.kv_cache import FP8_DTYPE
 from pallas_kernels import tuning
-from pallas_kernels.attention_block import (LOG2E, MIN_ROWS, attend_block, cache_views,
-                                            compute_dtype, empty_carry, join_parts, kv_rows,
-                                            paged_loop, prepare_q, split_q, uses_pairs,
-                                            validate)
+from pallas_kernels.attention_block import (LOG2E, MIN_ROWS, attend_block, block_pages,
+                                            cache_views, compute_dtype, empty_carry,
+                                            join_parts, kernel_refs, kv_rows, paged_loop,
+                                            prepare_q, split_q, uses_pairs, validate)
 
 def _decode_kernel(layer_ref, lens_ref, table_ref, *refs, groups: int, rows_q: int,
                    pages_per_seq: int, split_tokens: int, blk, num_kv_heads: int,
                    num_pages: int, page_size: int, num_heads: int, head_dim: int, batch: int,
                    qk_scale: float, fp8: bool, cdt, pairs: bool, interpret: bool):
-    nq = 2 if pairs else 1            # q, and the outputs, come in (even, odd) parts
-    q_refs, k_ref, v_ref = refs[:nq], refs[nq], refs[nq + 1]
-    ks_ref, vs_ref, *outs = refs[nq + 2:] if fp8 else (None, None, *refs[nq + 2:])
+    # q, and the outputs, come in (even, odd) parts with pairs
+    q_refs, k_ref, v_ref, ks_ref, vs_ref, outs = kernel_refs(refs, pairs, fp8)
     b, h, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     heads = h * groups + jnp.minimum(jnp.arange(rows_q, dtype=jnp.int32), groups - 1)
     q = tuple(r[b * num_heads + heads] for r in q_refs)
@@ -60,9 +59,8 @@ def _decode_kernel(layer_ref, lens_ref, table_ref, *refs, groups: int, rows_q: i
     page_off, slots = tok // page_size, tok % page_size
     layer = layer_ref[0]
 
-    def block_pages(i):   # block i's page of each token; past the end: the last page
-        idx = jnp.minimum((start + i * bk) // page_size + page_off, pages_per_seq - 1)
-        return table_ref[b * pages_per_seq + idx]
+    def read_pages(i):
+        return block_pages(table_ref, b, start + i * bk, page_off, pages_per_seq, page_size)
 
     def body(i, pages, state, masked):
         rows = kv_rows(layer, h, pages, slots, num_kv_heads, num_pages, page_size)
@@ -72,10 +70,10 @@ def _decode_kernel(layer_ref, lens_ref, table_ref, *refs, groups: int, rows_q: i
                             logit_mask=None if valid is None else valid[None, :],
                             kv_valid=valid, interpret=interpret)
 
-    m, l, acc = paged_loop(block_pages, body, empty_carry(rows_q, head_dim, pairs), n // bk,
+    m, l, acc = paged_loop(read_pages, body, empty_carry(rows_q, head_dim, pairs), n // bk,
                            pl.cdiv(n, bk), blk.prefetch_table)
     accs = acc if pairs else (acc,)
-    if len(outs) == nq:
+    if len(outs) == len(q_refs):
         inv = 1.0 / jnp.where(l > 0, l, 1.0)[:, None]
         for o_ref, a in zip(outs, accs):
             o_ref[b * num_heads + heads] = (a * inv).astype(o_ref.dtype)

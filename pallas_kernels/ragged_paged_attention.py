@@ -39,10 +39,10 @@ from jax.experimental.pallas import triton as plgpu
 from jaxinfer.errors import ConfigError
 from jaxinfer.kv_cache import FP8_DTYPE
 from pallas_kernels import tuning
-from pallas_kernels.attention_block import (LOG2E, MIN_ROWS, attend_block, cache_views,
-                                            compute_dtype, empty_carry, join_parts, kv_rows,
-                                            paged_loop, prepare_q, split_q, uses_pairs,
-                                            validate)
+from pallas_kernels.attention_block import (LOG2E, MIN_ROWS, attend_block, block_pages,
+                                            cache_views, compute_dtype, empty_carry,
+                                            join_parts, kernel_refs, kv_rows, paged_loop,
+                                            prepare_q, split_q, uses_pairs, validate)
 from pallas_kernels.paged_attention import gather_kv, paged_attention
 
 
@@ -71,10 +71,8 @@ def _ragged_kernel(layer_ref, row_ref, blk_ref, qstart_ref, pos_ref, table_ref, 
                    num_kv_heads: int, num_pages: int, page_size: int, num_heads: int,
                    head_dim: int, qk_scale: float, fp8: bool, cdt, pairs: bool,
                    interpret: bool):
-    nq = 2 if pairs else 1            # q, and the outputs, come in (even, odd) parts
-    q_refs, k_ref, v_ref = refs[:nq], refs[nq], refs[nq + 1]
-    rest = refs[nq + 2:] if fp8 else (None, None, *refs[nq + 2:])
-    ks_ref, vs_ref, o_refs = rest[0], rest[1], rest[2 + nq:]     # past the aliased zeros
+    q_refs, k_ref, v_ref, ks_ref, vs_ref, rest = kernel_refs(refs, pairs, fp8)
+    o_refs = rest[len(q_refs):]       # past the aliased zeros (one per q part)
     w, h = pl.program_id(0), pl.program_id(1)
     row, i = row_ref[w], blk_ref[w]
     b = jnp.maximum(row, 0)
@@ -95,9 +93,8 @@ def _ragged_kernel(layer_ref, row_ref, blk_ref, qstart_ref, pos_ref, table_ref, 
         page_off, slots = tok // page_size, tok % page_size
         layer = layer_ref[0]
 
-        def block_pages(j):
-            idx = jnp.minimum(j * bk // page_size + page_off, pages_per_seq - 1)
-            return table_ref[b * pages_per_seq + idx]
+        def read_pages(j):
+            return block_pages(table_ref, b, j * bk, page_off, pages_per_seq, page_size)
 
         def body(j, pages, state, masked):
             rows = kv_rows(layer, h, pages, slots, num_kv_heads, num_pages, page_size)
@@ -109,7 +106,7 @@ def _ragged_kernel(layer_ref, row_ref, blk_ref, qstart_ref, pos_ref, table_ref, 
                                 logit_scale=logit_scale, logit_mask=t[None, :] <= pos[:, None],
                                 kv_valid=t < hi, interpret=interpret)
 
-        _, l, acc = paged_loop(block_pages, body, empty_carry(rows_q, head_dim, pairs),
+        _, l, acc = paged_loop(read_pages, body, empty_carry(rows_q, head_dim, pairs),
                                lo // bk, pl.cdiv(hi, bk), blk.prefetch_table)
         for o_ref, a in zip(o_refs, acc if pairs else (acc,)):
             o_ref[tokens * num_heads + heads] = (a / l[:, None]).astype(o_ref.dtype)
