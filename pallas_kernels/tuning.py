@@ -46,10 +46,11 @@ block's math. Carrying the next block's ids makes the K/V loads pipelinable: at 
 ttgir holds 2x K/V tiles (local Triton 3.5 compile of the kernel's IR, not the H200's bundled
 Triton; FP8 pairs at 128 tokens: 75 -> 109 KB shared, so 3 -> 2 blocks per SM by shared
 memory; ptxas: 168 registers either way). Seventh session (attn_tune.txt, two passes, each
-pair back to back): FP8 pairs, 128 tokens, 4 warps, 3 stages: B=64 S=2048 96.6/105.3 us with prefetch vs 140.1/140.5
-without (and 138.8/129.9 for the old 2-stage entry); B=256 S=2048 344.1/373.7 vs 359.6/381.6;
-64-token and 4-stage variants were slower with it. That is the (1, 128) entry now; the whole grid
-(bench/results/paged_attention.json) has B=64 S=2048 at 102 us and B=256 S=2048 at 326. bf16
+pair back to back): FP8 pairs, 128 tokens, 4 warps, 3 stages: B=64 S=2048 96.6/105.3 us with
+prefetch vs 140.1/140.5 without (and 138.8/129.9 for the old 2-stage entry); B=256 S=2048
+344.1/373.7 vs 359.6/381.6; 64-token and 4-stage variants were slower with it. That is the
+(1, 128) entry now; the whole grid (bench/results/paged_attention.json) has B=64 S=2048 at
+102 us and B=256 S=2048 at 326. bf16
 gained 3-5% at B=64 S=2048 in the sweep but lost at 256 rows (88 KB shared, 2 blocks per SM
 instead of 4): one mixed step's 255 decode rows 556/573 us with it vs 534/444 without
 (mixed_attention.json, rows split_decode@...), so bf16 keeps it off. The ragged kernel's
