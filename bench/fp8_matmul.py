@@ -60,6 +60,20 @@ def tensor_core_route(x, _w, w_q, scale):
     return fm.tensor_core_fp8_matmul(x, w_q, scale)
 
 
+def tc_bf16_product(x, _w, w_q, scale):
+    """The tensor-core route with the GEMM writing bf16 (scales applied after, in f32)."""
+    return fm.tensor_core_fp8_matmul(x, w_q, scale, product_dtype=jnp.bfloat16)
+
+
+def tc_tensor_scale(x, _w, w_q, scale):
+    """The tensor-core route with one activation scale per call and a bf16 product."""
+    return fm.tensor_core_fp8_matmul(x, w_q, scale, product_dtype=jnp.bfloat16,
+                                     per_token=False)
+
+
+VARIANTS = {"tc_bf16_product": tc_bf16_product, "tc_tensor_scale": tc_tensor_scale}
+
+
 def time_per_op(fn, xs, weights, samples):
     """Median seconds per op; the program applies fn once per (x, weight) pair."""
     run = jax.jit(lambda xs, ws: [fn(x, *w) for x, w in zip(xs, ws)])
@@ -109,6 +123,8 @@ def bench_shape(k, n, ms, args, rows):
             impls["tensor_core_route"] = tensor_core_route
         if m == 1:
             impls["xla_fp8_dequant_pad8"] = xla_fp8_dequant_pad8
+        if args.variants and m > 1:
+            impls.update(VARIANTS)
         for name, fn in impls.items():
             try:
                 sec, y = time_per_op(fn, xs, weights, args.samples)
@@ -210,6 +226,9 @@ def main(argv=None):
     p.add_argument("--git", default=None, help="commit to record (default: git rev-parse)")
     p.add_argument("--tune", action="store_true", help="also time GEMV tile variants (M=1)")
     p.add_argument("--tune-only", action="store_true", help="only the tile variants")
+    p.add_argument("--variants", action="store_true",
+                   help="also time the tensor-core route's epilogue variants (M > 1): "
+                        + ", ".join(VARIANTS))
     args = p.parse_args(argv)
     ms = [int(v) for v in args.ms.split(",")]
     result = {"suite": "fp8_matmul", "device": jax.devices()[0].device_kind,

@@ -58,15 +58,30 @@ def category(label: str) -> str:
 def trace_events(fn) -> list[dict]:
     """Complete ('X') events of the profiled region, with their process names."""
     with tempfile.TemporaryDirectory() as d:
-        options = jax.profiler.ProfileOptions()
-        options.python_tracer_level = 0  # Python function events would slow the host side
-        with jax.profiler.trace(d, create_perfetto_trace=True, profiler_options=options):
+        with jax.profiler.trace(d, create_perfetto_trace=True, profiler_options=_options()):
             fn()
-        files = glob.glob(f"{d}/**/perfetto_trace.json.gz", recursive=True)
-        if not files:
-            raise RuntimeError("the profiler wrote no perfetto trace")
-        with gzip.open(files[0]) as f:
-            data = json.load(f)
+        return read_events(d)
+
+
+def _options():
+    options = jax.profiler.ProfileOptions()
+    options.python_tracer_level = 0  # Python function events would slow the host side
+    return options
+
+
+def start_trace(d: str) -> None:
+    """Start a trace into directory d (stop it with jax.profiler.stop_trace, then read_events):
+    for a region that is not one function call, e.g. a window of engine steps."""
+    jax.profiler.start_trace(d, create_perfetto_trace=True, profiler_options=_options())
+
+
+def read_events(d: str) -> list[dict]:
+    """The complete ('X') events of the trace written into d, with process/thread names."""
+    files = glob.glob(f"{d}/**/perfetto_trace.json.gz", recursive=True)
+    if not files:
+        raise RuntimeError("the profiler wrote no perfetto trace")
+    with gzip.open(files[0]) as f:
+        data = json.load(f)
     events = data["traceEvents"] if isinstance(data, dict) else data
     procs = {e["pid"]: e["args"]["name"] for e in events
              if e.get("ph") == "M" and e.get("name") == "process_name"}

@@ -43,7 +43,7 @@
 #             step serving sees                                                              ~4 min
 #   throughput  offline throughput, Llama-3-8B FP8 weights + FP8 KV, $NUM_REQUESTS (1000)
 #             requests of 1000 in / 1000 out, max $THR_SEQS (256) seqs; a partial row if
-#             the 300 s limit comes first                                                    ~5 min
+#             the 300 s limit comes first; THR_PROFILE=FIRST:COUNT profiles those steps      ~5 min
 #
 # Each suite writes its JSON (and a .log) into $OUT and rewrites the JSON after every row, so
 # a suite cut short by its limit keeps what it measured. Memory is not preallocated: suites
@@ -154,7 +154,7 @@ for stage in "$@"; do
       run throughput "$lim" "$PY" -m bench.throughput "${LLAMA[@]}" --weights fp8 --kv-dtype fp8 \
         --input-len 1000 --output-len 1000 --num-requests "${NUM_REQUESTS:-1000}" \
         --max-num-seqs "${THR_SEQS:-256}" --time-limit-s $((lim - lim / 10)) --git "$GIT" \
-        --out "$OUT/throughput.json" ;;
+        ${THR_PROFILE:+--profile-steps "$THR_PROFILE"} --out "$OUT/throughput.json" ;;
     cmdbuf)
       for mode in ${CMDBUF_MODES:-ALWAYS_UPDATE SKIP_TEMP SKIP_PROFILED}; do
         ( export XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }--xla_gpu_command_buffer_update_mode=$mode" \

@@ -20,7 +20,11 @@ request until the last request's final token is back on the host. The row:
 `output_tokens_per_s` = output tokens / wall, `total_tokens_per_s` = (prompt + output tokens)
 / wall, medians of the whole `engine.step()` (`step_ms`) and of its host part
 (`host_ms_per_step`, engine.last_host_s), compiles and preemptions during the timed run (both
-should be 0).
+should be 0). `step_kinds` splits the steps into `decode` (every row one token) and `mixed`
+(a prefill chunk rides along): count, median tokens and ms, total seconds; with async
+scheduling an engine.step() call's time is charged to the step it waited for.
+`--profile-steps FIRST:COUNT` runs those steps under the profiler and adds their device time
+by kernel category (`profile`, bench.profile's summary) to the row.
 
 --time-limit-s bounds the whole run from the start of main() (model load and warmup
 included): once it is spent no further step is dispatched and the row is written with
@@ -31,14 +35,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import jax
 import numpy as np
 
+from bench import profile
 from bench.batching import add_engine_flags, engine_config, phase_medians
 from bench.common import dtype_name, git_sha, new_result, progress, save, weights_name
 from jaxinfer.config import EngineConfig
@@ -55,8 +62,34 @@ def make_workload(args, vocab_size: int) -> list[tuple[list[int], int]]:
     return [(p.tolist(), args.output_len) for p in prompts]
 
 
-def run(engine: Engine, workload, deadline: float | None) -> dict:
-    """Queue the workload and step until it is done or the deadline passes."""
+def step_kinds(kinds: list[tuple[str, int, float]]) -> dict:
+    """Per kind of step (`decode`: every row one token; `mixed`: a prefill chunk rides
+    along): how many, median tokens and ms, and the seconds they took in all."""
+    out = {}
+    for kind in ("decode", "mixed"):
+        sel = [(n, s) for k, n, s in kinds if k == kind]
+        if sel:
+            out[kind] = {"steps": len(sel),
+                         "median_tokens": int(statistics.median(n for n, _ in sel)),
+                         "median_ms": round(statistics.median(s for _, s in sel) * 1e3, 3),
+                         "total_s": round(sum(s for _, s in sel), 3)}
+    return out
+
+
+def _inflight_kind(engine: Engine) -> tuple[str, int] | None:
+    """(kind, tokens) of the step in flight: the one the next engine.step() waits for."""
+    prev = getattr(engine, "_inflight", None)
+    if prev is None:
+        return None
+    out = prev.out
+    return ("decode" if out.num_tokens == out.num_rows else "mixed"), out.num_tokens
+
+
+def run(engine: Engine, workload, deadline: float | None,
+        profile_window: tuple[int, int] | None = None) -> dict:
+    """Queue the workload and step until it is done or the deadline passes. With
+    profile_window (first step, count) those steps run under the profiler and the row gets
+    their device time by kernel category (bench.profile's summary)."""
     c0, p0, s0 = CompileCounter.count(), engine.scheduler.num_preemptions, engine.num_steps
     t0 = time.perf_counter()
     lengths = {engine.add_request({"prompt_token_ids": prompt},
@@ -64,7 +97,8 @@ def run(engine: Engine, workload, deadline: float | None) -> dict:
                                                  ignore_eos=True)): (len(prompt), n)
                for prompt, n in workload}
     queue_s = time.perf_counter() - t0
-    host, step, phases = [], [], []
+    host, step, phases, kinds = [], [], [], []
+    profiled, trace_dir = None, None
     tokens = finished = wrong_length = 0
     started: set[str] = set()
     partial = False
@@ -73,10 +107,20 @@ def run(engine: Engine, workload, deadline: float | None) -> dict:
             if deadline is not None and time.perf_counter() >= deadline:
                 partial = True
                 break
+            n = engine.num_steps - s0
+            if profile_window and n == profile_window[0] and trace_dir is None:
+                trace_dir = tempfile.mkdtemp(prefix="thr_profile_")
+                profile.start_trace(trace_dir)
+            waits_for = _inflight_kind(engine)
             outs = engine.step()
             host.append(engine.last_host_s)
             step.append(engine.last_step_s)
             phases.append(engine.last_phases)
+            if waits_for is not None:   # async: this call's time is the in-flight step's
+                kinds.append((*waits_for, engine.last_step_s))
+            if trace_dir is not None and profiled is None and \
+                    engine.num_steps - s0 == sum(profile_window):
+                profiled = _stop_profile(trace_dir, *profile_window)
             done = 0
             for o in outs:
                 tokens += len(o.new_token_ids)
@@ -87,6 +131,9 @@ def run(engine: Engine, workload, deadline: float | None) -> dict:
             finished += done
             bar.update(done)
     wall = time.perf_counter() - t0
+    if trace_dir is not None and profiled is None:   # the run ended inside the window
+        profiled = _stop_profile(trace_dir, profile_window[0],
+                                 max(1, engine.num_steps - s0 - profile_window[0]))
     prompt_tokens = sum(lengths[r][0] for r in started)   # prompts that produced a token
     return {"wall_s": round(wall, 3), "queue_s": round(queue_s, 3),
             "output_tokens_per_s": round(tokens / wall, 2),
@@ -100,9 +147,32 @@ def run(engine: Engine, workload, deadline: float | None) -> dict:
             "schedule_share": round(sum(p.get("schedule", 0.0) for p in phases)
                                     / sum(step), 4) if step else None,
             "host_phases_ms": phase_medians(phases),
+            "step_kinds": step_kinds(kinds),
+            **({"profile": profiled} if profiled is not None else {}),
             "padding_fraction": round(engine.buckets.padding_fraction, 4),
             "compiles": CompileCounter.count() - c0,
             "preemptions": engine.scheduler.num_preemptions - p0}
+
+
+def _stop_profile(trace_dir: str, first: int, steps: int) -> dict:
+    """Stop the trace and summarize its device events over `steps` steps."""
+    jax.profiler.stop_trace()
+    try:
+        events = profile.device_events(profile.read_events(trace_dir))
+        return {"first_step": first, "steps": steps, **profile.summarize(events, steps, top=20)}
+    finally:
+        shutil.rmtree(trace_dir, ignore_errors=True)
+
+
+def _window(text: str) -> tuple[int, int]:
+    first, _, count = text.partition(":")
+    try:
+        window = int(first), int(count)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected FIRST:COUNT (e.g. 2000:40), got {text!r}")
+    if window[0] < 0 or window[1] < 1:
+        raise argparse.ArgumentTypeError(f"need FIRST >= 0 and COUNT >= 1, got {text!r}")
+    return window
 
 
 def parse_args(argv):
@@ -116,6 +186,10 @@ def parse_args(argv):
     ap.add_argument("--time-limit-s", type=float, default=None,
                     help="stop dispatching steps this many seconds after start (load and "
                          "warmup included) and write the partial row")
+    ap.add_argument("--profile-steps", type=_window, default=None, metavar="FIRST:COUNT",
+                    help="run steps FIRST..FIRST+COUNT-1 of the timed run under the profiler "
+                         "and add their device time by kernel category to the row (the "
+                         "profiler slows those steps a little; the row says which ones)")
     ap.add_argument("--git", default=None, help="commit to record (default: git rev-parse HEAD)")
     ap.add_argument("--out", required=True, help="results JSON (e.g. "
                                                   "bench/results/throughput.json)")
@@ -157,7 +231,7 @@ def main(argv=None) -> dict:
            "kv_dtype": dtype_name(kv_dtype_for(ecfg)), "dtype": dtype,
            "input_len": args.input_len, "output_len": args.output_len,
            "num_requests": args.num_requests}
-    measured = run(engine, workload, deadline)
+    measured = run(engine, workload, deadline, args.profile_steps)
     row.update(output_tokens_per_s=measured.pop("output_tokens_per_s"),
                total_tokens_per_s=measured.pop("total_tokens_per_s"),
                max_num_seqs=args.max_num_seqs,

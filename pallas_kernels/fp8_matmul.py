@@ -186,14 +186,17 @@ def _triton_params(t: Tiles):
     return plt.CompilerParams(num_warps=t.num_warps, num_stages=t.num_stages)
 
 
-def tensor_core_fp8_matmul(x, w_q, scale):
-    """Prefill route: x quantized per token to e4m3, cuBLASLt FP8 GEMM, scales on the product."""
+def tensor_core_fp8_matmul(x, w_q, scale, product_dtype=jnp.float32, per_token=True):
+    """Prefill route: x quantized per token to e4m3, cuBLASLt FP8 GEMM, scales on the product.
+
+    product_dtype: the GEMM's output (f32, or bf16: half the bytes written and read back);
+    per_token=False quantizes x with one scale for the whole [M, K] (bench variants)."""
     xf = x.astype(jnp.float32)
-    amax = jnp.max(jnp.abs(xf), axis=1)                                   # [M]
-    x_scale = jnp.where(amax > 0, amax / FP8_MAX, 1.0)
-    x_q = jnp.clip(xf / x_scale[:, None], -FP8_MAX, FP8_MAX).astype(FP8_DTYPE)
-    y = lax.dot_general(x_q, w_q, _CONTRACT_K, preferred_element_type=jnp.float32)
-    return (y * x_scale[:, None] * scale[None, :]).astype(x.dtype)
+    amax = jnp.max(jnp.abs(xf), axis=1 if per_token else None, keepdims=True)
+    x_scale = jnp.where(amax > 0, amax / FP8_MAX, 1.0)                   # [M, 1] or [1, 1]
+    x_q = jnp.clip(xf / x_scale, -FP8_MAX, FP8_MAX).astype(FP8_DTYPE)
+    y = lax.dot_general(x_q, w_q, _CONTRACT_K, preferred_element_type=product_dtype)
+    return (y.astype(jnp.float32) * x_scale * scale[None, :]).astype(x.dtype)
 
 
 def xla_dequant_matmul(x, w_q, scale):

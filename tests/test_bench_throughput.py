@@ -1,6 +1,7 @@
 """CPU smoke test of bench/throughput.py on the tiny model with FP8 weights and FP8 KV: the
 results file has the BENCH.md schema, every request emits exactly output_len tokens, nothing
-compiles or is preempted while timing, and --time-limit-s leaves a partial row. No timing
+compiles or is preempted while timing, steps are split by kind, --profile-steps adds a
+profile of its window, and --time-limit-s leaves a partial row. No timing
 asserts."""
 import json
 
@@ -21,7 +22,7 @@ def test_workload_is_seeded_and_fixed_length():
 
 def test_throughput_bench_schema(tmp_path):
     out = tmp_path / "throughput.json"
-    result = throughput.main(ARGV + ["--out", str(out)])
+    result = throughput.main(ARGV + ["--profile-steps", "3:4", "--out", str(out)])
     assert json.loads(out.read_text()) == result
     for key in ("suite", "device", "jax", "git", "date", "command", "rows"):
         assert result[key], key
@@ -44,6 +45,13 @@ def test_throughput_bench_schema(tmp_path):
     assert all(v >= 0 for v in phases.values()) and phases["dispatch"] > 0
     assert 0 < row["schedule_share"] < row["host_share"]
     assert all(phases[k] <= phases["prepare"] for k in parts) and phases["prepare_transfer"] > 0
+    # every step but the first call's is charged to the step it waited for; the 5 prompts of
+    # 12 tokens need mixed steps (budget 16), the later ones are decode-only (2 rows)
+    kinds = row["step_kinds"]
+    assert kinds["decode"]["steps"] + kinds["mixed"]["steps"] == row["steps"]
+    assert kinds["decode"]["median_tokens"] <= 2 < kinds["mixed"]["median_tokens"] <= 16
+    assert row["profile"]["first_step"] == 3 and row["profile"]["steps"] == 4
+    assert row["profile"]["kernels_per_step"] > 0 and row["profile"]["top"]
 
 
 class _Clock:
