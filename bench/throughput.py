@@ -24,7 +24,9 @@ should be 0). `step_kinds` splits the steps into `decode` (every row one token) 
 (a prefill chunk rides along): count, median tokens and ms, total seconds; with async
 scheduling an engine.step() call's time is charged to the step it waited for.
 `--profile-steps FIRST:COUNT` runs those steps under the profiler and adds their device time
-by kernel category (`profile`, bench.profile's summary) to the row.
+by kernel category (`profile`, bench.profile's summary) to the row; the trace is read after
+the timed run, but stopping the profiler (`stop_trace_s`) and its overhead on those steps
+fall inside it.
 
 --time-limit-s bounds the whole run from the start of main() (model load and warmup
 included): once it is spent no further step is dispatched and the row is written with
@@ -98,7 +100,7 @@ def run(engine: Engine, workload, deadline: float | None,
                for prompt, n in workload}
     queue_s = time.perf_counter() - t0
     host, step, phases, kinds = [], [], [], []
-    profiled, trace_dir = None, None
+    trace_dir, stop_s = None, None
     tokens = finished = wrong_length = 0
     started: set[str] = set()
     partial = False
@@ -118,9 +120,9 @@ def run(engine: Engine, workload, deadline: float | None,
             phases.append(engine.last_phases)
             if waits_for is not None:   # async: this call's time is the in-flight step's
                 kinds.append((*waits_for, engine.last_step_s))
-            if trace_dir is not None and profiled is None and \
+            if trace_dir is not None and stop_s is None and \
                     engine.num_steps - s0 == sum(profile_window):
-                profiled = _stop_profile(trace_dir, *profile_window)
+                stop_s = _stop_trace()
             done = 0
             for o in outs:
                 tokens += len(o.new_token_ids)
@@ -131,9 +133,13 @@ def run(engine: Engine, workload, deadline: float | None,
             finished += done
             bar.update(done)
     wall = time.perf_counter() - t0
-    if trace_dir is not None and profiled is None:   # the run ended inside the window
-        profiled = _stop_profile(trace_dir, profile_window[0],
-                                 max(1, engine.num_steps - s0 - profile_window[0]))
+    profiled = None
+    if trace_dir is not None:   # read outside the timed region
+        profiled_steps = min(profile_window[1], engine.num_steps - s0 - profile_window[0])
+        if stop_s is None:      # the run ended inside the window
+            stop_s = _stop_trace()
+        profiled = _summarize_trace(trace_dir, profile_window[0], max(1, profiled_steps),
+                                    stop_s)
     prompt_tokens = sum(lengths[r][0] for r in started)   # prompts that produced a token
     return {"wall_s": round(wall, 3), "queue_s": round(queue_s, 3),
             "output_tokens_per_s": round(tokens / wall, 2),
@@ -154,12 +160,19 @@ def run(engine: Engine, workload, deadline: float | None,
             "preemptions": engine.scheduler.num_preemptions - p0}
 
 
-def _stop_profile(trace_dir: str, first: int, steps: int) -> dict:
-    """Stop the trace and summarize its device events over `steps` steps."""
+def _stop_trace() -> float:
+    """Stop the profiler; returns the seconds that took (inside the timed run)."""
+    t = time.perf_counter()
     jax.profiler.stop_trace()
+    return time.perf_counter() - t
+
+
+def _summarize_trace(trace_dir: str, first: int, steps: int, stop_s: float) -> dict:
+    """The trace's device events summarized over `steps` steps."""
     try:
         events = profile.device_events(profile.read_events(trace_dir))
-        return {"first_step": first, "steps": steps, **profile.summarize(events, steps, top=20)}
+        return {"first_step": first, "steps": steps, "stop_trace_s": round(stop_s, 3),
+                **profile.summarize(events, steps, top=20)}
     finally:
         shutil.rmtree(trace_dir, ignore_errors=True)
 

@@ -12,7 +12,8 @@ one H200 (bench/results/fp8_matmul.json):
   XLA picks a faster GEMM than at M = 1 (4096x28672: 36.7 vs 44.0 us; 14336x4096: 21.2 vs
   24.2 us; our Pallas GEMV takes 48.3 and 25.5 us).
 - M > DEQUANT_MAX_M (prefill): XLA's cuBLASLt FP8 GEMM (`__cublas$lt$matmul$f8` in the HLO)
-  on x quantized per token to e4m3, with both scales applied to the f32 product.
+  on x quantized per token to e4m3, writing a bf16 product (f32 for f32 x) that both scales
+  are applied to.
 - The Pallas (Triton backend) skinny kernel below: used for M == 1 only when the caller
   passes a stacked weight with `layer` (below). It streams the fp8 weight once, converts it in
   registers and applies the channel scale in its epilogue; each program owns a few output
@@ -47,6 +48,7 @@ FP8_MAX = 448.0
 PALLAS_MAX_M = 0     # the Pallas kernel only for stacked weights (`layer`); see above
 DEQUANT_PAD_M = 8    # M < 8 padded to 8 rows for XLA's fused-dequant GEMM
 DEQUANT_MAX_M = 64   # M > 64: the FP8 tensor-core GEMM wins (2048: 1.1-1.2x over bf16)
+TC_PRODUCT_DTYPE = jnp.bfloat16   # the tensor-core GEMM's output for bf16 x (see below)
 _MIN_PROGRAMS = 2 * 132    # two programs per H200 SM, so one slow SM does not set the pace
 _CONTRACT_K = (((1,), (1,)), ((), ()))   # x [M, K] . w [N, K] -> [M, N]
 
@@ -186,11 +188,15 @@ def _triton_params(t: Tiles):
     return plt.CompilerParams(num_warps=t.num_warps, num_stages=t.num_stages)
 
 
-def tensor_core_fp8_matmul(x, w_q, scale, product_dtype=jnp.float32, per_token=True):
+def tensor_core_fp8_matmul(x, w_q, scale, product_dtype=None, per_token=True):
     """Prefill route: x quantized per token to e4m3, cuBLASLt FP8 GEMM, scales on the product.
 
-    product_dtype: the GEMM's output (f32, or bf16: half the bytes written and read back);
-    per_token=False quantizes x with one scale for the whole [M, K] (bench variants)."""
+    product_dtype: the GEMM's output; default TC_PRODUCT_DTYPE for bf16 x, else f32. A bf16
+    product halves the bytes the GEMM writes and its consumers (scales, SiLU, the next
+    quantization) read back; its rounding (2^-9) is far below e4m3's (2^-4).
+    per_token=False quantizes x with one scale for the whole [M, K] (a bench variant)."""
+    if product_dtype is None:
+        product_dtype = TC_PRODUCT_DTYPE if x.dtype == jnp.bfloat16 else jnp.float32
     xf = x.astype(jnp.float32)
     amax = jnp.max(jnp.abs(xf), axis=1 if per_token else None, keepdims=True)
     x_scale = jnp.where(amax > 0, amax / FP8_MAX, 1.0)                   # [M, 1] or [1, 1]
