@@ -49,6 +49,11 @@ PALLAS_MAX_M = 0     # the Pallas kernel only for stacked weights (`layer`); see
 DEQUANT_PAD_M = 8    # M < 8 padded to 8 rows for XLA's fused-dequant GEMM
 DEQUANT_MAX_M = 64   # M > 64: the FP8 tensor-core GEMM wins (2048: 1.1-1.2x over bf16)
 TC_PRODUCT_DTYPE = jnp.bfloat16   # the tensor-core GEMM's output for bf16 x (see below)
+# x's quantization (x_q, x_scale) materialized behind an optimization barrier. Without it XLA
+# fuses x_scale's whole computation (x's producer, e.g. residual add + RMSNorm, then the row
+# amax) into the product's consumers and recomputes it for every output tile: in the 8B
+# FP8 step the SiLU * up fusion redid the MLP input's RMSNorm and amax (H200 HLO dump).
+QUANT_BARRIER = True
 _MIN_PROGRAMS = 2 * 132    # two programs per H200 SM, so one slow SM does not set the pace
 _CONTRACT_K = (((1,), (1,)), ((), ()))   # x [M, K] . w [N, K] -> [M, N]
 
@@ -201,6 +206,8 @@ def tensor_core_fp8_matmul(x, w_q, scale, product_dtype=None, per_token=True):
     amax = jnp.max(jnp.abs(xf), axis=1 if per_token else None, keepdims=True)
     x_scale = jnp.where(amax > 0, amax / FP8_MAX, 1.0)                   # [M, 1] or [1, 1]
     x_q = jnp.clip(xf / x_scale, -FP8_MAX, FP8_MAX).astype(FP8_DTYPE)
+    if QUANT_BARRIER:
+        x_q, x_scale = lax.optimization_barrier((x_q, x_scale))
     y = lax.dot_general(x_q, w_q, _CONTRACT_K, preferred_element_type=product_dtype)
     return (y.astype(jnp.float32) * x_scale * scale[None, :]).astype(x.dtype)
 
