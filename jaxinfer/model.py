@@ -135,6 +135,11 @@ class MLP(nnx.Module):
 
     def __call__(self, x):
         t = x.shape[0]
+        if self.shards == 1 and self.w_gateup.scale is not None:
+            fused = ops.fused_fp8_mlp(x, (self.w_gateup.kernel[...], self.w_gateup.scale[...]),
+                                      (self.w_down.kernel[...], self.w_down.scale[...]))
+            if fused is not None:
+                return fused
         gu = self.w_gateup(x).reshape(t, self.shards, 2, -1)            # [T, m, 2, F/m]
         gate, up = gu[:, :, 0].reshape(t, -1), gu[:, :, 1].reshape(t, -1)  # [T, F] each
         return self.w_down(jax.nn.silu(gate) * up)

@@ -18,6 +18,9 @@ from jaxinfer.kv_cache import FP8_DTYPE, AttentionMetadata, KVCache
 from jaxinfer.sharding import AXIS, TPLayout, kv_spec
 
 
+FUSED_FP8_MLP = True   # fused_fp8_mlp on (a module switch for in-process A/B benches)
+
+
 def resolve_attention_impl(impl: str) -> str:
     if impl != "auto":
         return impl
@@ -62,6 +65,21 @@ def linear(x, kernel, scale=None, bias=None, parallel=None):
     else:
         y = jnp.dot(x, kernel.astype(x.dtype), preferred_element_type=jnp.float32).astype(x.dtype)
     return y if bias is None else y + bias.astype(y.dtype)
+
+
+def fused_fp8_mlp(x, gateup, down):
+    """The FP8 MLP with SiLU * up and the down projection's quantization in one kernel
+    (pallas_kernels/swiglu_quant.py), or None where it does not apply: off the GPU, with
+    bf16 weights, or at M <= DEQUANT_MAX_M (the fused-dequant route has no quantization to
+    fuse). gateup/down: (kernel, scale) of the unsharded FP8 linears."""
+    from pallas_kernels import fp8_matmul as fm
+    from pallas_kernels import swiglu_quant as sq
+    (wgu, sgu), (wd, sd) = gateup, down
+    m, f = x.shape[0], wd.shape[-1]
+    if not (FUSED_FP8_MLP and jax.default_backend() == "gpu" and wgu.dtype == FP8_DTYPE
+            and m > fm.DEQUANT_MAX_M and sq.supported(m, f)):
+        return None
+    return sq.fp8_mlp(x, wgu, sgu, wd, sd)
 
 
 def _fp8_linear(x, kernel, scale):

@@ -193,6 +193,29 @@ def _triton_params(t: Tiles):
     return plt.CompilerParams(num_warps=t.num_warps, num_stages=t.num_stages)
 
 
+def quantize_rows(x, per_token: bool = True):
+    """x [M, K] -> (e4m3 [M, K], f32 scale): amax / 448 per row ([M, 1]), or over all of x
+    ([1, 1]) with per_token=False."""
+    xf = x.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(xf), axis=1 if per_token else None, keepdims=True)
+    scale = jnp.where(amax > 0, amax / FP8_MAX, 1.0)
+    return jnp.clip(xf / scale, -FP8_MAX, FP8_MAX).astype(FP8_DTYPE), scale
+
+
+def tc_quantize(x, per_token: bool = True):
+    """The tensor-core route's activation quantization, behind the barrier (QUANT_BARRIER)."""
+    x_q, x_scale = quantize_rows(x, per_token)
+    return lax.optimization_barrier((x_q, x_scale)) if QUANT_BARRIER else (x_q, x_scale)
+
+
+def tc_product(x_q, w_q, like, product_dtype=None):
+    """x_q [M, K] e4m3 @ w_q [N, K]^T on the FP8 tensor cores, unscaled, in product_dtype
+    (default TC_PRODUCT_DTYPE when `like` (the activations' dtype) is bf16, else f32)."""
+    if product_dtype is None:
+        product_dtype = TC_PRODUCT_DTYPE if like == jnp.bfloat16 else jnp.float32
+    return lax.dot_general(x_q, w_q, _CONTRACT_K, preferred_element_type=product_dtype)
+
+
 def tensor_core_fp8_matmul(x, w_q, scale, product_dtype=None, per_token=True):
     """Prefill route: x quantized per token to e4m3, cuBLASLt FP8 GEMM, scales on the product.
 
@@ -200,15 +223,8 @@ def tensor_core_fp8_matmul(x, w_q, scale, product_dtype=None, per_token=True):
     product halves the bytes the GEMM writes and its consumers (scales, SiLU, the next
     quantization) read back; its rounding (2^-9) is far below e4m3's (2^-4).
     per_token=False quantizes x with one scale for the whole [M, K] (a bench variant)."""
-    if product_dtype is None:
-        product_dtype = TC_PRODUCT_DTYPE if x.dtype == jnp.bfloat16 else jnp.float32
-    xf = x.astype(jnp.float32)
-    amax = jnp.max(jnp.abs(xf), axis=1 if per_token else None, keepdims=True)
-    x_scale = jnp.where(amax > 0, amax / FP8_MAX, 1.0)                   # [M, 1] or [1, 1]
-    x_q = jnp.clip(xf / x_scale, -FP8_MAX, FP8_MAX).astype(FP8_DTYPE)
-    if QUANT_BARRIER:
-        x_q, x_scale = lax.optimization_barrier((x_q, x_scale))
-    y = lax.dot_general(x_q, w_q, _CONTRACT_K, preferred_element_type=product_dtype)
+    x_q, x_scale = tc_quantize(x, per_token)
+    y = tc_product(x_q, w_q, x.dtype, product_dtype)
     return (y.astype(jnp.float32) * x_scale * scale[None, :]).astype(x.dtype)
 
 

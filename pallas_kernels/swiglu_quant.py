@@ -1,0 +1,133 @@
+"""The FP8 MLP's middle in one pass: gate/up product -> SiLU(gate) * up -> per-token e4m3.
+
+On the FP8 tensor-core route (pallas_kernels/fp8_matmul.py, M > DEQUANT_MAX_M) the MLP is
+
+    x_q, x_scale = quantize_rows(x)                      # per token
+    y = x_q @ w_gateup_q                                 # bf16 product [M, 2F], no scales yet
+    h = silu(g) * u,  g | u = y * x_scale * w_scale      # [M, F]
+    h_q, h_scale = quantize_rows(h)                      # per token, for the down GEMM
+    out = (h_q @ w_down_q) * h_scale * w_down_scale
+
+Left to XLA, the middle two lines are three kernels on the H200 (8B FP8 step at M=256,
+bench/results/history/profile_b256_fp8_barrier_*.json): SiLU * up writing h in bf16
+(~8 us per layer), the rows' amax reading h back (~2.4 us), and the cast reading it again
+(~5.7 us). `swiglu_quant` reads y once and writes h_q and h_scale: each program owns BM
+rows, keeps their F values of h in registers (F / BF static chunks of BF columns), takes
+the amax and stores the e4m3 values; nothing of h goes to memory.
+
+Numerics: everything in f32 from the bf16 product on (XLA's route rounds g | u and h to
+bf16 between steps), then round to nearest e4m3 with scale = amax / 448, as fp8_matmul.quantize_rows.
+
+Backend: the Pallas Triton backend, like the other kernels here (pallas_kernels/
+paged_attention.py says why); the refs are whole arrays and every load and store is a
+[BM, BF] tile with BF a power of two dividing F (Triton's tiles are powers of two; F itself,
+14336 for Llama-3-8B, is not).
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels import fp8_matmul as fm
+from pallas_kernels.fp8_matmul import FP8_DTYPE, FP8_MAX, quantize_rows
+
+MAX_CHUNK = 2048        # columns per tile (BF)
+MAX_LIVE = 16384        # BM * F values of h held per program
+NUM_WARPS = 8
+
+
+def swiglu_quant_reference(y, x_scale, w_scale):
+    """Plain jnp: y [M, 2F] (gate | up, unscaled), x_scale [M, 1], w_scale [2F] ->
+    (h_q e4m3 [M, F], h_scale f32 [M, 1]) with h = silu(g) * u in f32."""
+    f = y.shape[1] // 2
+    gu = y.astype(jnp.float32) * x_scale.astype(jnp.float32) * w_scale[None, :]
+    h = jax.nn.silu(gu[:, :f]) * gu[:, f:]
+    return quantize_rows(h)
+
+
+def chunk(f: int) -> int | None:
+    """BF: the largest power of two <= MAX_CHUNK dividing f (None below 16)."""
+    bf = MAX_CHUNK
+    while bf >= 16 and f % bf:
+        bf //= 2
+    return bf if bf >= 16 else None
+
+
+def rows_per_program(m: int, f: int) -> int | None:
+    """BM: 1, or None when a row's F values exceed MAX_LIVE (use the reference then)."""
+    return 1 if f <= MAX_LIVE else None
+
+
+def supported(m: int, f: int) -> bool:
+    return chunk(f) is not None and rows_per_program(m, f) is not None
+
+
+def _kernel(y_ref, xs_ref, ws_ref, q_ref, s_ref, *, f: int, bf: int, bm: int):
+    rows = pl.ds(pl.program_id(0) * bm, bm)
+    xs = xs_ref[rows]                                                     # [BM] f32
+    h = []
+    amax = jnp.zeros((bm,), jnp.float32)
+    for c in range(f // bf):                       # static: h stays in registers
+        g = (y_ref[rows, pl.ds(c * bf, bf)].astype(jnp.float32) * xs[:, None]
+             * ws_ref[pl.ds(c * bf, bf)][None, :])
+        u = (y_ref[rows, pl.ds(f + c * bf, bf)].astype(jnp.float32) * xs[:, None]
+             * ws_ref[pl.ds(f + c * bf, bf)][None, :])
+        hc = g / (1.0 + jnp.exp(-g)) * u                                  # [BM, BF]
+        amax = jnp.maximum(amax, jnp.max(jnp.abs(hc), axis=1))
+        h.append(hc)
+    scale = jnp.where(amax > 0, amax / FP8_MAX, 1.0)
+    for c, hc in enumerate(h):
+        q_ref[rows, pl.ds(c * bf, bf)] = jnp.clip(hc / scale[:, None], -FP8_MAX,
+                                                  FP8_MAX).astype(q_ref.dtype)
+    s_ref[rows] = scale
+
+
+@functools.partial(jax.jit, static_argnames=("interpret",))
+def swiglu_quant(y, x_scale, w_scale, *, interpret: bool = False):
+    """y [M, 2F] bf16 gate|up product (no scales), x_scale [M, 1] f32 (per token), w_scale
+    [2F] f32 (per channel) -> (h_q e4m3 [M, F], h_scale f32 [M, 1]): see the module doc.
+    Shapes the kernel does not take (F without a power-of-two chunk >= 16, F > MAX_LIVE)
+    run the reference."""
+    m, two_f = y.shape
+    if two_f % 2 or x_scale.shape != (m, 1) or w_scale.shape != (two_f,):
+        raise ValueError(f"swiglu_quant: want y [M, 2F], x_scale [M, 1], w_scale [2F]; got "
+                         f"{y.shape}, {x_scale.shape}, {w_scale.shape}")
+    f = two_f // 2
+    if not supported(m, f):
+        return swiglu_quant_reference(y, x_scale, w_scale)
+    bf, bm = chunk(f), rows_per_program(m, f)
+    params = {}
+    if not interpret:
+        from jax.experimental.pallas import triton as plt   # deprecated in jax 0.11, still there
+        params["compiler_params"] = plt.CompilerParams(num_warps=NUM_WARPS, num_stages=1)
+    h_q, h_scale = pl.pallas_call(
+        functools.partial(_kernel, f=f, bf=bf, bm=bm),
+        out_shape=(jax.ShapeDtypeStruct((m, f), FP8_DTYPE),
+                   jax.ShapeDtypeStruct((m,), jnp.float32)),
+        grid=(m // bm,),
+        interpret=interpret,
+        **params,
+    )(y, x_scale.reshape(m).astype(jnp.float32), w_scale.astype(jnp.float32))
+    return h_q, h_scale[:, None]
+
+
+def fp8_mlp(x, wgu_q, wgu_scale, wd_q, wd_scale, *, interpret: bool = False):
+    """x [M, E] -> [M, E]: the FP8 SwiGLU MLP on the tensor-core route with the middle fused
+    (module doc). wgu_q [2F, E] e4m3 (gate rows then up rows), wgu_scale [2F], wd_q [E, F],
+    wd_scale [E]: checkpoints.fp8's layout, as fp8_matmul.fp8_linear takes."""
+    x_q, x_scale = fm.tc_quantize(x)
+    y = fm.tc_product(x_q, wgu_q, x.dtype)                               # [M, 2F]
+    h_q, h_scale = swiglu_quant(y, x_scale, wgu_scale, interpret=interpret)
+    z = fm.tc_product(h_q, wd_q, x.dtype)                                # [M, E]
+    return (z.astype(jnp.float32) * h_scale * wd_scale[None, :]).astype(x.dtype)
+
+
+def fp8_mlp_reference(x, wgu_q, wgu_scale, wd_q, wd_scale):
+    """The unfused route: fp8_linear's tensor-core route, SiLU * up in x's dtype, again."""
+    gu = fm.tensor_core_fp8_matmul(x, wgu_q, wgu_scale)
+    f = gu.shape[1] // 2
+    return fm.tensor_core_fp8_matmul(jax.nn.silu(gu[:, :f]) * gu[:, f:], wd_q, wd_scale)
