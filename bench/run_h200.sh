@@ -92,7 +92,8 @@ for stage in "$@"; do
   case $stage in
     check)
       JAXINFER_TEST_GPU=1 run check 200 "$PY" -m pytest -q -m gpu -x \
-        tests/test_paged_attention.py tests/test_ragged_paged_attention.py tests/test_fp8_matmul.py ;;
+        tests/test_paged_attention.py tests/test_ragged_paged_attention.py tests/test_fp8_matmul.py \
+        tests/test_swiglu_quant.py ;;
     decode8)
       decode_fp8_rows ;;
     decode)
