@@ -202,7 +202,8 @@ def parse_args(argv):
     ap.add_argument("--profile-steps", type=_window, default=None, metavar="FIRST:COUNT",
                     help="run steps FIRST..FIRST+COUNT-1 of the timed run under the profiler "
                          "and add their device time by kernel category to the row (the "
-                         "profiler slows those steps a little; the row says which ones)")
+                         "profiler slows those steps, and stopping it takes seconds inside "
+                         "the timed run: not for headline numbers)")
     ap.add_argument("--git", default=None, help="commit to record (default: git rev-parse HEAD)")
     ap.add_argument("--out", required=True, help="results JSON (e.g. "
                                                   "bench/results/throughput.json)")
