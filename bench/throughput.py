@@ -80,10 +80,9 @@ def step_kinds(kinds: list[tuple[str, int, float]]) -> dict:
 
 def _inflight_kind(engine: Engine) -> tuple[str, int] | None:
     """(kind, tokens) of the step in flight: the one the next engine.step() waits for."""
-    prev = getattr(engine, "_inflight", None)
-    if prev is None:
+    out = engine.inflight
+    if out is None:
         return None
-    out = prev.out
     return ("decode" if out.num_tokens == out.num_rows else "mixed"), out.num_tokens
 
 

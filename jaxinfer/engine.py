@@ -104,6 +104,12 @@ class Engine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished or self._inflight is not None
 
+    @property
+    def inflight(self) -> SchedulerOutput | None:
+        """The step dispatched and not yet resolved (async scheduling): the next step()
+        waits for its tokens."""
+        return None if self._inflight is None else self._inflight.out
+
     # --- the step -----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Schedule and dispatch one step; return the outputs of the step that completed

@@ -75,9 +75,8 @@ def fused_fp8_mlp(x, gateup, down):
     from pallas_kernels import fp8_matmul as fm
     from pallas_kernels import swiglu_quant as sq
     (wgu, sgu), (wd, sd) = gateup, down
-    m, f = x.shape[0], wd.shape[-1]
     if not (FUSED_FP8_MLP and jax.default_backend() == "gpu" and wgu.dtype == FP8_DTYPE
-            and m > fm.DEQUANT_MAX_M and sq.supported(m, f)):
+            and x.shape[0] > fm.DEQUANT_MAX_M and sq.supported(wd.shape[-1])):
         return None
     return sq.fp8_mlp(x, wgu, sgu, wd, sd)
 

@@ -9,13 +9,15 @@ On the FP8 tensor-core route (pallas_kernels/fp8_matmul.py, M > DEQUANT_MAX_M) t
     out = (h_q @ w_down_q) * h_scale * w_down_scale
 
 Left to XLA, the middle two lines are three kernels on the H200 (8B FP8 decode step at
-M=256, bench/results/history/profile_b256_fp8_ab.json): SiLU * up writing h in bf16 (~8.1 us
-per layer), the rows' amax reading h back and the cast reading it again (~5.6 us), ~16 us in
-all. `swiglu_quant` reads y once and writes h_q and h_scale: each program owns BM rows,
-keeps their F values of h in registers (F / BF static chunks of BF columns), takes the amax
-and stores the e4m3 values; nothing of h goes to memory. Measured there: 12.4-12.6 us per
-layer, i.e. ~1.5 TB/s of the 18 MB it moves; BM = 1 and 8 warps were not tuned (next: more
-rows per program, fewer warps). The whole step: 12.93 / 12.97 -> 12.87 / 12.91 ms.
+M=256, bench/results/history/profile_b256_fp8_ab.json): SiLU * up writing h in bf16, the
+rows' amax reading h back, and the cast reading it again (by the kernels' names and sizes,
+~8.1 us for the first and ~5.6 us for the cast; that module's HLO was not read).
+`swiglu_quant` reads y once and writes h_q and h_scale: each program owns BM rows, keeps
+their F values of h in registers (F / BF static chunks of BF columns), takes the amax and
+stores the e4m3 values; nothing of h goes to memory. Measured there: 12.4-12.6 us per layer,
+i.e. ~1.5 TB/s of the 18 MB it moves, while the step's other kernels lost 0.145 ms (~4.5 us
+per layer); BM = 1 and 8 warps were not tuned (next: more rows per program, fewer warps).
+The whole step: 12.93 / 12.97 -> 12.87 / 12.91 ms.
 
 Numerics: everything in f32 from the bf16 product on (XLA's route rounds g | u and h to
 bf16 between steps), then round to nearest e4m3 with scale = amax / 448, as fp8_matmul.quantize_rows.
@@ -39,6 +41,7 @@ from pallas_kernels.fp8_matmul import FP8_DTYPE, FP8_MAX, quantize_rows
 
 MAX_CHUNK = 2048        # columns per tile (BF)
 MAX_LIVE = 16384        # BM * F values of h held per program
+ROWS = 1                # BM: rows per program (not tuned)
 NUM_WARPS = 8
 
 
@@ -59,13 +62,9 @@ def chunk(f: int) -> int | None:
     return bf if bf >= 16 else None
 
 
-def rows_per_program(m: int, f: int) -> int | None:
-    """BM: 1, or None when a row's F values exceed MAX_LIVE (use the reference then)."""
-    return 1 if f <= MAX_LIVE else None
-
-
-def supported(m: int, f: int) -> bool:
-    return chunk(f) is not None and rows_per_program(m, f) is not None
+def supported(f: int) -> bool:
+    """The kernel takes F: a power-of-two chunk >= 16 divides it and a row fits MAX_LIVE."""
+    return chunk(f) is not None and ROWS * f <= MAX_LIVE
 
 
 def swiglu_quant_kernel(y_ref, xs_ref, ws_ref, q_ref, s_ref, *, f: int, bf: int, bm: int):
@@ -99,9 +98,9 @@ def swiglu_quant(y, x_scale, w_scale, *, interpret: bool = False):
         raise ValueError(f"swiglu_quant: want y [M, 2F], x_scale [M, 1], w_scale [2F]; got "
                          f"{y.shape}, {x_scale.shape}, {w_scale.shape}")
     f = two_f // 2
-    if not supported(m, f):
+    if not supported(f):
         return swiglu_quant_reference(y, x_scale, w_scale)
-    bf, bm = chunk(f), rows_per_program(m, f)
+    bf, bm = chunk(f), ROWS
     params = {}
     if not interpret:
         from jax.experimental.pallas import triton as plt   # deprecated in jax 0.11, still there

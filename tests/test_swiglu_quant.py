@@ -47,8 +47,8 @@ def test_kernel_matches_reference(m, f, zero_row):
 def test_tiles_and_fallback():
     assert sq.chunk(14336) == 2048 and sq.chunk(1536) == 512 and sq.chunk(48) == 16
     assert sq.chunk(8) is None and sq.chunk(40) is None
-    assert sq.supported(256, 14336) and not sq.supported(256, 40)
-    assert not sq.supported(8, sq.MAX_LIVE * 2)
+    assert sq.supported(14336) and not sq.supported(40)
+    assert not sq.supported(sq.MAX_LIVE * 2)
     # unsupported F runs the reference: same result either way
     y, xs, ws = _inputs(np.random.default_rng(0), 4, 40)
     q, s = sq.swiglu_quant(y, xs, ws, interpret=True)
