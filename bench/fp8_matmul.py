@@ -74,6 +74,27 @@ def tc_tensor_scale(x, _w, w_q, scale):
 VARIANTS = {"tc_f32_product": tc_f32_product, "tc_tensor_scale": tc_tensor_scale}
 
 
+def _dequant_padded(x, w_q, scale, rows, barrier=False, product=jnp.float32):
+    xp = jnp.pad(x, ((0, rows - x.shape[0]), (0, 0)))
+    if barrier:      # the pad materialized: XLA cannot fuse it into the GEMM's operand
+        xp = lax.optimization_barrier(xp)
+    y = lax.dot_general(xp, w_q.astype(jnp.bfloat16), fm._CONTRACT_K,
+                        preferred_element_type=product)
+    return (y.astype(jnp.float32) * scale[None, :]).astype(x.dtype)[:x.shape[0]]
+
+
+# M = 1 variants of the fused-dequant route (fp8_linear pads to DEQUANT_PAD_M = 8 rows):
+# the M = 8 GEMM measured faster alone than the padded M = 1 call (4096x28672: 33.6 vs 36.2
+# us, bench/results/fp8_matmul.json), so the pad's fusion into the GEMM is a suspect.
+M1_VARIANTS = {
+    "pad8_barrier": lambda x, _w, w_q, s: _dequant_padded(x, w_q, s, 8, barrier=True),
+    "pad16": lambda x, _w, w_q, s: _dequant_padded(x, w_q, s, 16),
+    "pad16_barrier": lambda x, _w, w_q, s: _dequant_padded(x, w_q, s, 16, barrier=True),
+    "pad8_bf16_product": lambda x, _w, w_q, s: _dequant_padded(x, w_q, s, 8,
+                                                               product=jnp.bfloat16),
+}
+
+
 def time_per_op(fn, xs, weights, samples):
     """Median seconds per op; the program applies fn once per (x, weight) pair."""
     run = jax.jit(lambda xs, ws: [fn(x, *w) for x, w in zip(xs, ws)])
@@ -123,8 +144,8 @@ def bench_shape(k, n, ms, args, rows):
             impls["tensor_core_route"] = tensor_core_route
         if m == 1:
             impls["xla_fp8_dequant_pad8"] = xla_fp8_dequant_pad8
-        if args.variants and m > 1:
-            impls.update(VARIANTS)
+        if args.variants:
+            impls.update(VARIANTS if m > 1 else M1_VARIANTS)
         for name, fn in impls.items():
             try:
                 sec, y = time_per_op(fn, xs, weights, args.samples)
@@ -227,8 +248,9 @@ def main(argv=None):
     p.add_argument("--tune", action="store_true", help="also time GEMV tile variants (M=1)")
     p.add_argument("--tune-only", action="store_true", help="only the tile variants")
     p.add_argument("--variants", action="store_true",
-                   help="also time the tensor-core route's epilogue variants (M > 1): "
-                        + ", ".join(VARIANTS))
+                   help="also time the tensor-core route's epilogue variants (M > 1: "
+                        + ", ".join(VARIANTS) + ") and the padded M = 1 route's ("
+                        + ", ".join(M1_VARIANTS) + ")")
     args = p.parse_args(argv)
     ms = [int(v) for v in args.ms.split(",")]
     result = {"suite": "fp8_matmul", "device": jax.devices()[0].device_kind,

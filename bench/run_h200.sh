@@ -25,6 +25,8 @@
 #             and FP8 KV: the ragged kernel over every row vs decode + ragged split, and the
 #             prefill row alone under other ragged blocks (bench.kernels PREFILL_VARIANTS)  ~1 min
 #   fp8tune   FP8 GEMV (M=1) tile variants on the four Llama-3-8B projection shapes          ~2 min
+#   swiglu    the fused SiLU * up + e4m3 kernel's block variants vs XLA's unfused route, M
+#             256/2048, F 14336, two passes; $OUT/swiglu_quant.json                         ~2 min
 #   fp8       FP8 matmul: ours vs XLA bf16 vs XLA dequant, M 1..2048, four shapes            ~7 min
 #   compile   every bucket cold / warm, kernels per layer                                    ~2 min
 #   fusion    fused vs op-by-op (eager) vs command buffers off, B=1                          ~4 min
@@ -125,6 +127,8 @@ for stage in "$@"; do
       run kernels 200 "$PY" -m bench.kernels --batches 64,256 --contexts 2048,8192 \
         --impls jaxinfer,jaxinfer_f16widen,bundled --git "$GIT" \
         --out "$OUT/paged_attention.json" ;;
+    swiglu)
+      run swiglu 180 "$PY" -m bench.swiglu_quant --git "$GIT" --out "$OUT/swiglu_quant.json" ;;
     mixed)
       run mixed 200 "$PY" -m bench.kernels --mixed --batches 64 --contexts 2048 \
         --impls jaxinfer --no-write-kv --git "$GIT" --out "$OUT/mixed_attention.json" ;;

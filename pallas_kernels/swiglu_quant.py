@@ -29,6 +29,7 @@ paged_attention.py says why); the refs are whole arrays and every load and store
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -40,9 +41,25 @@ from pallas_kernels import fp8_matmul as fm
 from pallas_kernels.fp8_matmul import FP8_DTYPE, FP8_MAX, quantize_rows
 
 MAX_CHUNK = 2048        # columns per tile (BF)
-MAX_LIVE = 16384        # BM * F values of h held per program
-ROWS = 1                # BM: rows per program (not tuned)
-NUM_WARPS = 8
+LIVE_PER_THREAD = 64    # values of h a thread holds in the one-pass form (BM * F / threads)
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiles:
+    rows: int = 1             # BM: rows per program (lowered to a power of two dividing M)
+    chunk: int = MAX_CHUNK    # BF cap: columns per tile (lowered to a power of two dividing F)
+    num_warps: int = 8
+    two_pass: bool = False    # amax over y first, then h recomputed and stored (y read twice,
+                              # the second time mostly from L2), instead of h kept in registers
+    num_stages: int = 1       # Triton pipelining of the two-pass form's chunk loops
+
+
+TILES = Tiles()             # rows 1, 8 warps, one pass: the eighth session's (untuned) choice
+
+
+def max_live(t: Tiles) -> int:
+    """Values of h one program may hold in the one-pass form."""
+    return LIVE_PER_THREAD * 32 * t.num_warps
 
 
 def swiglu_quant_reference(y, x_scale, w_scale):
@@ -54,63 +71,100 @@ def swiglu_quant_reference(y, x_scale, w_scale):
     return quantize_rows(h)
 
 
-def chunk(f: int) -> int | None:
-    """BF: the largest power of two <= MAX_CHUNK dividing f (None below 16)."""
-    bf = MAX_CHUNK
+def chunk(f: int, cap: int = MAX_CHUNK) -> int | None:
+    """BF: the largest power of two <= cap dividing f (None below 16)."""
+    bf = 1 << (max(cap, 1).bit_length() - 1)
     while bf >= 16 and f % bf:
         bf //= 2
     return bf if bf >= 16 else None
 
 
-def supported(f: int) -> bool:
-    """The kernel takes F: a power-of-two chunk >= 16 divides it and a row fits MAX_LIVE."""
-    return chunk(f) is not None and ROWS * f <= MAX_LIVE
+def rows_for(m: int, cap: int) -> int:
+    """BM: the largest power of two <= cap dividing m."""
+    bm = 1
+    while bm * 2 <= cap and m % (bm * 2) == 0:
+        bm *= 2
+    return bm
 
 
-def swiglu_quant_kernel(y_ref, xs_ref, ws_ref, q_ref, s_ref, *, f: int, bf: int, bm: int):
+def supported(f: int, tiles: Tiles | None = None) -> bool:
+    """The kernel takes F: a power-of-two chunk >= 16 divides it and, in the one-pass form,
+    a row fits max_live(tiles)."""
+    t = tiles or TILES
+    return (chunk(f, t.chunk) is not None
+            and (t.two_pass or f <= max_live(t)))
+
+
+def _h_chunk(y_ref, ws_ref, rows, xs, c, f: int, bf: int):
+    """h = silu(g) * u for columns [c*BF, (c+1)*BF) of the rows, in f32 ([BM, BF])."""
+    g = (y_ref[rows, pl.ds(c * bf, bf)].astype(jnp.float32) * xs[:, None]
+         * ws_ref[pl.ds(c * bf, bf)][None, :])
+    u = (y_ref[rows, pl.ds(f + c * bf, bf)].astype(jnp.float32) * xs[:, None]
+         * ws_ref[pl.ds(f + c * bf, bf)][None, :])
+    return g / (1.0 + jnp.exp(-g)) * u
+
+
+def _store(q_ref, rows, c, bf, hc, scale):
+    q_ref[rows, pl.ds(c * bf, bf)] = jnp.clip(hc / scale[:, None], -FP8_MAX,
+                                              FP8_MAX).astype(q_ref.dtype)
+
+
+def swiglu_quant_kernel(y_ref, xs_ref, ws_ref, q_ref, s_ref, *, f: int, bf: int, bm: int,
+                        two_pass: bool):
     rows = pl.ds(pl.program_id(0) * bm, bm)
     xs = xs_ref[rows]                                                     # [BM] f32
-    h = []
-    amax = jnp.zeros((bm,), jnp.float32)
-    for c in range(f // bf):                       # static: h stays in registers
-        g = (y_ref[rows, pl.ds(c * bf, bf)].astype(jnp.float32) * xs[:, None]
-             * ws_ref[pl.ds(c * bf, bf)][None, :])
-        u = (y_ref[rows, pl.ds(f + c * bf, bf)].astype(jnp.float32) * xs[:, None]
-             * ws_ref[pl.ds(f + c * bf, bf)][None, :])
-        hc = g / (1.0 + jnp.exp(-g)) * u                                  # [BM, BF]
-        amax = jnp.maximum(amax, jnp.max(jnp.abs(hc), axis=1))
-        h.append(hc)
-    scale = jnp.where(amax > 0, amax / FP8_MAX, 1.0)
-    for c, hc in enumerate(h):
-        q_ref[rows, pl.ds(c * bf, bf)] = jnp.clip(hc / scale[:, None], -FP8_MAX,
-                                                  FP8_MAX).astype(q_ref.dtype)
+    amax0 = jnp.zeros((bm,), jnp.float32)
+    if two_pass:       # chunk loops Triton can pipeline; h never held whole
+        def amax_step(c, amax):
+            hc = _h_chunk(y_ref, ws_ref, rows, xs, c, f, bf)
+            return jnp.maximum(amax, jnp.max(jnp.abs(hc), axis=1))
+        amax = lax.fori_loop(0, f // bf, amax_step, amax0)
+        scale = jnp.where(amax > 0, amax / FP8_MAX, 1.0)
+
+        def store_step(c, carry):
+            _store(q_ref, rows, c, bf, _h_chunk(y_ref, ws_ref, rows, xs, c, f, bf), scale)
+            return carry
+        lax.fori_loop(0, f // bf, store_step, 0)
+    else:              # static chunks: h stays in registers, y read once
+        h, amax = [], amax0
+        for c in range(f // bf):
+            hc = _h_chunk(y_ref, ws_ref, rows, xs, c, f, bf)
+            amax = jnp.maximum(amax, jnp.max(jnp.abs(hc), axis=1))
+            h.append(hc)
+        scale = jnp.where(amax > 0, amax / FP8_MAX, 1.0)
+        for c, hc in enumerate(h):
+            _store(q_ref, rows, c, bf, hc, scale)
     s_ref[rows] = scale
 
 
-@functools.partial(jax.jit, static_argnames=("interpret",))
-def swiglu_quant(y, x_scale, w_scale, *, interpret: bool = False):
+@functools.partial(jax.jit, static_argnames=("interpret", "tiles"))
+def swiglu_quant(y, x_scale, w_scale, *, interpret: bool = False, tiles: Tiles | None = None):
     """y [M, 2F] bf16 gate|up product (no scales), x_scale [M, 1] f32 (per token), w_scale
     [2F] f32 (per channel) -> (h_q e4m3 [M, F], h_scale f32 [M, 1]): see the module doc.
-    Shapes the kernel does not take (F without a power-of-two chunk >= 16, F > MAX_LIVE)
-    run the reference."""
+    tiles: the kernel's blocks (default TILES; the bench compares others). Shapes the kernel
+    does not take (`supported`) run the reference."""
     m, two_f = y.shape
     if two_f % 2 or x_scale.shape != (m, 1) or w_scale.shape != (two_f,):
         raise ValueError(f"swiglu_quant: want y [M, 2F], x_scale [M, 1], w_scale [2F]; got "
                          f"{y.shape}, {x_scale.shape}, {w_scale.shape}")
     f = two_f // 2
-    if not supported(f):
+    t = tiles or TILES
+    if not supported(f, t):
         return swiglu_quant_reference(y, x_scale, w_scale)
-    bf, bm = chunk(f), ROWS
+    bf = chunk(f, t.chunk)
+    bm = rows_for(m, t.rows if t.two_pass else max(1, min(t.rows, max_live(t) // f)))
     params = {}
     if not interpret:
         from jax.experimental.pallas import triton as plt   # deprecated in jax 0.11, still there
-        params["compiler_params"] = plt.CompilerParams(num_warps=NUM_WARPS, num_stages=1)
+        params["compiler_params"] = plt.CompilerParams(num_warps=t.num_warps,
+                                                       num_stages=t.num_stages)
     h_q, h_scale = pl.pallas_call(
-        functools.partial(swiglu_quant_kernel, f=f, bf=bf, bm=bm),
+        functools.partial(swiglu_quant_kernel, f=f, bf=bf, bm=bm, two_pass=t.two_pass),
         out_shape=(jax.ShapeDtypeStruct((m, f), FP8_DTYPE),
                    jax.ShapeDtypeStruct((m,), jnp.float32)),
         grid=(m // bm,),
         interpret=interpret,
+        name="swiglu_quant",
         **params,
     )(y, x_scale.reshape(m).astype(jnp.float32), w_scale.astype(jnp.float32))
     return h_q, h_scale[:, None]

@@ -44,11 +44,24 @@ def test_kernel_matches_reference(m, f, zero_row):
         assert float(s[zero_row, 0]) == 1.0 and not np.asarray(q[zero_row].astype(jnp.float32)).any()
 
 
+@pytest.mark.parametrize("m,f,tiles", [
+    (8, 192, sq.Tiles(rows=4, chunk=64, two_pass=True, num_warps=4)),   # 2F/BF loop steps
+    (6, 96, sq.Tiles(rows=4, two_pass=True)),                          # BM 2 divides M = 6
+    (4, 64, sq.Tiles(rows=2, chunk=16, num_warps=1))])                 # one pass, 2 rows
+def test_other_tiles_match_reference(m, f, tiles):
+    y, xs, ws = _inputs(np.random.default_rng(m + f), m, f, zero_row=1)
+    assert sq.supported(f, tiles)
+    q, s = sq.swiglu_quant(y, xs, ws, interpret=not ON_GPU, tiles=tiles)
+    _check(q, s, *sq.swiglu_quant_reference(y, xs, ws))
+
+
 def test_tiles_and_fallback():
     assert sq.chunk(14336) == 2048 and sq.chunk(1536) == 512 and sq.chunk(48) == 16
-    assert sq.chunk(8) is None and sq.chunk(40) is None
+    assert sq.chunk(8) is None and sq.chunk(40) is None and sq.chunk(14336, 1000) == 512
+    assert sq.rows_for(256, 4) == 4 and sq.rows_for(6, 4) == 2 and sq.rows_for(7, 8) == 1
     assert sq.supported(14336) and not sq.supported(40)
-    assert not sq.supported(sq.MAX_LIVE * 2)
+    assert not sq.supported(sq.max_live(sq.TILES) * 2)
+    assert sq.supported(sq.max_live(sq.TILES) * 2, sq.Tiles(two_pass=True))
     # unsupported F runs the reference: same result either way
     y, xs, ws = _inputs(np.random.default_rng(0), 4, 40)
     q, s = sq.swiglu_quant(y, xs, ws, interpret=True)

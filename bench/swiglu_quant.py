@@ -1,0 +1,103 @@
+"""The fused SiLU * up + per-token e4m3 kernel (pallas_kernels/swiglu_quant.py) under block
+variants, against XLA's unfused route, at the 8B MLP's F on the throughput run's M values.
+
+    python -m bench.swiglu_quant --out swiglu_quant.json [--ms 256,2048] [--passes 2]
+
+One process; each variant is timed as bench/fp8_matmul.py times ops (one jitted program over
+rotated input buffers so L2 does not hold the next one, median over samples). `TBps` counts
+the bytes the fused kernel must move: y read once, h_q and the scales written. With --passes
+> 1 the whole list runs again, so run-to-run noise shows beside the differences.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import sys
+
+import jax
+import jax.numpy as jnp
+
+from bench.common import git_sha
+from bench.fp8_matmul import time_per_op
+from pallas_kernels import swiglu_quant as sq
+
+T = sq.Tiles
+VARIANTS = [T(),
+            T(num_warps=4), T(num_warps=16), T(chunk=1024), T(chunk=1024, num_warps=4),
+            T(rows=2, num_warps=16),
+            T(two_pass=True, num_warps=4, num_stages=2),
+            T(two_pass=True, num_warps=8, num_stages=2),
+            T(two_pass=True, rows=2, num_warps=4, num_stages=2),
+            T(two_pass=True, rows=2, num_warps=8, num_stages=2),
+            T(two_pass=True, rows=4, num_warps=4, num_stages=2),
+            T(two_pass=True, rows=4, num_warps=8, num_stages=2),
+            T(two_pass=True, rows=2, chunk=1024, num_warps=4, num_stages=1),
+            T(two_pass=True, rows=2, chunk=1024, num_warps=4, num_stages=3),
+            T(two_pass=True, rows=8, chunk=1024, num_warps=8, num_stages=2)]
+
+
+def xla_route(y, xs, ws):
+    """What XLA does without the kernel: SiLU * up, the rows' amax, the cast."""
+    return sq.swiglu_quant_reference(y, xs, ws)
+
+
+def bench_m(m, f, args, rows, pas):
+    key = jax.random.PRNGKey(m)
+    count = min(16, max(2, math.ceil(args.rotate_mb * 2**20 / (m * 2 * f * 2))))
+    ys = [jax.random.normal(jax.random.fold_in(key, i), (m, 2 * f), jnp.bfloat16) * 4
+          for i in range(count)]
+    args_w = [(jnp.full((m, 1), 0.01, jnp.float32), jnp.ones((2 * f,), jnp.float32))] * count
+    ref = sq.swiglu_quant_reference(ys[0], *args_w[0])
+    moved = m * 2 * f * 2 + m * f + m * 4
+    impls = [("xla", None, xla_route)] + [
+        ("kernel", t, lambda y, xs, ws, t=t: sq.swiglu_quant(y, xs, ws, tiles=t))
+        for t in VARIANTS]
+    for name, t, fn in impls:
+        row = {"impl": name, "M": m, "F": f, "pass": pas}
+        if t is not None:
+            row.update(tiles=str(t).replace("Tiles", ""), rows_per_program=sq.rows_for(
+                m, t.rows if t.two_pass else max(1, min(t.rows, sq.max_live(t) // f))))
+        try:
+            sec, out = time_per_op(fn, ys, args_w, args.samples)
+        except Exception as e:   # one broken variant must not cost the others
+            rows.append({**row, "error": repr(e)[:400]})
+            print(json.dumps(rows[-1]), flush=True)
+            continue
+        q, s = out
+        same = float(jnp.mean((q.astype(jnp.float32) == ref[0].astype(jnp.float32))
+                              .astype(jnp.float32)))
+        rows.append({**row, "us": round(sec * 1e6, 2), "TBps": round(moved / sec / 1e12, 3),
+                     "codes_equal_ref": round(same, 5),
+                     "scale_rel_err": float(jnp.max(jnp.abs(s / ref[1] - 1)))})
+        print(json.dumps(rows[-1]), flush=True)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", required=True, help="results JSON path")
+    p.add_argument("--ms", default="256,2048", help="comma-separated token counts M")
+    p.add_argument("--f", type=int, default=14336, help="the MLP's F (Llama-3-8B: 14336)")
+    p.add_argument("--passes", type=int, default=2)
+    p.add_argument("--samples", type=int, default=5)
+    p.add_argument("--rotate-mb", type=float, default=256.0)
+    p.add_argument("--git", default=None, help="commit to record (default: git rev-parse)")
+    args = p.parse_args(argv)
+    result = {"suite": "swiglu_quant", "device": jax.devices()[0].device_kind,
+              "jax": jax.__version__, "git": git_sha(args.git),
+              "date": datetime.date.today().isoformat(),
+              "command": " ".join(["python -m bench.swiglu_quant"] + sys.argv[1:]),
+              "default_tiles": str(sq.TILES), "rows": []}
+    for pas in range(args.passes):
+        for m in (int(v) for v in args.ms.split(",")):
+            bench_m(m, args.f, args, result["rows"], pas)
+            with open(args.out, "w") as fh:
+                json.dump(result, fh, indent=1)
+    for r in result["rows"]:
+        print(f'{r["impl"]:>6} M={r["M"]:>5} pass {r["pass"]} {r.get("tiles", ""):<95} '
+              + (f'{r["us"]:>8.2f} us {r["TBps"]:>5.2f} TB/s' if "us" in r else r["error"][:60]))
+
+
+if __name__ == "__main__":
+    main()
