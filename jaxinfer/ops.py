@@ -76,7 +76,7 @@ def fused_fp8_mlp(x, gateup, down):
     from pallas_kernels import swiglu_quant as sq
     (wgu, sgu), (wd, sd) = gateup, down
     if not (FUSED_FP8_MLP and jax.default_backend() == "gpu" and wgu.dtype == FP8_DTYPE
-            and x.shape[0] > fm.DEQUANT_MAX_M and sq.supported(wd.shape[-1])):
+            and x.shape[0] > fm.DEQUANT_MAX_M and sq.supported(wd.shape[-1], m=x.shape[0])):
         return None
     return sq.fp8_mlp(x, wgu, sgu, wd, sd)
 

@@ -55,6 +55,16 @@ class Tiles:
 
 
 TILES = Tiles()             # rows 1, 8 warps, one pass: the eighth session's (untuned) choice
+# (largest M, tiles) in order, the first that fits M wins; from bench/swiglu_quant.py on one
+# H200 at F = 14336 (bench/results/swiglu_quant.json, two passes, us): M = 256 rows 2 and 16
+# warps 12.7 / 13.7 against 19.5 / 14.9 for TILES (XLA's unfused route 17.0 / 16.0); M = 2048
+# rows 1 and 16 warps 79.3 / 78.8 against 82.6 / 83.6 (XLA 106.3 / 106.7). The two-pass
+# form (y re-read) was slower everywhere: 22.6-69 us at M = 256, 95-124 at M = 2048.
+TILE_TABLE = ((512, Tiles(rows=2, num_warps=16)), (None, Tiles(num_warps=16)))
+
+
+def tiles_for(m: int) -> Tiles:
+    return next(t for top, t in TILE_TABLE if top is None or m <= top)
 
 
 def max_live(t: Tiles) -> int:
@@ -87,10 +97,10 @@ def rows_for(m: int, cap: int) -> int:
     return bm
 
 
-def supported(f: int, tiles: Tiles | None = None) -> bool:
+def supported(f: int, tiles: Tiles | None = None, m: int | None = None) -> bool:
     """The kernel takes F: a power-of-two chunk >= 16 divides it and, in the one-pass form,
-    a row fits max_live(tiles)."""
-    t = tiles or TILES
+    a row fits max_live(tiles) (default: the tiles M gets, or TILES without M)."""
+    t = tiles or (TILES if m is None else tiles_for(m))
     return (chunk(f, t.chunk) is not None
             and (t.two_pass or f <= max_live(t)))
 
@@ -141,14 +151,14 @@ def swiglu_quant_kernel(y_ref, xs_ref, ws_ref, q_ref, s_ref, *, f: int, bf: int,
 def swiglu_quant(y, x_scale, w_scale, *, interpret: bool = False, tiles: Tiles | None = None):
     """y [M, 2F] bf16 gate|up product (no scales), x_scale [M, 1] f32 (per token), w_scale
     [2F] f32 (per channel) -> (h_q e4m3 [M, F], h_scale f32 [M, 1]): see the module doc.
-    tiles: the kernel's blocks (default TILES; the bench compares others). Shapes the kernel
-    does not take (`supported`) run the reference."""
+    tiles: the kernel's blocks (default tiles_for(M); the bench compares others). Shapes the
+    kernel does not take (`supported`) run the reference."""
     m, two_f = y.shape
     if two_f % 2 or x_scale.shape != (m, 1) or w_scale.shape != (two_f,):
         raise ValueError(f"swiglu_quant: want y [M, 2F], x_scale [M, 1], w_scale [2F]; got "
                          f"{y.shape}, {x_scale.shape}, {w_scale.shape}")
     f = two_f // 2
-    t = tiles or TILES
+    t = tiles or tiles_for(m)
     if not supported(f, t):
         return swiglu_quant_reference(y, x_scale, w_scale)
     bf = chunk(f, t.chunk)
