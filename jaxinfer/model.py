@@ -27,7 +27,7 @@ from flax import nnx
 
 from jaxinfer import ops
 from jaxinfer.config import ModelConfig
-from jaxinfer.kv_cache import FP8_DTYPE, AttentionMetadata, KVCache, write_kv
+from jaxinfer.kv_cache import FP8_DTYPE, AttentionMetadata, KVCache
 from jaxinfer.sharding import TPLayout
 
 
@@ -117,7 +117,7 @@ class Attention(nnx.Module):
         q = apply_rope(q.reshape(t, cfg.num_heads, cfg.head_dim), cos, sin)     # [T, H, D]
         k = apply_rope(k.reshape(t, cfg.num_kv_heads, cfg.head_dim), cos, sin)  # [T, K, D]
         v = v.reshape(t, cfg.num_kv_heads, cfg.head_dim)                        # [T, K, D]
-        kv = write_kv(kv, layer, k, v, md.slot_mapping)
+        kv = ops.write_kv(kv, layer, k, v, md.slot_mapping, impl=attn_impl, layout=self.layout)
         o = ops.attention(q, kv, layer, md, sm_scale=cfg.head_dim ** -0.5, impl=attn_impl,
                           layout=self.layout)
         return self.wo(o.reshape(t, cfg.q_size)), kv

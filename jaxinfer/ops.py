@@ -14,17 +14,31 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from jaxinfer import kv_cache
 from jaxinfer.kv_cache import FP8_DTYPE, AttentionMetadata, KVCache
 from jaxinfer.sharding import AXIS, TPLayout, kv_spec
 
 
 FUSED_FP8_MLP = True   # fused_fp8_mlp on (a module switch for in-process A/B benches)
+PALLAS_KV_WRITE = True  # write_kv's Pallas kernel with impl "pallas" (the same kind of switch)
 
 
 def resolve_attention_impl(impl: str) -> str:
     if impl != "auto":
         return impl
     return "pallas" if jax.default_backend() == "gpu" else "reference"
+
+
+def write_kv(kv: KVCache, layer, k, v, slot_mapping, *, impl: str,
+             layout: TPLayout = TPLayout()) -> KVCache:
+    """The new tokens' K/V ([T, K, D]) into their pages: with impl "pallas" one kernel
+    (pallas_kernels/kv_write.py; interpret mode off the GPU), else, and under tensor
+    parallelism, XLA's scatter (kv_cache.write_kv)."""
+    from pallas_kernels import kv_write as kw
+    if PALLAS_KV_WRITE and impl == "pallas" and layout.size == 1 and kw.supported(kv):
+        return kw.write_kv(kv, layer, k, v, slot_mapping,
+                           interpret=jax.default_backend() != "gpu")
+    return kv_cache.write_kv(kv, layer, k, v, slot_mapping)
 
 
 def attention(q, kv: KVCache, layer, md: AttentionMetadata, *, sm_scale: float, impl: str,

@@ -33,8 +33,9 @@ logit column after the dot, V's per p column before it).
   byte by byte: the widening kernel's SASS had 253 scalar shared loads, 128 of them single
   bytes, and 241 registers. As u16 the tiles load like bf16 ones; one byte permute plus one
   cvt.rn.f16x2.e4m3x2 (inline PTX, two packed elements) splits a pair of u16 into the even
-  (odd) dims' f16. q is split the same way outside the kernel (qe = q[:, 0::2], qo = q[:,
-  1::2]), logits = qe ke^T + qo ko^T, and the two output halves are interleaved back after it.
+  (odd) dims' f16. q is split the same way (qe = q[:, 0::2], qo = q[:,
+  1::2], read inside the kernel with stride-2 loads: load_q), logits = qe ke^T + qo ko^T,
+  and the two output halves are interleaved back by stride-2 stores (store_rows).
   ptxas: 168 registers, 53 shared loads. H200, 4 warps, 2 stages, 128 tokens
   (bench/results/attn_tune.txt, one process): B=256 S=2048 481.3 -> 345.4 us, B=64 S=2048
   135.1 -> 120.6. Interpret mode (no PTX) splits the pairs with a bitcast to bytes; the gpu-
@@ -48,6 +49,7 @@ import math
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jaxinfer.errors import ConfigError
@@ -100,13 +102,34 @@ def kv_rows(layer, kv_head, pages, slots, num_kv_heads: int, num_pages: int, pag
     return ((layer * num_kv_heads + kv_head) * num_pages + pages) * page_size + slots
 
 
-def kernel_refs(refs, pairs: bool, fp8: bool):
-    """A kernel's refs after its metadata -> (q parts, k, v, k scale, v scale, the rest):
-    q comes in (even, odd) parts with pairs, and FP8 KV brings two scale refs (else None)."""
-    nq = 2 if pairs else 1
-    q_refs, k_ref, v_ref, rest = refs[:nq], refs[nq], refs[nq + 1], refs[nq + 2:]
+def kernel_refs(refs, fp8: bool):
+    """A kernel's refs after its metadata -> (q, k, v, k scale, v scale, the rest): FP8 KV
+    brings two scale refs (else None)."""
+    q_ref, k_ref, v_ref, rest = refs[0], refs[1], refs[2], refs[3:]
     ks_ref, vs_ref, rest = (rest[0], rest[1], rest[2:]) if fp8 else (None, None, rest)
-    return q_refs, k_ref, v_ref, ks_ref, vs_ref, rest
+    return q_ref, k_ref, v_ref, ks_ref, vs_ref, rest
+
+
+def load_q(q_ref, idx, pairs: bool, head_dim: int):
+    """q rows `idx` of q_ref [N, D]: [M, D], or with pairs the (even dims, odd dims) [M, D/2]
+    each, read with stride-2 loads (q is split inside the kernel: split outside, XLA's
+    fusion that wrote the halves took 9.6 us per layer in the 8B FP8 decode step at 256 rows
+    and joining the outputs back another 3.7; H200 profile, ninth session)."""
+    if not pairs:
+        return q_ref[idx]
+    half = head_dim // 2
+    return q_ref[idx, pl.ds(0, half, 2)], q_ref[idx, pl.ds(1, half, 2)]
+
+
+def store_rows(o_ref, idx, acc, head_dim: int):
+    """Write [M, D] (or the (even, odd) halves of pairs, interleaved back by stride-2
+    stores) into rows `idx` of o_ref [N, D], cast to its dtype."""
+    if not isinstance(acc, tuple):
+        o_ref[idx] = acc.astype(o_ref.dtype)
+        return
+    half = head_dim // 2
+    o_ref[idx, pl.ds(0, half, 2)] = acc[0].astype(o_ref.dtype)
+    o_ref[idx, pl.ds(1, half, 2)] = acc[1].astype(o_ref.dtype)
 
 
 def block_pages(table_ref, seq, first_token, page_off, pages_per_seq: int, page_size: int):
@@ -238,18 +261,6 @@ def _weighted_values(p, v, vs):
     if back is not None:
         out = tuple(x * back for x in out)
     return out if isinstance(v, tuple) else out[0]
-
-
-def split_q(q2d, pairs: bool) -> tuple:
-    """q rows [N, D] as the kernels' q operands: (q,), or (even dims, odd dims) for pairs."""
-    return (q2d[:, 0::2], q2d[:, 1::2]) if pairs else (q2d,)
-
-
-def join_parts(parts, pairs: bool):
-    """The kernels' output parts back to [N, D]: the even and odd dims interleaved for pairs."""
-    if not pairs:
-        return parts[0]
-    return jnp.stack(parts, axis=-1).reshape(parts[0].shape[0], -1)
 
 
 def validate(q, k_pages, v_pages, k_scale, v_scale, interpret: bool, block_tokens: int):

@@ -38,19 +38,19 @@ from jaxinfer.kv_cache import FP8_DTYPE
 from pallas_kernels import tuning
 from pallas_kernels.attention_block import (LOG2E, MIN_ROWS, attend_block, block_pages,
                                             cache_views, compute_dtype, empty_carry,
-                                            join_parts, kernel_refs, kv_rows, paged_loop,
-                                            prepare_q, split_q, uses_pairs, validate)
+                                            kernel_refs, kv_rows, load_q, paged_loop,
+                                            prepare_q, store_rows, uses_pairs, validate)
 
 def _decode_kernel(layer_ref, lens_ref, table_ref, *refs, groups: int, rows_q: int,
                    pages_per_seq: int, split_tokens: int, blk, num_kv_heads: int,
                    num_pages: int, page_size: int, num_heads: int, head_dim: int, batch: int,
                    qk_scale: float, fp8: bool, cdt, pairs: bool, interpret: bool):
-    # q, and the outputs, come in (even, odd) parts with pairs
-    q_refs, k_ref, v_ref, ks_ref, vs_ref, outs = kernel_refs(refs, pairs, fp8)
+    # with pairs, q and the accumulator are (even, odd) halves (load_q, store_rows)
+    q_ref, k_ref, v_ref, ks_ref, vs_ref, outs = kernel_refs(refs, fp8)
     b, h, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     heads = h * groups + jnp.minimum(jnp.arange(rows_q, dtype=jnp.int32), groups - 1)
-    q = tuple(r[b * num_heads + heads] for r in q_refs)
-    q, logit_scale = prepare_q(q if pairs else q[0], cdt, qk_scale)
+    q, logit_scale = prepare_q(load_q(q_ref, b * num_heads + heads, pairs, head_dim), cdt,
+                               qk_scale)
     seq_len = jnp.minimum(lens_ref[b], pages_per_seq * page_size)
     start = s * split_tokens
     n = jnp.clip(seq_len - start, 0, split_tokens)
@@ -72,16 +72,14 @@ def _decode_kernel(layer_ref, lens_ref, table_ref, *refs, groups: int, rows_q: i
 
     m, l, acc = paged_loop(read_pages, body, empty_carry(rows_q, head_dim, pairs), n // bk,
                            pl.cdiv(n, bk), blk.prefetch_table)
-    accs = acc if pairs else (acc,)
-    if len(outs) == len(q_refs):
+    if len(outs) == 1:
         inv = 1.0 / jnp.where(l > 0, l, 1.0)[:, None]
-        for o_ref, a in zip(outs, accs):
-            o_ref[b * num_heads + heads] = (a * inv).astype(o_ref.dtype)
+        out = tuple(a * inv for a in acc) if pairs else acc * inv
+        store_rows(outs[0], b * num_heads + heads, out, head_dim)
     else:
-        *o_refs, m_ref, l_ref = outs
+        o_ref, m_ref, l_ref = outs
         flat = (s * batch + b) * num_heads + heads
-        for o_ref, a in zip(o_refs, accs):
-            o_ref[flat] = a
+        store_rows(o_ref, flat, acc, head_dim)
         m_ref[flat] = m
         l_ref[flat] = l
 
@@ -118,25 +116,24 @@ def paged_attention_blocks(q, k_pages, v_pages, layer, seq_lens, page_table, k_s
         qk_scale=float(sm_scale) * LOG2E, fp8=k_pages.dtype == FP8_DTYPE,
         cdt=compute_dtype(k_pages.dtype, blocks.fp8_compute), pairs=pairs,
         interpret=interpret)
-    n, nq = blocks.num_splits, 2 if pairs else 1
-    rows, width = batch * num_heads, head_dim // nq
+    n, rows = blocks.num_splits, batch * num_heads
     if n == 1:
-        out_shape = (jax.ShapeDtypeStruct((rows, width), q.dtype),) * nq
+        out_shape = (jax.ShapeDtypeStruct((rows, head_dim), q.dtype),)
     else:
         ml = jax.ShapeDtypeStruct((n * rows,), jnp.float32)
-        out_shape = (jax.ShapeDtypeStruct((n * rows, width), jnp.float32),) * nq + (ml, ml)
+        out_shape = (jax.ShapeDtypeStruct((n * rows, head_dim), jnp.float32), ml, ml)
     outs = pl.pallas_call(
         kernel, grid=(batch, kv_heads, n), out_shape=out_shape, interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=blocks.num_warps,
                                              num_stages=blocks.num_stages),
         name="jaxinfer_paged_decode" + ("_pairs" if pairs else ""),
     )(jnp.asarray(layer, jnp.int32).reshape(1), seq_lens.astype(jnp.int32),
-      page_table.astype(jnp.int32).reshape(-1), *split_q(q.reshape(-1, head_dim), pairs),
+      page_table.astype(jnp.int32).reshape(-1), q.reshape(-1, head_dim),
       *cache_views(k_pages, v_pages, k_scale, v_scale, pairs))
-    out = join_parts(outs[:nq], pairs)
+    out = outs[0]
     if n == 1:
         return out.reshape(q.shape)
-    m, l = outs[nq:]
+    m, l = outs[1:]
     out = _combine(out.reshape(n, batch, num_heads, head_dim), m.reshape(n, batch, num_heads),
                    l.reshape(n, batch, num_heads))
     return out.astype(q.dtype)

@@ -41,8 +41,8 @@ from jaxinfer.kv_cache import FP8_DTYPE
 from pallas_kernels import tuning
 from pallas_kernels.attention_block import (LOG2E, MIN_ROWS, attend_block, block_pages,
                                             cache_views, compute_dtype, empty_carry,
-                                            join_parts, kernel_refs, kv_rows, paged_loop,
-                                            prepare_q, split_q, uses_pairs, validate)
+                                            kernel_refs, kv_rows, load_q, paged_loop,
+                                            prepare_q, store_rows, uses_pairs, validate)
 from pallas_kernels.paged_attention import gather_kv, paged_attention
 
 
@@ -71,8 +71,8 @@ def _ragged_kernel(layer_ref, row_ref, blk_ref, qstart_ref, pos_ref, table_ref, 
                    num_kv_heads: int, num_pages: int, page_size: int, num_heads: int,
                    head_dim: int, qk_scale: float, fp8: bool, cdt, pairs: bool,
                    interpret: bool):
-    q_refs, k_ref, v_ref, ks_ref, vs_ref, rest = kernel_refs(refs, pairs, fp8)
-    o_refs = rest[len(q_refs):]       # past the aliased zeros (one per q part)
+    q_ref, k_ref, v_ref, ks_ref, vs_ref, rest = kernel_refs(refs, fp8)
+    o_ref = rest[1]                   # past the aliased zeros
     w, h = pl.program_id(0), pl.program_id(1)
     row, i = row_ref[w], blk_ref[w]
     b = jnp.maximum(row, 0)
@@ -84,8 +84,8 @@ def _ragged_kernel(layer_ref, row_ref, blk_ref, qstart_ref, pos_ref, table_ref, 
         r = jnp.arange(rows_q, dtype=jnp.int32)
         tokens = q0 + jnp.minimum(i * blk.block_q + r // groups_p2, q_len - 1)
         heads = h * groups + jnp.minimum(r % groups_p2, groups - 1)
-        q = tuple(ref[tokens * num_heads + heads] for ref in q_refs)
-        q, logit_scale = prepare_q(q if pairs else q[0], cdt, qk_scale)
+        q, logit_scale = prepare_q(load_q(q_ref, tokens * num_heads + heads, pairs, head_dim),
+                                   cdt, qk_scale)
         pos = jnp.minimum(pos_ref[tokens], pages_per_seq * page_size - 1)  # [M]
         lo, hi = jnp.min(pos) + 1, jnp.max(pos) + 1
         bk = blk.block_tokens
@@ -108,8 +108,8 @@ def _ragged_kernel(layer_ref, row_ref, blk_ref, qstart_ref, pos_ref, table_ref, 
 
         _, l, acc = paged_loop(read_pages, body, empty_carry(rows_q, head_dim, pairs),
                                lo // bk, pl.cdiv(hi, bk), blk.prefetch_table)
-        for o_ref, a in zip(o_refs, acc if pairs else (acc,)):
-            o_ref[tokens * num_heads + heads] = (a / l[:, None]).astype(o_ref.dtype)
+        out = tuple(a / l[:, None] for a in acc) if pairs else acc / l[:, None]
+        store_rows(o_ref, tokens * num_heads + heads, out, head_dim)
 
 
 def _check_metadata(q, md):
@@ -134,7 +134,6 @@ def ragged_paged_attention_blocks(q, k_pages, v_pages, layer, md, k_scale=None, 
     groups = num_heads // kv_heads
     groups_p2 = 1 << (groups - 1).bit_length()
     pairs = uses_pairs(k_pages.dtype, blocks.fp8_compute, head_dim)
-    nq = 2 if pairs else 1
     kernel = functools.partial(
         _ragged_kernel, groups=groups, groups_p2=groups_p2,
         rows_q=max(MIN_ROWS, groups_p2 * blocks.block_q), pages_per_seq=pages_per_seq,
@@ -142,23 +141,22 @@ def ragged_paged_attention_blocks(q, k_pages, v_pages, layer, md, k_scale=None, 
         num_heads=num_heads, head_dim=head_dim, qk_scale=float(sm_scale) * LOG2E,
         fp8=k_pages.dtype == FP8_DTYPE, cdt=compute_dtype(k_pages.dtype, blocks.fp8_compute),
         pairs=pairs, interpret=interpret)
-    q_parts = split_q(q.reshape(-1, head_dim), pairs)
+    q2d = q.reshape(-1, head_dim)
     views = cache_views(k_pages, v_pages, k_scale, v_scale, pairs)
-    zeros = [jnp.zeros(x.shape, q.dtype) for x in q_parts]
+    zeros = jnp.zeros(q2d.shape, q.dtype)
     query_start = md.query_start.astype(jnp.int32)
     rows, q_blocks = work_list(query_start, num_tokens, blocks.block_q, skip_single)
-    first_zero = 6 + nq + len(views)   # the operand index of zeros[0]
-    outs = pl.pallas_call(
+    out = pl.pallas_call(
         kernel, grid=(rows.shape[0], kv_heads),
-        out_shape=[jax.ShapeDtypeStruct(z.shape, q.dtype) for z in zeros],
-        input_output_aliases={first_zero + i: i for i in range(nq)}, interpret=interpret,
+        out_shape=jax.ShapeDtypeStruct(zeros.shape, q.dtype),
+        input_output_aliases={7 + len(views): 0}, interpret=interpret,   # the zeros
         compiler_params=plgpu.CompilerParams(num_warps=blocks.num_warps,
                                              num_stages=blocks.num_stages),
         name="jaxinfer_ragged_paged_attention",
     )(jnp.asarray(layer, jnp.int32).reshape(1), rows, q_blocks, query_start,
       md.positions.astype(jnp.int32), md.page_table.astype(jnp.int32).reshape(-1),
-      *q_parts, *views, *zeros)
-    return join_parts(outs, pairs).reshape(q.shape)
+      q2d, *views, zeros)
+    return out.reshape(q.shape)
 
 
 def ragged_paged_attention(q, k_pages, v_pages, layer, md, k_scale=None, v_scale=None, *,

@@ -14,10 +14,11 @@ rows' amax reading h back, and the cast reading it again (by the kernels' names 
 ~8.1 us for the first and ~5.6 us for the cast; that module's HLO was not read).
 `swiglu_quant` reads y once and writes h_q and h_scale: each program owns BM rows, keeps
 their F values of h in registers (F / BF static chunks of BF columns), takes the amax and
-stores the e4m3 values; nothing of h goes to memory. Measured there: 12.4-12.6 us per layer,
-i.e. ~1.5 TB/s of the 18 MB it moves, while the step's other kernels lost 0.145 ms (~4.5 us
-per layer); BM = 1 and 8 warps were not tuned (next: more rows per program, fewer warps).
-The whole step: 12.93 / 12.97 -> 12.87 / 12.91 ms.
+stores the e4m3 values; nothing of h goes to memory. (A two-pass form, `Tiles.two_pass`,
+takes the amax first and recomputes h from y for the stores; it measured slower, see
+TILE_TABLE.) Measured there: 12.4-12.6 us per layer, i.e. ~1.5 TB/s of the 18 MB it moves,
+while the step's other kernels lost 0.145 ms (~4.5 us per layer). The whole step: 12.93 /
+12.97 -> 12.87 / 12.91 ms. The block variants timed since are at TILE_TABLE.
 
 Numerics: everything in f32 from the bf16 product on (XLA's route rounds g | u and h to
 bf16 between steps), then round to nearest e4m3 with scale = amax / 448, as fp8_matmul.quantize_rows.
@@ -55,12 +56,16 @@ class Tiles:
 
 
 TILES = Tiles()             # rows 1, 8 warps, one pass: the eighth session's (untuned) choice
-# (largest M, tiles) in order, the first that fits M wins; from bench/swiglu_quant.py on one
-# H200 at F = 14336 (bench/results/swiglu_quant.json, two passes, us): M = 256 rows 2 and 16
-# warps 12.7 / 13.7 against 19.5 / 14.9 for TILES (XLA's unfused route 17.0 / 16.0); M = 2048
-# rows 1 and 16 warps 79.3 / 78.8 against 82.6 / 83.6 (XLA 106.3 / 106.7). The two-pass
-# form (y re-read) was slower everywhere: 22.6-69 us at M = 256, 95-124 at M = 2048.
-TILE_TABLE = ((512, Tiles(rows=2, num_warps=16)), (None, Tiles(num_warps=16)))
+# (largest M, tiles) in order, the first that fits M wins. bench/swiglu_quant.py on one H200
+# at F = 14336 (bench/results/swiglu_quant.json, two passes, us) liked rows 2 and 16 warps at
+# M = 256 (12.7 / 13.7 against 19.5 / 14.9 for TILES; XLA's unfused route 17.0 / 16.0) and
+# 16 warps at M = 2048 (79.3 / 78.8 against 82.6 / 83.6; XLA 106.3 / 106.7); the two-pass
+# form was slower everywhere (22.6-69 us at M = 256, 95-124 at M = 2048). But inside the 8B
+# FP8 decode step (M = 256, where y comes from L2, just written by the GEMM) rows 2 / 16 warps
+# took 13.25 / 13.23 us per layer against 12.72 / 12.48 for TILES (profile suite, two passes
+# each, one process per run; ninth session), so TILES stays for every M; M = 2048 was not
+# compared in the model.
+TILE_TABLE = ((None, TILES),)
 
 
 def tiles_for(m: int) -> Tiles:
