@@ -109,9 +109,15 @@ class Attention(nnx.Module):
                          fp8=fp8, parallel=_parallel(layout, n, "row"))
 
     def __call__(self, x, kv: KVCache, layer, md: AttentionMetadata, cos, sin, attn_impl):
+        o, kv = self.attend(self.wqkv(x), kv, layer, md, cos, sin, attn_impl)
+        return self.wo(o), kv
+
+    def attend(self, qkv, kv: KVCache, layer, md: AttentionMetadata, cos, sin, attn_impl):
+        """qkv [T, (H+2K)D] (the fused projection's output) -> the attention output [T, H*D]
+        before wo, and the cache with the new tokens' K/V written."""
         cfg, n = self.cfg, self.layout.attn
-        t = x.shape[0]
-        qkv = self.wqkv(x).reshape(t, n, -1)                            # [T, n, (H+2K)D/n]
+        t = qkv.shape[0]
+        qkv = qkv.reshape(t, n, -1)                                     # [T, n, (H+2K)D/n]
         hq, hk = cfg.q_size // n, cfg.kv_size // n
         q, k, v = jnp.split(qkv, [hq, hq + hk], axis=-1)
         q = apply_rope(q.reshape(t, cfg.num_heads, cfg.head_dim), cos, sin)     # [T, H, D]
@@ -120,7 +126,7 @@ class Attention(nnx.Module):
         kv = ops.write_kv(kv, layer, k, v, md.slot_mapping, impl=attn_impl, layout=self.layout)
         o = ops.attention(q, kv, layer, md, sm_scale=cfg.head_dim ** -0.5, impl=attn_impl,
                           layout=self.layout)
-        return self.wo(o.reshape(t, cfg.q_size)), kv
+        return o.reshape(t, cfg.q_size), kv
 
 
 class MLP(nnx.Module):
@@ -154,9 +160,28 @@ class DecoderLayer(nnx.Module):
         self.mlp = MLP(cfg, rngs=rngs, stack=stack, dtype=dtype, fp8=fp8, layout=layout)
 
     def __call__(self, x, kv, layer, md, cos, sin, attn_impl):
+        if ops.fused_fp8_layer(x, self.attn.wqkv.kernel[...], self.mlp.w_down.kernel[...],
+                               self.attn.layout.size):
+            return self._fused_fp8(x, kv, layer, md, cos, sin, attn_impl)
         h, kv = self.attn(self.attn_norm(x), kv, layer, md, cos, sin, attn_impl)
         x = x + h
         return x + self.mlp(self.mlp_norm(x)), kv
+
+    def _fused_fp8(self, x, kv, layer, md, cos, sin, attn_impl):
+        """__call__'s math on the FP8 tensor-core route (ops.fused_fp8_layer) with each
+        RMSNorm fused into the quantization of its output, and the attention's residual add
+        (with wo's product scales) into the MLP side's: pallas_kernels/norm_quant.py."""
+        a, m = self.attn, self.mlp
+        _, xq, xs = ops.norm_quant(x, self.attn_norm.weight[...], eps=self.attn_norm.eps)
+        bias = None if a.wqkv.bias is None else a.wqkv.bias[...]
+        qkv = ops.fp8_tc_linear(xq, xs, a.wqkv.kernel[...], a.wqkv.scale[...], x.dtype, bias)
+        o, kv = a.attend(qkv, kv, layer, md, cos, sin, attn_impl)
+        o_product, o_scale = ops.fp8_tc_product(o, a.wo.kernel[...], x.dtype)
+        x, xq, xs = ops.norm_quant(x, self.mlp_norm.weight[...],
+                                   (o_product, o_scale, a.wo.scale[...]), eps=self.mlp_norm.eps)
+        y = ops.fp8_mlp_quantized(xq, xs, (m.w_gateup.kernel[...], m.w_gateup.scale[...]),
+                                  (m.w_down.kernel[...], m.w_down.scale[...]), x.dtype)
+        return x + y, kv
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))

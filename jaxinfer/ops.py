@@ -21,6 +21,7 @@ from jaxinfer.sharding import AXIS, TPLayout, kv_spec
 
 FUSED_FP8_MLP = True   # fused_fp8_mlp on (a module switch for in-process A/B benches)
 PALLAS_KV_WRITE = True  # write_kv's Pallas kernel with impl "pallas" (the same kind of switch)
+FUSED_NORM_QUANT = True  # fused_fp8_layer (the same kind of switch)
 
 
 def resolve_attention_impl(impl: str) -> str:
@@ -93,6 +94,49 @@ def fused_fp8_mlp(x, gateup, down):
             and x.shape[0] > fm.DEQUANT_MAX_M and sq.supported(wd.shape[-1], m=x.shape[0])):
         return None
     return sq.fp8_mlp(x, wgu, sgu, wd, sd)
+
+
+def fused_fp8_layer(x, wqkv, w_down, shards: int) -> bool:
+    """Whether a decoder layer runs its FP8 tensor-core route with the RMSNorms fused into
+    the quantizations (norm_quant, fp8_tc_linear, fp8_mlp_quantized; model.DecoderLayer):
+    on the GPU, one device, FP8 weights, M > DEQUANT_MAX_M and widths the kernels take."""
+    from pallas_kernels import fp8_matmul as fm
+    from pallas_kernels import norm_quant as nq
+    from pallas_kernels import swiglu_quant as sq
+    return (FUSED_NORM_QUANT and FUSED_FP8_MLP and shards == 1
+            and jax.default_backend() == "gpu" and wqkv.dtype == FP8_DTYPE
+            and x.shape[0] > fm.DEQUANT_MAX_M and nq.supported(x.shape[1])
+            and sq.supported(w_down.shape[-1], m=x.shape[0]))
+
+
+def norm_quant(x, weight, delta=None, *, eps: float):
+    """RMSNorm(x + delta) quantized per token to e4m3 (pallas_kernels/norm_quant.py):
+    -> (x after the add or None, codes [M, E], scales [M, 1])."""
+    from pallas_kernels import norm_quant as nq
+    return nq.norm_quant(x, weight, delta, eps=eps, interpret=jax.default_backend() != "gpu")
+
+
+def fp8_tc_linear(x_q, x_scale, kernel, scale, dtype, bias=None):
+    """An FP8 linear on the tensor-core route from activations already quantized per token."""
+    from pallas_kernels import fp8_matmul as fm
+    y = fm.tc_scaled(fm.tc_product(x_q, kernel, dtype), x_scale, scale, dtype)
+    return y if bias is None else y + bias.astype(y.dtype)
+
+
+def fp8_tc_product(x, kernel, dtype):
+    """x quantized per token and its unscaled FP8 product: -> (product, x's scales); the
+    product's epilogue is left to the caller (norm_quant's delta)."""
+    from pallas_kernels import fp8_matmul as fm
+    x_q, x_scale = fm.tc_quantize(x)
+    return fm.tc_product(x_q, kernel, dtype), x_scale
+
+
+def fp8_mlp_quantized(x_q, x_scale, gateup, down, dtype):
+    """The fused FP8 MLP (swiglu_quant.fp8_mlp_quantized) from quantized activations."""
+    from pallas_kernels import swiglu_quant as sq
+    (wgu, sgu), (wd, sd) = gateup, down
+    return sq.fp8_mlp_quantized(x_q, x_scale, wgu, sgu, wd, sd, dtype,
+                                interpret=jax.default_backend() != "gpu")
 
 
 def _fp8_linear(x, kernel, scale):

@@ -226,8 +226,13 @@ def tensor_core_fp8_matmul(x, w_q, scale, product_dtype=None, per_token=True):
     quantization) read back; its rounding (2^-9) is far below e4m3's (2^-4).
     per_token=False quantizes x with one scale for the whole [M, K] (a bench variant)."""
     x_q, x_scale = tc_quantize(x, per_token)
-    y = tc_product(x_q, w_q, x.dtype, product_dtype)
-    return (y.astype(jnp.float32) * x_scale * scale[None, :]).astype(x.dtype)
+    return tc_scaled(tc_product(x_q, w_q, x.dtype, product_dtype), x_scale, scale, x.dtype)
+
+
+def tc_scaled(y, x_scale, scale, dtype):
+    """The tensor-core route's epilogue: the product y [M, N] times the activations' per-token
+    scales [M, 1] and the weight's per-channel scales [N], in f32, cast to dtype."""
+    return (y.astype(jnp.float32) * x_scale * scale[None, :]).astype(dtype)
 
 
 def xla_dequant_matmul(x, w_q, scale):

@@ -189,11 +189,17 @@ def fp8_mlp(x, wgu_q, wgu_scale, wd_q, wd_scale, *, interpret: bool = False):
     """x [M, E] -> [M, E]: the FP8 SwiGLU MLP on the tensor-core route with the middle fused
     (module doc). wgu_q [2F, E] e4m3 (gate rows then up rows), wgu_scale [2F], wd_q [E, F],
     wd_scale [E]: checkpoints.fp8's layout, as fp8_matmul.fp8_linear takes."""
-    x_q, x_scale = fm.tc_quantize(x)
-    y = fm.tc_product(x_q, wgu_q, x.dtype)                               # [M, 2F]
+    return fp8_mlp_quantized(*fm.tc_quantize(x), wgu_q, wgu_scale, wd_q, wd_scale, x.dtype,
+                             interpret=interpret)
+
+
+def fp8_mlp_quantized(x_q, x_scale, wgu_q, wgu_scale, wd_q, wd_scale, dtype, *,
+                      interpret: bool = False):
+    """fp8_mlp from x already quantized per token (x_q e4m3 [M, E], x_scale [M, 1]: e.g.
+    pallas_kernels/norm_quant.py's output); the result in dtype."""
+    y = fm.tc_product(x_q, wgu_q, dtype)                                 # [M, 2F]
     h_q, h_scale = swiglu_quant(y, x_scale, wgu_scale, interpret=interpret)
-    z = fm.tc_product(h_q, wd_q, x.dtype)                                # [M, E]
-    return (z.astype(jnp.float32) * h_scale * wd_scale[None, :]).astype(x.dtype)
+    return fm.tc_scaled(fm.tc_product(h_q, wd_q, dtype), h_scale, wd_scale, dtype)   # [M, E]
 
 
 def fp8_mlp_reference(x, wgu_q, wgu_scale, wd_q, wd_scale):

@@ -1,0 +1,123 @@
+"""RMSNorm fused with the per-token e4m3 quantization of its output, optionally after the
+residual add of an FP8 GEMM's unscaled product: the FP8 decoder layer's glue in one pass.
+
+On the FP8 tensor-core route (pallas_kernels/fp8_matmul.py, M > DEQUANT_MAX_M) a decoder
+layer's inputs to QKV and to the MLP are
+
+    x  = x + bf16(y * y_row_scale * y_col_scale)    # the O projection's product (MLP side)
+    n  = bf16(rmsnorm(x) * w)
+    n_q, n_scale = quantize_rows(n)                  # per token, for the next FP8 GEMM
+
+which XLA ran as three kernels per use (8B FP8 decode step at 256 rows on the H200, HLO and
+profile of one process, ninth session): the residual add with the product's scales (3.1-3.4
+us), a Triton fusion for the rows' scales (RMSNorm and amax, 2.7 us) and one for the cast
+(RMSNorm again, 2.5 us): ~17 us per layer for the two uses. `norm_quant` does each use in one
+kernel: a program owns BM rows, holds their E values in registers (static chunks of BF
+columns), writes x (with the add) and the e4m3 codes and scales. nothing else goes to memory.
+
+Numerics: the XLA route's, rounding for rounding (the product's scaled value and the sum to
+bf16, the normalized row to bf16 before its amax), so codes match it up to the last bit of
+rsqrt and division on the GPU. Shapes the kernel does not take (E without a power-of-two
+chunk >= 16, or over max_live) run the reference.
+Backend: Pallas Triton, like the other kernels here (pallas_kernels/paged_attention.py says
+why).
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from pallas_kernels.fp8_matmul import FP8_DTYPE, FP8_MAX, quantize_rows
+from pallas_kernels.swiglu_quant import chunk
+
+NUM_WARPS = 8
+LIVE_PER_THREAD = 64     # values of x one thread holds (E * BM / threads)
+
+
+def supported(e: int) -> bool:
+    return chunk(e) is not None and e <= LIVE_PER_THREAD * 32 * NUM_WARPS
+
+
+def norm_quant_reference(x, w, eps: float, delta=None):
+    """Plain jnp, the XLA route's math: x [M, E], w [E]; delta = (y [M, E] unscaled product,
+    y_row_scale [M, 1] f32, y_col_scale [E] f32) added to x first. Returns (x after the add, or
+    None without delta; n_q e4m3 [M, E]; n_scale f32 [M, 1])."""
+    x_new = None
+    if delta is not None:
+        y, rs, cs = delta
+        h = (y.astype(jnp.float32) * rs * cs[None, :]).astype(x.dtype)
+        x = x_new = x + h
+    xf = x.astype(jnp.float32)
+    n = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    n_q, n_scale = quantize_rows((n * w.astype(jnp.float32)).astype(x.dtype))
+    return x_new, n_q, n_scale
+
+
+def _kernel(*refs, e: int, bf: int, bm: int, eps: float, add: bool):
+    if add:
+        x_ref, y_ref, rs_ref, cs_ref, w_ref, xo_ref, q_ref, s_ref = refs
+    else:
+        x_ref, w_ref, q_ref, s_ref = refs
+    rows = pl.ds(pl.program_id(0) * bm, bm)
+    if add:
+        rs = rs_ref[rows]                                                 # [BM] f32
+    xs, ss = [], jnp.zeros((bm,), jnp.float32)
+    for c in range(e // bf):                       # static: the rows stay in registers
+        cols = pl.ds(c * bf, bf)
+        x = x_ref[rows, cols]
+        if add:
+            h = (y_ref[rows, cols].astype(jnp.float32) * rs[:, None]
+                 * cs_ref[cols][None, :]).astype(x.dtype)
+            x = (x.astype(jnp.float32) + h.astype(jnp.float32)).astype(x.dtype)
+            xo_ref[rows, cols] = x
+        xf = x.astype(jnp.float32)
+        ss = ss + jnp.sum(xf * xf, axis=1)
+        xs.append(xf)
+    inv = jax.lax.rsqrt(ss / e + eps)
+    ns, amax = [], jnp.zeros((bm,), jnp.float32)
+    for c, xf in enumerate(xs):
+        n = (xf * inv[:, None] * w_ref[pl.ds(c * bf, bf)].astype(jnp.float32)[None, :]
+             ).astype(x_ref.dtype).astype(jnp.float32)
+        amax = jnp.maximum(amax, jnp.max(jnp.maximum(n, -n), axis=1))
+        ns.append(n)
+    scale = jnp.where(amax > 0, amax / FP8_MAX, 1.0)
+    for c, n in enumerate(ns):
+        q_ref[rows, pl.ds(c * bf, bf)] = jnp.clip(n / scale[:, None], -FP8_MAX,
+                                                  FP8_MAX).astype(q_ref.dtype)
+    s_ref[rows] = scale
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "interpret"))
+def norm_quant(x, w, delta=None, *, eps: float, interpret: bool = False):
+    """norm_quant_reference in one kernel (module doc): x [M, E] bf16, w [E], delta None or
+    (y [M, E], y_row_scale [M, 1], y_col_scale [E]). Returns (x after the add or None,
+    n_q e4m3 [M, E], n_scale f32 [M, 1])."""
+    m, e = x.shape
+    if w.shape != (e,) or (delta is not None and (
+            delta[0].shape != (m, e) or delta[1].shape != (m, 1) or delta[2].shape != (e,))):
+        raise ValueError(f"norm_quant: want x [M, E], w [E], delta ([M, E], [M, 1], [E]); got "
+                         f"{x.shape}, {w.shape}, "
+                         f"{None if delta is None else [d.shape for d in delta]}")
+    if not supported(e):
+        return norm_quant_reference(x, w, eps, delta)
+    add = delta is not None
+    ins = [x]
+    if add:
+        y, rs, cs = delta
+        ins += [y, rs.reshape(m).astype(jnp.float32), cs.astype(jnp.float32)]
+    ins.append(w)
+    outs = ([jax.ShapeDtypeStruct((m, e), x.dtype)] if add else []) + [
+        jax.ShapeDtypeStruct((m, e), FP8_DTYPE), jax.ShapeDtypeStruct((m,), jnp.float32)]
+    params = {}
+    if not interpret:
+        from jax.experimental.pallas import triton as plt   # deprecated in jax 0.11, still there
+        params["compiler_params"] = plt.CompilerParams(num_warps=NUM_WARPS, num_stages=1)
+    res = pl.pallas_call(
+        functools.partial(_kernel, e=e, bf=chunk(e), bm=1, eps=float(eps), add=add),
+        out_shape=outs, grid=(m,), interpret=interpret, name="norm_quant", **params,
+    )(*ins)
+    x_new = res[0] if add else None
+    return x_new, res[-2], res[-1][:, None]

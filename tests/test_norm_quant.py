@@ -1,0 +1,121 @@
+"""RMSNorm + per-token e4m3 (+ the residual add of an FP8 product) in one kernel
+(pallas_kernels/norm_quant.py) against its jnp reference: interpret mode on the CPU, the
+gpu-marked case on the H200 at Llama-3-8B's hidden size."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import norm_quant as nq
+
+ON_GPU = jax.default_backend() == "gpu"
+
+
+def _inputs(rng, m, e, zero_row=None):
+    x = rng.standard_normal((m, e)) * rng.uniform(0.1, 20, (m, 1))
+    if zero_row is not None:
+        x[zero_row] = 0.0
+    y = rng.standard_normal((m, e)) * 50
+    return (jnp.asarray(x, jnp.bfloat16), jnp.asarray(rng.uniform(0.5, 2, e), jnp.float32),
+            (jnp.asarray(y, jnp.bfloat16), jnp.asarray(rng.uniform(1e-3, 1e-2, (m, 1)),
+                                                       jnp.float32),
+             jnp.asarray(rng.uniform(0.5, 2, e), jnp.float32)))
+
+
+def _check(got, want, zero_row=None):
+    (xg, qg, sg), (xw, qw, sw) = got, want
+    if xw is None:
+        assert xg is None
+    else:   # the add has no reduction: the same bits
+        np.testing.assert_array_equal(np.asarray(xg, np.float32), np.asarray(xw, np.float32))
+    assert qg.dtype == jnp.float8_e4m3fn and sg.dtype == jnp.float32 and sg.shape == sw.shape
+    np.testing.assert_allclose(np.asarray(sg), np.asarray(sw), rtol=2e-2)
+    a = np.asarray(qg.astype(jnp.float32)) * np.asarray(sg)
+    b = np.asarray(qw.astype(jnp.float32)) * np.asarray(sw)
+    # the sum of squares is accumulated in another order: a row's normalized values may round
+    # to the neighbouring bf16, then to the neighbouring e4m3 code (one step, 2^-3 relative)
+    step = np.abs(b) * 2.0 ** -3 * 1.05 + np.asarray(sw) * 2.0 ** -8
+    assert (np.abs(a - b) <= step).all()
+    assert np.mean(np.asarray(qg.astype(jnp.float32)) != np.asarray(qw.astype(jnp.float32))) < 0.02
+    if zero_row is not None:
+        assert float(sg[zero_row, 0]) == 1.0
+
+
+@pytest.mark.parametrize("m,e,add,zero_row", [(3, 64, True, 1), (5, 192, True, None),
+                                              (4, 128, False, 2), (2, 48, False, None)])
+def test_kernel_matches_reference(m, e, add, zero_row):
+    x, w, delta = _inputs(np.random.default_rng(m * 1000 + e), m, e, zero_row)
+    if add and zero_row is not None:   # the zero row must survive the add: no product there
+        delta = (delta[0].at[zero_row].set(0), *delta[1:])
+    delta = delta if add else None
+    got = nq.norm_quant(x, w, delta, eps=1e-5, interpret=not ON_GPU)
+    _check(got, nq.norm_quant_reference(x, w, 1e-5, delta), zero_row)
+
+
+def test_unsupported_width_runs_reference_and_bad_shapes():
+    x, w, delta = _inputs(np.random.default_rng(0), 2, 40)
+    assert not nq.supported(40) and not nq.supported(nq.LIVE_PER_THREAD * 32 * nq.NUM_WARPS * 2)
+    got = nq.norm_quant(x, w, delta, eps=1e-6, interpret=True)
+    want = nq.norm_quant_reference(x, w, 1e-6, delta)
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)),
+                                      np.asarray(b.astype(jnp.float32)))
+    with pytest.raises(ValueError, match="norm_quant"):
+        nq.norm_quant(x, w[:8], eps=1e-6, interpret=True)
+    with pytest.raises(ValueError, match="norm_quant"):
+        nq.norm_quant(x, w, (delta[0], delta[1][:1], delta[2]), eps=1e-6, interpret=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("add", [True, False])
+def test_kernel_on_gpu_at_llama_shape(add):
+    x, w, delta = _inputs(np.random.default_rng(5), 256, 4096, zero_row=7)
+    delta = (delta[0].at[7].set(0), *delta[1:]) if add else None
+    _check(nq.norm_quant(x, w, delta, eps=1e-5),
+           nq.norm_quant_reference(x, w, 1e-5, delta), zero_row=7)
+
+
+def test_fused_fp8_layer_matches_unfused_model(monkeypatch):
+    """The decoder's fused FP8 layer (model.DecoderLayer._fused_fp8, forced on here; on the
+    GPU it runs at M > 64) against the unfused tensor-core route (forced too: off the GPU
+    the FP8 linears do not quantize activations) on the same FP8 weights, and both against
+    the float model."""
+    from dense_reference import dense_logits, random_flat
+    from test_model import single_sequence_md
+    from jaxinfer import ops
+    from jaxinfer.config import EngineConfig, standard_config
+    from jaxinfer.kv_cache import FP8_DTYPE
+    from jaxinfer.params import build_model
+    from jaxinfer.runner import ModelRunner
+    from pallas_kernels import fp8_matmul as fm
+    from pallas_kernels import swiglu_quant as sq
+
+    cfg = standard_config("tiny")
+    flat = random_flat(cfg, seed=11)
+    tokens = np.random.default_rng(4).integers(0, cfg.vocab_size, 72).astype(np.int32)
+    graphdef, params = build_model(cfg, flat, jnp.float32, fp8=True)
+    engine = EngineConfig(page_size=4, max_model_len=80, max_num_seqs=1)   # scanned layers
+    md = single_sequence_md(range(72), list(range(1, 19)), 4, engine.pages_per_seq)
+
+    def logits():
+        return ModelRunner(cfg, engine, graphdef, params).all_logits(tokens, md)
+
+    monkeypatch.setattr(ops, "_fp8_linear", fm.tensor_core_fp8_matmul)
+    monkeypatch.setattr(ops, "fused_fp8_mlp", lambda x, gu, d: sq.fp8_mlp(
+        x, *gu, *d, interpret=True))
+    unfused = logits()
+    calls = []
+
+    def forced(x, wqkv, w_down, shards):
+        calls.append(x.shape)
+        return wqkv.dtype == FP8_DTYPE and shards == 1
+
+    monkeypatch.setattr(ops, "fused_fp8_layer", forced)
+    fused = logits()
+    assert calls, "the fused layer was not traced"
+    rel = lambda a, b: np.linalg.norm(a - b) / np.linalg.norm(b)
+    ref = dense_logits(cfg, flat, tokens)
+    # both round activations to e4m3 per token (~2-3% per element) and weights to e4m3
+    assert rel(unfused, ref) < 0.1 and rel(fused, ref) < 0.1
+    # the same math: only the RMSNorms' sums of squares run in another order
+    assert rel(fused, unfused) < 2e-3
