@@ -67,7 +67,7 @@ def write_kv(cache: KVCache, layer, k, v, slot_mapping, *, interpret: bool = Fal
     dtype), slot_mapping [T] (page * S + slot, -1 = padding), layer an int32 scalar. Inside
     a jit that owns (or was donated) the cache, its buffers are updated in place; called on
     its own, XLA copies the cache first (the caller keeps the old one)."""
-    num_layers, kv_heads, num_pages, page_size, head_dim = cache.k.shape
+    _, kv_heads, num_pages, page_size, head_dim = cache.k.shape
     t = k.shape[0]
     if k.shape != (t, kv_heads, head_dim) or v.shape != k.shape or slot_mapping.shape != (t,):
         raise ValueError(f"write_kv: want k, v [T, {kv_heads}, {head_dim}] and slot_mapping "

@@ -75,16 +75,16 @@ def test_kernel_on_gpu_at_llama_shape(add):
            nq.norm_quant_reference(x, w, 1e-5, delta), zero_row=7)
 
 
-def test_fused_fp8_layer_matches_unfused_model(monkeypatch):
-    """The decoder's fused FP8 layer (model.DecoderLayer._fused_fp8, forced on here; on the
-    GPU it runs at M > 64) against the unfused tensor-core route (forced too: off the GPU
-    the FP8 linears do not quantize activations) on the same FP8 weights, and both against
-    the float model."""
+def _fused_vs_unfused_model(monkeypatch):
+    """The decoder's fused FP8 layer (model.DecoderLayer._fused_fp8) against the unfused
+    tensor-core route on the same FP8 weights, 72 new tokens (> DEQUANT_MAX_M), and both
+    against the float model. Off the GPU both routes are forced (there the FP8 linears do
+    not quantize activations and the fused layer is off)."""
     from dense_reference import dense_logits, random_flat
     from test_model import single_sequence_md
+
     from jaxinfer import ops
     from jaxinfer.config import EngineConfig, standard_config
-    from jaxinfer.kv_cache import FP8_DTYPE
     from jaxinfer.params import build_model
     from jaxinfer.runner import ModelRunner
     from pallas_kernels import fp8_matmul as fm
@@ -100,22 +100,34 @@ def test_fused_fp8_layer_matches_unfused_model(monkeypatch):
     def logits():
         return ModelRunner(cfg, engine, graphdef, params).all_logits(tokens, md)
 
-    monkeypatch.setattr(ops, "_fp8_linear", fm.tensor_core_fp8_matmul)
-    monkeypatch.setattr(ops, "fused_fp8_mlp", lambda x, gu, d: sq.fp8_mlp(
-        x, *gu, *d, interpret=True))
+    decide, calls = ops.fused_fp8_layer, []
+
+    def fused_layer(x, wqkv, w_down, shards):
+        calls.append(decide(x, wqkv, w_down, shards) if ON_GPU else shards == 1)
+        return calls[-1]
+
+    if not ON_GPU:
+        monkeypatch.setattr(ops, "_fp8_linear", fm.tensor_core_fp8_matmul)
+        monkeypatch.setattr(ops, "fused_fp8_mlp", lambda x, gu, d: sq.fp8_mlp(
+            x, *gu, *d, interpret=True))
+    monkeypatch.setattr(ops, "FUSED_NORM_QUANT", False)
     unfused = logits()
-    calls = []
-
-    def forced(x, wqkv, w_down, shards):
-        calls.append(x.shape)
-        return wqkv.dtype == FP8_DTYPE and shards == 1
-
-    monkeypatch.setattr(ops, "fused_fp8_layer", forced)
+    monkeypatch.setattr(ops, "FUSED_NORM_QUANT", True)
+    monkeypatch.setattr(ops, "fused_fp8_layer", fused_layer)
     fused = logits()
-    assert calls, "the fused layer was not traced"
+    assert any(calls), "the fused layer was not traced"
     rel = lambda a, b: np.linalg.norm(a - b) / np.linalg.norm(b)
     ref = dense_logits(cfg, flat, tokens)
     # both round activations to e4m3 per token (~2-3% per element) and weights to e4m3
     assert rel(unfused, ref) < 0.1 and rel(fused, ref) < 0.1
-    # the same math: only the RMSNorms' sums of squares run in another order
+    # the same math: only the RMSNorms' sums of squares (and, on the GPU, rsqrt) differ
     assert rel(fused, unfused) < 2e-3
+
+
+def test_fused_fp8_layer_matches_unfused_model(monkeypatch):
+    _fused_vs_unfused_model(monkeypatch)
+
+
+@pytest.mark.gpu
+def test_fused_fp8_layer_on_gpu(monkeypatch):
+    _fused_vs_unfused_model(monkeypatch)
