@@ -11,6 +11,8 @@ Error bounds used below (why the tolerances are what they are):
   random data): 5e-2 against the reference; against the reference fed the same rounded x it
   is again only output rounding (5e-3).
 """
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -249,4 +251,8 @@ def test_prefill_route_uses_cublaslt_fp8():
     key = jax.random.PRNGKey(6)
     w_q, scale = ckpt_fp8.quantize_linear(jax.random.normal(key, (4096, 4096)))
     x = jax.random.normal(key, (2048, 4096), jnp.bfloat16)
-    assert "__cublas$lt$matmul$f8" in fm.fp8_linear.lower(x, w_q, scale).compile().as_text()
+    hlo = fm.fp8_linear.lower(x, w_q, scale).compile().as_text()
+    targets = sorted(set(re.findall(r'custom_call_target="([^"]*)"', hlo)))
+    fp8_fusions = [ln.strip()[:300] for ln in hlo.splitlines()
+                   if "fusion(" in ln and "f8e4m3fn" in ln]
+    assert "__cublas$lt$matmul$f8" in targets, (targets, fp8_fusions)
