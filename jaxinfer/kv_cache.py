@@ -99,7 +99,8 @@ def quantize_fp8(x: jax.Array) -> tuple[jax.Array, jax.Array]:
 def write_kv(cache: KVCache, layer: jax.Array, k: jax.Array, v: jax.Array,
              slot_mapping: jax.Array) -> KVCache:
     """Scatter the new tokens' K/V ([T, K, D]) into their slots of `layer`: a tiny scatter
-    of T*K*D elements into the donated cache, no pass over the rest of it."""
+    of T*K*D elements into the donated cache, no pass over the rest of it. The reference
+    route; with Pallas attention ops.write_kv runs pallas_kernels/kv_write.py instead."""
     s, p = cache.page_size, cache.num_pages
     page = jnp.where(slot_mapping < 0, p, slot_mapping // s)  # p is out of bounds -> dropped
     slot = slot_mapping % s

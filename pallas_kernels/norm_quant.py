@@ -33,7 +33,7 @@ from jax.experimental import pallas as pl
 from pallas_kernels.fp8_matmul import FP8_DTYPE, FP8_MAX, quantize_rows
 from pallas_kernels.swiglu_quant import chunk
 
-NUM_WARPS = 8
+NUM_WARPS = 8   # 4 took 5.4 / 3.7 us per use against 5.0 / 3.45 in the 8B decode step (H200)
 LIVE_PER_THREAD = 64     # values of x one thread holds (E * BM / threads)
 
 
