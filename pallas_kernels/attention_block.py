@@ -33,9 +33,9 @@ logit column after the dot, V's per p column before it).
   byte by byte: the widening kernel's SASS had 253 scalar shared loads, 128 of them single
   bytes, and 241 registers. As u16 the tiles load like bf16 ones; one byte permute plus one
   cvt.rn.f16x2.e4m3x2 (inline PTX, two packed elements) splits a pair of u16 into the even
-  (odd) dims' f16. q is split the same way (qe = q[:, 0::2], qo = q[:,
-  1::2], read inside the kernel with stride-2 loads: load_q), logits = qe ke^T + qo ko^T,
-  and the two output halves are interleaved back by stride-2 stores (store_rows).
+  (odd) dims' f16. q is split the same way (qe = q[:, 0::2], qo = q[:, 1::2], read inside
+  the kernel with stride-2 loads: load_q), logits = qe ke^T + qo ko^T, and the two output
+  halves are interleaved back by stride-2 stores (store_rows).
   ptxas: 168 registers, 53 shared loads. H200, 4 warps, 2 stages, 128 tokens
   (bench/results/attn_tune.txt, one process): B=256 S=2048 481.3 -> 345.4 us, B=64 S=2048
   135.1 -> 120.6. Interpret mode (no PTX) splits the pairs with a bitcast to bytes; the gpu-
