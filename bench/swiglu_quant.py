@@ -57,8 +57,8 @@ def bench_m(m, f, args, rows, pas):
     for name, t, fn in impls:
         row = {"impl": name, "M": m, "F": f, "pass": pas}
         if t is not None:
-            row.update(tiles=str(t).replace("Tiles", ""), rows_per_program=sq.rows_for(
-                m, t.rows if t.two_pass else max(1, min(t.rows, sq.max_live(t) // f))))
+            row.update(tiles=str(t).replace("Tiles", ""),
+                       rows_per_program=sq.block_rows(m, f, t))
         try:
             sec, out = time_per_op(fn, ys, args_w, args.samples)
         except Exception as e:   # one broken variant must not cost the others

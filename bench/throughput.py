@@ -21,8 +21,9 @@ request until the last request's final token is back on the host. The row:
 / wall, medians of the whole `engine.step()` (`step_ms`) and of its host part
 (`host_ms_per_step`, engine.last_host_s), compiles and preemptions during the timed run (both
 should be 0). `step_kinds` splits the steps into `decode` (every row one token) and `mixed`
-(a prefill chunk rides along): count, median tokens and ms, total seconds; with async
-scheduling an engine.step() call's time is charged to the step it waited for.
+(a prefill chunk rides along): count, median tokens and ms, total seconds. It needs async
+scheduling (the default), where an engine.step() call's time is charged to the step in
+flight it waited for; with --no-async-scheduling it stays empty.
 `--profile-steps FIRST:COUNT` runs those steps under the profiler and adds their device time
 by kernel category (`profile`, bench.profile's summary) to the row; the trace is read after
 the timed run, but stopping the profiler (`stop_trace_s`) and its overhead on those steps

@@ -24,10 +24,15 @@ PALLAS_KV_WRITE = True  # write_kv's Pallas kernel with impl "pallas" (the same 
 FUSED_NORM_QUANT = True  # fused_fp8_layer (the same kind of switch)
 
 
+def _on_gpu() -> bool:
+    """Kernels run compiled on the GPU; elsewhere "pallas" means interpret mode (tests)."""
+    return jax.default_backend() == "gpu"
+
+
 def resolve_attention_impl(impl: str) -> str:
     if impl != "auto":
         return impl
-    return "pallas" if jax.default_backend() == "gpu" else "reference"
+    return "pallas" if _on_gpu() else "reference"
 
 
 def write_kv(kv: KVCache, layer, k, v, slot_mapping, *, impl: str,
@@ -37,8 +42,7 @@ def write_kv(kv: KVCache, layer, k, v, slot_mapping, *, impl: str,
     parallelism, XLA's scatter (kv_cache.write_kv)."""
     from pallas_kernels import kv_write as kw
     if PALLAS_KV_WRITE and impl == "pallas" and layout.size == 1 and kw.supported(kv):
-        return kw.write_kv(kv, layer, k, v, slot_mapping,
-                           interpret=jax.default_backend() != "gpu")
+        return kw.write_kv(kv, layer, k, v, slot_mapping, interpret=not _on_gpu())
     return kv_cache.write_kv(kv, layer, k, v, slot_mapping)
 
 
@@ -59,8 +63,7 @@ def _attention(q, kv: KVCache, layer, md: AttentionMetadata, *, sm_scale: float,
     from pallas_kernels import paged_attention as pa
     from pallas_kernels import ragged_paged_attention as rpa
 
-    # "pallas" off the GPU runs the kernels in interpret mode (tests).
-    interpret = jax.default_backend() != "gpu"
+    interpret = not _on_gpu()
     if md.decode_only:
         fn = pa.paged_attention if impl == "pallas" else pa.paged_attention_reference
         return fn(q, kv.k, kv.v, layer, md.seq_lens, md.page_table, kv.k_scale, kv.v_scale,
@@ -79,6 +82,10 @@ def linear(x, kernel, scale=None, bias=None, parallel=None):
             x, kernel, scale, *parallel)
     else:
         y = jnp.dot(x, kernel.astype(x.dtype), preferred_element_type=jnp.float32).astype(x.dtype)
+    return _with_bias(y, bias)
+
+
+def _with_bias(y, bias):
     return y if bias is None else y + bias.astype(y.dtype)
 
 
@@ -87,40 +94,43 @@ def fused_fp8_mlp(x, gateup, down):
     (pallas_kernels/swiglu_quant.py), or None where it does not apply: off the GPU, with
     bf16 weights, or at M <= DEQUANT_MAX_M (the fused-dequant route has no quantization to
     fuse). gateup/down: (kernel, scale) of the unsharded FP8 linears."""
-    from pallas_kernels import fp8_matmul as fm
     from pallas_kernels import swiglu_quant as sq
     (wgu, sgu), (wd, sd) = gateup, down
-    if not (FUSED_FP8_MLP and jax.default_backend() == "gpu" and wgu.dtype == FP8_DTYPE
-            and x.shape[0] > fm.DEQUANT_MAX_M and sq.supported(wd.shape[-1], m=x.shape[0])):
+    if not _fp8_mlp_applies(x, wgu, wd):
         return None
     return sq.fp8_mlp(x, wgu, sgu, wd, sd)
+
+
+def _fp8_mlp_applies(x, w_first, w_down) -> bool:
+    """The fused FP8 MLP's conditions: on the GPU, FP8 weights (w_first: the layer's first
+    FP8 linear), M > DEQUANT_MAX_M and an F swiglu_quant takes."""
+    from pallas_kernels import fp8_matmul as fm
+    from pallas_kernels import swiglu_quant as sq
+    return (FUSED_FP8_MLP and _on_gpu() and w_first.dtype == FP8_DTYPE
+            and x.shape[0] > fm.DEQUANT_MAX_M and sq.supported(w_down.shape[-1]))
 
 
 def fused_fp8_layer(x, wqkv, w_down, shards: int) -> bool:
     """Whether a decoder layer runs its FP8 tensor-core route with the RMSNorms fused into
     the quantizations (norm_quant, fp8_tc_linear, fp8_mlp_quantized; model.DecoderLayer):
     on the GPU, one device, FP8 weights, M > DEQUANT_MAX_M and widths the kernels take."""
-    from pallas_kernels import fp8_matmul as fm
     from pallas_kernels import norm_quant as nq
-    from pallas_kernels import swiglu_quant as sq
-    return (FUSED_NORM_QUANT and FUSED_FP8_MLP and shards == 1
-            and jax.default_backend() == "gpu" and wqkv.dtype == FP8_DTYPE
-            and x.shape[0] > fm.DEQUANT_MAX_M and nq.supported(x.shape[1])
-            and sq.supported(w_down.shape[-1], m=x.shape[0]))
+    return (FUSED_NORM_QUANT and shards == 1 and _fp8_mlp_applies(x, wqkv, w_down)
+            and nq.supported(x.shape[1]))
 
 
 def norm_quant(x, weight, delta=None, *, eps: float):
     """RMSNorm(x + delta) quantized per token to e4m3 (pallas_kernels/norm_quant.py):
     -> (x after the add or None, codes [M, E], scales [M, 1])."""
     from pallas_kernels import norm_quant as nq
-    return nq.norm_quant(x, weight, delta, eps=eps, interpret=jax.default_backend() != "gpu")
+    return nq.norm_quant(x, weight, delta, eps=eps, interpret=not _on_gpu())
 
 
 def fp8_tc_linear(x_q, x_scale, kernel, scale, dtype, bias=None):
     """An FP8 linear on the tensor-core route from activations already quantized per token."""
     from pallas_kernels import fp8_matmul as fm
-    y = fm.tc_scaled(fm.tc_product(x_q, kernel, dtype), x_scale, scale, dtype)
-    return y if bias is None else y + bias.astype(y.dtype)
+    return _with_bias(fm.tc_scaled(fm.tc_product(x_q, kernel, dtype), x_scale, scale, dtype),
+                      bias)
 
 
 def fp8_tc_product(x, kernel, dtype):
@@ -135,13 +145,12 @@ def fp8_mlp_quantized(x_q, x_scale, gateup, down, dtype):
     """The fused FP8 MLP (swiglu_quant.fp8_mlp_quantized) from quantized activations."""
     from pallas_kernels import swiglu_quant as sq
     (wgu, sgu), (wd, sd) = gateup, down
-    return sq.fp8_mlp_quantized(x_q, x_scale, wgu, sgu, wd, sd, dtype,
-                                interpret=jax.default_backend() != "gpu")
+    return sq.fp8_mlp_quantized(x_q, x_scale, wgu, sgu, wd, sd, dtype, interpret=not _on_gpu())
 
 
 def _fp8_linear(x, kernel, scale):
     from pallas_kernels.fp8_matmul import fp8_linear, fp8_linear_reference
-    fn = fp8_linear if jax.default_backend() == "gpu" else fp8_linear_reference
+    fn = fp8_linear if _on_gpu() else fp8_linear_reference
     return fn(x, kernel, scale)
 
 

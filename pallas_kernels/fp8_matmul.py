@@ -195,13 +195,23 @@ def _triton_params(t: Tiles):
     return plt.CompilerParams(num_warps=t.num_warps, num_stages=t.num_stages)
 
 
+def amax_scale(amax):
+    """The activations' e4m3 scale from their amax: amax / 448, 1 for an all-zero row."""
+    return jnp.where(amax > 0, amax / FP8_MAX, 1.0)
+
+
+def e4m3_codes(xf, scale, dtype=FP8_DTYPE):
+    """f32 values over their (broadcast) scale, rounded to e4m3 (saturating at +-448)."""
+    return jnp.clip(xf / scale, -FP8_MAX, FP8_MAX).astype(dtype)
+
+
 def quantize_rows(x, per_token: bool = True):
     """x [M, K] -> (e4m3 [M, K], f32 scale): amax / 448 per row ([M, 1]), or over all of x
-    ([1, 1]) with per_token=False."""
+    ([1, 1]) with per_token=False. The fused kernels (swiglu_quant, norm_quant) use the same
+    amax_scale and e4m3_codes."""
     xf = x.astype(jnp.float32)
-    amax = jnp.max(jnp.abs(xf), axis=1 if per_token else None, keepdims=True)
-    scale = jnp.where(amax > 0, amax / FP8_MAX, 1.0)
-    return jnp.clip(xf / scale, -FP8_MAX, FP8_MAX).astype(FP8_DTYPE), scale
+    scale = amax_scale(jnp.max(jnp.abs(xf), axis=1 if per_token else None, keepdims=True))
+    return e4m3_codes(xf, scale), scale
 
 
 def tc_quantize(x, per_token: bool = True):

@@ -1,14 +1,14 @@
 """The new tokens' K/V written into their pages in one kernel (FP8: quantized on the way).
 
 jaxinfer/kv_cache.py's write_kv left to XLA is, for FP8 KV, one fusion taking each token-head
-row's amax for K and V and four scatters (K codes, V codes, their scales), each scatter
-recomputing its input (RoPE, the scale) from the QKV product: ~12.7 us per layer in the 8B
-FP8 decode step at 256 rows on the H200 (2.4 us for the amax fusion, 10.2 for the scatters;
-profile and HLO of the same process, ninth session). Here one program per new token reads its
-K and V rows [K, D], takes each head's amax, and stores the e4m3 codes and the f32 scales
-(bf16/f32 caches: the cast rows) straight into the cache, whose four arrays are aliased in and
-out: nothing but the new tokens' slots is touched, as with the scatter. Tokens with slot -1
-(padding) write nothing.
+row's amax for K and V and four scatters (K codes, V codes, their scales) that recompute their
+inputs from the QKV product (the one read in the HLO: RoPE and the scale): ~12.7 us per layer
+in the 8B FP8 decode step at 256 rows on the H200 (2.4 us for the amax fusion, 10.2 for the
+scatters; profile and HLO of the same process, ninth session). Here one program per new token
+reads its K and V rows [K, D], takes each head's amax, and stores the e4m3 codes and the f32
+scales (bf16/f32 caches: the cast rows) straight into the cache, whose four arrays are aliased
+in and out: nothing but the new tokens' slots is touched, as with the scatter. Tokens with
+slot -1 (padding) write nothing.
 
 Numerics: those of kv_cache.quantize_fp8 (scale = max(amax, 1e-12) / 448, codes rounded to
 nearest), up to the division's last bit on the GPU.

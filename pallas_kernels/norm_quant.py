@@ -13,7 +13,7 @@ profile of one process, ninth session): the residual add with the product's scal
 us), a Triton fusion for the rows' scales (RMSNorm and amax, 2.7 us) and one for the cast
 (RMSNorm again, 2.5 us): ~17 us per layer for the two uses. `norm_quant` does each use in one
 kernel: a program owns BM rows, holds their E values in registers (static chunks of BF
-columns), writes x (with the add) and the e4m3 codes and scales. nothing else goes to memory.
+columns), writes x (with the add) and the e4m3 codes and scales; nothing else goes to memory.
 
 Numerics: the XLA route's, rounding for rounding (the product's scaled value and the sum to
 bf16, the normalized row to bf16 before its amax), so codes match it up to the last bit of
@@ -30,7 +30,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.fp8_matmul import FP8_DTYPE, FP8_MAX, quantize_rows
+from pallas_kernels.fp8_matmul import (FP8_DTYPE, amax_scale, e4m3_codes, quantize_rows,
+                                       tc_scaled)
 from pallas_kernels.swiglu_quant import chunk
 
 NUM_WARPS = 8   # 4 took 5.4 / 3.7 us per use against 5.0 / 3.45 in the 8B decode step (H200)
@@ -47,9 +48,7 @@ def norm_quant_reference(x, w, eps: float, delta=None):
     None without delta; n_q e4m3 [M, E]; n_scale f32 [M, 1])."""
     x_new = None
     if delta is not None:
-        y, rs, cs = delta
-        h = (y.astype(jnp.float32) * rs * cs[None, :]).astype(x.dtype)
-        x = x_new = x + h
+        x = x_new = x + tc_scaled(*delta, x.dtype)
     xf = x.astype(jnp.float32)
     n = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
     n_q, n_scale = quantize_rows((n * w.astype(jnp.float32)).astype(x.dtype))
@@ -83,10 +82,9 @@ def _kernel(*refs, e: int, bf: int, bm: int, eps: float, add: bool):
              ).astype(x_ref.dtype).astype(jnp.float32)
         amax = jnp.maximum(amax, jnp.max(jnp.maximum(n, -n), axis=1))
         ns.append(n)
-    scale = jnp.where(amax > 0, amax / FP8_MAX, 1.0)
+    scale = amax_scale(amax)
     for c, n in enumerate(ns):
-        q_ref[rows, pl.ds(c * bf, bf)] = jnp.clip(n / scale[:, None], -FP8_MAX,
-                                                  FP8_MAX).astype(q_ref.dtype)
+        q_ref[rows, pl.ds(c * bf, bf)] = e4m3_codes(n, scale[:, None], q_ref.dtype)
     s_ref[rows] = scale
 
 

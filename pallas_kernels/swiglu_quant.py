@@ -16,9 +16,9 @@ rows' amax reading h back, and the cast reading it again (by the kernels' names 
 their F values of h in registers (F / BF static chunks of BF columns), takes the amax and
 stores the e4m3 values; nothing of h goes to memory. (A two-pass form, `Tiles.two_pass`,
 takes the amax first and recomputes h from y for the stores; it measured slower, see
-TILE_TABLE.) Measured there: 12.4-12.6 us per layer, i.e. ~1.5 TB/s of the 18 MB it moves,
+TILES.) Measured there: 12.4-12.6 us per layer, i.e. ~1.5 TB/s of the 18 MB it moves,
 while the step's other kernels lost 0.145 ms (~4.5 us per layer). The whole step: 12.93 /
-12.97 -> 12.87 / 12.91 ms. The block variants timed since are at TILE_TABLE.
+12.97 -> 12.87 / 12.91 ms. The block variants timed since are at TILES.
 
 Numerics: everything in f32 from the bf16 product on (XLA's route rounds g | u and h to
 bf16 between steps), then round to nearest e4m3 with scale = amax / 448, as fp8_matmul.quantize_rows.
@@ -39,7 +39,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels import fp8_matmul as fm
-from pallas_kernels.fp8_matmul import FP8_DTYPE, FP8_MAX, quantize_rows
+from pallas_kernels.fp8_matmul import FP8_DTYPE, quantize_rows
 
 MAX_CHUNK = 2048        # columns per tile (BF)
 LIVE_PER_THREAD = 64    # values of h a thread holds in the one-pass form (BM * F / threads)
@@ -55,21 +55,16 @@ class Tiles:
     num_stages: int = 1       # Triton pipelining of the two-pass form's chunk loops
 
 
-TILES = Tiles()             # rows 1, 8 warps, one pass: the eighth session's (untuned) choice
-# (largest M, tiles) in order, the first that fits M wins. bench/swiglu_quant.py on one H200
-# at F = 14336 (bench/results/swiglu_quant.json, two passes, us) liked rows 2 and 16 warps at
-# M = 256 (12.7 / 13.7 against 19.5 / 14.9 for TILES; XLA's unfused route 17.0 / 16.0) and
-# 16 warps at M = 2048 (79.3 / 78.8 against 82.6 / 83.6; XLA 106.3 / 106.7); the two-pass
-# form was slower everywhere (22.6-69 us at M = 256, 95-124 at M = 2048). But inside the 8B
-# FP8 decode step (M = 256, where y comes from L2, just written by the GEMM) rows 2 / 16 warps
-# took 13.25 / 13.23 us per layer against 12.72 / 12.48 for TILES (profile suite, two passes
-# each, one process per run; ninth session), so TILES stays for every M; M = 2048 was not
-# compared in the model.
-TILE_TABLE = ((None, TILES),)
-
-
-def tiles_for(m: int) -> Tiles:
-    return next(t for top, t in TILE_TABLE if top is None or m <= top)
+# rows 1, 8 warps, one pass. bench/swiglu_quant.py on one H200 at F = 14336
+# (bench/results/swiglu_quant.json, two passes, us) liked rows 2 and 16 warps at M = 256
+# (12.7 / 13.7 against 19.5 / 14.9 for these; XLA's unfused route 17.0 / 16.0) and 16 warps at
+# M = 2048 (79.3 / 78.8 against 82.6 / 83.6; XLA 106.3 / 106.7); the two-pass form was slower
+# everywhere (22.6-69 us at M = 256, 95-124 at M = 2048). But inside the 8B FP8 decode step
+# (M = 256, where y comes from L2, just written by the GEMM) rows 2 / 16 warps took 13.25 /
+# 13.23 us per layer against 12.72 / 12.48 for these (profile suite, two passes each, one
+# process per run; ninth session), so these stay for every M; M = 2048 was not compared in
+# the model.
+TILES = Tiles()
 
 
 def max_live(t: Tiles) -> int:
@@ -102,10 +97,15 @@ def rows_for(m: int, cap: int) -> int:
     return bm
 
 
-def supported(f: int, tiles: Tiles | None = None, m: int | None = None) -> bool:
+def block_rows(m: int, f: int, t: Tiles) -> int:
+    """BM for M rows: t.rows, but in the one-pass form no more than max_live(t) values of h."""
+    return rows_for(m, t.rows if t.two_pass else max(1, min(t.rows, max_live(t) // f)))
+
+
+def supported(f: int, tiles: Tiles | None = None) -> bool:
     """The kernel takes F: a power-of-two chunk >= 16 divides it and, in the one-pass form,
-    a row fits max_live(tiles) (default: the tiles M gets, or TILES without M)."""
-    t = tiles or (TILES if m is None else tiles_for(m))
+    a row fits max_live(tiles) (default TILES)."""
+    t = tiles or TILES
     return (chunk(f, t.chunk) is not None
             and (t.two_pass or f <= max_live(t)))
 
@@ -120,8 +120,7 @@ def _h_chunk(y_ref, ws_ref, rows, xs, c, f: int, bf: int):
 
 
 def _store(q_ref, rows, c, bf, hc, scale):
-    q_ref[rows, pl.ds(c * bf, bf)] = jnp.clip(hc / scale[:, None], -FP8_MAX,
-                                              FP8_MAX).astype(q_ref.dtype)
+    q_ref[rows, pl.ds(c * bf, bf)] = fm.e4m3_codes(hc, scale[:, None], q_ref.dtype)
 
 
 def swiglu_quant_kernel(y_ref, xs_ref, ws_ref, q_ref, s_ref, *, f: int, bf: int, bm: int,
@@ -134,7 +133,7 @@ def swiglu_quant_kernel(y_ref, xs_ref, ws_ref, q_ref, s_ref, *, f: int, bf: int,
             hc = _h_chunk(y_ref, ws_ref, rows, xs, c, f, bf)
             return jnp.maximum(amax, jnp.max(jnp.abs(hc), axis=1))
         amax = lax.fori_loop(0, f // bf, amax_step, amax0)
-        scale = jnp.where(amax > 0, amax / FP8_MAX, 1.0)
+        scale = fm.amax_scale(amax)
 
         def store_step(c, carry):
             _store(q_ref, rows, c, bf, _h_chunk(y_ref, ws_ref, rows, xs, c, f, bf), scale)
@@ -146,7 +145,7 @@ def swiglu_quant_kernel(y_ref, xs_ref, ws_ref, q_ref, s_ref, *, f: int, bf: int,
             hc = _h_chunk(y_ref, ws_ref, rows, xs, c, f, bf)
             amax = jnp.maximum(amax, jnp.max(jnp.abs(hc), axis=1))
             h.append(hc)
-        scale = jnp.where(amax > 0, amax / FP8_MAX, 1.0)
+        scale = fm.amax_scale(amax)
         for c, hc in enumerate(h):
             _store(q_ref, rows, c, bf, hc, scale)
     s_ref[rows] = scale
@@ -156,18 +155,17 @@ def swiglu_quant_kernel(y_ref, xs_ref, ws_ref, q_ref, s_ref, *, f: int, bf: int,
 def swiglu_quant(y, x_scale, w_scale, *, interpret: bool = False, tiles: Tiles | None = None):
     """y [M, 2F] bf16 gate|up product (no scales), x_scale [M, 1] f32 (per token), w_scale
     [2F] f32 (per channel) -> (h_q e4m3 [M, F], h_scale f32 [M, 1]): see the module doc.
-    tiles: the kernel's blocks (default tiles_for(M); the bench compares others). Shapes the
-    kernel does not take (`supported`) run the reference."""
+    tiles: the kernel's blocks (default TILES; the bench compares others). Shapes the kernel
+    does not take (`supported`) run the reference."""
     m, two_f = y.shape
     if two_f % 2 or x_scale.shape != (m, 1) or w_scale.shape != (two_f,):
         raise ValueError(f"swiglu_quant: want y [M, 2F], x_scale [M, 1], w_scale [2F]; got "
                          f"{y.shape}, {x_scale.shape}, {w_scale.shape}")
     f = two_f // 2
-    t = tiles or tiles_for(m)
+    t = tiles or TILES
     if not supported(f, t):
         return swiglu_quant_reference(y, x_scale, w_scale)
-    bf = chunk(f, t.chunk)
-    bm = rows_for(m, t.rows if t.two_pass else max(1, min(t.rows, max_live(t) // f)))
+    bf, bm = chunk(f, t.chunk), block_rows(m, f, t)
     params = {}
     if not interpret:
         from jax.experimental.pallas import triton as plt   # deprecated in jax 0.11, still there
