@@ -95,6 +95,70 @@ M1_VARIANTS = {
 }
 
 
+def _ksplit(a, b, s, a_k, b_k):
+    """a and b with their K axes (a_k, b_k) viewed as (s, K/s): a free reshape of each
+    row-major operand, no transpose. dot_general then batches over the s halves (cuBLAS and
+    XLA's Triton GEMMs take a batch axis that is not the major one as a batch stride), so a
+    GEMM with too few output tiles for 132 SMs runs s times as many programs, and the s
+    partial products are added after (split-K by hand)."""
+    def view(t, k):
+        return t.reshape(t.shape[:k] + (s, t.shape[k] // s) + t.shape[k + 1:])
+    dims = (((a_k + 1,), (b_k + 1,)), ((a_k,), (b_k,)))
+    return view(a, a_k), view(b, b_k), dims
+
+
+def bf16_ksplit(x, w, _w_q, _scale, s):
+    """x [M, K] @ w [K, N] in s K-slices: [s, M, N] f32 partials, summed."""
+    a, b, dims = _ksplit(x, w, s, 1, 0)
+    return lax.dot_general(a, b, dims, preferred_element_type=jnp.float32).sum(0).astype(
+        x.dtype)
+
+
+def dequant_pad8_ksplit(x, _w, w_q, scale, s):
+    """The M <= 64 fused-dequant route (M < 8 padded to 8 rows) in s K-slices."""
+    xp = jnp.pad(x, ((0, max(0, 8 - x.shape[0])), (0, 0)))
+    a, b, dims = _ksplit(xp, w_q.astype(jnp.bfloat16), s, 1, 1)
+    y = lax.dot_general(a, b, dims, preferred_element_type=jnp.float32).sum(0)
+    return (y * scale[None, :]).astype(x.dtype)[:x.shape[0]]
+
+
+def tc_ksplit(x, _w, w_q, scale, s):
+    """The tensor-core route (cuBLASLt FP8) in s K-slices: bf16 partials, summed in f32 by
+    the epilogue that applies the scales."""
+    x_q, x_scale = fm.tc_quantize(x)
+    a, b, dims = _ksplit(x_q, w_q, s, 1, 1)
+    y = lax.dot_general(a, b, dims, preferred_element_type=jnp.bfloat16)
+    return fm.tc_scaled(y.astype(jnp.float32).sum(0), x_scale, scale, x.dtype)
+
+
+def tc_transposed(x, _w, w_q, scale):
+    """The tensor-core route computing y^T = w_q x_q^T ([N, M]: cuBLASLt sees M and N
+    swapped and may tile them otherwise), transposed back by the scaling epilogue."""
+    x_q, x_scale = fm.tc_quantize(x)
+    y = lax.dot_general(w_q, x_q, fm._CONTRACT_K, preferred_element_type=jnp.bfloat16)
+    return fm.tc_scaled(y.T, x_scale, scale, x.dtype)
+
+
+def ksplit_variants(m: int, splits) -> dict:
+    """bf16 and FP8 K-split variants at M (the FP8 one on the route fp8_linear takes at M),
+    and for M > DEQUANT_MAX_M the transposed tensor-core product."""
+    fp8 = dequant_pad8_ksplit if m <= fm.DEQUANT_MAX_M else tc_ksplit
+    out = {} if m <= fm.DEQUANT_MAX_M else {"tc_transposed": tc_transposed}
+    for s in splits:
+        out[f"xla_bf16_k{s}"] = functools.partial(bf16_ksplit, s=s)
+        out[f"{'dequant' if m <= fm.DEQUANT_MAX_M else 'tc'}_k{s}"] = functools.partial(fp8, s=s)
+    return out
+
+
+def hlo_kernels(fn, x, weight) -> dict:
+    """What one call compiles to: kernels by kind and custom-call targets (a copy or
+    transpose of the weight would show here as an extra fusion)."""
+    from bench import hlo
+    text = jax.jit(fn).lower(x, *weight).compile().as_text()
+    entry = hlo.analyze(text)["entry"]
+    return {"by_kind": entry["by_kind"], "custom_calls": entry["custom_calls"]}
+
+
 def time_per_op(fn, xs, weights, samples):
     """Median seconds per op; the program applies fn once per (x, weight) pair."""
     run = jax.jit(lambda xs, ws: [fn(x, *w) for x, w in zip(xs, ws)])
@@ -146,6 +210,8 @@ def bench_shape(k, n, ms, args, rows):
             impls["xla_fp8_dequant_pad8"] = xla_fp8_dequant_pad8
         if args.variants:
             impls.update(VARIANTS if m > 1 else M1_VARIANTS)
+        if args.ksplit:
+            impls.update(ksplit_variants(m, args.ksplit))
         for name, fn in impls.items():
             try:
                 sec, y = time_per_op(fn, xs, weights, args.samples)
@@ -153,13 +219,15 @@ def bench_shape(k, n, ms, args, rows):
                 rows.append({"impl": name, "M": m, "K": k, "N": n, "error": repr(e)[:400]})
                 print(json.dumps(rows[-1]), flush=True)
                 continue
-            w_bytes = 2 * k * n if name == "xla_bf16" else k * n + 4 * n
+            w_bytes = 2 * k * n if name.startswith("xla_bf16") else k * n + 4 * n
+            extra = ({"hlo": hlo_kernels(fn, xs[0], weights[0])}
+                     if args.ksplit and name not in ("xla_fp8_dequant", "skinny_kernel") else {})
             rows.append({"impl": name, "M": m, "K": k, "N": n, "us": round(sec * 1e6, 2),
                          "TBps": round(w_bytes / sec / 1e12, 3),
                          "TFLOPs": round(2 * m * k * n / sec / 1e12, 1),
-                         "rel_err": round(rel_err(y, ref_bf16 if name == "xla_bf16"
+                         "rel_err": round(rel_err(y, ref_bf16 if name.startswith("xla_bf16")
                                                   else ref_fp8), 5),
-                         "rotated_buffers": count})
+                         "rotated_buffers": count, **extra})
             print(json.dumps(rows[-1]), flush=True)
         add_ratios(rows, m, k, n)
 
@@ -251,7 +319,12 @@ def main(argv=None):
                    help="also time the tensor-core route's epilogue variants (M > 1: "
                         + ", ".join(VARIANTS) + ") and the padded M = 1 route's ("
                         + ", ".join(M1_VARIANTS) + ")")
+    p.add_argument("--ksplit", default="",
+                   help="comma-separated K-split counts S: also time bf16 and the FP8 route's "
+                        "GEMMs over S K-slices with a batch axis (xla_bf16_kS, dequant_kS / "
+                        "tc_kS), each row with its compiled kernels")
     args = p.parse_args(argv)
+    args.ksplit = [int(v) for v in args.ksplit.split(",") if v]
     ms = [int(v) for v in args.ms.split(",")]
     result = {"suite": "fp8_matmul", "device": jax.devices()[0].device_kind,
               "jax": jax.__version__, "git": git_sha(args.git),
