@@ -309,7 +309,7 @@ def bench_gemv(args, rows, on_shape=lambda: None):
         impls = {"xla_model_ops": lambda x, w, nw, r: gv.gemv_reference(
             x, w, norm_weight=nw, residual=r, **kw)}
         for v in GEMV_TILES:
-            t = gv.gemv_tiles(k, n, **v)
+            t = gv.tiles_for(k, n, **v)
             impls[f"gemv_bn{t.bn}_bk{t.bk}_s{t.splits}_w{t.num_warps}_st{t.num_stages}"
                   f"{'' if t.reduce_each_step else '_acc'}"] = functools.partial(
                 lambda x, w, nw, r, t: gv.gemv(x, w, norm_weight=nw, residual=r, tiles=t,

@@ -19,8 +19,14 @@ program owns BN output columns and one of `splits` K ranges; it streams [BK, BN]
 (each row BN contiguous elements) and keeps a [BN] f32 sum (reduce_each_step) or a [BK, BN]
 one reduced at the end. With the RMSNorm prologue every program first reads all of x (K
 elements from L2) for the inverse RMS. splits > 1 writes f32 partials [splits, 1, N] that XLA
-adds (with the residual) in one small fusion. Tiles per shape: gemv_tiles, measured with
-bench/fp8_matmul.py --gemv on the H200.
+adds (with the residual) in one small fusion.
+
+Not used by the model: on the H200 (`bench/fp8_matmul.py --gemv`, ten tilings per shape,
+bench/results/history/gemv_b1_f8cae9d.json) its best tiling only tied XLA on the same fused
+ops (rmsnorm + QKV 22.0 vs 22.5 us, O + residual 14.0 vs 14.2, swiglu + down 36.9 vs 35.6)
+and lost on gate/up (74.4 vs 65.8 us: 3.16 against 3.57 TB/s), so the kernels it removes
+would be paid back in GEMV time. It stays built, tested and timed for the next attempt (a
+K-major weight copy for batch 1 is the untried layout).
 """
 from __future__ import annotations
 
@@ -32,12 +38,14 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from pallas_kernels.fp8_matmul import _pow2_divisor, _triton_params
+
 PROLOGUES = ("none", "rmsnorm", "swiglu")
 _MIN_PROGRAMS = 132     # one program per H200 SM at least
 
 
 @dataclasses.dataclass(frozen=True)
-class GemvTiles:
+class Tiles:
     bn: int = 64              # output columns per program (BN * 2 bytes per weight row read)
     bk: int = 256             # K rows per loop step
     splits: int = 1           # K ranges (f32 partials added outside when > 1)
@@ -46,15 +54,8 @@ class GemvTiles:
     reduce_each_step: bool = True
 
 
-def _pow2_divisor(n: int, cap: int) -> int:
-    d = 1
-    while d * 2 <= cap and n % (d * 2) == 0:
-        d *= 2
-    return d
-
-
-def gemv_tiles(k: int, n: int, *, bn: int = 64, bk: int = 256, splits: int | None = None,
-               **kw) -> GemvTiles:
+def tiles_for(k: int, n: int, *, bn: int = 64, bk: int = 256, splits: int | None = None,
+               **kw) -> Tiles:
     """Tiles for w [K, N]: BN and BK the largest powers of two <= the caps dividing N and K;
     splits (default) doubled while the grid has fewer than _MIN_PROGRAMS programs and each
     split keeps >= 4 steps."""
@@ -64,7 +65,7 @@ def gemv_tiles(k: int, n: int, *, bn: int = 64, bk: int = 256, splits: int | Non
         while (n // bn) * splits < _MIN_PROGRAMS and steps % (2 * splits) == 0 \
                 and steps // (2 * splits) >= 4:
             splits *= 2
-    return GemvTiles(bn=bn, bk=bk, splits=splits, **kw)
+    return Tiles(bn=bn, bk=bk, splits=splits, **kw)
 
 
 def _round(v, dtype):
@@ -72,7 +73,7 @@ def _round(v, dtype):
     return v.astype(dtype).astype(jnp.float32)
 
 
-def _kernel(x_ref, w_ref, *refs, t: GemvTiles, k: int, prologue: str, eps: float,
+def _kernel(x_ref, w_ref, *refs, t: Tiles, k: int, prologue: str, eps: float,
             residual: bool, dtype):
     nw_ref = refs[0] if prologue == "rmsnorm" else None
     r_ref = refs[-2] if residual else None
@@ -137,12 +138,12 @@ def _validate(x, w, prologue, norm_weight, residual):
 
 @functools.partial(jax.jit, static_argnames=("prologue", "eps", "tiles", "interpret"))
 def gemv(x, w, *, prologue: str = "none", norm_weight=None, eps: float = 1e-6,
-         residual=None, tiles: GemvTiles | None = None, interpret: bool = False):
+         residual=None, tiles: Tiles | None = None, interpret: bool = False):
     """p(x) @ w (+ residual) -> [1, N] in x.dtype: see the module doc. Static: prologue, eps,
     tiles, interpret; x, w, norm_weight, residual are traced."""
     _validate(x, w, prologue, norm_weight, residual)
     k, n = w.shape
-    t = tiles or gemv_tiles(k, n)
+    t = tiles or tiles_for(k, n)
     if n % t.bn or k % (t.splits * t.bk):
         raise ValueError(f"gemv: tiles {t} do not divide w [{k}, {n}]")
     args = [x, w] + ([norm_weight] if norm_weight is not None else [])
@@ -150,11 +151,7 @@ def gemv(x, w, *, prologue: str = "none", norm_weight=None, eps: float = 1e-6,
     args += [residual] if fused_residual else []
     out_shape = (jax.ShapeDtypeStruct((1, n), x.dtype) if t.splits == 1
                  else jax.ShapeDtypeStruct((t.splits, 1, n), jnp.float32))
-    params = {}
-    if not interpret:
-        from jax.experimental.pallas import triton as plt
-        params["compiler_params"] = plt.CompilerParams(num_warps=t.num_warps,
-                                                       num_stages=t.num_stages)
+    params = {} if interpret else {"compiler_params": _triton_params(t)}
     y = pl.pallas_call(
         functools.partial(_kernel, t=t, k=k, prologue=prologue, eps=eps,
                           residual=fused_residual, dtype=x.dtype),
