@@ -22,6 +22,11 @@ from jaxinfer.sharding import AXIS, TPLayout, kv_spec
 FUSED_FP8_MLP = True   # fused_fp8_mlp on (a module switch for in-process A/B benches)
 PALLAS_KV_WRITE = True  # write_kv's Pallas kernel with impl "pallas" (the same kind of switch)
 FUSED_NORM_QUANT = True  # fused_fp8_layer (the same kind of switch)
+# bf16 (compute-dtype) linears with fewer rows than this are padded to it on the GPU, like the
+# FP8 route's DEQUANT_PAD_M: XLA's GEMM at M = 8 beats its M = 1 one. The 8B bf16 decode step
+# at context 512 ran 5.04 ms at batch 1 and 4.82 ms at batch 8 (eight rows of attention
+# included; H200, one process, bench/README.md tenth session). 1 turns the pad off.
+BF16_PAD_M = 8
 
 
 def _on_gpu() -> bool:
@@ -76,12 +81,17 @@ def _attention(q, kv: KVCache, layer, md: AttentionMetadata, *, sm_scale: float,
 def linear(x, kernel, scale=None, bias=None, parallel=None):
     """x [M, in] @ kernel -> [M, out]. FP8 kernels (with their per-channel `scale`) go to the
     FP8 matmul, which picks its own route by M; others are a plain dot XLA fuses around (and
-    GSPMD partitions). parallel: (layout, "col" | "row") for a sharded kernel."""
+    GSPMD partitions), M padded to BF16_PAD_M rows on the GPU. parallel: (layout, "col" |
+    "row") for a sharded kernel."""
     if kernel.dtype == FP8_DTYPE:
         y = _fp8_linear(x, kernel, scale) if parallel is None else _fp8_sharded(
             x, kernel, scale, *parallel)
     else:
-        y = jnp.dot(x, kernel.astype(x.dtype), preferred_element_type=jnp.float32).astype(x.dtype)
+        m = x.shape[0]
+        pad = BF16_PAD_M - m if _on_gpu() else 0
+        xp = jnp.pad(x, ((0, pad), (0, 0))) if pad > 0 else x
+        y = jnp.dot(xp, kernel.astype(x.dtype), preferred_element_type=jnp.float32)
+        y = y[:m].astype(x.dtype)
     return _with_bias(y, bias)
 
 

@@ -89,3 +89,24 @@ def test_unrolled_layers_equal_scanned():
     got = [ModelRunner(cfg, engine, *build_model(cfg, flat, jnp.float32, unroll_layers=u))
            .all_logits(tokens, md) for u in (False, True)]
     np.testing.assert_allclose(got[1], got[0], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("m", [1, 3, 8, 16])
+def test_bf16_linear_pads_few_rows_on_gpu(monkeypatch, m):
+    """On the GPU a bf16 linear with M < BF16_PAD_M runs its dot on M padded to that many
+    rows (XLA's M = 8 GEMM is faster): the rows come back unchanged, and bigger M is not
+    padded. Forced here by pretending to be on the GPU."""
+    import jax
+    from jaxinfer import ops
+    monkeypatch.setattr(ops, "_on_gpu", lambda: True)
+    rng = np.random.default_rng(m)
+    x = jnp.asarray(rng.standard_normal((m, 64)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((64, 96)) * 0.1, jnp.bfloat16)
+    want = (np.asarray(x, np.float32) @ np.asarray(w, np.float32)).astype(jnp.bfloat16)
+    got = ops.linear(x, w)
+    assert got.shape == (m, 96) and got.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                               rtol=2 ** -7, atol=1e-3)
+    dots = [e for e in jax.make_jaxpr(ops.linear)(x, w).jaxpr.eqns
+            if e.primitive.name == "dot_general"]
+    assert [d.invars[0].aval.shape[0] for d in dots] == [max(m, ops.BF16_PAD_M)]
