@@ -277,59 +277,6 @@ def tune(args, rows, on_shape=lambda: None):
         on_shape()
 
 
-# --gemv: the batch-1 bf16 GEMV (pallas_kernels/gemv.py) on each Llama-3-8B projection with
-# the neighbours the decoder layer fuses into it (prologue, residual add), against XLA on the
-# same ops (gemv_reference: RMSNorm / SiLU * up, the dot, the add, fused as XLA fuses them).
-GEMV_FUSION = {(4096, 6144): ("rmsnorm", False), (4096, 4096): ("none", True),
-               (4096, 28672): ("rmsnorm", False), (14336, 4096): ("swiglu", True)}
-GEMV_TILES = [dict(), dict(bn=32), dict(bn=128), dict(bk=128), dict(bk=512),
-              dict(splits=1), dict(splits=2), dict(num_warps=8), dict(num_stages=4),
-              dict(reduce_each_step=False, bk=64)]
-
-
-def bench_gemv(args, rows, on_shape=lambda: None):
-    from pallas_kernels import gemv as gv
-    for shape in args.shapes.split(","):
-        k, n = (int(v) for v in shape.split("x"))
-        prologue, residual = GEMV_FUSION.get((k, n), ("none", False))
-        key = jax.random.PRNGKey(k + n)
-        count = min(args.max_rotate, max(2, math.ceil(args.rotate_mb * 2**20 / (2 * k * n))))
-        width = 2 * k if prologue == "swiglu" else k
-        xs = [jax.random.normal(jax.random.fold_in(key, i), (1, width), jnp.bfloat16)
-              for i in range(count)]
-        weights = [((jax.random.normal(jax.random.fold_in(key, 100 + i), (k, n)) * 0.02
-                     ).astype(jnp.bfloat16),
-                    jnp.ones((k,), jnp.bfloat16) if prologue == "rmsnorm" else None,
-                    jax.random.normal(jax.random.fold_in(key, 200 + i), (1, n), jnp.bfloat16)
-                    if residual else None) for i in range(count)]
-        kw = dict(prologue=prologue)
-        interpret = jax.default_backend() != "gpu"
-        ref = gv.gemv_reference(xs[0], weights[0][0], norm_weight=weights[0][1],
-                                residual=weights[0][2], **kw)
-        impls = {"xla_model_ops": lambda x, w, nw, r: gv.gemv_reference(
-            x, w, norm_weight=nw, residual=r, **kw)}
-        for v in GEMV_TILES:
-            t = gv.tiles_for(k, n, **v)
-            impls[f"gemv_bn{t.bn}_bk{t.bk}_s{t.splits}_w{t.num_warps}_st{t.num_stages}"
-                  f"{'' if t.reduce_each_step else '_acc'}"] = functools.partial(
-                lambda x, w, nw, r, t: gv.gemv(x, w, norm_weight=nw, residual=r, tiles=t,
-                                               interpret=interpret, **kw), t=t)
-        for name, fn in impls.items():
-            row = {"impl": name, "M": 1, "K": k, "N": n, "prologue": prologue,
-                   "residual": residual}
-            try:
-                sec, y = time_per_op(fn, xs, weights, args.samples)
-                row.update(us=round(sec * 1e6, 2), TBps=round(2 * k * n / sec / 1e12, 3),
-                           max_abs_err=float(jnp.max(jnp.abs(y.astype(jnp.float32)
-                                                             - ref.astype(jnp.float32)))),
-                           hlo=hlo_kernels(fn, xs[0], weights[0]))
-            except Exception as e:   # one broken tiling must not cost the other rows
-                row["error"] = repr(e)[:400]
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-        on_shape()
-
-
 def _forced_tiles(x, _w, w_q, scale, t):
     return fm.skinny_fp8_matmul(x, w_q[None], scale[None], jnp.zeros((1,), jnp.int32), t)
 
@@ -376,9 +323,6 @@ def main(argv=None):
                    help="comma-separated K-split counts S: also time bf16 and the FP8 route's "
                         "GEMMs over S K-slices with a batch axis (xla_bf16_kS, dequant_kS / "
                         "tc_kS), each row with its compiled kernels")
-    p.add_argument("--gemv", action="store_true",
-                   help="only the batch-1 bf16 GEMV with its fused neighbours (GEMV_FUSION) "
-                        "in tilings GEMV_TILES, against XLA on the same ops; rows in 'gemv'")
     args = p.parse_args(argv)
     args.ksplit = [int(v) for v in args.ksplit.split(",") if v]
     ms = [int(v) for v in args.ms.split(",")]
@@ -391,14 +335,6 @@ def main(argv=None):
               "checks": {"cublaslt_f8_in_prefill_hlo": cublaslt_f8_in_hlo()},
               "rows": []}
     print(json.dumps({k: v for k, v in result.items() if k != "rows"}), flush=True)
-    if args.gemv:
-        result["gemv"] = []
-        bench_gemv(args, result["gemv"], lambda: write(args.out, result))
-        for r in result["gemv"]:
-            print(f'{r["impl"]:>34} {r["K"]:>5}x{r["N"]:<5} ' + (
-                f'{r["us"]:>8.1f} us {r["TBps"]:>6.2f} TB/s err {r["max_abs_err"]:.1e} '
-                f'{r["hlo"]["by_kind"]}' if "us" in r else r["error"][:90]))
-        return
     for shape in ([] if args.tune_only else args.shapes.split(",")):
         k, n = (int(v) for v in shape.split("x"))
         bench_shape(k, n, ms, args, result["rows"])

@@ -21,7 +21,7 @@ one reduced at the end. With the RMSNorm prologue every program first reads all 
 elements from L2) for the inverse RMS. splits > 1 writes f32 partials [splits, 1, N] that XLA
 adds (with the residual) in one small fusion.
 
-Not used by the model: on the H200 (`bench/fp8_matmul.py --gemv`, ten tilings per shape,
+Not used by the model: on the H200 (`python -m bench.gemv`, ten tilings per shape,
 bench/results/history/gemv_b1_f8cae9d.json) its best tiling only tied XLA on the same fused
 ops (rmsnorm + QKV 22.0 vs 22.5 us, O + residual 14.0 vs 14.2, swiglu + down 36.9 vs 35.6)
 and lost on gate/up (74.4 vs 65.8 us: 3.16 against 3.57 TB/s), so the kernels it removes

@@ -86,3 +86,44 @@ def test_gemv_rejects_bad_input():
 def test_gemv_gpu_llama3_8b_shapes(k, n, prologue, residual):
     x, w, kw = _inputs(k + n, k, n, prologue, residual)
     _check(gv.gemv(x, w, **kw), gv.gemv_reference(x, w, **kw), x, w, prologue)
+
+
+def test_gemv_bench_rows_on_cpu(tmp_path, monkeypatch):
+    """bench/gemv.py end to end on small shapes (interpret mode): every row timed, its error
+    against the model's ops small, its compiled kernels recorded."""
+    from bench import gemv as bench_gemv
+    monkeypatch.setattr(bench_gemv, "GEMV_FUSION", {(128, 64): ("rmsnorm", False),
+                                                    (64, 32): ("swiglu", True)})
+    monkeypatch.setattr(bench_gemv, "GEMV_TILES", [dict(bn=32, bk=32), dict(bk=32, splits=2)])
+    out = tmp_path / "gemv.json"
+    result = bench_gemv.main(["--shapes", "128x64,64x32", "--samples", "1", "--rotate-mb",
+                              "0.01", "--max-rotate", "2", "--git", "abc", "--out", str(out)])
+    rows = result["rows"]
+    assert [r["impl"].split("_")[0] for r in rows] == ["xla", "gemv", "gemv"] * 2
+    assert all("us" in r and r["max_abs_err"] < 0.1 and "by_kind" in r["hlo"] for r in rows)
+    assert out.exists() and result["git"] == "abc"
+
+
+@pytest.mark.parametrize("m", [1, 96])
+def test_fp8_matmul_bench_ksplit_variants_compute_the_product(m):
+    """bench/fp8_matmul.py --ksplit's variants (K slices as a batch axis, partials summed;
+    the transposed tensor-core product) give their unsplit route's result."""
+    from bench import fp8_matmul as bf
+    from checkpoints.fp8 import quantize_linear
+    rng = np.random.default_rng(m)
+    x = jnp.asarray(rng.standard_normal((m, 256)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((256, 64)) * 0.05, jnp.float32)
+    w_q, scale = quantize_linear(w)
+    wb = w.astype(jnp.bfloat16)
+    variants = bf.ksplit_variants(m, [2, 4])
+    assert set(variants) == {"xla_bf16_k2", "xla_bf16_k4"} | (
+        {"dequant_k2", "dequant_k4"} if m == 1 else {"tc_k2", "tc_k4", "tc_transposed"})
+    for name, fn in variants.items():
+        got = np.asarray(fn(x, wb, w_q, scale), np.float32)
+        if name.startswith("xla_bf16"):
+            want = np.asarray(bf.xla_bf16(x, wb, w_q, scale), np.float32)
+        elif name.startswith("dequant"):
+            want = np.asarray(bf.xla_fp8_dequant(x, wb, w_q, scale), np.float32)
+        else:
+            want = np.asarray(bf.tensor_core_route(x, wb, w_q, scale), np.float32)
+        np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2, err_msg=name)
