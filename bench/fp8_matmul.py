@@ -97,10 +97,10 @@ M1_VARIANTS = {
 
 def _ksplit(a, b, s, a_k, b_k):
     """a and b with their K axes (a_k, b_k) viewed as (s, K/s): a free reshape of each
-    row-major operand, no transpose. dot_general then batches over the s halves (cuBLAS and
-    XLA's Triton GEMMs take a batch axis that is not the major one as a batch stride), so a
-    GEMM with too few output tiles for 132 SMs runs s times as many programs, and the s
-    partial products are added after (split-K by hand)."""
+    row-major operand, no transpose. dot_general then batches over the s slices, so a GEMM
+    with too few output tiles for 132 SMs runs s times as many programs, and the s partial
+    products are added after (split-K by hand). Whether XLA copies an operand to make the
+    batch axis major shows in each row's `hlo` (bench rows with --ksplit)."""
     def view(t, k):
         return t.reshape(t.shape[:k] + (s, t.shape[k] // s) + t.shape[k + 1:])
     dims = (((a_k + 1,), (b_k + 1,)), ((a_k,), (b_k,)))

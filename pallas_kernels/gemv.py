@@ -11,7 +11,7 @@ and `residual` [1, N] is added in the epilogue (the decoder layer's x + h).
 
 Why: at batch 1 every decoder layer ran ~12 small XLA kernels of ~1.3-1.7 us each (RMSNorm
 reductions, residual adds, SiLU * up, converts) between its four GEMMs: 0.65 ms of a 4.95 ms
-bf16 step (bench/results/profile_b1_bf16.json), and the small-N GEMMs (QKV, O) streamed
+bf16 step (bench/results/history/profile_b1_bf16_6ef3735.json), and the small-N GEMMs (QKV, O) streamed
 2.85 TB/s against 3.96 for gate/up (XLA's tiles leave SMs idle at N = 4096-6144).
 
 Kernel (Pallas, Triton backend, like the other kernels here): grid (N // BN, splits). A
