@@ -304,15 +304,22 @@ def cublaslt_f8_in_hlo(k=4096, n=4096, m=2048):
     return "__cublas$lt$matmul$f8" in hlo
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_timing_args(p: argparse.ArgumentParser, shapes: bool = True) -> None:
+    """The flags of the benches that time ops this way (time_per_op over rotated buffers):
+    this one, bench/gemv.py, bench/swiglu_quant.py."""
     p.add_argument("--out", required=True, help="results JSON path")
-    p.add_argument("--shapes", default=SHAPES, help="comma-separated KxN")
-    p.add_argument("--ms", default=MS, help="comma-separated token counts M")
+    if shapes:
+        p.add_argument("--shapes", default=SHAPES, help="comma-separated KxN")
     p.add_argument("--samples", type=int, default=5)
     p.add_argument("--rotate-mb", type=float, default=256.0)
     p.add_argument("--max-rotate", type=int, default=16)
     p.add_argument("--git", default=None, help="commit to record (default: git rev-parse)")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_timing_args(p)
+    p.add_argument("--ms", default=MS, help="comma-separated token counts M")
     p.add_argument("--tune", action="store_true", help="also time GEMV tile variants (M=1)")
     p.add_argument("--tune-only", action="store_true", help="only the tile variants")
     p.add_argument("--variants", action="store_true",

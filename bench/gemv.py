@@ -13,7 +13,6 @@ against gemv_reference and its compiled kernels. The tenth session ran this as
 from __future__ import annotations
 
 import argparse
-import datetime
 import functools
 import json
 import math
@@ -22,8 +21,8 @@ import sys
 import jax
 import jax.numpy as jnp
 
-from bench.common import git_sha
-from bench.fp8_matmul import SHAPES, hlo_kernels, time_per_op, write
+from bench.common import new_result, save
+from bench.fp8_matmul import add_timing_args, hlo_kernels, time_per_op
 from pallas_kernels import gemv as gv
 
 GEMV_FUSION = {(4096, 6144): ("rmsnorm", False), (4096, 4096): ("none", True),
@@ -77,18 +76,11 @@ def bench_gemv(args, rows, on_shape=lambda: None):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", required=True, help="results JSON path")
-    p.add_argument("--shapes", default=SHAPES, help="comma-separated KxN")
-    p.add_argument("--samples", type=int, default=5)
-    p.add_argument("--rotate-mb", type=float, default=256.0)
-    p.add_argument("--max-rotate", type=int, default=16)
-    p.add_argument("--git", default=None, help="commit to record (default: git rev-parse)")
+    add_timing_args(p)
     args = p.parse_args(argv)
-    result = {"suite": "gemv", "device": jax.devices()[0].device_kind,
-              "jax": jax.__version__, "git": git_sha(args.git),
-              "date": datetime.date.today().isoformat(),
-              "command": " ".join(["python -m bench.gemv"] + sys.argv[1:]), "rows": []}
-    bench_gemv(args, result["rows"], lambda: write(args.out, result))
+    result = new_result("gemv", args.git,
+                        command=" ".join(["python -m bench.gemv"] + sys.argv[1:]))
+    bench_gemv(args, result["rows"], lambda: save(result, args.out))
     for r in result["rows"]:
         print(f'{r["impl"]:>34} {r["K"]:>5}x{r["N"]:<5} ' + (
             f'{r["us"]:>8.1f} us {r["TBps"]:>6.2f} TB/s err {r["max_abs_err"]:.1e} '

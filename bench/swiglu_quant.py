@@ -11,7 +11,6 @@ the bytes the fused kernel must move: y read once, h_q and the scales written. W
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import math
 import sys
@@ -19,8 +18,8 @@ import sys
 import jax
 import jax.numpy as jnp
 
-from bench.common import git_sha
-from bench.fp8_matmul import time_per_op
+from bench.common import new_result, save
+from bench.fp8_matmul import add_timing_args, time_per_op
 from pallas_kernels import swiglu_quant as sq
 
 T = sq.Tiles
@@ -45,7 +44,7 @@ def xla_route(y, xs, ws):
 
 def bench_m(m, f, args, rows, pas):
     key = jax.random.PRNGKey(m)
-    count = min(16, max(2, math.ceil(args.rotate_mb * 2**20 / (m * 2 * f * 2))))
+    count = min(args.max_rotate, max(2, math.ceil(args.rotate_mb * 2**20 / (m * 2 * f * 2))))
     ys = [jax.random.normal(jax.random.fold_in(key, i), (m, 2 * f), jnp.bfloat16) * 4
           for i in range(count)]
     args_w = [(jnp.full((m, 1), 0.01, jnp.float32), jnp.ones((2 * f,), jnp.float32))] * count
@@ -76,24 +75,18 @@ def bench_m(m, f, args, rows, pas):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", required=True, help="results JSON path")
+    add_timing_args(p, shapes=False)
     p.add_argument("--ms", default="256,2048", help="comma-separated token counts M")
     p.add_argument("--f", type=int, default=14336, help="the MLP's F (Llama-3-8B: 14336)")
     p.add_argument("--passes", type=int, default=2)
-    p.add_argument("--samples", type=int, default=5)
-    p.add_argument("--rotate-mb", type=float, default=256.0)
-    p.add_argument("--git", default=None, help="commit to record (default: git rev-parse)")
     args = p.parse_args(argv)
-    result = {"suite": "swiglu_quant", "device": jax.devices()[0].device_kind,
-              "jax": jax.__version__, "git": git_sha(args.git),
-              "date": datetime.date.today().isoformat(),
-              "command": " ".join(["python -m bench.swiglu_quant"] + sys.argv[1:]),
-              "default_tiles": str(sq.TILES), "rows": []}
+    result = new_result("swiglu_quant", args.git,
+                        command=" ".join(["python -m bench.swiglu_quant"] + sys.argv[1:]),
+                        default_tiles=str(sq.TILES))
     for pas in range(args.passes):
         for m in (int(v) for v in args.ms.split(",")):
             bench_m(m, args.f, args, result["rows"], pas)
-            with open(args.out, "w") as fh:
-                json.dump(result, fh, indent=1)
+            save(result, args.out)
     for r in result["rows"]:
         print(f'{r["impl"]:>6} M={r["M"]:>5} pass {r["pass"]} {r.get("tiles", ""):<95} '
               + (f'{r["us"]:>8.2f} us {r["TBps"]:>5.2f} TB/s' if "us" in r else r["error"][:60]))

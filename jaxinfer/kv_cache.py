@@ -88,10 +88,14 @@ class AttentionMetadata:
     decode_only: bool = False  # static: every row has exactly one new token and T == B
 
 
+def fp8_scale(amax: jax.Array) -> jax.Array:
+    """A K/V vector's e4m3 scale from its amax (pallas_kernels/kv_write.py uses it too)."""
+    return jnp.maximum(amax, 1e-12) / FP8_MAX
+
+
 def quantize_fp8(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Per-vector (last axis) symmetric e4m3 quantization: x ~= q * scale."""
-    amax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=-1)
-    scale = jnp.maximum(amax, 1e-12) / FP8_MAX
+    scale = fp8_scale(jnp.max(jnp.abs(x.astype(jnp.float32)), axis=-1))
     q = (x.astype(jnp.float32) / scale[..., None]).astype(FP8_DTYPE)
     return q, scale
 

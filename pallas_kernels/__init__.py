@@ -1,3 +1,19 @@
 """Pallas GPU kernels: each file holds a kernel, its pallas_call wrapper, a jitted entry with
 input validation and a plain-jnp *_reference; attention_block.py holds the block step (and
 FP8 numerics) both paged-attention kernels share, tuning.py their block sizes."""
+
+
+def triton_params(interpret: bool, num_warps: int, num_stages: int) -> dict:
+    """pallas_call's compiler_params for the Triton backend ({} in interpret mode)."""
+    if interpret:
+        return {}
+    from jax.experimental.pallas import triton as plt   # deprecated in jax 0.11, still there
+    return {"compiler_params": plt.CompilerParams(num_warps=num_warps, num_stages=num_stages)}
+
+
+def pow2_divisor(n: int, cap: int) -> int:
+    """Largest power of two <= cap that divides n."""
+    d = 1
+    while d * 2 <= cap and n % (d * 2) == 0:
+        d *= 2
+    return d

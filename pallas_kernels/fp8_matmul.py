@@ -42,6 +42,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from pallas_kernels import pow2_divisor, triton_params
 from pallas_kernels.tuning import FP8_GEMV
 
 FP8_DTYPE = jnp.float8_e4m3fn
@@ -75,14 +76,6 @@ class Tiles:
     prefetch: int = 1
 
 
-def _pow2_divisor(n: int, cap: int) -> int:
-    """Largest power of two <= cap that divides n."""
-    d = 1
-    while d * 2 <= cap and n % (d * 2) == 0:
-        d *= 2
-    return d
-
-
 def skinny_tiles(m: int, k: int, n: int, *, bn_cap: int | None = None,
                  bk_cap: int | None = None, num_warps: int | None = None,
                  reduce_each_step: bool | None = None, prefetch: int | None = None,
@@ -95,9 +88,9 @@ def skinny_tiles(m: int, k: int, n: int, *, bn_cap: int | None = None,
     mp = 1 if m == 1 and not tensor_cores else max(16, 1 << (m - 1).bit_length())
     gemv = mp == 1
     # x is re-read from L2 by every program: BN >= Mp/2 keeps that traffic near the weight's.
-    bn = _pow2_divisor(n, bn_cap or (g.bn if gemv else max(16, mp // 2)))
+    bn = pow2_divisor(n, bn_cap or (g.bn if gemv else max(16, mp // 2)))
     # 3 stages of a [128, 256] bf16 x tile overflow shared memory (seen on the H200).
-    bk = _pow2_divisor(k, bk_cap or (g.bk if gemv else 256 if mp < 128 else 128))
+    bk = pow2_divisor(k, bk_cap or (g.bk if gemv else 256 if mp < 128 else 128))
     if prefetch is None:
         prefetch = g.prefetch if gemv else 1
     min_tile = 1 if gemv else 16   # tensor-core dots need 16 along each axis
@@ -177,7 +170,7 @@ def skinny_fp8_matmul(x, w_q, scale, layer, t: Tiles, *, interpret: bool = False
         out_shape = jax.ShapeDtypeStruct((t.mp, n), x.dtype)
     else:
         out_shape = jax.ShapeDtypeStruct((t.splits, t.mp, n), jnp.float32)
-    params = {} if interpret else {"compiler_params": _triton_params(t)}
+    params = triton_params(interpret, t.num_warps, t.num_stages)
     y = pl.pallas_call(
         functools.partial(_skinny_kernel, t=t, k=k),
         out_shape=out_shape,
@@ -188,11 +181,6 @@ def skinny_fp8_matmul(x, w_q, scale, layer, t: Tiles, *, interpret: bool = False
     if t.splits > 1:
         y = (jnp.sum(y, axis=0) * scale[layer[0]][None, :]).astype(x.dtype)
     return y[:m]
-
-
-def _triton_params(t: Tiles):
-    from jax.experimental.pallas import triton as plt   # deprecated in jax 0.11, still there
-    return plt.CompilerParams(num_warps=t.num_warps, num_stages=t.num_stages)
 
 
 def amax_scale(amax):

@@ -38,7 +38,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.fp8_matmul import _pow2_divisor, _triton_params
+from pallas_kernels import pow2_divisor, triton_params
 
 PROLOGUES = ("none", "rmsnorm", "swiglu")
 _MIN_PROGRAMS = 132     # one program per H200 SM at least
@@ -59,7 +59,7 @@ def tiles_for(k: int, n: int, *, bn: int = 64, bk: int = 256, splits: int | None
     """Tiles for w [K, N]: BN and BK the largest powers of two <= the caps dividing N and K;
     splits (default) doubled while the grid has fewer than _MIN_PROGRAMS programs and each
     split keeps >= 4 steps."""
-    bn, bk = _pow2_divisor(n, bn), _pow2_divisor(k, bk)
+    bn, bk = pow2_divisor(n, bn), pow2_divisor(k, bk)
     if splits is None:
         splits, steps = 1, k // bk
         while (n // bn) * splits < _MIN_PROGRAMS and steps % (2 * splits) == 0 \
@@ -151,7 +151,7 @@ def gemv(x, w, *, prologue: str = "none", norm_weight=None, eps: float = 1e-6,
     args += [residual] if fused_residual else []
     out_shape = (jax.ShapeDtypeStruct((1, n), x.dtype) if t.splits == 1
                  else jax.ShapeDtypeStruct((t.splits, 1, n), jnp.float32))
-    params = {} if interpret else {"compiler_params": _triton_params(t)}
+    params = triton_params(interpret, t.num_warps, t.num_stages)
     y = pl.pallas_call(
         functools.partial(_kernel, t=t, k=k, prologue=prologue, eps=eps,
                           residual=fused_residual, dtype=x.dtype),

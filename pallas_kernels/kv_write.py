@@ -10,7 +10,7 @@ scales (bf16/f32 caches: the cast rows) straight into the cache, whose four arra
 in and out: nothing but the new tokens' slots is touched, as with the scatter. Tokens with
 slot -1 (padding) write nothing.
 
-Numerics: those of kv_cache.quantize_fp8 (scale = max(amax, 1e-12) / 448, codes rounded to
+Numerics: those of kv_cache.quantize_fp8 (its fp8_scale: max(amax, 1e-12) / 448; codes rounded to
 nearest), up to the division's last bit on the GPU.
 
 Cache layout and views: k, v [L, K, P, S, D] viewed as rows [L*K*P*S, D] and scales as
@@ -28,7 +28,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from jaxinfer.kv_cache import FP8_MAX, KVCache
+from jaxinfer.kv_cache import KVCache, fp8_scale
+from pallas_kernels import triton_params
 
 
 def _kernel(layer_ref, slot_ref, k_ref, v_ref, kc_in, vc_in, *refs, kv_heads: int,
@@ -53,8 +54,7 @@ def _kernel(layer_ref, slot_ref, k_ref, v_ref, kc_in, vc_in, *refs, kv_heads: in
             x = x_ref[src]                                                # [K', D]
             if fp8:
                 xf = x.astype(jnp.float32)
-                amax = jnp.max(jnp.maximum(xf, -xf), axis=1)
-                scale = jnp.maximum(amax, 1e-12) / FP8_MAX
+                scale = fp8_scale(jnp.max(jnp.maximum(xf, -xf), axis=1))
                 c_ref[rows] = (xf / scale[:, None]).astype(c_ref.dtype)
                 s_ref[rows] = scale
             else:
@@ -79,10 +79,7 @@ def write_kv(cache: KVCache, layer, k, v, slot_mapping, *, interpret: bool = Fal
     kernel = functools.partial(_kernel, kv_heads=kv_heads,
                                heads_p2=1 << (kv_heads - 1).bit_length(),
                                num_pages=num_pages, page_size=page_size, fp8=fp8)
-    params = {}
-    if not interpret:
-        from jax.experimental.pallas import triton as plt   # deprecated in jax 0.11, still there
-        params["compiler_params"] = plt.CompilerParams(num_warps=1, num_stages=1)
+    params = triton_params(interpret, num_warps=1, num_stages=1)
     outs = pl.pallas_call(
         kernel, grid=(t,),
         out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in views],

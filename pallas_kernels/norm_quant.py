@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from pallas_kernels import triton_params
 from pallas_kernels.fp8_matmul import (FP8_DTYPE, amax_scale, e4m3_codes, quantize_rows,
                                        tc_scaled)
 from pallas_kernels.swiglu_quant import chunk
@@ -109,10 +110,7 @@ def norm_quant(x, w, delta=None, *, eps: float, interpret: bool = False):
     ins.append(w)
     outs = ([jax.ShapeDtypeStruct((m, e), x.dtype)] if add else []) + [
         jax.ShapeDtypeStruct((m, e), FP8_DTYPE), jax.ShapeDtypeStruct((m,), jnp.float32)]
-    params = {}
-    if not interpret:
-        from jax.experimental.pallas import triton as plt   # deprecated in jax 0.11, still there
-        params["compiler_params"] = plt.CompilerParams(num_warps=NUM_WARPS, num_stages=1)
+    params = triton_params(interpret, NUM_WARPS, num_stages=1)
     res = pl.pallas_call(
         functools.partial(_kernel, e=e, bf=chunk(e), bm=1, eps=float(eps), add=add),
         out_shape=outs, grid=(m,), interpret=interpret, name="norm_quant", **params,

@@ -39,6 +39,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels import fp8_matmul as fm
+from pallas_kernels import triton_params
 from pallas_kernels.fp8_matmul import FP8_DTYPE, quantize_rows
 
 MAX_CHUNK = 2048        # columns per tile (BF)
@@ -166,11 +167,7 @@ def swiglu_quant(y, x_scale, w_scale, *, interpret: bool = False, tiles: Tiles |
     if not supported(f, t):
         return swiglu_quant_reference(y, x_scale, w_scale)
     bf, bm = chunk(f, t.chunk), block_rows(m, f, t)
-    params = {}
-    if not interpret:
-        from jax.experimental.pallas import triton as plt   # deprecated in jax 0.11, still there
-        params["compiler_params"] = plt.CompilerParams(num_warps=t.num_warps,
-                                                       num_stages=t.num_stages)
+    params = triton_params(interpret, t.num_warps, t.num_stages)
     h_q, h_scale = pl.pallas_call(
         functools.partial(swiglu_quant_kernel, f=f, bf=bf, bm=bm, two_pass=t.two_pass),
         out_shape=(jax.ShapeDtypeStruct((m, f), FP8_DTYPE),
