@@ -39,7 +39,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels import fp8_matmul as fm
-from pallas_kernels import triton_params
+from pallas_kernels import pow2_divisor, triton_params
 from pallas_kernels.fp8_matmul import FP8_DTYPE, quantize_rows
 
 MAX_CHUNK = 2048        # columns per tile (BF)
@@ -84,23 +84,13 @@ def swiglu_quant_reference(y, x_scale, w_scale):
 
 def chunk(f: int, cap: int = MAX_CHUNK) -> int | None:
     """BF: the largest power of two <= cap dividing f (None below 16)."""
-    bf = 1 << (max(cap, 1).bit_length() - 1)
-    while bf >= 16 and f % bf:
-        bf //= 2
+    bf = pow2_divisor(f, cap)
     return bf if bf >= 16 else None
-
-
-def rows_for(m: int, cap: int) -> int:
-    """BM: the largest power of two <= cap dividing m."""
-    bm = 1
-    while bm * 2 <= cap and m % (bm * 2) == 0:
-        bm *= 2
-    return bm
 
 
 def block_rows(m: int, f: int, t: Tiles) -> int:
     """BM for M rows: t.rows, but in the one-pass form no more than max_live(t) values of h."""
-    return rows_for(m, t.rows if t.two_pass else max(1, min(t.rows, max_live(t) // f)))
+    return pow2_divisor(m, t.rows if t.two_pass else max(1, min(t.rows, max_live(t) // f)))
 
 
 def supported(f: int, tiles: Tiles | None = None) -> bool:

@@ -58,7 +58,7 @@ def test_other_tiles_match_reference(m, f, tiles):
 def test_tiles_and_fallback():
     assert sq.chunk(14336) == 2048 and sq.chunk(1536) == 512 and sq.chunk(48) == 16
     assert sq.chunk(8) is None and sq.chunk(40) is None and sq.chunk(14336, 1000) == 512
-    assert sq.rows_for(256, 4) == 4 and sq.rows_for(6, 4) == 2 and sq.rows_for(7, 8) == 1
+    assert sq.pow2_divisor(256, 4) == 4 and sq.pow2_divisor(6, 4) == 2 and sq.pow2_divisor(7, 8) == 1
     assert sq.supported(14336) and not sq.supported(40)
     assert not sq.supported(sq.max_live(sq.TILES) * 2)
     assert sq.supported(sq.max_live(sq.TILES) * 2, sq.Tiles(two_pass=True))
