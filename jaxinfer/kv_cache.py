@@ -88,6 +88,25 @@ class AttentionMetadata:
     decode_only: bool = False  # static: every row has exactly one new token and T == B
 
 
+def pad_decode_rows(tokens: jax.Array, md: AttentionMetadata, rows: int):
+    """A decode step's tokens [B] and metadata padded to `rows` rows, the padding as batch.py
+    pads a bucket: token 0 at position 0 writing nothing (slot -1), an empty context (seq_len
+    0, page 0), zero new tokens. Row b keeps its results at index b."""
+    t = tokens.shape[0]
+    if not md.decode_only or t >= rows:
+        return tokens, md
+    n = rows - t
+
+    def pad(a, value):
+        return jnp.pad(a, [(0, n)] + [(0, 0)] * (a.ndim - 1), constant_values=value)
+
+    return pad(tokens, 0), AttentionMetadata(
+        pad(md.positions, 0), pad(md.slot_mapping, -1), pad(md.token_seq, 0),
+        pad(md.page_table, 0), pad(md.seq_lens, 0),
+        jnp.concatenate([md.query_start, jnp.broadcast_to(md.query_start[-1:], (n,))]),
+        decode_only=True)
+
+
 def fp8_scale(amax: jax.Array) -> jax.Array:
     """A K/V vector's e4m3 scale from its amax (pallas_kernels/kv_write.py uses it too)."""
     return jnp.maximum(amax, 1e-12) / FP8_MAX

@@ -27,7 +27,7 @@ from flax import nnx
 
 from jaxinfer import ops
 from jaxinfer.config import ModelConfig
-from jaxinfer.kv_cache import FP8_DTYPE, AttentionMetadata, KVCache
+from jaxinfer.kv_cache import FP8_DTYPE, AttentionMetadata, KVCache, pad_decode_rows
 from jaxinfer.sharding import TPLayout
 
 
@@ -220,7 +220,15 @@ class Decoder(nnx.Module):
         self.inv_freq = nnx.Variable(jnp.asarray(rope_inv_freq(cfg)))  # [D/2], not a param
 
     def __call__(self, tokens, kv: KVCache, md: AttentionMetadata, attn_impl: str = "reference"):
-        """tokens [T] -> final hidden states [T, E] (normed) and the updated cache."""
+        """tokens [T] -> final hidden states [T, E] (normed) and the updated cache. A decode
+        step of fewer rows than ops.decode_rows asks for runs padded to that (GPU: one pad
+        here instead of a pad and a slice around every small linear)."""
+        t = tokens.shape[0]
+        rows = ops.decode_rows(t) if md.decode_only else t
+        if rows > t:
+            padded, md_padded = pad_decode_rows(tokens, md, rows)
+            h, kv = self(padded, kv, md_padded, attn_impl)
+            return h[:t], kv
         x = self.embed[...][tokens]                                     # [T, E]
         freqs = md.positions.astype(jnp.float32)[:, None] * self.inv_freq[...][None, :]
         cos, sin = jnp.cos(freqs), jnp.sin(freqs)                        # [T, D/2]

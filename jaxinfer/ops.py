@@ -27,11 +27,21 @@ FUSED_NORM_QUANT = True  # fused_fp8_layer (the same kind of switch)
 # at context 512 ran 5.04 ms at batch 1 and 4.82 ms at batch 8 (eight rows of attention
 # included; H200, one process, bench/README.md tenth session). 1 turns the pad off.
 BF16_PAD_M = 8
+# Decode steps with fewer rows than this run padded to it on the GPU (model.Decoder pads the
+# tokens and metadata once, kv_cache.pad_decode_rows), so no linear needs BF16_PAD_M's or
+# DEQUANT_PAD_M's per-layer pad and slice (~160 small kernels per 8B step at batch 1).
+# 1 turns it off.
+DECODE_MIN_ROWS = 8
 
 
 def _on_gpu() -> bool:
     """Kernels run compiled on the GPU; elsewhere "pallas" means interpret mode (tests)."""
     return jax.default_backend() == "gpu"
+
+
+def decode_rows(rows: int) -> int:
+    """The rows a decode step of `rows` rows runs with: at least DECODE_MIN_ROWS on the GPU."""
+    return max(rows, DECODE_MIN_ROWS) if _on_gpu() else rows
 
 
 def resolve_attention_impl(impl: str) -> str:

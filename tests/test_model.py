@@ -110,3 +110,51 @@ def test_bf16_linear_pads_few_rows_on_gpu(monkeypatch, m):
     dots = [e for e in jax.make_jaxpr(ops.linear)(x, w).jaxpr.eqns
             if e.primitive.name == "dot_general"]
     assert [d.invars[0].aval.shape[0] for d in dots] == [max(m, ops.BF16_PAD_M)]
+
+
+def test_decode_step_padded_to_min_rows_equals_unpadded(monkeypatch):
+    """On the GPU a decode step of fewer than ops.DECODE_MIN_ROWS rows runs padded to that
+    many (kv_cache.pad_decode_rows): the real rows' logits and everything written to the
+    cache are the same as unpadded, and the padding rows write nothing. Forced on the CPU
+    by replacing ops.decode_rows; the embedding lookup shows the padded row count."""
+    import jax
+    from jaxinfer import ops
+    cfg = standard_config("tiny")
+    flat = random_flat(cfg, seed=6)
+    engine = EngineConfig(page_size=4, max_model_len=32, max_num_seqs=2)
+    rng = np.random.default_rng(7)
+    prompts = [rng.integers(0, cfg.vocab_size, n).astype(np.int32) for n in (6, 9)]
+    pages = [[3, 1], [2, 5, 4]]
+    nxt = rng.integers(0, cfg.vocab_size, 2).astype(np.int32)
+    pos = np.array([len(p) for p in prompts], np.int32)
+    table = np.zeros((2, engine.pages_per_seq), np.int32)
+    for b, ids in enumerate(pages):
+        table[b, :len(ids)] = ids
+    slots = table[np.arange(2), pos // 4] * 4 + pos % 4
+    decode_md = AttentionMetadata(
+        positions=jnp.asarray(pos), slot_mapping=jnp.asarray(slots, jnp.int32),
+        token_seq=jnp.arange(2, dtype=jnp.int32), page_table=jnp.asarray(table),
+        seq_lens=jnp.asarray(pos + 1), query_start=jnp.asarray([0, 1, 2], jnp.int32),
+        decode_only=True)
+
+    def run(min_rows):
+        monkeypatch.setattr(ops, "decode_rows", lambda r: max(r, min_rows))
+        runner = ModelRunner(cfg, engine, *build_model(cfg, flat, jnp.float32))
+        for p, ids in zip(prompts, pages):
+            runner.all_logits(p, single_sequence_md(range(len(p)), ids, 4,
+                                                    engine.pages_per_seq))
+        before = np.asarray(runner.kv.k).copy()
+        jaxpr = jax.make_jaxpr(lambda kv: runner._logits_fn(
+            runner.params, kv, jnp.asarray(nxt), decode_md))(runner.kv)
+        logits = runner.all_logits(nxt, decode_md)
+        return logits, before, np.asarray(runner.kv.k), np.asarray(runner.kv.v), str(jaxpr)
+
+    plain, before, k_plain, v_plain, jaxpr_plain = run(1)
+    padded, _, k_padded, v_padded, jaxpr_padded = run(8)
+    assert padded.shape == plain.shape == (2, cfg.vocab_size)
+    np.testing.assert_allclose(padded, plain, atol=1e-5, rtol=1e-5)
+    np.testing.assert_array_equal(k_padded, k_plain)
+    np.testing.assert_array_equal(v_padded, v_plain)
+    assert (k_plain != before).any(), "the decode step wrote no K"
+    rows8 = f"f32[8,{cfg.hidden_size}]"   # the 8-row activations, only when padded
+    assert rows8 in jaxpr_padded and rows8 not in jaxpr_plain
