@@ -70,7 +70,7 @@ class KVCache:
     jax.tree_util.register_dataclass,
     data_fields=["positions", "slot_mapping", "token_seq", "page_table", "seq_lens",
                  "query_start"],
-    meta_fields=["decode_only", "real_rows"])
+    meta_fields=["decode_only", "attend_rows"])
 @dataclasses.dataclass(frozen=True)
 class AttentionMetadata:
     """Where the T new tokens of one step sit. T and B are the bucket's padded sizes.
@@ -87,15 +87,16 @@ class AttentionMetadata:
     query_start: jax.Array   # [B+1] i32  cumulative new-token counts
     decode_only: bool = False  # static: every row has exactly one new token and T == B
     # static, decode only: rows past this one are padding added on the device
-    # (pad_decode_rows); attention splits the context for the real rows; 0 = all real
-    real_rows: int = 0
+    # (pad_decode_rows), which attention skips; 0 = attend every row
+    attend_rows: int = 0
 
 
 def pad_decode_rows(tokens: jax.Array, md: AttentionMetadata, rows: int):
     """A decode step's tokens [B] and metadata padded to `rows` rows, the padding as batch.py
     pads a bucket: token 0 at position 0 writing nothing (slot -1), an empty context (seq_len
-    0, page 0), zero new tokens. Row b keeps its results at index b. real_rows = B: the
-    attention kernel splits the context as for B rows (pallas_kernels/tuning.py)."""
+    0, page 0), zero new tokens. Row b keeps its results at index b. Attention runs on the
+    first `B` rows only (attend_rows): its split of the context follows the rows it gets
+    (pallas_kernels/tuning.py), and the real rows keep theirs."""
     t = tokens.shape[0]
     if not md.decode_only or t >= rows:
         return tokens, md
@@ -108,7 +109,7 @@ def pad_decode_rows(tokens: jax.Array, md: AttentionMetadata, rows: int):
         pad(md.positions, 0), pad(md.slot_mapping, -1), pad(md.token_seq, 0),
         pad(md.page_table, 0), pad(md.seq_lens, 0),
         jnp.concatenate([md.query_start, jnp.broadcast_to(md.query_start[-1:], (n,))]),
-        decode_only=True, real_rows=t)
+        decode_only=True, attend_rows=t)
 
 
 def fp8_scale(amax: jax.Array) -> jax.Array:

@@ -80,13 +80,12 @@ def _attention(q, kv: KVCache, layer, md: AttentionMetadata, *, sm_scale: float,
 
     interpret = not _on_gpu()
     if md.decode_only:
-        args = (q, kv.k, kv.v, layer, md.seq_lens, md.page_table, kv.k_scale, kv.v_scale)
-        if impl != "pallas":
-            return pa.paged_attention_reference(*args, sm_scale=sm_scale)
-        # Rows past real_rows are padding (kv_cache.pad_decode_rows): the kernel splits
-        # the context for the real rows; the padding rows' programs exit at once.
-        return pa.paged_attention(*args, sm_scale=sm_scale, interpret=interpret,
-                                  split_rows=md.real_rows or None)
+        fn = pa.paged_attention if impl == "pallas" else pa.paged_attention_reference
+        rows = q.shape[0]
+        n = md.attend_rows or rows          # rows past n: padding (kv_cache.pad_decode_rows)
+        o = fn(q[:n], kv.k, kv.v, layer, md.seq_lens[:n], md.page_table[:n], kv.k_scale,
+               kv.v_scale, sm_scale=sm_scale, interpret=interpret)
+        return o if n == rows else jnp.pad(o, ((0, rows - n), (0, 0), (0, 0)))
     fn = rpa.ragged_paged_attention if impl == "pallas" else rpa.ragged_paged_attention_reference
     return fn(q, kv.k, kv.v, layer, md, kv.k_scale, kv.v_scale, sm_scale=sm_scale,
               interpret=interpret)

@@ -140,16 +140,13 @@ def paged_attention_blocks(q, k_pages, v_pages, layer, seq_lens, page_table, k_s
 
 
 def paged_attention(q, k_pages, v_pages, layer, seq_lens, page_table, k_scale=None,
-                    v_scale=None, *, sm_scale: float, interpret: bool = False,
-                    split_rows: int | None = None) -> jax.Array:
+                    v_scale=None, *, sm_scale: float, interpret: bool = False) -> jax.Array:
     """Decode attention. q [B, H, D]; k/v pages [L, K, P, S, D]; layer int32 scalar (may be
     traced); seq_lens [B] (0 = padded row, outputs zeros); page_table [B, pages_per_seq];
     k_scale/v_scale [L, K, P, S] f32 for FP8 pages. Returns [B, H, D] in q.dtype. Block sizes
-    come from pallas_kernels/tuning.py; shapes and dtypes are static (a new one recompiles).
-    split_rows: the rows the context split is chosen for when only the first ones are real
-    (the rest padding, seq_len 0: their programs exit at once); default B."""
+    come from pallas_kernels/tuning.py; shapes and dtypes are static (a new one recompiles)."""
     _, kv_heads, _, page_size, head_dim = k_pages.shape
-    blocks = tuning.decode_blocks(split_rows or q.shape[0], kv_heads, page_table.shape[1] * page_size,
+    blocks = tuning.decode_blocks(q.shape[0], kv_heads, page_table.shape[1] * page_size,
                                   page_size, jnp.dtype(k_pages.dtype).itemsize, head_dim)
     return paged_attention_blocks(q, k_pages, v_pages, layer, seq_lens, page_table, k_scale,
                                   v_scale, sm_scale=sm_scale, interpret=interpret,

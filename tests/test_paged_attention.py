@@ -151,31 +151,6 @@ def test_public_entry_uses_tuned_blocks(kv_dtype, interpret):
     assert rel_err(out, ref) < 1e-2
 
 
-@pytest.mark.parametrize("interpret", MODES)
-@pytest.mark.parametrize("kv_dtype", ["bf16", "fp8"])
-def test_split_rows_for_a_padded_batch(kv_dtype, interpret, monkeypatch):
-    """A batch padded past its first row (model.Decoder's decode padding): with split_rows=1
-    the blocks are chosen for one row (more splits than for the whole batch) and the output
-    still matches the reference, padding rows zero."""
-    from pallas_kernels import tuning
-    q, cache, lens, table, originals = make_decode(11, 16, 4, 128, kv_dtype)
-    lens = jnp.zeros_like(lens).at[0].set(PAGES_PER_SEQ * 16)   # row 0 real, the rest padding
-    table = table.at[1:].set(0)
-    # a small target and floor, so that 144 tokens split 8 ways for one row, 2 for seven
-    monkeypatch.setattr(tuning, "TARGET_PROGRAMS", 16)
-    monkeypatch.setattr(tuning, "MIN_SPLIT_TOKENS", 16)
-    seen = []
-    decode_blocks = tuning.decode_blocks
-    monkeypatch.setattr(tuning, "decode_blocks",
-                        lambda b, *a: seen.append(decode_blocks(b, *a)) or seen[-1])
-    out, ref = run_pair((q, cache, lens, table, originals), interpret)
-    padded = paged_attention(q, *cache[:2], jnp.int32(1), lens, table, *cache[2:],
-                             sm_scale=q.shape[-1] ** -0.5, interpret=interpret, split_rows=1)
-    assert (seen[0].num_splits, seen[1].num_splits) == (2, 8)   # the batch's, one row's
-    assert rel_err(padded, ref) < 1e-2
-    np.testing.assert_array_equal(np.asarray(padded[1:], np.float32), 0.0)
-
-
 # (kind, q magnitude, fp8 compute; None = the public entry's tuned blocks)
 STRESS = [("wide_v", 1.0, None), ("wide_v", 2e5, HF), ("wide_v", 1e-6, HF), ("wide_k", 1.0, HF),
           ("wide_v", 2e5, BF), ("wide_v", 2e5, PR), ("wide_k", 1e-6, PR)]
