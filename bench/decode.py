@@ -6,7 +6,9 @@ donated) with a scheduler-free StepInput. The cache is filled with pseudo-random
 first (never zeros). Two times per case:
   step_ms         back-to-back `runner.step` calls, each syncing on its sampled tokens
                   (what serving sees); median per call
-  step_ms_device  N steps dispatched back to back, then one block (no host round trip)
+  step_ms_device  steps dispatched back to back, no host round trip: a burst of 16 less a
+                  burst of 8, over 8 (bench.common.pipelined_step_s; rows before the
+                  eleventh session: a burst of 8 over 8, which counts its start and end)
   dispatch_ms     host time to enqueue one step (of such a burst): if it nears step_ms_device
                   the host, not the GPU, sets the pace
 Bytes that must move per step: every weight read once (embeddings: only the B looked-up rows;
