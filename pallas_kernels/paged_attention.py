@@ -31,11 +31,10 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
 from jaxinfer.errors import ConfigError
 from jaxinfer.kv_cache import FP8_DTYPE
-from pallas_kernels import tuning
+from pallas_kernels import triton_params, tuning
 from pallas_kernels.attention_block import (LOG2E, MIN_ROWS, attend_block, block_pages,
                                             cache_views, compute_dtype, empty_carry,
                                             kernel_refs, kv_rows, load_q, paged_loop,
@@ -124,8 +123,7 @@ def paged_attention_blocks(q, k_pages, v_pages, layer, seq_lens, page_table, k_s
         out_shape = (jax.ShapeDtypeStruct((n * rows, head_dim), jnp.float32), ml, ml)
     outs = pl.pallas_call(
         kernel, grid=(batch, kv_heads, n), out_shape=out_shape, interpret=interpret,
-        compiler_params=plgpu.CompilerParams(num_warps=blocks.num_warps,
-                                             num_stages=blocks.num_stages),
+        **triton_params(interpret, blocks.num_warps, blocks.num_stages),
         name="jaxinfer_paged_decode" + ("_pairs" if pairs else ""),
     )(jnp.asarray(layer, jnp.int32).reshape(1), seq_lens.astype(jnp.int32),
       page_table.astype(jnp.int32).reshape(-1), q.reshape(-1, head_dim),

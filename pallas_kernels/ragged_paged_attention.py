@@ -34,11 +34,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
 from jaxinfer.errors import ConfigError
 from jaxinfer.kv_cache import FP8_DTYPE
-from pallas_kernels import tuning
+from pallas_kernels import triton_params, tuning
 from pallas_kernels.attention_block import (LOG2E, MIN_ROWS, attend_block, block_pages,
                                             cache_views, compute_dtype, empty_carry,
                                             kernel_refs, kv_rows, load_q, paged_loop,
@@ -150,8 +149,7 @@ def ragged_paged_attention_blocks(q, k_pages, v_pages, layer, md, k_scale=None, 
         kernel, grid=(rows.shape[0], kv_heads),
         out_shape=jax.ShapeDtypeStruct(zeros.shape, q.dtype),
         input_output_aliases={7 + len(views): 0}, interpret=interpret,   # the zeros
-        compiler_params=plgpu.CompilerParams(num_warps=blocks.num_warps,
-                                             num_stages=blocks.num_stages),
+        **triton_params(interpret, blocks.num_warps, blocks.num_stages),
         name="jaxinfer_ragged_paged_attention",
     )(jnp.asarray(layer, jnp.int32).reshape(1), rows, q_blocks, query_start,
       md.positions.astype(jnp.int32), md.page_table.astype(jnp.int32).reshape(-1),
