@@ -10,8 +10,7 @@ lowered (Python tracing: one at a time) and then compiled in a thread pool (on t
 26 executables in 45 s where 13 took 61 s one after another; 6.4 s from the persistent
 cache); `dispatch` then calls the executable matching the input's signature (PackedInput:
 tree structure + shapes + dtypes) and falls back to the jitted function (which compiles, and
-is counted) for anything else. Step inputs reach the device as one packed int32 buffer,
-transferred by the call itself.
+is counted) for anything else. Step inputs reach the device as one packed int32 buffer.
 
 Tensor parallel (EngineConfig.tensor_parallel > 1): params arrive sharded (loading.py), the
 cache is allocated sharded by kv head and pinned to that layout across the step (so the
@@ -112,7 +111,7 @@ class PackedInput:
     that was a third of the host's time per step at 256 rows), unpacked inside the jitted
     step by static offsets. prev_tokens stays apart: it is usually the previous step's
     output, already on the device."""
-    buf: np.ndarray         # [N] i32, on the host: the step's call transfers it
+    buf: jax.Array          # [N] i32
     prev_tokens: jax.Array  # [S] i32
     spec: tuple             # static: (tree structure, ((shape, dtype name), ...) per leaf)
 
@@ -264,16 +263,12 @@ class ModelRunner:
 
     @staticmethod
     def prepare(inp: StepInput | PackedInput) -> PackedInput:
-        """The input packed (prev_tokens moved to the device if on the host). The packed
-        buffer stays a numpy array: the executable's call transfers it, in C++, where a
-        jax.device_put before the call cost the H200 host 0.3-0.5 ms per step (engine
-        phase `prepare_transfer`, batch 1). Steps that reuse one input prepare it once."""
+        """The input packed and on the device (one transfer; prev_tokens moved if on the
+        host). Steps that reuse one input (the bench) prepare it once."""
         if isinstance(inp, PackedInput):
             return inp
         buf, spec = pack_host(inp)
-        prev = inp.prev_tokens
-        if not isinstance(prev, jax.Array):
-            prev = jax.device_put(np.asarray(prev, np.int32))
+        buf, prev = jax.device_put((buf, inp.prev_tokens))
         return PackedInput(buf, prev, spec)
 
     def dispatch(self, kv: KVCache, inp: StepInput | PackedInput, step_index: int):
