@@ -8,9 +8,11 @@ On the GPU: 4 GiB buffers and an 8192^3 bf16 GEMM, as BENCH.md. On the CPU they 
 the CPU, at sizes small enough for a CI run (16 MiB, 512^3).
 
 Each kernel first runs for WARM_S seconds untimed. Before the eleventh session the read was
-one 1-D uint32 sum after a single warm-up call, and it came out at 3.2-3.7 TB/s from run to
-run on the H200 (BENCH.md: 4.27), below what the decode step itself reached (its MBU against
-it went over 1). `read_candidates_TBps` keeps every candidate's rate.
+one 1-D uint32 sum after a single warm-up call: 3.2-3.7 TB/s from run to run on the H200.
+Warmed, the three reductions read 3.46-3.56 TB/s there (two runs, the row sums fastest;
+bench/results/history/ceilings_warm_bb544b1.txt): still under BENCH.md's 4.27, and under what
+the 8B batch-1 decode step's weight reads reach, so an `mbu` against this ceiling can pass 1.
+`read_candidates_TBps` keeps every candidate's rate.
 """
 from __future__ import annotations
 
