@@ -115,9 +115,11 @@ def test_bf16_linear_pads_few_rows_on_gpu(monkeypatch, m):
 def test_decode_step_padded_to_min_rows_equals_unpadded(monkeypatch):
     """On the GPU a decode step of fewer than ops.DECODE_MIN_ROWS rows runs padded to that
     many (kv_cache.pad_decode_rows): the real rows' logits and everything written to the
-    cache are the same as unpadded, and the padding rows write nothing. Forced on the CPU
-    by replacing ops.decode_rows; the embedding lookup shows the padded row count."""
+    cache are the same as unpadded, the padding rows write nothing, and attention runs on the
+    real rows only. Forced on the CPU by replacing ops.decode_rows; the step's jaxpr shows
+    8-row activations and the attention call's row count."""
     import jax
+    import jax.extend
     from jaxinfer import ops
     cfg = standard_config("tiny")
     flat = random_flat(cfg, seed=6)
@@ -147,10 +149,23 @@ def test_decode_step_padded_to_min_rows_equals_unpadded(monkeypatch):
         jaxpr = jax.make_jaxpr(lambda kv: runner._logits_fn(
             runner.params, kv, jnp.asarray(nxt), decode_md))(runner.kv)
         logits = runner.all_logits(nxt, decode_md)
-        return logits, before, np.asarray(runner.kv.k), np.asarray(runner.kv.v), str(jaxpr)
+        return logits, before, np.asarray(runner.kv.k), np.asarray(runner.kv.v), jaxpr.jaxpr
+
+    def attention_rows(jaxpr):
+        """Rows of q in every decode attention call of the step (nested jits searched)."""
+        rows = []
+        for e in jaxpr.eqns:
+            if e.params.get("name") == "paged_attention_reference":
+                rows.append(e.invars[0].aval.shape[0])
+            rows += [r for sub in jax.extend.core.jaxprs_in_params(e.params)
+                     for r in attention_rows(sub)]
+        return rows
 
     plain, before, k_plain, v_plain, jaxpr_plain = run(1)
     padded, _, k_padded, v_padded, jaxpr_padded = run(8)
+    # attention runs on the two real rows only (the one scanned layer), padded or not
+    assert attention_rows(jaxpr_padded) == attention_rows(jaxpr_plain) == [2]
+    jaxpr_plain, jaxpr_padded = str(jaxpr_plain), str(jaxpr_padded)
     assert padded.shape == plain.shape == (2, cfg.vocab_size)
     np.testing.assert_allclose(padded, plain, atol=1e-5, rtol=1e-5)
     np.testing.assert_array_equal(k_padded, k_plain)
