@@ -31,8 +31,9 @@ BF16_PAD_M = 8
 # tokens and metadata once, kv_cache.pad_decode_rows; attention runs on the real rows), so
 # no linear needs BF16_PAD_M's or DEQUANT_PAD_M's per-layer pad and slice: the 8B batch-1
 # step has 591 kernels instead of 654. H200, decode harness, batch 1 (eleventh session): back
-# to back 4.55 vs 4.63-4.68 ms bf16, 3.11 vs 3.28 ms FP8; host dispatch ~1.0 vs ~1.4 ms;
-# one request through the engine unchanged within its noise. 1 turns it off.
+# to back 4.55-4.58 vs 4.63-4.71 ms bf16, 3.11-3.14 vs 3.25-3.28 ms FP8; one request through
+# the engine: tok/s unchanged within its noise, the host's dispatch 0.97-0.99 vs 1.41 ms
+# (bf16). 1 turns it off.
 DECODE_MIN_ROWS = 8
 
 
