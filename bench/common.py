@@ -231,7 +231,7 @@ def pipelined_step_s(runner, inp, reps: int, n: int = 8) -> float:
     trip): (time of a burst of 2n steps - time of a burst of n) / n, so that what a burst
     costs once (the first dispatch before the GPU has work, the final block) cancels. A
     burst's time / n counted it in every step: on the H200 at batch 1 (8B bf16) that gave
-    4.50-4.60 ms per step where the engine's decode steps ran 4.16 ms (bench/README.md,
+    4.50-4.60 ms per step where the engine's decode steps ran 4.16-4.20 ms (bench/README.md,
     eleventh session). Where noise makes the difference not positive (tiny CPU models),
     the 2n burst's time / 2n."""
     short = timed(lambda: burst(runner, inp, n), reps)

@@ -25,7 +25,9 @@ FUSED_NORM_QUANT = True  # fused_fp8_layer (the same kind of switch)
 # bf16 (compute-dtype) linears with fewer rows than this are padded to it on the GPU, like the
 # FP8 route's DEQUANT_PAD_M: XLA's GEMM at M = 8 beats its M = 1 one. The 8B bf16 decode step
 # at context 512 ran 5.04 ms at batch 1 and 4.82 ms at batch 8 (eight rows of attention
-# included; H200, one process, bench/README.md tenth session). 1 turns the pad off.
+# included; H200, one process, bench/README.md tenth session). 1 turns the pad off. With
+# DECODE_MIN_ROWS below, what it still pads on the GPU is mainly the LM head of steps with
+# fewer than 8 rows (its input is the B sampled rows, taken after the decoder's slice).
 BF16_PAD_M = 8
 # Decode steps with fewer rows than this run padded to it on the GPU (model.Decoder pads the
 # tokens and metadata once, kv_cache.pad_decode_rows; attention runs on the real rows), so
