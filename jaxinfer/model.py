@@ -45,6 +45,10 @@ class RMSNorm(nnx.Module):
         y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
         return (y * self.weight[...].astype(jnp.float32)).astype(x.dtype)
 
+    def add_norm(self, x, delta, layout: TPLayout = TPLayout()):
+        """(x + delta, its norm); delta None: (x, its norm). One kernel on the GPU (ops)."""
+        return ops.add_rmsnorm(x, delta, self.weight[...], eps=self.eps, layout=layout)
+
 
 class Linear(nnx.Module):
     """y = x @ kernel (+ bias). `kernel` is [in, out] in the compute dtype, or with fp8=True
@@ -118,15 +122,27 @@ class Attention(nnx.Module):
         cfg, n = self.cfg, self.layout.attn
         t = qkv.shape[0]
         qkv = qkv.reshape(t, n, -1)                                     # [T, n, (H+2K)D/n]
+        fused = ops.rope_write_kv(kv, layer, qkv.reshape(t, -1), cos, sin, md.slot_mapping,
+                                  num_heads=cfg.num_heads, impl=attn_impl, layout=self.layout)
+        if fused is not None:
+            q, kv = fused
+        else:
+            q, kv = self._rope_write(qkv, kv, layer, md, cos, sin, attn_impl)
+        o = ops.attention(q, kv, layer, md, sm_scale=cfg.head_dim ** -0.5, impl=attn_impl,
+                          layout=self.layout)
+        return o.reshape(t, cfg.q_size), kv
+
+    def _rope_write(self, qkv, kv: KVCache, layer, md: AttentionMetadata, cos, sin, attn_impl):
+        """qkv [T, n, (H+2K)D/n] -> (q [T, H, D] rotated, the cache with k and v written)."""
+        cfg, n = self.cfg, self.layout.attn
+        t = qkv.shape[0]
         hq, hk = cfg.q_size // n, cfg.kv_size // n
         q, k, v = jnp.split(qkv, [hq, hq + hk], axis=-1)
         q = apply_rope(q.reshape(t, cfg.num_heads, cfg.head_dim), cos, sin)     # [T, H, D]
         k = apply_rope(k.reshape(t, cfg.num_kv_heads, cfg.head_dim), cos, sin)  # [T, K, D]
         v = v.reshape(t, cfg.num_kv_heads, cfg.head_dim)                        # [T, K, D]
-        kv = ops.write_kv(kv, layer, k, v, md.slot_mapping, impl=attn_impl, layout=self.layout)
-        o = ops.attention(q, kv, layer, md, sm_scale=cfg.head_dim ** -0.5, impl=attn_impl,
-                          layout=self.layout)
-        return o.reshape(t, cfg.q_size), kv
+        return q, ops.write_kv(kv, layer, k, v, md.slot_mapping, impl=attn_impl,
+                               layout=self.layout)
 
 
 class MLP(nnx.Module):
@@ -159,13 +175,20 @@ class DecoderLayer(nnx.Module):
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, stack=stack, dtype=dtype)
         self.mlp = MLP(cfg, rngs=rngs, stack=stack, dtype=dtype, fp8=fp8, layout=layout)
 
-    def __call__(self, x, kv, layer, md, cos, sin, attn_impl):
+    def __call__(self, x, delta, kv, layer, md, cos, sin, attn_impl):
+        """The residual stream x [T, E] with delta still to be added to it (the previous
+        layer's MLP output; None for the first layer) -> (x, this layer's MLP output still to
+        be added, the cache). The add is left to the next RMSNorm (the decoder's final one
+        after the last layer), so the two run as one kernel (ops.add_rmsnorm)."""
+        layout = self.attn.layout
         if ops.fused_fp8_layer(x, self.attn.wqkv.kernel[...], self.mlp.w_down.kernel[...],
-                               self.attn.layout.size):
-            return self._fused_fp8(x, kv, layer, md, cos, sin, attn_impl)
-        h, kv = self.attn(self.attn_norm(x), kv, layer, md, cos, sin, attn_impl)
-        x = x + h
-        return x + self.mlp(self.mlp_norm(x)), kv
+                               layout.size):
+            return self._fused_fp8(x if delta is None else x + delta, kv, layer, md, cos, sin,
+                                   attn_impl)
+        x, n = self.attn_norm.add_norm(x, delta, layout)
+        h, kv = self.attn(n, kv, layer, md, cos, sin, attn_impl)
+        x, n = self.mlp_norm.add_norm(x, h, layout)
+        return x, self.mlp(n), kv
 
     def _fused_fp8(self, x, kv, layer, md, cos, sin, attn_impl):
         """__call__'s math on the FP8 tensor-core route (ops.fused_fp8_layer) with each
@@ -181,11 +204,11 @@ class DecoderLayer(nnx.Module):
                                    (o_product, o_scale, a.wo.scale[...]), eps=self.mlp_norm.eps)
         y = ops.fp8_mlp_quantized(xq, xs, (m.w_gateup.kernel[...], m.w_gateup.scale[...]),
                                   (m.w_down.kernel[...], m.w_down.scale[...]), x.dtype)
-        return x + y, kv
+        return x, y, kv
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
-def _unrolled_layer(graphdef, attn_impl, state, x, kv, layer, md, cos, sin):
+def _unrolled_layer(graphdef, attn_impl, state, x, delta, kv, layer, md, cos, sin):
     """One decoder layer of the unrolled model as its own (inner) jit: every layer has the
     same structure and shapes, so tracing it once serves all of them (the trace of the whole
     step was ~0.5 s per executable on the H200 host, start-up compiles serial on it). XLA
@@ -193,7 +216,7 @@ def _unrolled_layer(graphdef, attn_impl, state, x, kv, layer, md, cos, sin):
     jit (tiny model, when this went in: 75 kernels per step and 20 per layer either way), and
     on the H200 the 8B decode step keeps its 13 kernels per layer (bench/results/compile.json);
     warm start-up went 15.7 -> 6.4 s there."""
-    return nnx.merge(graphdef, state)(x, kv, layer, md, cos, sin, attn_impl)
+    return nnx.merge(graphdef, state)(x, delta, kv, layer, md, cos, sin, attn_impl)
 
 
 class Decoder(nnx.Module):
@@ -233,23 +256,26 @@ class Decoder(nnx.Module):
         freqs = md.positions.astype(jnp.float32)[:, None] * self.inv_freq[...][None, :]
         cos, sin = jnp.cos(freqs), jnp.sin(freqs)                        # [T, D/2]
         if self.unroll_layers:
+            delta = None          # each layer's MLP output, added by the next RMSNorm
             for i, layer in enumerate(self.layers):
                 graphdef, state = nnx.split(layer)
                 with jax.named_scope("decoder_layer"):  # bench/hlo.py counts kernels by it
-                    x, kv = _unrolled_layer(graphdef, attn_impl, state, x, kv, jnp.int32(i),
-                                            md, cos, sin)
-            return self.final_norm(x), kv
+                    x, delta, kv = _unrolled_layer(graphdef, attn_impl, state, x, delta, kv,
+                                                   jnp.int32(i), md, cos, sin)
+            return self.final_norm.add_norm(x, delta, self.layout)[1], kv
         graphdef, state = nnx.split(self.layers)
 
         def body(carry, xs):
-            h, kv = carry
+            h, delta, kv = carry
             layer_state, layer = xs
-            h, kv = nnx.merge(graphdef, layer_state)(h, kv, layer, md, cos, sin, attn_impl)
-            return (h, kv), None
+            h, delta, kv = nnx.merge(graphdef, layer_state)(h, delta, kv, layer, md, cos, sin,
+                                                            attn_impl)
+            return (h, delta, kv), None
 
         layer_ids = jnp.arange(self.cfg.num_layers, dtype=jnp.int32)
-        (x, kv), _ = jax.lax.scan(body, (x, kv), (state, layer_ids))
-        return self.final_norm(x), kv
+        # the carry's delta starts at zeros (a scan carry keeps one structure): x + 0 is x
+        (x, delta, kv), _ = jax.lax.scan(body, (x, jnp.zeros_like(x), kv), (state, layer_ids))
+        return self.final_norm.add_norm(x, delta, self.layout)[1], kv
 
     def logits(self, h):
         """h [B, E] -> [B, V] f32."""

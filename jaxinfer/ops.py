@@ -37,6 +37,13 @@ BF16_PAD_M = 8
 # the engine: tok/s unchanged within its noise, the host's dispatch 0.97-0.99 vs 1.41 ms
 # (bf16). 1 turns it off.
 DECODE_MIN_ROWS = 8
+# The decoder layer's glue as Pallas kernels (GPU: compiled; elsewhere with impl "pallas":
+# interpret mode): RoPE, the QKV split and the K/V write in one (pallas_kernels/kv_write.py's
+# rope_write_kv, with impl "pallas"), and each residual add with the RMSNorm after it in one
+# (pallas_kernels/rmsnorm.py, on the GPU). bench/README.md (twelfth session) has what they
+# moved. False turns both off (in-process A/B). Like the switches above, it is read when a
+# step is traced: model._unrolled_layer's trace cache keeps what the first trace saw.
+FUSED_GLUE = True
 
 
 def _on_gpu() -> bool:
@@ -66,6 +73,31 @@ def write_kv(kv: KVCache, layer, k, v, slot_mapping, *, impl: str,
     return kv_cache.write_kv(kv, layer, k, v, slot_mapping)
 
 
+def rope_write_kv(kv: KVCache, layer, qkv, cos, sin, slot_mapping, *, num_heads: int,
+                  impl: str, layout: TPLayout = TPLayout()):
+    """RoPE on the fused QKV projection's output and the K/V write in one kernel: -> (q
+    [T, H, D] rotated, the cache), or None where it does not apply (the caller's route:
+    split, model.apply_rope, write_kv): FUSED_GLUE off, impl "reference", tensor
+    parallelism, or a head dim the kernel does not take."""
+    from pallas_kernels import kv_write as kw
+    if not (FUSED_GLUE and PALLAS_KV_WRITE and impl == "pallas" and layout.size == 1
+            and kw.supported(kv)):
+        return None
+    kv, q = kw.rope_write_kv(kv, layer, qkv, cos, sin, slot_mapping, num_heads=num_heads,
+                             interpret=not _on_gpu())
+    return q, kv
+
+
+def add_rmsnorm(x, delta, weight, *, eps: float, layout: TPLayout = TPLayout()):
+    """x + delta (delta None: x) and its RMSNorm times `weight` -> (x after the add, the
+    normed rows): one Pallas kernel on the GPU (pallas_kernels/rmsnorm.py), else (and under
+    tensor parallelism, or with FUSED_GLUE off) its plain-jnp reference."""
+    from pallas_kernels import rmsnorm
+    if FUSED_GLUE and _on_gpu() and layout.size == 1:
+        return rmsnorm.add_rmsnorm(x, weight, delta, eps=eps)
+    return rmsnorm.add_rmsnorm_reference(x, weight, delta, eps=eps)
+
+
 def attention(q, kv: KVCache, layer, md: AttentionMetadata, *, sm_scale: float, impl: str,
               layout: TPLayout = TPLayout()):
     """q [T, H, D] over the paged cache (the new tokens' K/V already written) -> [T, H, D]."""
@@ -85,11 +117,15 @@ def _attention(q, kv: KVCache, layer, md: AttentionMetadata, *, sm_scale: float,
 
     interpret = not _on_gpu()
     if md.decode_only:
-        fn = pa.paged_attention if impl == "pallas" else pa.paged_attention_reference
         rows = q.shape[0]
         n = md.attend_rows or rows          # rows past n: padding (kv_cache.pad_decode_rows)
-        o = fn(q[:n], kv.k, kv.v, layer, md.seq_lens[:n], md.page_table[:n], kv.k_scale,
-               kv.v_scale, sm_scale=sm_scale, interpret=interpret)
+        if impl == "pallas":                # the kernel skips (and zeroes) the padding itself
+            return pa.paged_attention(q, kv.k, kv.v, layer, md.seq_lens, md.page_table,
+                                      kv.k_scale, kv.v_scale, sm_scale=sm_scale,
+                                      interpret=interpret, rows=n if n < rows else None)
+        o = pa.paged_attention_reference(q[:n], kv.k, kv.v, layer, md.seq_lens[:n],
+                                         md.page_table[:n], kv.k_scale, kv.v_scale,
+                                         sm_scale=sm_scale)
         return o if n == rows else jnp.pad(o, ((0, rows - n), (0, 0), (0, 0)))
     fn = rpa.ragged_paged_attention if impl == "pallas" else rpa.ragged_paged_attention_reference
     return fn(q, kv.k, kv.v, layer, md, kv.k_scale, kv.v_scale, sm_scale=sm_scale,

@@ -18,6 +18,13 @@ Cache layout and views: k, v [L, K, P, S, D] viewed as rows [L*K*P*S, D] and sca
 are ((layer * K + head) * P + page) * S + slot, one per kv head. K is padded to a power of
 two inside the kernel (Triton's tiles): the extra rows repeat the last head, which writes the
 same values to the same places twice instead of needing masked stores.
+`rope_write_kv` is the same write with RoPE in front: it takes the fused QKV projection's
+output, rotates q and k (model.apply_rope's math and rounding: f32, then the activations'
+dtype) and writes k and v; q comes back [T, H, D] for attention. In XLA's hands the split of
+the QKV product, the rotation and the K/V operands of the write were three kernels per layer
+beside this one (8B decode step at batch 1, H200 profile, eleventh session: ~1.4 us each
+for a few KB of work).
+
 Backend: Pallas Triton, as the attention kernels (pallas_kernels/paged_attention.py says why).
 """
 from __future__ import annotations
@@ -28,8 +35,23 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from jaxinfer.kv_cache import KVCache, fp8_scale
+from jaxinfer.kv_cache import KVCache, fp8_scale, write_kv as write_kv_reference
 from pallas_kernels import triton_params
+
+
+def _store(c_ref, s_ref, rows, parts, cols, fp8: bool):
+    """Rows `rows` of the cache view c_ref get `parts` ([K', d] f32 pieces of each row at
+    column slices `cols`); FP8: quantized with one scale per row over all its pieces."""
+    if fp8:
+        amax = functools.reduce(jnp.maximum, [jnp.max(jnp.maximum(x, -x), axis=1)
+                                              for x in parts])
+        scale = fp8_scale(amax)
+        for x, c in zip(parts, cols):
+            c_ref[rows, c] = (x / scale[:, None]).astype(c_ref.dtype)
+        s_ref[rows] = scale
+    else:
+        for x, c in zip(parts, cols):
+            c_ref[rows, c] = x.astype(c_ref.dtype)
 
 
 def _kernel(layer_ref, slot_ref, k_ref, v_ref, kc_in, vc_in, *refs, kv_heads: int,
@@ -49,16 +71,11 @@ def _kernel(layer_ref, slot_ref, k_ref, v_ref, kc_in, vc_in, *refs, kv_heads: in
         src = t * kv_heads + heads                                        # rows of k/v [T*K, D]
         page, within = slot // page_size, slot % page_size
         rows = ((layer_ref[0] * kv_heads + heads) * num_pages + page) * page_size + within
-        for x_ref, c_ref, s_ref in ((k_ref, kc_ref, ks_ref if fp8 else None),
-                                    (v_ref, vc_ref, vs_ref if fp8 else None)):
-            x = x_ref[src]                                                # [K', D]
-            if fp8:
-                xf = x.astype(jnp.float32)
-                scale = fp8_scale(jnp.max(jnp.maximum(xf, -xf), axis=1))
-                c_ref[rows] = (xf / scale[:, None]).astype(c_ref.dtype)
-                s_ref[rows] = scale
-            else:
-                c_ref[rows] = x.astype(c_ref.dtype)
+        whole = pl.ds(0, k_ref.shape[1])
+        _store(kc_ref, ks_ref if fp8 else None, rows, [k_ref[src].astype(jnp.float32)],
+               [whole], fp8)
+        _store(vc_ref, vs_ref if fp8 else None, rows, [v_ref[src].astype(jnp.float32)],
+               [whole], fp8)
 
 
 @functools.partial(jax.jit, static_argnames=("interpret",))
@@ -98,4 +115,101 @@ def supported(cache: KVCache) -> bool:
     """Triton tiles: the head dim must be a power of two (kv heads are padded)."""
     d = cache.k.shape[-1]
     return d & (d - 1) == 0 and d >= 16
+
+
+
+def _rope_kernel(layer_ref, slot_ref, qkv_ref, cos_ref, sin_ref, kc_in, vc_in, *refs,
+                 num_heads: int, q_p2: int, kv_heads: int, kv_p2: int, num_pages: int,
+                 page_size: int, half: int, fp8: bool):
+    del kc_in, vc_in     # aliased to the outputs below
+    if fp8:
+        _ks_in, _vs_in, q_ref, kc_ref, vc_ref, ks_ref, vs_ref = refs
+    else:
+        q_ref, kc_ref, vc_ref = refs
+        ks_ref = vs_ref = None
+    t = pl.program_id(0)
+    width = num_heads + 2 * kv_heads              # rows of qkv [T * width, D] per token
+    lo, hi = pl.ds(0, half), pl.ds(half, half)
+    c, s = cos_ref[t][None, :], sin_ref[t][None, :]                       # [1, D/2]
+    dtype = qkv_ref.dtype
+
+    def rotated(src):     # model.apply_rope on rows src of qkv: f32, rounded to its dtype
+        x1, x2 = qkv_ref[src, lo].astype(jnp.float32), qkv_ref[src, hi].astype(jnp.float32)
+        return [(x1 * c - x2 * s).astype(dtype).astype(jnp.float32),
+                (x2 * c + x1 * s).astype(dtype).astype(jnp.float32)]
+
+    # padded heads repeat the last one: the same value to the same place, no mask
+    qh = jnp.minimum(jnp.arange(q_p2, dtype=jnp.int32), num_heads - 1)
+    q1, q2 = rotated(t * width + qh)
+    q_ref[t * num_heads + qh, lo] = q1.astype(q_ref.dtype)
+    q_ref[t * num_heads + qh, hi] = q2.astype(q_ref.dtype)
+    slot = slot_ref[t]
+
+    @pl.when(slot >= 0)
+    def _():
+        heads = jnp.minimum(jnp.arange(kv_p2, dtype=jnp.int32), kv_heads - 1)
+        page, within = slot // page_size, slot % page_size
+        rows = ((layer_ref[0] * kv_heads + heads) * num_pages + page) * page_size + within
+        k_src = t * width + num_heads + heads
+        _store(kc_ref, ks_ref, rows, rotated(k_src), [lo, hi], fp8)
+        _store(vc_ref, vs_ref, rows, [qkv_ref[k_src + kv_heads].astype(jnp.float32)],
+               [pl.ds(0, 2 * half)], fp8)
+
+
+def _split_qkv(qkv, num_heads: int, kv_heads: int, head_dim: int):
+    t = qkv.shape[0]
+    q, k, v = jnp.split(qkv.reshape(t, num_heads + 2 * kv_heads, head_dim),
+                        [num_heads, num_heads + kv_heads], axis=1)
+    return q, k, v
+
+
+def rope_write_kv_reference(cache: KVCache, layer, qkv, cos, sin, slot_mapping, *,
+                            num_heads: int):
+    """Plain jnp (model.Attention's route): -> (cache with the new K/V, q [T, H, D])."""
+    from jaxinfer.model import apply_rope
+    _, kv_heads, _, _, head_dim = cache.k.shape
+    q, k, v = _split_qkv(qkv, num_heads, kv_heads, head_dim)
+    cache = write_kv_reference(cache, layer, apply_rope(k, cos, sin), v, slot_mapping)
+    return cache, apply_rope(q, cos, sin)
+
+
+@functools.partial(jax.jit, static_argnames=("num_heads", "interpret"))
+def rope_write_kv(cache: KVCache, layer, qkv, cos, sin, slot_mapping, *, num_heads: int,
+                  interpret: bool = False):
+    """rope_write_kv_reference in one kernel (module doc): qkv [T, (H + 2K) D] ([q | k | v]
+    heads, the projection's output), cos/sin [T, D/2] f32, slot_mapping [T] (-1 = padding:
+    nothing written, q still rotated). Returns (the cache, q [T, H, D] in qkv's dtype); the
+    cache is updated in place as write_kv's."""
+    _, kv_heads, num_pages, page_size, head_dim = cache.k.shape
+    t = qkv.shape[0]
+    half = head_dim // 2
+    if (qkv.shape != (t, (num_heads + 2 * kv_heads) * head_dim) or cos.shape != (t, half)
+            or sin.shape != cos.shape or slot_mapping.shape != (t,)):
+        raise ValueError(f"rope_write_kv: want qkv [T, {num_heads + 2 * kv_heads} * "
+                         f"{head_dim}], cos/sin [T, {half}], slot_mapping [T]; got "
+                         f"{qkv.shape}, {cos.shape}, {sin.shape}, {slot_mapping.shape}")
+    fp8 = cache.is_fp8
+    views = [cache.k.reshape(-1, head_dim), cache.v.reshape(-1, head_dim)]
+    if fp8:
+        views += [cache.k_scale.reshape(-1), cache.v_scale.reshape(-1)]
+    p2 = lambda n: 1 << (n - 1).bit_length()         # noqa: E731 (Triton tiles)
+    kernel = functools.partial(_rope_kernel, num_heads=num_heads, q_p2=p2(num_heads),
+                               kv_heads=kv_heads, kv_p2=p2(kv_heads), num_pages=num_pages,
+                               page_size=page_size, half=half, fp8=fp8)
+    q_out = jax.ShapeDtypeStruct((t * num_heads, head_dim), qkv.dtype)
+    outs = pl.pallas_call(
+        kernel, grid=(t,),
+        out_shape=[q_out] + [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in views],
+        input_output_aliases={5 + i: 1 + i for i in range(len(views))},
+        interpret=interpret, name="jaxinfer_rope_kv_write",
+        **triton_params(interpret, num_warps=1, num_stages=1),
+    )(jnp.asarray(layer, jnp.int32).reshape(1), slot_mapping.astype(jnp.int32),
+      qkv.reshape(-1, head_dim), cos.astype(jnp.float32), sin.astype(jnp.float32), *views)
+    q, outs = outs[0].reshape(t, num_heads, head_dim), outs[1:]
+    shape = cache.k.shape
+    if fp8:
+        return KVCache(outs[0].reshape(shape), outs[1].reshape(shape),
+                       outs[2].reshape(shape[:-1]), outs[3].reshape(shape[:-1])), q
+    return KVCache(outs[0].reshape(shape), outs[1].reshape(shape)), q
+
 

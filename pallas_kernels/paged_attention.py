@@ -14,8 +14,16 @@ attention_block.paged_loop), computes
 logits = q k^T (f32 accumulate), runs the online softmax in f32 (base 2, scale folded in),
 and accumulates p v. Full blocks run unmasked; only the tail block of a split masks
 positions >= seq_len (and zeroes their V rows, so stale slot contents never leak).
-With splits > 1 each split writes its unnormalized accumulator and (max, sum); a small XLA
-combine merges them. Padded rows (seq_len 0) output zeros.
+With splits > 1 each split writes its unnormalized accumulator and (max, sum); a second
+small kernel (`_combine_kernel`, one program per row and q head) merges them. Padded rows
+(seq_len 0) output zeros.
+
+`rows` (static) says that only q's first rows are real (a decode step padded on the device,
+kv_cache.pad_decode_rows): the split of the context is chosen for those rows, the grid runs
+over them only when the context is split (the padding rows would each cost a program and
+its partials), and the combine writes the padding rows' zeros, so the output has q's shape
+without a pad or slice around the kernels (XLA ran those as ~1.4 us kernels of their own
+in the 8B batch-1 step, eleventh session).
 
 FP8 KV numerics and the block step both kernels run: pallas_kernels/attention_block.py.
 
@@ -84,24 +92,73 @@ def _decode_kernel(layer_ref, lens_ref, table_ref, *refs, groups: int, rows_q: i
 
 
 def _combine(acc, m, l):
-    """Merge split partials: acc [N, B, H, D], m/l [N, B, H] (base-2 max) -> [B, H, D]."""
+    """Merge split partials (the combine kernel's reference): acc [N, B, H, D], m/l [N, B, H]
+    (base-2 max) -> [B, H, D]."""
     w = jnp.exp2(m - jnp.max(m, axis=0, keepdims=True))
     denom = jnp.sum(w * l, axis=0)
     out = jnp.sum(w[..., None] * acc, axis=0)
     return out / jnp.where(denom > 0, denom, 1.0)[..., None]
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "interpret", "blocks"))
+COMBINE_CHUNK = 32    # splits the combine holds at once ([chunk, D] f32 per program)
+
+
+def _combine_kernel(acc_ref, m_ref, l_ref, o_ref, *, splits: int, rows: int, num_heads: int,
+                    head_dim: int):
+    """_combine for one (row, q head): acc [N * rows * H, D], m/l [N * rows * H] -> o row
+    b * H + h. Rows >= `rows` (padding) get zeros."""
+    b, h = pl.program_id(0), pl.program_id(1)
+    out_row = b * num_heads + h
+
+    @pl.when(b >= rows)
+    def _():
+        o_ref[pl.ds(out_row, 1), :] = jnp.zeros((1, head_dim), o_ref.dtype)
+
+    @pl.when(b < rows)
+    def _():
+        chunk = min(COMBINE_CHUNK, 1 << (splits - 1).bit_length())
+        parts = [jnp.arange(c, c + chunk, dtype=jnp.int32) for c in range(0, splits, chunk)]
+        idx = [(jnp.minimum(s, splits - 1) * rows + b) * num_heads + h for s in parts]
+        ms = [jnp.where(s < splits, m_ref[i], -jnp.inf) for s, i in zip(parts, idx)]
+        top = functools.reduce(jnp.maximum, [jnp.max(m) for m in ms])
+        denom = jnp.zeros((), jnp.float32)
+        out = jnp.zeros((1, head_dim), jnp.float32)
+        for s, i, m in zip(parts, idx, ms):
+            w = jnp.exp2(m - top)                          # 0 past the last split
+            denom = denom + jnp.sum(w * l_ref[i])
+            out = out + jnp.sum(w[:, None] * acc_ref[i], axis=0, keepdims=True)
+        o_ref[pl.ds(out_row, 1), :] = (out / jnp.where(denom > 0, denom, 1.0)
+                                        ).astype(o_ref.dtype)
+
+
+def _combine_call(acc, m, l, *, splits: int, rows: int, batch: int, num_heads: int,
+                  head_dim: int, dtype, interpret: bool):
+    kernel = functools.partial(_combine_kernel, splits=splits, rows=rows, num_heads=num_heads,
+                               head_dim=head_dim)
+    return pl.pallas_call(
+        kernel, grid=(batch, num_heads), interpret=interpret,
+        out_shape=jax.ShapeDtypeStruct((batch * num_heads, head_dim), dtype),
+        name="jaxinfer_paged_decode_combine", **triton_params(interpret, 1, 1),
+    )(acc, m, l)
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "interpret", "blocks", "rows"))
 def paged_attention_blocks(q, k_pages, v_pages, layer, seq_lens, page_table, k_scale=None,
                            v_scale=None, *, sm_scale: float, interpret: bool = False,
-                           blocks: tuning.DecodeBlocks):
+                           blocks: tuning.DecodeBlocks, rows: int | None = None):
     """paged_attention with explicit block sizes (the benchmark's tuning and the tests)."""
     kv_heads, num_pages, page_size, head_dim = validate(q, k_pages, v_pages, k_scale, v_scale,
                                                         interpret, blocks.block_tokens)
-    batch, num_heads, _ = q.shape
-    if seq_lens.shape != (batch,) or page_table.ndim != 2 or page_table.shape[0] != batch:
+    total, num_heads, _ = q.shape
+    if seq_lens.shape != (total,) or page_table.ndim != 2 or page_table.shape[0] != total:
         raise ConfigError(f"seq_lens {seq_lens.shape} / page_table {page_table.shape} do not "
-                          f"match batch {batch}")
+                          f"match batch {total}")
+    if rows is not None and not 0 < rows <= total:
+        raise ConfigError(f"rows {rows}: want 1..{total} (q's rows)")
+    n = blocks.num_splits
+    # split: the grid covers the real rows only (the combine pads); else every row (padding
+    # rows have seq_len 0 and write their zeros themselves)
+    batch = total if rows is None or n == 1 else rows
     pages_per_seq = page_table.shape[1]
     per_split = pl.cdiv(pages_per_seq * page_size, blocks.num_splits)
     split_tokens = pl.cdiv(per_split, blocks.block_tokens) * blocks.block_tokens
@@ -115,12 +172,12 @@ def paged_attention_blocks(q, k_pages, v_pages, layer, seq_lens, page_table, k_s
         qk_scale=float(sm_scale) * LOG2E, fp8=k_pages.dtype == FP8_DTYPE,
         cdt=compute_dtype(k_pages.dtype, blocks.fp8_compute), pairs=pairs,
         interpret=interpret)
-    n, rows = blocks.num_splits, batch * num_heads
+    heads_rows = batch * num_heads
     if n == 1:
-        out_shape = (jax.ShapeDtypeStruct((rows, head_dim), q.dtype),)
+        out_shape = (jax.ShapeDtypeStruct((heads_rows, head_dim), q.dtype),)
     else:
-        ml = jax.ShapeDtypeStruct((n * rows,), jnp.float32)
-        out_shape = (jax.ShapeDtypeStruct((n * rows, head_dim), jnp.float32), ml, ml)
+        ml = jax.ShapeDtypeStruct((n * heads_rows,), jnp.float32)
+        out_shape = (jax.ShapeDtypeStruct((n * heads_rows, head_dim), jnp.float32), ml, ml)
     outs = pl.pallas_call(
         kernel, grid=(batch, kv_heads, n), out_shape=out_shape, interpret=interpret,
         **triton_params(interpret, blocks.num_warps, blocks.num_stages),
@@ -128,27 +185,29 @@ def paged_attention_blocks(q, k_pages, v_pages, layer, seq_lens, page_table, k_s
     )(jnp.asarray(layer, jnp.int32).reshape(1), seq_lens.astype(jnp.int32),
       page_table.astype(jnp.int32).reshape(-1), q.reshape(-1, head_dim),
       *cache_views(k_pages, v_pages, k_scale, v_scale, pairs))
-    out = outs[0]
     if n == 1:
-        return out.reshape(q.shape)
-    m, l = outs[1:]
-    out = _combine(out.reshape(n, batch, num_heads, head_dim), m.reshape(n, batch, num_heads),
-                   l.reshape(n, batch, num_heads))
-    return out.astype(q.dtype)
+        return outs[0].reshape(q.shape)
+    out = _combine_call(*outs, splits=n, rows=batch, batch=total, num_heads=num_heads,
+                        head_dim=head_dim, dtype=q.dtype, interpret=interpret)
+    return out.reshape(q.shape)
 
 
 def paged_attention(q, k_pages, v_pages, layer, seq_lens, page_table, k_scale=None,
-                    v_scale=None, *, sm_scale: float, interpret: bool = False) -> jax.Array:
+                    v_scale=None, *, sm_scale: float, interpret: bool = False,
+                    rows: int | None = None) -> jax.Array:
     """Decode attention. q [B, H, D]; k/v pages [L, K, P, S, D]; layer int32 scalar (may be
     traced); seq_lens [B] (0 = padded row, outputs zeros); page_table [B, pages_per_seq];
-    k_scale/v_scale [L, K, P, S] f32 for FP8 pages. Returns [B, H, D] in q.dtype. Block sizes
-    come from pallas_kernels/tuning.py; shapes and dtypes are static (a new one recompiles)."""
+    k_scale/v_scale [L, K, P, S] f32 for FP8 pages; rows (static): only the first `rows` rows
+    are real, the rest padding (their seq_lens 0; module doc). Returns [B, H, D] in q.dtype.
+    Block sizes come from pallas_kernels/tuning.py; shapes and dtypes are static (a new one
+    recompiles)."""
     _, kv_heads, _, page_size, head_dim = k_pages.shape
-    blocks = tuning.decode_blocks(q.shape[0], kv_heads, page_table.shape[1] * page_size,
-                                  page_size, jnp.dtype(k_pages.dtype).itemsize, head_dim)
+    blocks = tuning.decode_blocks(rows or q.shape[0], kv_heads,
+                                  page_table.shape[1] * page_size, page_size,
+                                  jnp.dtype(k_pages.dtype).itemsize, head_dim)
     return paged_attention_blocks(q, k_pages, v_pages, layer, seq_lens, page_table, k_scale,
                                   v_scale, sm_scale=sm_scale, interpret=interpret,
-                                  blocks=blocks)
+                                  blocks=blocks, rows=rows)
 
 
 def gather_kv(k_pages, v_pages, layer, page_table, k_scale=None, v_scale=None):

@@ -76,3 +76,76 @@ def test_gpu_8b_shape_in_place(dtype):
     assert "jaxinfer_kv_write" in hlo or "__gpu$xla.gpu.triton" in hlo
     shape = re.escape(",".join(map(str, cache.k.shape)))
     assert not re.search(rf"\[{shape}\][^\n]*\bcopy\(", hlo), "the cache was copied"
+
+
+def _rope_case(rng, num_heads, kv_heads, head_dim, dtype, tokens):
+    cache, _, _, slots = _case(rng, kv_heads, head_dim, dtype, tokens)
+    width = (num_heads + 2 * kv_heads) * head_dim
+    qkv = jnp.asarray(rng.standard_normal((tokens, width)) * rng.uniform(0.01, 30, (tokens, 1)),
+                      jnp.bfloat16)
+    pos = rng.integers(0, 4096, tokens)
+    inv = 1.0 / (10000.0 ** (np.arange(0, head_dim, 2) / head_dim))
+    freqs = jnp.asarray(pos[:, None] * inv[None, :], jnp.float32)
+    return cache, qkv, jnp.cos(freqs), jnp.sin(freqs), slots
+
+
+@pytest.mark.parametrize("num_heads,kv_heads,head_dim,dtype,tokens", [
+    (32, 8, 128, FP8_DTYPE, 7), (32, 8, 128, jnp.bfloat16, 5), (9, 3, 64, jnp.bfloat16, 6),
+    (9, 3, 64, FP8_DTYPE, 4), (4, 4, 32, jnp.float32, 3)])
+def test_rope_kernel_matches_reference(num_heads, kv_heads, head_dim, dtype, tokens):
+    """RoPE + K/V write in one kernel against model.apply_rope + XLA's scatter: the cache
+    (codes, scales, untouched slots) and the rotated q; padding tokens (slot -1) write
+    nothing but still get their q. q differs by at most one bf16 rounding (the kernel's f32
+    products may be fused differently)."""
+    rng = np.random.default_rng(num_heads * 1000 + kv_heads * 100 + head_dim + tokens)
+    cache, qkv, cos, sin, slots = _rope_case(rng, num_heads, kv_heads, head_dim, dtype, tokens)
+    for layer in (0, 1):
+        want_cache, want_q = kw.rope_write_kv_reference(cache, jnp.int32(layer), qkv, cos, sin,
+                                                        slots, num_heads=num_heads)
+        got_cache, got_q = kw.rope_write_kv(cache, jnp.int32(layer), qkv, cos, sin, slots,
+                                            num_heads=num_heads, interpret=not ON_GPU)
+        assert got_q.shape == (tokens, num_heads, head_dim) and got_q.dtype == qkv.dtype
+        np.testing.assert_allclose(np.asarray(got_q, np.float32), np.asarray(want_q, np.float32),
+                                   rtol=2 ** -7, atol=1e-6)
+        _equal(got_cache, want_cache, exact=False)
+
+
+def test_rope_route_and_errors():
+    rng = np.random.default_rng(5)
+    cache, qkv, cos, sin, slots = _rope_case(rng, 4, 2, 64, jnp.bfloat16, 4)
+    got = ops.rope_write_kv(cache, jnp.int32(1), qkv, cos, sin, slots, num_heads=4,
+                            impl="pallas")
+    want_cache, want_q = kw.rope_write_kv_reference(cache, jnp.int32(1), qkv, cos, sin, slots,
+                                                    num_heads=4)
+    np.testing.assert_allclose(np.asarray(got[0], np.float32), np.asarray(want_q, np.float32),
+                               rtol=2 ** -7)
+    _equal(got[1], want_cache, exact=False)
+    assert ops.rope_write_kv(cache, jnp.int32(1), qkv, cos, sin, slots, num_heads=4,
+                             impl="reference") is None
+    assert ops.rope_write_kv(KVCache.allocate(1, 2, 4, 16, 48, jnp.bfloat16), jnp.int32(0),
+                             qkv, cos, sin, slots, num_heads=4, impl="pallas") is None
+    with pytest.raises(ValueError, match="rope_write_kv"):
+        kw.rope_write_kv(cache, jnp.int32(0), qkv[:, :-64], cos, sin, slots, num_heads=4,
+                         interpret=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [FP8_DTYPE, jnp.bfloat16])
+@pytest.mark.parametrize("tokens", [8, 256])
+def test_gpu_rope_8b_shape(dtype, tokens):
+    """Llama-3-8B's heads (32 q, 8 kv, D 128) compiled on the H200, batch-1 (8 padded rows)
+    and 256-row decode steps; in place inside a jit that owns the cache."""
+    rng = np.random.default_rng(tokens)
+    cache, qkv, cos, sin, slots = _rope_case(rng, 32, 8, 128, dtype, tokens)
+    want_cache, want_q = kw.rope_write_kv_reference(cache, jnp.int32(1), qkv, cos, sin, slots,
+                                                    num_heads=32)
+    got_cache, got_q = kw.rope_write_kv(cache, jnp.int32(1), qkv, cos, sin, slots, num_heads=32)
+    np.testing.assert_allclose(np.asarray(got_q, np.float32), np.asarray(want_q, np.float32),
+                               rtol=2 ** -7, atol=1e-6)
+    _equal(got_cache, want_cache, exact=False)
+    step = jax.jit(lambda c, x: ops.rope_write_kv(c, jnp.int32(1), x, cos, sin, slots,
+                                                  num_heads=32, impl="pallas"),
+                   donate_argnums=0)
+    hlo = step.lower(cache, qkv).compile().as_text()
+    shape = re.escape(",".join(map(str, cache.k.shape)))
+    assert not re.search(rf"\[{shape}\][^\n]*\bcopy\(", hlo), "the cache was copied"

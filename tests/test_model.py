@@ -173,3 +173,77 @@ def test_decode_step_padded_to_min_rows_equals_unpadded(monkeypatch):
     assert (k_plain != before).any(), "the decode step wrote no K"
     rows8 = f"f32[8,{cfg.hidden_size}]"   # the 8-row activations, only when padded
     assert rows8 in jaxpr_padded and rows8 not in jaxpr_plain
+
+
+@pytest.mark.parametrize("unroll", [False, True])
+def test_fused_glue_equals_unfused(monkeypatch, unroll):
+    """ops.FUSED_GLUE's kernels (RoPE + K/V write, residual add + RMSNorm, attention over the
+    real rows with the combine kernel padding the rest) against the unfused route, with
+    Pallas attention in interpret mode: a prefill and a decode step padded to 8 rows give the
+    same logits and the same cache, and the fused step's jaxpr holds the fused kernels and
+    no add left outside them. add_rmsnorm runs its kernel only on the GPU, so here ops'
+    entry is pointed at the kernel in interpret mode."""
+    import jax
+    import jax.extend
+    from jaxinfer import model, ops
+    from pallas_kernels import rmsnorm
+    cfg = standard_config("tiny")
+    flat = random_flat(cfg, seed=8)
+    engine = EngineConfig(page_size=4, max_model_len=32, max_num_seqs=2,
+                          attention_impl="pallas")
+    rng = np.random.default_rng(9)
+    prompt = rng.integers(0, cfg.vocab_size, 7).astype(np.int32)
+    ids = [2, 4]
+    decode_md = AttentionMetadata(
+        positions=jnp.asarray([7], jnp.int32), slot_mapping=jnp.asarray([4 * 4 + 3], jnp.int32),
+        token_seq=jnp.zeros(1, jnp.int32), page_table=jnp.asarray([[2, 4, 0, 0, 0, 0, 0, 0]]),
+        seq_lens=jnp.asarray([8], jnp.int32), query_start=jnp.asarray([0, 1], jnp.int32),
+        decode_only=True)
+    monkeypatch.setattr(ops, "decode_rows", lambda r: max(r, 8))
+    real_add_rmsnorm = ops.add_rmsnorm
+
+    def kernel_add_rmsnorm(x, delta, weight, *, eps, layout=None):
+        if not ops.FUSED_GLUE:
+            return real_add_rmsnorm(x, delta, weight, eps=eps)
+        return rmsnorm.add_rmsnorm(x, weight, delta, eps=eps, interpret=True)
+
+    monkeypatch.setattr(ops, "add_rmsnorm", kernel_add_rmsnorm)
+
+    def run(fused):
+        monkeypatch.setattr(ops, "FUSED_GLUE", fused)
+        model._unrolled_layer.clear_cache()   # switches are read when a layer is traced
+        runner = ModelRunner(cfg, engine, *build_model(cfg, flat, jnp.float32,
+                                                       unroll_layers=unroll))
+        pre = runner.all_logits(prompt, single_sequence_md(range(7), ids, 4,
+                                                          engine.pages_per_seq))
+        nxt = jnp.asarray([int(np.argmax(pre[-1]))], jnp.int32)
+        jaxpr = jax.make_jaxpr(lambda kv: runner._logits_fn(
+            runner.params, kv, nxt, decode_md))(runner.kv)
+        dec = runner.all_logits(np.asarray(nxt), decode_md)
+        return pre, dec, np.asarray(runner.kv.k), np.asarray(runner.kv.v), kernels(jaxpr.jaxpr)
+
+    def kernels(jaxpr):
+        """The names of the step's Pallas calls (nested jits searched)."""
+        names = [e.params["name"] for e in jaxpr.eqns if e.primitive.name == "pallas_call"]
+        for e in jaxpr.eqns:
+            names += [n for sub in jax.extend.core.jaxprs_in_params(e.params)
+                      for n in kernels(sub)]
+        return names
+
+    pre_u, dec_u, k_u, v_u, jaxpr_u = run(False)
+    pre_f, dec_f, k_f, v_f, jaxpr_f = run(True)
+    np.testing.assert_allclose(pre_f, pre_u, atol=1e-4, rtol=1e-4)
+    np.testing.assert_allclose(dec_f, dec_u, atol=1e-4, rtol=1e-4)
+    np.testing.assert_allclose(k_f, k_u, atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(v_f, v_u, atol=1e-5, rtol=1e-5)
+    assert np.abs(k_f).sum() > 0
+    # the scan traces one layer; unrolled, the first layer (nothing to add) and the rest
+    # are the inner jit's two traces
+    layers = 1 if not unroll else 2
+    # per layer: the rope write, two add + norms; plus the final norm after the last layer
+    assert jaxpr_f.count("jaxinfer_rope_kv_write") == layers
+    assert jaxpr_f.count("add_rmsnorm") == 2 * layers + 1
+    assert jaxpr_f.count("jaxinfer_paged_decode_combine") <= layers
+    assert "jaxinfer_kv_write" not in jaxpr_f and "add_rmsnorm" not in jaxpr_u
+    assert jaxpr_u.count("jaxinfer_kv_write") == layers
+    assert "jaxinfer_rope_kv_write" not in jaxpr_u

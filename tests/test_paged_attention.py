@@ -207,3 +207,33 @@ def test_bad_shapes_raise():
                                blocks=DecodeBlocks(16, 1, 4, 2, "float8"))
     with pytest.raises(ConfigError, match="batch"):
         paged_attention(q, k, v, 0, lens[:2], table, ks, vs, sm_scale=1.0, interpret=True)
+
+
+@pytest.mark.parametrize("splits", [1, 3, 40])
+@pytest.mark.parametrize("interpret", MODES)
+def test_real_rows_then_padding(splits, interpret):
+    """`rows`: only q's first rows are real (a decode step padded on the device). Those rows
+    match the reference on them alone, the padding rows come out zeros, with the context
+    split (the combine kernel pads; 40 splits: more than one of its chunks of 32) or not."""
+    page_size = 8
+    q, (k, v, ks, vs), lens, table, _ = make_decode(11, page_size, 4, 64, "bf16")
+    real = 3
+    lens = lens.at[real:].set(0)              # padding rows as pad_decode_rows makes them
+    table = table.at[real:].set(0)
+    scale = 64 ** -0.5
+    blocks = DecodeBlocks(16, splits, 4, 2)
+    got = paged_attention_blocks(q, k, v, jnp.int32(0), lens, table, ks, vs, sm_scale=scale,
+                                 interpret=interpret, blocks=blocks, rows=real)
+    want = paged_attention_reference(q[:real], k, v, jnp.int32(0), lens[:real], table[:real],
+                                     sm_scale=scale)
+    assert got.shape == q.shape
+    assert rel_err(got[:real], want) < 1e-2
+    np.testing.assert_array_equal(np.asarray(got[real:], np.float32), 0.0)
+    # the public entry picks the split for the real rows and gives the same
+    pub = paged_attention(q, k, v, jnp.int32(0), lens, table, sm_scale=scale,
+                          interpret=interpret, rows=real)
+    assert rel_err(pub[:real], want) < 1e-2
+    np.testing.assert_array_equal(np.asarray(pub[real:], np.float32), 0.0)
+    with pytest.raises(ConfigError, match="rows"):
+        paged_attention_blocks(q, k, v, jnp.int32(0), lens, table, sm_scale=scale,
+                               interpret=True, blocks=blocks, rows=q.shape[0] + 1)

@@ -1,0 +1,94 @@
+"""The residual add and the RMSNorm after it in one kernel: the decoder layer's glue on the
+bf16 route (and the FP8 route's fused-dequant decode steps).
+
+model.DecoderLayer runs, twice per layer,
+
+    x = x + delta                       # the attention's (MLP's) output joins the residual
+    n = bf16(rmsnorm(x) * w)            # the next projection's input
+
+which XLA ran as three kernels per use in the 8B decode step at batch 1 (H200 profile,
+eleventh session: the add, the rows' sum of squares, the normalization; ~1.5 us each, the
+work itself being a few KB): six of the step's ~18 kernels per layer. `add_rmsnorm` does a
+use in one kernel: a program owns one row, holds its E values in registers (static chunks of
+BF columns), writes x after the add and n; nothing else goes to memory.
+
+Numerics: the XLA route's rounding (the sum to x's dtype before the norm, n rounded once);
+the sum of squares is added in a different order, so n may differ in its last bit.
+Shapes the kernel does not take (E without a power-of-two chunk >= 16, or a row over
+LIVE_PER_THREAD values per thread) run the reference.
+Backend: Pallas Triton, like the other kernels here (pallas_kernels/paged_attention.py says
+why).
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from pallas_kernels import triton_params
+from pallas_kernels.swiglu_quant import chunk
+
+NUM_WARPS = 4
+LIVE_PER_THREAD = 64     # values of x one thread holds (E / threads)
+
+
+def supported(e: int) -> bool:
+    return chunk(e) is not None and e <= LIVE_PER_THREAD * 32 * NUM_WARPS
+
+
+def add_rmsnorm_reference(x, w, delta=None, *, eps: float):
+    """Plain jnp (model.RMSNorm's math): x [M, E], w [E], delta None or [M, E] added to x
+    first. Returns (x after the add, n [M, E] in x's dtype)."""
+    if delta is not None:
+        x = x + delta
+    xf = x.astype(jnp.float32)
+    n = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return x, (n * w.astype(jnp.float32)).astype(x.dtype)
+
+
+def _kernel(*refs, e: int, bf: int, eps: float, add: bool):
+    if add:
+        x_ref, d_ref, w_ref, xo_ref, n_ref = refs
+    else:
+        x_ref, w_ref, n_ref = refs
+    row = pl.ds(pl.program_id(0), 1)
+    xs, ss = [], jnp.zeros((1,), jnp.float32)
+    for c in range(e // bf):                       # static: the row stays in registers
+        cols = pl.ds(c * bf, bf)
+        x = x_ref[row, cols]                                              # [1, BF]
+        if add:
+            x = (x.astype(jnp.float32) + d_ref[row, cols].astype(jnp.float32)).astype(x.dtype)
+            xo_ref[row, cols] = x
+        xf = x.astype(jnp.float32)
+        ss = ss + jnp.sum(xf * xf, axis=1)
+        xs.append(xf)
+    inv = jax.lax.rsqrt(ss / e + eps)[:, None]
+    for c, xf in enumerate(xs):
+        cols = pl.ds(c * bf, bf)
+        n_ref[row, cols] = (xf * inv * w_ref[cols].astype(jnp.float32)[None, :]
+                            ).astype(n_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "interpret"))
+def add_rmsnorm(x, w, delta=None, *, eps: float, interpret: bool = False):
+    """add_rmsnorm_reference in one kernel (module doc): x [M, E], w [E], delta None or
+    [M, E] of x's dtype. Returns (x after the add (x itself without delta), n [M, E])."""
+    m, e = x.shape
+    if w.shape != (e,) or (delta is not None and (delta.shape != x.shape
+                                                  or delta.dtype != x.dtype)):
+        raise ValueError(f"add_rmsnorm: want x [M, E], w [E], delta [M, E] of x's dtype; got "
+                         f"{x.shape}, {w.shape}, "
+                         f"{None if delta is None else (delta.shape, delta.dtype)}")
+    if not supported(e):
+        return add_rmsnorm_reference(x, w, delta, eps=eps)
+    add = delta is not None
+    ins = [x, delta, w] if add else [x, w]
+    row = jax.ShapeDtypeStruct((m, e), x.dtype)
+    res = pl.pallas_call(
+        functools.partial(_kernel, e=e, bf=chunk(e), eps=float(eps), add=add),
+        out_shape=[row, row] if add else [row], grid=(m,), interpret=interpret,
+        name="add_rmsnorm", **triton_params(interpret, NUM_WARPS, num_stages=1),
+    )(*ins)
+    return (res[0], res[1]) if add else (x, res[0])
