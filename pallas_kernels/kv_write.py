@@ -118,6 +118,9 @@ def supported(cache: KVCache) -> bool:
 
 
 
+ROPE_WARPS = 4   # a program rotates all H q heads of its token
+
+
 def _rope_kernel(layer_ref, slot_ref, qkv_ref, cos_ref, sin_ref, kc_in, vc_in, *refs,
                  num_heads: int, q_p2: int, kv_heads: int, kv_p2: int, num_pages: int,
                  page_size: int, half: int, fp8: bool):
@@ -202,7 +205,7 @@ def rope_write_kv(cache: KVCache, layer, qkv, cos, sin, slot_mapping, *, num_hea
         out_shape=[q_out] + [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in views],
         input_output_aliases={5 + i: 1 + i for i in range(len(views))},
         interpret=interpret, name="jaxinfer_rope_kv_write",
-        **triton_params(interpret, num_warps=1, num_stages=1),
+        **triton_params(interpret, num_warps=ROPE_WARPS, num_stages=1),
     )(jnp.asarray(layer, jnp.int32).reshape(1), slot_mapping.astype(jnp.int32),
       qkv.reshape(-1, head_dim), cos.astype(jnp.float32), sin.astype(jnp.float32), *views)
     q, outs = outs[0].reshape(t, num_heads, head_dim), outs[1:]

@@ -79,7 +79,7 @@ def test_gpu_8b_shape_in_place(dtype):
 
 
 def _rope_case(rng, num_heads, kv_heads, head_dim, dtype, tokens):
-    cache, _, _, slots = _case(rng, kv_heads, head_dim, dtype, tokens)
+    cache, _, _, slots = _case(rng, kv_heads, head_dim, dtype, tokens, pages=2 + tokens // 8)
     width = (num_heads + 2 * kv_heads) * head_dim
     qkv = jnp.asarray(rng.standard_normal((tokens, width)) * rng.uniform(0.01, 30, (tokens, 1)),
                       jnp.bfloat16)
