@@ -66,14 +66,9 @@ class Linear(nnx.Module):
             self.scale = None
         self.bias = nnx.Param(jnp.zeros(stack + (dout,), dtype)) if bias else None
 
-    def __call__(self, x, partials: bool = False):
-        """partials: the consumer takes split-K partials [S, M, out] (f32) where
-        ops.partial_splits allows them; else (and by default) y [M, out]."""
+    def __call__(self, x):
         scale = None if self.scale is None else self.scale[...]
         bias = None if self.bias is None else self.bias[...]
-        splits = ops.partial_splits(x, self.kernel[...], bias) if partials else 0
-        if splits:
-            return ops.linear_partials(x, self.kernel[...], splits)
         return ops.linear(x, self.kernel[...], scale, bias, parallel=self.parallel)
 
 
@@ -117,27 +112,21 @@ class Attention(nnx.Module):
         self.wo = Linear(cfg.q_size, cfg.hidden_size, rngs=rngs, stack=stack, dtype=dtype,
                          fp8=fp8, parallel=_parallel(layout, n, "row"))
 
-    def __call__(self, x, kv: KVCache, layer, md: AttentionMetadata, cos, sin, attn_impl,
-                 partials: bool = False):
-        """partials: wo's consumer takes its split-K partials (Linear)."""
-        qkv = self.wqkv(x, partials=ops.rope_fused(kv, attn_impl, self.layout))
-        o, kv = self.attend(qkv, kv, layer, md, cos, sin, attn_impl, x.dtype)
-        return self.wo(o, partials=partials), kv
+    def __call__(self, x, kv: KVCache, layer, md: AttentionMetadata, cos, sin, attn_impl):
+        o, kv = self.attend(self.wqkv(x), kv, layer, md, cos, sin, attn_impl)
+        return self.wo(o), kv
 
-    def attend(self, qkv, kv: KVCache, layer, md: AttentionMetadata, cos, sin, attn_impl,
-               dtype=None):
-        """qkv [T, (H+2K)D] (the fused projection's output, or its split-K partials
-        [S, T, (H+2K)D] rounded to `dtype`) -> the attention output [T, H*D] before wo, and
-        the cache with the new tokens' K/V written."""
+    def attend(self, qkv, kv: KVCache, layer, md: AttentionMetadata, cos, sin, attn_impl):
+        """qkv [T, (H+2K)D] (the fused projection's output) -> the attention output [T, H*D]
+        before wo, and the cache with the new tokens' K/V written."""
         cfg, n = self.cfg, self.layout.attn
-        t = qkv.shape[-2]
-        fused = ops.rope_write_kv(kv, layer, qkv, cos, sin, md.slot_mapping,
-                                  num_heads=cfg.num_heads, impl=attn_impl, layout=self.layout,
-                                  dtype=dtype)
+        t = qkv.shape[0]
+        qkv = qkv.reshape(t, n, -1)                                     # [T, n, (H+2K)D/n]
+        fused = ops.rope_write_kv(kv, layer, qkv.reshape(t, -1), cos, sin, md.slot_mapping,
+                                  num_heads=cfg.num_heads, impl=attn_impl, layout=self.layout)
         if fused is not None:
             q, kv = fused
         else:
-            qkv = ops.settle(qkv, dtype).reshape(t, n, -1)              # [T, n, (H+2K)D/n]
             q, kv = self._rope_write(qkv, kv, layer, md, cos, sin, attn_impl)
         o = ops.attention(q, kv, layer, md, sm_scale=cfg.head_dim ** -0.5, impl=attn_impl,
                           layout=self.layout)
@@ -166,8 +155,7 @@ class MLP(nnx.Module):
         self.w_down = Linear(cfg.intermediate_size, cfg.hidden_size, rngs=rngs, stack=stack,
                              dtype=dtype, fp8=fp8, parallel=_parallel(layout, m, "row"))
 
-    def __call__(self, x, partials: bool = False):
-        """partials: the down projection's consumer takes its split-K partials (Linear)."""
+    def __call__(self, x):
         t = x.shape[0]
         if self.shards == 1 and self.w_gateup.scale is not None:
             fused = ops.fused_fp8_mlp(x, (self.w_gateup.kernel[...], self.w_gateup.scale[...]),
@@ -176,7 +164,7 @@ class MLP(nnx.Module):
                 return fused
         gu = self.w_gateup(x).reshape(t, self.shards, 2, -1)            # [T, m, 2, F/m]
         gate, up = gu[:, :, 0].reshape(t, -1), gu[:, :, 1].reshape(t, -1)  # [T, F] each
-        return self.w_down(jax.nn.silu(gate) * up, partials=partials)
+        return self.w_down(jax.nn.silu(gate) * up)
 
 
 class DecoderLayer(nnx.Module):
@@ -195,14 +183,12 @@ class DecoderLayer(nnx.Module):
         layout = self.attn.layout
         if ops.fused_fp8_layer(x, self.attn.wqkv.kernel[...], self.mlp.w_down.kernel[...],
                                layout.size):
-            return self._fused_fp8(x if delta is None else x + ops.settle(delta, x.dtype), kv,
-                                   layer, md, cos, sin, attn_impl)
-        # the adds' kernel takes wo's and down's split-K partials (ops.partial_splits)
-        partials = ops.norm_fused(x.shape[-1], layout)
+            return self._fused_fp8(x if delta is None else x + delta, kv, layer, md, cos, sin,
+                                   attn_impl)
         x, n = self.attn_norm.add_norm(x, delta, layout)
-        h, kv = self.attn(n, kv, layer, md, cos, sin, attn_impl, partials)
+        h, kv = self.attn(n, kv, layer, md, cos, sin, attn_impl)
         x, n = self.mlp_norm.add_norm(x, h, layout)
-        return x, self.mlp(n, partials), kv
+        return x, self.mlp(n), kv
 
     def _fused_fp8(self, x, kv, layer, md, cos, sin, attn_impl):
         """__call__'s math on the FP8 tensor-core route (ops.fused_fp8_layer) with each
@@ -284,7 +270,7 @@ class Decoder(nnx.Module):
             layer_state, layer = xs
             h, delta, kv = nnx.merge(graphdef, layer_state)(h, delta, kv, layer, md, cos, sin,
                                                             attn_impl)
-            return (h, ops.settle(delta, h.dtype), kv), None    # the carry keeps its shape
+            return (h, delta, kv), None
 
         layer_ids = jnp.arange(self.cfg.num_layers, dtype=jnp.int32)
         # the carry's delta starts at zeros (a scan carry keeps one structure): x + 0 is x

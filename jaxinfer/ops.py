@@ -73,86 +73,29 @@ def write_kv(kv: KVCache, layer, k, v, slot_mapping, *, impl: str,
     return kv_cache.write_kv(kv, layer, k, v, slot_mapping)
 
 
-def rope_fused(kv: KVCache, impl: str, layout: TPLayout = TPLayout()) -> bool:
-    """Whether rope_write_kv runs its kernel (else the caller's route: split,
-    model.apply_rope, write_kv): FUSED_GLUE on, impl "pallas", one device, a head dim the
-    kernel takes."""
-    from pallas_kernels import kv_write as kw
-    return (FUSED_GLUE and PALLAS_KV_WRITE and impl == "pallas" and layout.size == 1
-            and kw.supported(kv))
-
-
 def rope_write_kv(kv: KVCache, layer, qkv, cos, sin, slot_mapping, *, num_heads: int,
-                  impl: str, layout: TPLayout = TPLayout(), dtype=None):
-    """RoPE on the fused QKV projection's output ([T, N], or split-K partials [S, T, N]
-    rounded to `dtype`) and the K/V write in one kernel: -> (q [T, H, D] rotated, the
-    cache), or None where rope_fused says no."""
+                  impl: str, layout: TPLayout = TPLayout()):
+    """RoPE on the fused QKV projection's output and the K/V write in one kernel: -> (q
+    [T, H, D] rotated, the cache), or None where it does not apply (the caller's route:
+    split, model.apply_rope, write_kv): FUSED_GLUE off, impl "reference", tensor
+    parallelism, or a head dim the kernel does not take."""
     from pallas_kernels import kv_write as kw
-    if not rope_fused(kv, impl, layout):
+    if not (FUSED_GLUE and PALLAS_KV_WRITE and impl == "pallas" and layout.size == 1
+            and kw.supported(kv)):
         return None
     kv, q = kw.rope_write_kv(kv, layer, qkv, cos, sin, slot_mapping, num_heads=num_heads,
-                             dtype=dtype, interpret=not _on_gpu())
+                             interpret=not _on_gpu())
     return q, kv
 
 
-def norm_fused(width: int, layout: TPLayout = TPLayout()) -> bool:
-    """Whether add_rmsnorm runs its kernel: FUSED_GLUE on, on the GPU, one device, a width
-    the kernel takes."""
-    from pallas_kernels import rmsnorm
-    return FUSED_GLUE and _on_gpu() and layout.size == 1 and rmsnorm.supported(width)
-
-
 def add_rmsnorm(x, delta, weight, *, eps: float, layout: TPLayout = TPLayout()):
-    """x + delta (delta None: x; split-K partials [S, M, E]: summed first) and its RMSNorm
-    times `weight` -> (x after the add, the normed rows): one Pallas kernel where norm_fused
-    says so (pallas_kernels/rmsnorm.py), else its plain-jnp reference."""
+    """x + delta (delta None: x) and its RMSNorm times `weight` -> (x after the add, the
+    normed rows): one Pallas kernel on the GPU (pallas_kernels/rmsnorm.py), else (and under
+    tensor parallelism, or with FUSED_GLUE off) its plain-jnp reference."""
     from pallas_kernels import rmsnorm
-    if norm_fused(x.shape[-1], layout):
+    if FUSED_GLUE and _on_gpu() and layout.size == 1:
         return rmsnorm.add_rmsnorm(x, weight, delta, eps=eps)
     return rmsnorm.add_rmsnorm_reference(x, weight, delta, eps=eps)
-
-
-# Linears of decode steps with at most this many rows (the batch-1 step's 8 padded ones) may
-# hand their consumer kernel (rope_write_kv, add_rmsnorm) the split-K partial products
-# instead of one output: XLA splits K of these GEMMs itself (QKV 4 ways, O and down 8 ways
-# in the 8B batch-1 step, HLO on the H200) and sums the partials in a kernel of its own,
-# ~1.5 us per GEMM; the consumer sums them on its way. 0 turns it off.
-PARTIALS_MAX_M = 8
-PARTIALS_MAX_SPLITS = 8
-
-
-def partial_splits(x, kernel, bias) -> int:
-    """S for linear_partials, or 0 where the plain linear runs: off the GPU, FP8 or biased
-    weights, more than PARTIALS_MAX_M rows, or K not split evenly. S: XLA's own choice in the
-    8B step, 32768 / N as a power of two (N 6144: 4, N 4096: 8), at most
-    PARTIALS_MAX_SPLITS, each part's K a multiple of 16."""
-    m, (k, n) = x.shape[0], kernel.shape
-    if not (FUSED_GLUE and _partials_here() and m <= PARTIALS_MAX_M and bias is None
-            and kernel.dtype != FP8_DTYPE and kernel.ndim == 2):
-        return 0
-    s = min(PARTIALS_MAX_SPLITS, 1 << max(0, (32768 // n).bit_length() - 1))
-    while s > 1 and (k % s or (k // s) % 16):
-        s //= 2
-    return s if s > 1 else 0
-
-
-def _partials_here() -> bool:
-    return _on_gpu()
-
-
-def linear_partials(x, kernel, splits: int):
-    """x [M, K] @ kernel [K, N] as `splits` partial products [S, M, N] f32 over slices of K
-    (a batched dot; their sum is ops.linear's output before its rounding)."""
-    m, k = x.shape
-    n = kernel.shape[1]
-    return jnp.einsum("msk,skn->smn", x.reshape(m, splits, k // splits),
-                      kernel.astype(x.dtype).reshape(splits, k // splits, n),
-                      preferred_element_type=jnp.float32)
-
-
-def settle(y, dtype):
-    """A linear's output as activations: partials [S, M, N] summed and rounded to dtype."""
-    return y if y.ndim == 2 else jnp.sum(y, axis=0).astype(dtype)
 
 
 def attention(q, kv: KVCache, layer, md: AttentionMetadata, *, sm_scale: float, impl: str,

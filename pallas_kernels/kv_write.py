@@ -123,7 +123,7 @@ ROPE_WARPS = 4   # a program rotates all H q heads of its token
 
 def _rope_kernel(layer_ref, slot_ref, qkv_ref, cos_ref, sin_ref, kc_in, vc_in, *refs,
                  num_heads: int, q_p2: int, kv_heads: int, kv_p2: int, num_pages: int,
-                 page_size: int, half: int, fp8: bool, parts: int, part_rows: int, dtype):
+                 page_size: int, half: int, fp8: bool):
     del kc_in, vc_in     # aliased to the outputs below
     if fp8:
         _ks_in, _vs_in, q_ref, kc_ref, vc_ref, ks_ref, vs_ref = refs
@@ -134,15 +134,10 @@ def _rope_kernel(layer_ref, slot_ref, qkv_ref, cos_ref, sin_ref, kc_in, vc_in, *
     width = num_heads + 2 * kv_heads              # rows of qkv [T * width, D] per token
     lo, hi = pl.ds(0, half), pl.ds(half, half)
     c, s = cos_ref[t][None, :], sin_ref[t][None, :]                       # [1, D/2]
-
-    def load(src, cols):  # rows src of the projection, its split-K partials summed, rounded
-        x = qkv_ref[src, cols].astype(jnp.float32)
-        for p in range(1, parts):
-            x = x + qkv_ref[p * part_rows + src, cols]
-        return x.astype(dtype).astype(jnp.float32)
+    dtype = qkv_ref.dtype
 
     def rotated(src):     # model.apply_rope on rows src of qkv: f32, rounded to its dtype
-        x1, x2 = load(src, lo), load(src, hi)
+        x1, x2 = qkv_ref[src, lo].astype(jnp.float32), qkv_ref[src, hi].astype(jnp.float32)
         return [(x1 * c - x2 * s).astype(dtype).astype(jnp.float32),
                 (x2 * c + x1 * s).astype(dtype).astype(jnp.float32)]
 
@@ -160,8 +155,8 @@ def _rope_kernel(layer_ref, slot_ref, qkv_ref, cos_ref, sin_ref, kc_in, vc_in, *
         rows = ((layer_ref[0] * kv_heads + heads) * num_pages + page) * page_size + within
         k_src = t * width + num_heads + heads
         _store(kc_ref, ks_ref, rows, rotated(k_src), [lo, hi], fp8)
-        whole = pl.ds(0, 2 * half)
-        _store(vc_ref, vs_ref, rows, [load(k_src + kv_heads, whole)], [whole], fp8)
+        _store(vc_ref, vs_ref, rows, [qkv_ref[k_src + kv_heads].astype(jnp.float32)],
+               [pl.ds(0, 2 * half)], fp8)
 
 
 def _split_qkv(qkv, num_heads: int, kv_heads: int, head_dim: int):
@@ -172,33 +167,27 @@ def _split_qkv(qkv, num_heads: int, kv_heads: int, head_dim: int):
 
 
 def rope_write_kv_reference(cache: KVCache, layer, qkv, cos, sin, slot_mapping, *,
-                            num_heads: int, dtype=None):
+                            num_heads: int):
     """Plain jnp (model.Attention's route): -> (cache with the new K/V, q [T, H, D])."""
     from jaxinfer.model import apply_rope
     _, kv_heads, _, _, head_dim = cache.k.shape
-    if qkv.ndim == 3:     # split-K partials: summed, rounded as the linear's output
-        qkv = jnp.sum(qkv, axis=0).astype(dtype)
     q, k, v = _split_qkv(qkv, num_heads, kv_heads, head_dim)
     cache = write_kv_reference(cache, layer, apply_rope(k, cos, sin), v, slot_mapping)
     return cache, apply_rope(q, cos, sin)
 
 
-@functools.partial(jax.jit, static_argnames=("num_heads", "dtype", "interpret"))
+@functools.partial(jax.jit, static_argnames=("num_heads", "interpret"))
 def rope_write_kv(cache: KVCache, layer, qkv, cos, sin, slot_mapping, *, num_heads: int,
-                  dtype=None, interpret: bool = False):
+                  interpret: bool = False):
     """rope_write_kv_reference in one kernel (module doc): qkv [T, (H + 2K) D] ([q | k | v]
-    heads, the projection's output) or its split-K partials [S, T, (H + 2K) D] (f32, summed
-    here and rounded to `dtype`: ops.linear_partials), cos/sin [T, D/2] f32, slot_mapping
-    [T] (-1 = padding: nothing written, q still rotated). Returns (the cache, q [T, H, D]
-    in qkv's dtype or `dtype`); the cache is updated in place as write_kv's."""
+    heads, the projection's output), cos/sin [T, D/2] f32, slot_mapping [T] (-1 = padding:
+    nothing written, q still rotated). Returns (the cache, q [T, H, D] in qkv's dtype); the
+    cache is updated in place as write_kv's."""
     _, kv_heads, num_pages, page_size, head_dim = cache.k.shape
-    parts = qkv.shape[0] if qkv.ndim == 3 else 1
-    if qkv.ndim == 2 or dtype is None:
-        dtype = qkv.dtype
-    t = qkv.shape[-2]
+    t = qkv.shape[0]
     half = head_dim // 2
-    if (qkv.shape[-2:] != (t, (num_heads + 2 * kv_heads) * head_dim) or cos.shape != (t, half)
-            or sin.shape != cos.shape or slot_mapping.shape != (t,) or qkv.ndim not in (2, 3)):
+    if (qkv.shape != (t, (num_heads + 2 * kv_heads) * head_dim) or cos.shape != (t, half)
+            or sin.shape != cos.shape or slot_mapping.shape != (t,)):
         raise ValueError(f"rope_write_kv: want qkv [T, {num_heads + 2 * kv_heads} * "
                          f"{head_dim}], cos/sin [T, {half}], slot_mapping [T]; got "
                          f"{qkv.shape}, {cos.shape}, {sin.shape}, {slot_mapping.shape}")
@@ -209,9 +198,8 @@ def rope_write_kv(cache: KVCache, layer, qkv, cos, sin, slot_mapping, *, num_hea
     p2 = lambda n: 1 << (n - 1).bit_length()         # noqa: E731 (Triton tiles)
     kernel = functools.partial(_rope_kernel, num_heads=num_heads, q_p2=p2(num_heads),
                                kv_heads=kv_heads, kv_p2=p2(kv_heads), num_pages=num_pages,
-                               page_size=page_size, half=half, fp8=fp8, parts=parts,
-                               part_rows=t * (num_heads + 2 * kv_heads), dtype=dtype)
-    q_out = jax.ShapeDtypeStruct((t * num_heads, head_dim), dtype)
+                               page_size=page_size, half=half, fp8=fp8)
+    q_out = jax.ShapeDtypeStruct((t * num_heads, head_dim), qkv.dtype)
     outs = pl.pallas_call(
         kernel, grid=(t,),
         out_shape=[q_out] + [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in views],

@@ -39,17 +39,16 @@ def supported(e: int) -> bool:
 
 
 def add_rmsnorm_reference(x, w, delta=None, *, eps: float):
-    """Plain jnp (model.RMSNorm's math): x [M, E], w [E], delta None, [M, E] added to x
-    first, or split-K partials [S, M, E] (f32) of it, summed and rounded to x's dtype before
-    the add. Returns (x after the add, n [M, E] in x's dtype)."""
+    """Plain jnp (model.RMSNorm's math): x [M, E], w [E], delta None or [M, E] added to x
+    first. Returns (x after the add, n [M, E] in x's dtype)."""
     if delta is not None:
-        x = x + (delta if delta.ndim == 2 else jnp.sum(delta, axis=0).astype(x.dtype))
+        x = x + delta
     xf = x.astype(jnp.float32)
     n = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
     return x, (n * w.astype(jnp.float32)).astype(x.dtype)
 
 
-def _kernel(*refs, e: int, bf: int, eps: float, add: bool, parts: int):
+def _kernel(*refs, e: int, bf: int, eps: float, add: bool):
     if add:
         x_ref, d_ref, w_ref, xo_ref, n_ref = refs
     else:
@@ -62,15 +61,7 @@ def _kernel(*refs, e: int, bf: int, eps: float, add: bool, parts: int):
         cols = pl.ds(c * bf, bf)
         x = x_ref[row, cols]                                              # [1, BF]
         if add:
-            if parts:     # split-K partials [S * M, E]: summed, rounded as the linear's output
-                m = pl.num_programs(0)
-                d = d_ref[row, cols]
-                for p in range(1, parts):
-                    d = d + d_ref[pl.ds(p * m + pl.program_id(0), 1), cols]
-                d = d.astype(x.dtype)
-            else:
-                d = d_ref[row, cols]
-            x = (x.astype(jnp.float32) + d.astype(jnp.float32)).astype(x.dtype)
+            x = (x.astype(jnp.float32) + d_ref[row, cols].astype(jnp.float32)).astype(x.dtype)
             xo_ref[row, cols] = x
         xf = x.astype(jnp.float32)
         ss = ss + jnp.sum(xf * xf, axis=1)
@@ -82,24 +73,21 @@ def _kernel(*refs, e: int, bf: int, eps: float, add: bool, parts: int):
 
 @functools.partial(jax.jit, static_argnames=("eps", "interpret"))
 def add_rmsnorm(x, w, delta=None, *, eps: float, interpret: bool = False):
-    """add_rmsnorm_reference in one kernel (module doc): x [M, E], w [E], delta None,
-    [M, E] of x's dtype, or f32 split-K partials [S, M, E] of it (ops.linear_partials).
-    Returns (x after the add (x itself without delta), n [M, E])."""
+    """add_rmsnorm_reference in one kernel (module doc): x [M, E], w [E], delta None or
+    [M, E] of x's dtype. Returns (x after the add (x itself without delta), n [M, E])."""
     m, e = x.shape
-    parts = delta.shape[0] if delta is not None and delta.ndim == 3 else 0
-    if w.shape != (e,) or (delta is not None and (
-            delta.shape[-2:] != x.shape or delta.ndim not in (2, 3)
-            or delta.dtype != (jnp.float32 if parts else x.dtype))):
-        raise ValueError(f"add_rmsnorm: want x [M, E], w [E], delta [M, E] of x's dtype or "
-                         f"[S, M, E] f32; got {x.shape}, {w.shape}, "
+    if w.shape != (e,) or (delta is not None and (delta.shape != x.shape
+                                                  or delta.dtype != x.dtype)):
+        raise ValueError(f"add_rmsnorm: want x [M, E], w [E], delta [M, E] of x's dtype; got "
+                         f"{x.shape}, {w.shape}, "
                          f"{None if delta is None else (delta.shape, delta.dtype)}")
     if not supported(e):
         return add_rmsnorm_reference(x, w, delta, eps=eps)
     add = delta is not None
-    ins = [x, delta.reshape(-1, e) if parts else delta, w] if add else [x, w]
+    ins = [x, delta, w] if add else [x, w]
     row = jax.ShapeDtypeStruct((m, e), x.dtype)
     res = pl.pallas_call(
-        functools.partial(_kernel, e=e, bf=chunk(e), eps=float(eps), add=add, parts=parts),
+        functools.partial(_kernel, e=e, bf=chunk(e), eps=float(eps), add=add),
         out_shape=[row, row] if add else [row], grid=(m,), interpret=interpret,
         name="add_rmsnorm", **triton_params(interpret, NUM_WARPS, num_stages=1),
     )(*ins)

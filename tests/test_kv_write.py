@@ -110,23 +110,6 @@ def test_rope_kernel_matches_reference(num_heads, kv_heads, head_dim, dtype, tok
         _equal(got_cache, want_cache, exact=False)
 
 
-@pytest.mark.parametrize("dtype", [FP8_DTYPE, jnp.bfloat16])
-def test_rope_split_k_partials(dtype):
-    """qkv as the projection's split-K partials [S, T, N] f32 (ops.linear_partials): summed
-    and rounded to the activations' dtype in the kernel, as the reference does first."""
-    rng = np.random.default_rng(17)
-    cache, qkv, cos, sin, slots = _rope_case(rng, 8, 2, 64, dtype, 6)
-    parts = jnp.asarray(rng.standard_normal((4,) + qkv.shape) * 3, jnp.float32)
-    want_cache, want_q = kw.rope_write_kv_reference(cache, jnp.int32(1), parts, cos, sin,
-                                                    slots, num_heads=8, dtype=jnp.bfloat16)
-    got_cache, got_q = kw.rope_write_kv(cache, jnp.int32(1), parts, cos, sin, slots,
-                                        num_heads=8, dtype=jnp.bfloat16, interpret=not ON_GPU)
-    assert got_q.dtype == jnp.bfloat16
-    np.testing.assert_allclose(np.asarray(got_q, np.float32), np.asarray(want_q, np.float32),
-                               rtol=2 ** -7, atol=1e-6)
-    _equal(got_cache, want_cache, exact=False)
-
-
 def test_rope_route_and_errors():
     rng = np.random.default_rng(5)
     cache, qkv, cos, sin, slots = _rope_case(rng, 4, 2, 64, jnp.bfloat16, 4)

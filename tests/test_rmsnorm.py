@@ -44,22 +44,6 @@ def test_kernel_matches_reference(m, e, dtype, add):
         np.testing.assert_array_equal(np.asarray(got[0], np.float32), np.asarray(x, np.float32))
 
 
-@pytest.mark.parametrize("splits", [2, 8])
-def test_split_k_partials(splits):
-    """delta as a linear's split-K partials [S, M, E] f32 (ops.linear_partials): summed and
-    rounded to x's dtype, then added, as the reference."""
-    rng = np.random.default_rng(splits)
-    x, _, w = _inputs(rng, 8, 4096, jnp.bfloat16)
-    parts = jnp.asarray(rng.standard_normal((splits, 8, 4096)), jnp.float32)
-    want = rmsnorm.add_rmsnorm_reference(x, w, parts, eps=1e-5)
-    np.testing.assert_array_equal(np.asarray(want[0], np.float32),
-                                  np.asarray(x + jnp.sum(parts, 0).astype(x.dtype), np.float32))
-    got = rmsnorm.add_rmsnorm(x, w, parts, eps=1e-5, interpret=not ON_GPU)
-    _check(got, want, jnp.bfloat16)
-    with pytest.raises(ValueError, match="add_rmsnorm"):
-        rmsnorm.add_rmsnorm(x, w, parts.astype(jnp.bfloat16), eps=1e-5, interpret=True)
-
-
 def test_reference_is_the_models_norm():
     rng = np.random.default_rng(2)
     x, d, w = _inputs(rng, 4, 64, jnp.float32)
