@@ -178,8 +178,9 @@ class DecoderLayer(nnx.Module):
     def __call__(self, x, delta, kv, layer, md, cos, sin, attn_impl):
         """The residual stream x [T, E] with delta still to be added to it (the previous
         layer's MLP output; None for the first layer) -> (x, this layer's MLP output still to
-        be added, the cache). The add is left to the next RMSNorm (the decoder's final one
-        after the last layer), so the two run as one kernel (ops.add_rmsnorm)."""
+        be added, the cache). Unrolled, the add is left to the next RMSNorm (the decoder's
+        final one after the last layer), so the two run as one kernel (ops.add_rmsnorm);
+        the scan passes None and adds it in its body."""
         layout = self.attn.layout
         if ops.fused_fp8_layer(x, self.attn.wqkv.kernel[...], self.mlp.w_down.kernel[...],
                                layout.size):
@@ -265,17 +266,16 @@ class Decoder(nnx.Module):
             return self.final_norm.add_norm(x, delta, self.layout)[1], kv
         graphdef, state = nnx.split(self.layers)
 
-        def body(carry, xs):
-            h, delta, kv = carry
+        def body(carry, xs):     # the MLP's add stays in the layer's body (XLA fuses it)
+            h, kv = carry
             layer_state, layer = xs
-            h, delta, kv = nnx.merge(graphdef, layer_state)(h, delta, kv, layer, md, cos, sin,
+            h, delta, kv = nnx.merge(graphdef, layer_state)(h, None, kv, layer, md, cos, sin,
                                                             attn_impl)
-            return (h, delta, kv), None
+            return (h + delta, kv), None
 
         layer_ids = jnp.arange(self.cfg.num_layers, dtype=jnp.int32)
-        # the carry's delta starts at zeros (a scan carry keeps one structure): x + 0 is x
-        (x, delta, kv), _ = jax.lax.scan(body, (x, jnp.zeros_like(x), kv), (state, layer_ids))
-        return self.final_norm.add_norm(x, delta, self.layout)[1], kv
+        (x, kv), _ = jax.lax.scan(body, (x, kv), (state, layer_ids))
+        return self.final_norm(x), kv
 
     def logits(self, h):
         """h [B, E] -> [B, V] f32."""
