@@ -282,7 +282,9 @@ def test_gpu_fused_glue_equals_unfused(monkeypatch, unroll):
 
     logits_u, k_u, v_u = run(False)
     logits_f, k_f, v_f = run(True)
-    np.testing.assert_allclose(logits_f, logits_u, atol=1e-4, rtol=1e-4)
+    # f32 dots run as TF32 on the GPU (10-bit mantissa): q differing in its last f32 bit
+    # between the routes moves a logit by up to ~1e-3 relative (the scan's run: 2.8e-4 abs)
+    np.testing.assert_allclose(logits_f, logits_u, atol=2e-3, rtol=2e-3)
     np.testing.assert_allclose(k_f, k_u, atol=1e-5, rtol=1e-5)
     np.testing.assert_allclose(v_f, v_u, atol=1e-5, rtol=1e-5)
     assert np.array_equal(np.argmax(logits_f, -1), np.argmax(logits_u, -1))
