@@ -20,10 +20,11 @@ two inside the kernel (Triton's tiles): the extra rows repeat the last head, whi
 same values to the same places twice instead of needing masked stores.
 `rope_write_kv` is the same write with RoPE in front: it takes the fused QKV projection's
 output, rotates q and k (model.apply_rope's math and rounding: f32, then the activations'
-dtype) and writes k and v; q comes back [T, H, D] for attention. In XLA's hands the split of
-the QKV product, the rotation and the K/V operands of the write were three kernels per layer
-beside this one (8B decode step at batch 1, H200 profile, eleventh session: ~1.4 us each
-for a few KB of work).
+dtype) and writes k and v; q comes back [T, H, D] for attention. In XLA's hands the rotation
+and the slices feeding the write and attention ran as kernels of their own beside the write
+(8B decode step at batch 1, H200 profile, eleventh session: a concatenate fusion and two
+slice fusions per layer, ~1.3-1.5 us each, for a few KB of work). This kernel takes 2.5 us
+per call there (twelfth session); the step's time did not move (ops.FUSED_GLUE).
 
 Backend: Pallas Triton, as the attention kernels (pallas_kernels/paged_attention.py says why).
 """
