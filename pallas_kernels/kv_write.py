@@ -118,7 +118,6 @@ def supported(cache: KVCache) -> bool:
     return d & (d - 1) == 0 and d >= 16
 
 
-
 ROPE_WARPS = 4   # a program rotates all H q heads of its token
 
 
@@ -215,5 +214,3 @@ def rope_write_kv(cache: KVCache, layer, qkv, cos, sin, slot_mapping, *, num_hea
         return KVCache(outs[0].reshape(shape), outs[1].reshape(shape),
                        outs[2].reshape(shape[:-1]), outs[3].reshape(shape[:-1])), q
     return KVCache(outs[0].reshape(shape), outs[1].reshape(shape)), q
-
-
