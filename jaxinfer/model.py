@@ -208,15 +208,17 @@ class DecoderLayer(nnx.Module):
         return x, y, kv
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1))
-def _unrolled_layer(graphdef, attn_impl, state, x, delta, kv, layer, md, cos, sin):
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def _unrolled_layer(graphdef, attn_impl, switches, state, x, delta, kv, layer, md, cos, sin):
     """One decoder layer of the unrolled model as its own (inner) jit: every layer has the
     same structure and shapes, so tracing it once serves all of them (the trace of the whole
     step was ~0.5 s per executable on the H200 host, start-up compiles serial on it). XLA
     inlines the calls: on the CPU the compiled step has the same kernels as without the inner
     jit (tiny model, when this went in: 75 kernels per step and 20 per layer either way), and
     on the H200 the 8B decode step keeps its 13 kernels per layer (bench/results/compile.json);
-    warm start-up went 15.7 -> 6.4 s there."""
+    warm start-up went 15.7 -> 6.4 s there. `switches` (ops.switches()) only keys the trace
+    cache: a runner built after an ops switch changed traces the layer anew."""
+    del switches
     return nnx.merge(graphdef, state)(x, delta, kv, layer, md, cos, sin, attn_impl)
 
 
@@ -261,8 +263,8 @@ class Decoder(nnx.Module):
             for i, layer in enumerate(self.layers):
                 graphdef, state = nnx.split(layer)
                 with jax.named_scope("decoder_layer"):  # bench/hlo.py counts kernels by it
-                    x, delta, kv = _unrolled_layer(graphdef, attn_impl, state, x, delta, kv,
-                                                   jnp.int32(i), md, cos, sin)
+                    x, delta, kv = _unrolled_layer(graphdef, attn_impl, ops.switches(), state,
+                                                   x, delta, kv, jnp.int32(i), md, cos, sin)
             return self.final_norm.add_norm(x, delta, self.layout)[1], kv
         graphdef, state = nnx.split(self.layers)
 

@@ -45,9 +45,14 @@ DECODE_MIN_ROWS = 8
 # 4.16-4.24 off, one process per run; the fused kernels take 2.4-2.6 us each where XLA's
 # took 1.3-1.8); B=64/256 and one request through the engine within noise. Kept for the
 # kernel count, not for speed. False turns both off (in-process A/B). Like the switches
-# above, it is read when a step is traced: model._unrolled_layer's trace cache keeps what
-# the first trace saw.
+# above, it is read when a step is traced: a runner's step keeps what its first trace saw,
+# and model._unrolled_layer (shared by all runners) keys its trace cache on `switches()`.
 FUSED_GLUE = True
+
+
+def switches() -> tuple:
+    """This module's switches, as a key for a trace cache shared across runners."""
+    return (FUSED_FP8_MLP, PALLAS_KV_WRITE, FUSED_NORM_QUANT, BF16_PAD_M, FUSED_GLUE)
 
 
 def _on_gpu() -> bool:

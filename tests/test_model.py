@@ -186,7 +186,7 @@ def test_fused_glue_equals_unfused(monkeypatch, unroll):
     the combine kernel has its own tests in test_paged_attention.py.)"""
     import jax
     import jax.extend
-    from jaxinfer import model, ops
+    from jaxinfer import ops
     from pallas_kernels import rmsnorm
     cfg = standard_config("tiny")
     flat = random_flat(cfg, seed=8)
@@ -212,7 +212,6 @@ def test_fused_glue_equals_unfused(monkeypatch, unroll):
 
     def run(fused):
         monkeypatch.setattr(ops, "FUSED_GLUE", fused)
-        model._unrolled_layer.clear_cache()   # switches are read when a layer is traced
         runner = ModelRunner(cfg, engine, *build_model(cfg, flat, jnp.float32,
                                                        unroll_layers=unroll))
         pre = runner.all_logits(prompt, single_sequence_md(range(7), ids, 4,
@@ -257,7 +256,7 @@ def test_gpu_fused_glue_equals_unfused(monkeypatch, unroll):
     model in f32 (Pallas attention, a decode step of one row padded to 8 by ops.decode_rows):
     a prefill and four decode steps give the same logits and the same cache."""
     import jax
-    from jaxinfer import model, ops
+    from jaxinfer import ops
     assert jax.default_backend() == "gpu"
     cfg = standard_config("tiny")
     flat = random_flat(cfg, seed=12)
@@ -268,7 +267,6 @@ def test_gpu_fused_glue_equals_unfused(monkeypatch, unroll):
 
     def run(fused):
         monkeypatch.setattr(ops, "FUSED_GLUE", fused)
-        model._unrolled_layer.clear_cache()
         runner = ModelRunner(cfg, engine, *build_model(cfg, flat, jnp.float32,
                                                        unroll_layers=unroll))
         out = [runner.all_logits(prompt, single_sequence_md(range(9), ids, 4,
