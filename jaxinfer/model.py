@@ -121,13 +121,13 @@ class Attention(nnx.Module):
         before wo, and the cache with the new tokens' K/V written."""
         cfg, n = self.cfg, self.layout.attn
         t = qkv.shape[0]
-        qkv = qkv.reshape(t, n, -1)                                     # [T, n, (H+2K)D/n]
-        fused = ops.rope_write_kv(kv, layer, qkv.reshape(t, -1), cos, sin, md.slot_mapping,
+        fused = ops.rope_write_kv(kv, layer, qkv, cos, sin, md.slot_mapping,
                                   num_heads=cfg.num_heads, impl=attn_impl, layout=self.layout)
         if fused is not None:
             q, kv = fused
-        else:
-            q, kv = self._rope_write(qkv, kv, layer, md, cos, sin, attn_impl)
+        else:     # [T, n, (H+2K)D/n]: each device's own heads under tensor parallelism
+            q, kv = self._rope_write(qkv.reshape(t, n, -1), kv, layer, md, cos, sin,
+                                     attn_impl)
         o = ops.attention(q, kv, layer, md, sm_scale=cfg.head_dim ** -0.5, impl=attn_impl,
                           layout=self.layout)
         return o.reshape(t, cfg.q_size), kv

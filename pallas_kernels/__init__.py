@@ -11,6 +11,11 @@ def triton_params(interpret: bool, num_warps: int, num_stages: int) -> dict:
     return {"compiler_params": plt.CompilerParams(num_warps=num_warps, num_stages=num_stages)}
 
 
+def pow2_ceil(n: int) -> int:
+    """Smallest power of two >= n (n >= 1): Triton's tile sizes."""
+    return 1 << (n - 1).bit_length()
+
+
 def pow2_divisor(n: int, cap: int) -> int:
     """Largest power of two <= cap that divides n."""
     d = 1

@@ -42,7 +42,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels import pow2_divisor, triton_params
+from pallas_kernels import pow2_ceil, pow2_divisor, triton_params
 from pallas_kernels.tuning import FP8_GEMV
 
 FP8_DTYPE = jnp.float8_e4m3fn
@@ -85,7 +85,7 @@ def skinny_tiles(m: int, k: int, n: int, *, bn_cap: int | None = None,
     override them (bench/fp8_matmul.py --tune-only compares variants). tensor_cores: M == 1
     too goes through the tensor-core dot path, x padded to 16 rows."""
     g = FP8_GEMV
-    mp = 1 if m == 1 and not tensor_cores else max(16, 1 << (m - 1).bit_length())
+    mp = 1 if m == 1 and not tensor_cores else max(16, pow2_ceil(m))
     gemv = mp == 1
     # x is re-read from L2 by every program: BN >= Mp/2 keeps that traffic near the weight's.
     bn = pow2_divisor(n, bn_cap or (g.bn if gemv else max(16, mp // 2)))

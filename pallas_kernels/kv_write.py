@@ -23,7 +23,7 @@ output, rotates q and k (model.apply_rope's math and rounding: f32, then the act
 dtype) and writes k and v; q comes back [T, H, D] for attention. In XLA's hands the rotation
 and the slices feeding the write and attention ran as kernels of their own beside the write
 (8B decode step at batch 1, H200 profile, eleventh session: a concatenate fusion and two
-slice fusions per layer, ~1.3-1.5 us each, for a few KB of work). This kernel takes 2.5 us
+slice fusions per layer, read by their names, ~1.3-1.5 us each, for a few KB of work). This kernel takes 2.5 us
 per call there (twelfth session); the step's time did not move (ops.FUSED_GLUE).
 
 Backend: Pallas Triton, as the attention kernels (pallas_kernels/paged_attention.py says why).
@@ -37,7 +37,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from jaxinfer.kv_cache import KVCache, fp8_scale, write_kv as write_kv_reference
-from pallas_kernels import triton_params
+from pallas_kernels import pow2_ceil, triton_params
 
 
 def _store(c_ref, s_ref, rows, parts, cols, fp8: bool):
@@ -95,7 +95,7 @@ def write_kv(cache: KVCache, layer, k, v, slot_mapping, *, interpret: bool = Fal
     if fp8:
         views += [cache.k_scale.reshape(-1), cache.v_scale.reshape(-1)]
     kernel = functools.partial(_kernel, kv_heads=kv_heads,
-                               heads_p2=1 << (kv_heads - 1).bit_length(),
+                               heads_p2=pow2_ceil(kv_heads),
                                num_pages=num_pages, page_size=page_size, fp8=fp8)
     params = triton_params(interpret, num_warps=1, num_stages=1)
     outs = pl.pallas_call(
@@ -195,9 +195,8 @@ def rope_write_kv(cache: KVCache, layer, qkv, cos, sin, slot_mapping, *, num_hea
     views = [cache.k.reshape(-1, head_dim), cache.v.reshape(-1, head_dim)]
     if fp8:
         views += [cache.k_scale.reshape(-1), cache.v_scale.reshape(-1)]
-    p2 = lambda n: 1 << (n - 1).bit_length()         # noqa: E731 (Triton tiles)
-    kernel = functools.partial(_rope_kernel, num_heads=num_heads, q_p2=p2(num_heads),
-                               kv_heads=kv_heads, kv_p2=p2(kv_heads), num_pages=num_pages,
+    kernel = functools.partial(_rope_kernel, num_heads=num_heads, q_p2=pow2_ceil(num_heads),
+                               kv_heads=kv_heads, kv_p2=pow2_ceil(kv_heads), num_pages=num_pages,
                                page_size=page_size, half=half, fp8=fp8)
     q_out = jax.ShapeDtypeStruct((t * num_heads, head_dim), qkv.dtype)
     outs = pl.pallas_call(

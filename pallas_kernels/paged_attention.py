@@ -42,7 +42,7 @@ from jax.experimental import pallas as pl
 
 from jaxinfer.errors import ConfigError
 from jaxinfer.kv_cache import FP8_DTYPE
-from pallas_kernels import triton_params, tuning
+from pallas_kernels import pow2_ceil, triton_params, tuning
 from pallas_kernels.attention_block import (LOG2E, MIN_ROWS, attend_block, block_pages,
                                             cache_views, compute_dtype, empty_carry,
                                             kernel_refs, kv_rows, load_q, paged_loop,
@@ -116,7 +116,7 @@ def _combine_kernel(acc_ref, m_ref, l_ref, o_ref, *, splits: int, rows: int, num
 
     @pl.when(b < rows)
     def _():
-        chunk = min(COMBINE_CHUNK, 1 << (splits - 1).bit_length())
+        chunk = min(COMBINE_CHUNK, pow2_ceil(splits))
         parts = [jnp.arange(c, c + chunk, dtype=jnp.int32) for c in range(0, splits, chunk)]
         idx = [(jnp.minimum(s, splits - 1) * rows + b) * num_heads + h for s in parts]
         ms = [jnp.where(s < splits, m_ref[i], -jnp.inf) for s, i in zip(parts, idx)]
@@ -163,7 +163,7 @@ def paged_attention_blocks(q, k_pages, v_pages, layer, seq_lens, page_table, k_s
     per_split = pl.cdiv(pages_per_seq * page_size, blocks.num_splits)
     split_tokens = pl.cdiv(per_split, blocks.block_tokens) * blocks.block_tokens
     groups = num_heads // kv_heads
-    rows_q = max(MIN_ROWS, 1 << (groups - 1).bit_length())
+    rows_q = max(MIN_ROWS, pow2_ceil(groups))
     pairs = uses_pairs(k_pages.dtype, blocks.fp8_compute, head_dim)
     kernel = functools.partial(
         _decode_kernel, groups=groups, rows_q=rows_q, pages_per_seq=pages_per_seq,

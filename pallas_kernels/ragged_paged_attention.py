@@ -37,7 +37,7 @@ from jax.experimental import pallas as pl
 
 from jaxinfer.errors import ConfigError
 from jaxinfer.kv_cache import FP8_DTYPE
-from pallas_kernels import triton_params, tuning
+from pallas_kernels import pow2_ceil, triton_params, tuning
 from pallas_kernels.attention_block import (LOG2E, MIN_ROWS, attend_block, block_pages,
                                             cache_views, compute_dtype, empty_carry,
                                             kernel_refs, kv_rows, load_q, paged_loop,
@@ -131,7 +131,7 @@ def ragged_paged_attention_blocks(q, k_pages, v_pages, layer, md, k_scale=None, 
     num_tokens, num_heads, _ = q.shape
     batch, pages_per_seq = md.page_table.shape
     groups = num_heads // kv_heads
-    groups_p2 = 1 << (groups - 1).bit_length()
+    groups_p2 = pow2_ceil(groups)
     pairs = uses_pairs(k_pages.dtype, blocks.fp8_compute, head_dim)
     kernel = functools.partial(
         _ragged_kernel, groups=groups, groups_p2=groups_p2,

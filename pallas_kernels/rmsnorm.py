@@ -6,8 +6,9 @@ model.DecoderLayer runs, twice per layer,
     x = x + delta                       # the attention's (MLP's) output joins the residual
     n = bf16(rmsnorm(x) * w)            # the next projection's input
 
-which XLA ran as two kernels per use in the 8B decode step at batch 1 (H200 profile and HLO:
-the add, then one fusion for the norm; ~1.8 us each, the work itself being a few KB).
+which XLA ran as two kernels per use in the 8B decode step at batch 1 (H200 profile, eleventh
+session: an add fusion and another fusion at 63 calls per step each, read by their names
+and counts as the add and the norm; ~1.8 us each, the work itself being a few KB).
 `add_rmsnorm` does a use in one kernel: a program owns one row, holds its E values in
 registers (static chunks of BF columns), writes x after the add and n; nothing else goes to
 memory. Measured there (twelfth session, bench/README.md): 2.6 us per call, and the step's
