@@ -15,7 +15,12 @@ this). The check of the FP8 choice alone, ~2-3 minutes on an H200:
 Method (shared/BENCH.md): one process; ceilings (bench/ceilings.py) measured in the same
 run; random data; each timed call runs the op over R page tables drawn from one large cache,
 R chosen so the bytes touched per call exceed 4x the 60 MB L2; calls are dispatched back to
-back and the median over repeats of (elapsed / ops) is reported. Bytes counted: K/V (+ FP8
+back and the median over repeats of (elapsed / ops) is reported as `us` (host clock). On the
+GPU each row also has `us_device`: the same calls run under the profiler, the durations of
+all their device kernels and copies summed per op (BENCH.md's device-side timing). The host
+clock also counts the device's idle time between launches, which a kernel inside the model's
+step (replayed from a command buffer) mostly does not pay; the targets are read on
+`us_device`, and both stay in the file. Bytes counted: K/V (+ FP8
 scales) of every sequence's live tokens, q and the output. `--tune` only times candidate
 block sizes (for FP8 also the compute dtypes; page-table prefetch on/off) on the target shapes
 and prints them (the winners go into pallas_kernels/tuning.py by hand). `--mixed` adds one
@@ -135,9 +140,38 @@ def time_impl(fn, case) -> float:
     return timed(rotated(fn), (q, k, v, ks, vs, tables, lens)) / tables.shape[0]
 
 
-def bench_attention(batch, context, fp8, key, names, bf16_kv_s=None) -> list[dict]:
-    """Rows for the impls in `names`; FP8 jaxinfer rows get vs_bf16_kv from bf16_kv_s (the
-    jaxinfer time on bf16 KV of the same shape, this run)."""
+def busy_seconds(events: list[dict], calls: int) -> float:
+    """Device time per call: the summed durations (us) of every device event (kernels and
+    copies alike, so nothing of an impl's own work is left out) over `calls` calls."""
+    if calls < 1 or not events:
+        raise ValueError(f"busy_seconds: {len(events)} events over {calls} calls")
+    return sum(e["dur"] for e in events) * 1e-6 / calls
+
+
+def device_time_impl(fn, case, reps: int = 3) -> float | None:
+    """Device seconds per call of `fn` on `case` (None off the GPU): the rotated call run
+    `reps` times back to back under the profiler (CUPTI), busy_seconds of its device events.
+    Unlike time_impl's host clock it leaves out the device's idle time between kernels
+    (launch gaps inside each dispatched executable and between them: on the H200, 10 us per
+    call at B=1 S=512 and 40 us at B=64 S=2048, bf16; bench/README.md, thirteenth session),
+    which the model's step, kernels replayed from a command buffer, mostly does not have."""
+    if jax.default_backend() != "gpu":
+        return None
+    from bench.profile import device_events, trace_events
+    q, k, v, (ks, vs), tables, lens = case
+    call, args = rotated(fn), (q, k, v, ks, vs, tables, lens)
+
+    def run():
+        jax.block_until_ready([call(*args) for _ in range(reps)])
+    run()
+    return busy_seconds(device_events(trace_events(run)), reps * tables.shape[0])
+
+
+def bench_attention(batch, context, fp8, key, names, bf16_kv=None) -> list[dict]:
+    """Rows for the impls in `names`, each timed by the host clock (`us`, `TBps`) and, on the
+    GPU, by the profiler's device time (`us_device`, `TBps_device`); ratios of either kind
+    (vs_bundled, vs_bundled_device). FP8 jaxinfer rows get vs_bf16_kv(_device) from bf16_kv,
+    the bf16-KV jaxinfer row of the same shape (this run)."""
     case = make_case(batch, context, fp8, key)
     nbytes = bytes_moved(batch, context, fp8)
     blocks = tuned_blocks(batch, context, fp8)
@@ -147,18 +181,23 @@ def bench_attention(batch, context, fp8, key, names, bf16_kv_s=None) -> list[dic
         if name not in names or (name == "xla_reference" and batch * context > MAX_REF_TOKENS):
             continue
         try:
-            times[name] = time_impl(fn, case)
+            times[name] = {"": time_impl(fn, case), "_device": device_time_impl(fn, case)}
         except Exception as e:  # a failing baseline must not sink the run: record it
             rows.append({"impl": name, **base, "error": f"{type(e).__name__}: {e}"[:300]})
-    for name, sec in times.items():
-        row = {"impl": name, **base, "us": round(sec * 1e6, 2),
-               "TBps": round(nbytes / sec / 1e12, 3)}
-        if "bundled" in times:
-            row["vs_bundled"] = round(times["bundled"] / sec, 3)
+    for name, secs in times.items():
+        row = {"impl": name, **base}
+        for kind, sec in secs.items():
+            if sec is None:
+                continue
+            row[f"us{kind}"] = round(sec * 1e6, 2)
+            row[f"TBps{kind}"] = round(nbytes / sec / 1e12, 3)
+            other = times.get("bundled", {}).get(kind)
+            if other:
+                row[f"vs_bundled{kind}"] = round(other / sec, 3)
+            if fp8 and name.startswith("jaxinfer") and bf16_kv and f"us{kind}" in bf16_kv:
+                row[f"vs_bf16_kv{kind}"] = round(bf16_kv[f"us{kind}"] * 1e-6 / sec, 3)
         if name.startswith("jaxinfer"):
             row["blocks"] = str(blocks if name == "jaxinfer" else widened_f16(blocks))
-            if fp8 and bf16_kv_s:
-                row["vs_bf16_kv"] = round(bf16_kv_s / sec, 3)
         rows.append(row)
     return rows
 
@@ -219,9 +258,13 @@ def _tune_once(key, shapes, kv, tiles, split_choices, fp8_computes, prefetch) ->
                 blk = tuning.DecodeBlocks(tok, n, warps, stages, comp, pre)
                 label = f"TUNE B={batch} S={context} fp8={fp8} {blk}"
                 try:
-                    sec = time_impl(impls(fp8, blk, tuned=False)["jaxinfer"], case)
-                    tbps = bytes_moved(batch, context, fp8) / sec / 1e12
-                    print(f"{label} {sec * 1e6:.1f}us {tbps:.2f}TB/s", flush=True)
+                    fn = impls(fp8, blk, tuned=False)["jaxinfer"]
+                    sec, dev = time_impl(fn, case), device_time_impl(fn, case)
+                    nbytes = bytes_moved(batch, context, fp8)
+                    busy = "" if dev is None else (f" device {dev * 1e6:.1f}us "
+                                                   f"{nbytes / dev / 1e12:.2f}TB/s")
+                    print(f"{label} {sec * 1e6:.1f}us {nbytes / sec / 1e12:.2f}TB/s{busy}",
+                          flush=True)
                 except Exception as e:
                     print(f"{label} failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
 
@@ -289,10 +332,9 @@ def main(argv=None) -> None:
             if batch * context > MAX_TOKENS:
                 continue
             rows = bench_attention(batch, context, False, key, args.impls)
-            bf16_s = next((r["us"] * 1e-6 for r in rows
-                           if r["impl"] == "jaxinfer" and "us" in r), None)
+            bf16 = next((r for r in rows if r["impl"] == "jaxinfer" and "us" in r), None)
             save(result, args.out, rows + bench_attention(batch, context, True, key,
-                                                          args.impls, bf16_s))
+                                                          args.impls, bf16))
     for batch in [] if args.no_write_kv else args.batches:
         for fp8 in (False, True):
             save(result, args.out, [bench_write_kv(batch, fp8, key)])
