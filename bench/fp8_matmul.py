@@ -5,7 +5,10 @@
 Every implementation runs in this one process on the same random data. Each timed call is one
 jitted program applying the op to R different weight buffers (R x fp8 bytes >= --rotate-mb, so
 the 60 MB L2 never holds the next weight), issued back to back; us = median over samples of
-wall time / (calls * R). `TBps` counts weight bytes only (fp8: K*N + 4N, bf16: 2KN), the unit
+wall time / (calls * R). On the GPU `us_device` is the device-side time of the same program
+(its kernels' and copies' durations under the profiler, per op; bench.profile.device_seconds):
+the host clock also counts the idle time between launches, which the model's step (replayed
+from a command buffer) mostly does not pay. The targets are read on us_device. `TBps` counts weight bytes only (fp8: K*N + 4N, bf16: 2KN), the unit
 the targets are stated in. Each row also carries its error against the f32 reference.
 """
 from __future__ import annotations
@@ -24,6 +27,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from bench.common import git_sha
+from bench.profile import device_seconds
 from checkpoints.fp8 import quantize_linear
 from pallas_kernels import fp8_matmul as fm
 
@@ -176,6 +180,13 @@ def time_per_op(fn, xs, weights, samples):
     return statistics.median(times), out[0]
 
 
+def device_per_op(fn, xs, weights, reps: int = 3):
+    """Device seconds per op (bench.profile.device_seconds; None off the GPU): the program of
+    time_per_op run `reps` times under the profiler, its kernels' and copies' time summed."""
+    run = jax.jit(lambda xs, ws: [fn(x, *w) for x, w in zip(xs, ws)])
+    return device_seconds(lambda: [run(xs, weights) for _ in range(reps)], reps * len(xs))
+
+
 def rel_err(y, ref):
     y, ref = y.astype(jnp.float32), ref.astype(jnp.float32)
     return float(jnp.linalg.norm(y - ref) / jnp.linalg.norm(ref))
@@ -215,6 +226,7 @@ def bench_shape(k, n, ms, args, rows):
         for name, fn in impls.items():
             try:
                 sec, y = time_per_op(fn, xs, weights, args.samples)
+                dev = device_per_op(fn, xs, weights)
             except Exception as e:   # one broken route must not cost the other rows
                 rows.append({"impl": name, "M": m, "K": k, "N": n, "error": repr(e)[:400]})
                 print(json.dumps(rows[-1]), flush=True)
@@ -227,7 +239,10 @@ def bench_shape(k, n, ms, args, rows):
                          "TFLOPs": round(2 * m * k * n / sec / 1e12, 1),
                          "rel_err": round(rel_err(y, ref_bf16 if name.startswith("xla_bf16")
                                                   else ref_fp8), 5),
-                         "rotated_buffers": count, **extra})
+                         "rotated_buffers": count, **extra,
+                         **({} if dev is None else {
+                             "us_device": round(dev * 1e6, 2),
+                             "TBps_device": round(w_bytes / dev / 1e12, 3)})})
             print(json.dumps(rows[-1]), flush=True)
         add_ratios(rows, m, k, n)
 
@@ -284,8 +299,9 @@ def _forced_tiles(x, _w, w_q, scale, t):
 def add_ratios(rows, m, k, n):
     same = {r["impl"]: r for r in rows if (r["M"], r["K"], r["N"]) == (m, k, n) and "us" in r}
     for r in same.values():
-        if "xla_bf16" in same:
-            r["vs_bf16"] = round(same["xla_bf16"]["us"] / r["us"], 3)
+        for kind in ("", "_device"):
+            if f"us{kind}" in r and f"us{kind}" in same.get("xla_bf16", {}):
+                r[f"vs_bf16{kind}"] = round(same["xla_bf16"][f"us{kind}"] / r[f"us{kind}"], 3)
 
 
 def ceilings():
@@ -354,9 +370,12 @@ def main(argv=None):
         if "us" not in r:
             print(f'{r["impl"]:>18} M={r["M"]:>5} {r["K"]:>5}x{r["N"]:<5} {r["error"][:80]}')
             continue
+        dev = ("" if "us_device" not in r else
+               f'  device {r["us_device"]:>8.1f} us {r["TBps_device"]:>5.2f} TB/s '
+               f'x{r.get("vs_bf16_device", 0):.2f}')
         print(f'{r["impl"]:>18} M={r["M"]:>5} {r["K"]:>5}x{r["N"]:<5} {r["us"]:>9.1f} us '
               f'{r["TBps"]:>6.2f} TB/s  x{r.get("vs_bf16", 0):.2f} vs bf16  '
-              f'err {r["rel_err"]:.1e}')
+              f'err {r["rel_err"]:.1e}{dev}')
 
 
 def write(path, result):

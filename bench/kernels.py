@@ -41,6 +41,7 @@ import jax
 import jax.numpy as jnp
 
 from bench import ceilings
+from bench.profile import device_seconds
 from bench.common import new_result, parse_ints, save
 from jaxinfer.kv_cache import FP8_DTYPE, KVCache, write_kv
 from pallas_kernels import tuning
@@ -140,31 +141,18 @@ def time_impl(fn, case) -> float:
     return timed(rotated(fn), (q, k, v, ks, vs, tables, lens)) / tables.shape[0]
 
 
-def busy_seconds(events: list[dict], calls: int) -> float:
-    """Device time per call: the summed durations (us) of every device event (kernels and
-    copies alike, so nothing of an impl's own work is left out) over `calls` calls."""
-    if calls < 1 or not events:
-        raise ValueError(f"busy_seconds: {len(events)} events over {calls} calls")
-    return sum(e["dur"] for e in events) * 1e-6 / calls
-
-
 def device_time_impl(fn, case, reps: int = 3) -> float | None:
     """Device seconds per call of `fn` on `case` (None off the GPU): the rotated call run
-    `reps` times back to back under the profiler (CUPTI), busy_seconds of its device events.
+    `reps` times back to back under the profiler (bench.profile.device_seconds).
     Unlike time_impl's host clock it leaves out the device's idle time between kernels
     (launch gaps inside each dispatched executable and between them: on the H200, 10 us per
     call at B=1 S=512 and 40 us at B=64 S=2048, bf16; bench/README.md, thirteenth session),
     which the model's step, kernels replayed from a command buffer, mostly does not have."""
     if jax.default_backend() != "gpu":
         return None
-    from bench.profile import device_events, trace_events
     q, k, v, (ks, vs), tables, lens = case
     call, args = rotated(fn), (q, k, v, ks, vs, tables, lens)
-
-    def run():
-        jax.block_until_ready([call(*args) for _ in range(reps)])
-    run()
-    return busy_seconds(device_events(trace_events(run)), reps * tables.shape[0])
+    return device_seconds(lambda: [call(*args) for _ in range(reps)], reps * tables.shape[0])
 
 
 def bench_attention(batch, context, fp8, key, names, bf16_kv=None) -> list[dict]:

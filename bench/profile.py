@@ -106,6 +106,27 @@ def device_events(events: list[dict]) -> list[dict]:
             and not e["name"].startswith(("ThunkExecutor", "while"))]
 
 
+def busy_seconds(events: list[dict], calls: int) -> float:
+    """Device time per call: the summed durations (us) of every device event (kernels and
+    copies alike, so nothing of an op's own work is left out) over `calls` calls."""
+    if calls < 1 or not events:
+        raise ValueError(f"busy_seconds: {len(events)} events over {calls} calls")
+    return sum(e["dur"] for e in events) * 1e-6 / calls
+
+
+def device_seconds(run, calls: int) -> float | None:
+    """Device-side time per call of `run()` (which dispatches `calls` calls and returns their
+    outputs): run once to warm up, then once under the profiler; busy_seconds of its device
+    events. The op benches' `us_device` (BENCH.md's device-side timing): unlike a host clock
+    around back-to-back dispatches, it leaves out the device's idle time between launches.
+    None off the GPU (the CPU's "device events" are host-side XLA ops)."""
+    if jax.default_backend() != "gpu":
+        return None
+    jax.block_until_ready(run())
+    return busy_seconds(device_events(trace_events(lambda: jax.block_until_ready(run()))),
+                        calls)
+
+
 def summarize(events: list[dict], steps: int, top: int = 25) -> dict:
     if not events:
         return {"kernels_per_step": 0}

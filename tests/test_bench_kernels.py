@@ -1,9 +1,11 @@
-"""bench/kernels.py's device-side timing: the arithmetic of its busy time (the profiled
+"""The op benches' device-side timing (bench/profile.py's device_seconds, used by
+bench/kernels.py and bench/fp8_matmul.py): the arithmetic of its busy time (the profiled
 timing itself needs a GPU; off it, rows carry the host clock only)."""
 import jax
 import pytest
 
-from bench.kernels import busy_seconds, device_time_impl
+from bench.kernels import device_time_impl
+from bench.profile import busy_seconds
 
 
 def test_busy_seconds_sums_every_event_per_call():
