@@ -15,27 +15,18 @@ against regressions.
 """
 import numpy as np
 import pytest
-from pydoc_data.topics import topics
 
-from jaxinfer.config import EngineConfig
-from jaxinfer.loading import load_model
-from jaxinfer.runner import ModelRunner
-from test_model import single_sequence_md
+from bench.lm_head_quality import WINDOW, teacher_forced as _teacher_forced
+from bench.lm_head_quality import windows as _windows
 
-WINDOW = 512
 NUM_WINDOWS = 8   # 8 x 511 predicted tokens = 4088 scored, 4096 fed
 
 
 @pytest.fixture(scope="module")
 def windows():
-    from jaxinfer.tokenizer import Tokenizer
-    from checkpoints import default_gguf_path
-
-    tok = Tokenizer.from_gguf(default_gguf_path())
-    text = "\n\n".join(topics[k] for k in sorted(topics))
-    ids = tok.encode(text[:200_000])
-    assert len(ids) >= WINDOW * NUM_WINDOWS
-    return np.asarray(ids[:WINDOW * NUM_WINDOWS], np.int32).reshape(NUM_WINDOWS, WINDOW)
+    ws = _windows(NUM_WINDOWS)
+    assert ws.shape == (NUM_WINDOWS, WINDOW)
+    return ws
 
 
 @pytest.fixture(scope="module")
@@ -49,19 +40,8 @@ def calibrated(tmp_path_factory):
 
 
 def teacher_forced(windows, weights, kv_dtype, model="smollm2"):
-    engine = EngineConfig(dtype="bfloat16", weights=weights, kv_dtype=kv_dtype, page_size=16,
-                          max_model_len=WINDOW, max_num_seqs=1)
-    cfg, graphdef, params, _ = load_model(model, engine)
-    runner = ModelRunner(cfg, engine, graphdef, params)
-    pages = list(range(1, engine.pages_per_seq + 1))
-    nll, top1 = [], []
-    for w in windows:
-        logits = runner.all_logits(w, single_sequence_md(range(WINDOW), pages, 16,
-                                                         engine.pages_per_seq))[:-1]
-        logp = logits - np.logaddexp.reduce(logits, axis=-1, keepdims=True)
-        nll.append(-logp[np.arange(WINDOW - 1), w[1:]])
-        top1.append(logits.argmax(-1))
-    return float(np.exp(np.concatenate(nll).mean())), np.concatenate(top1)
+    """(perplexity, top-1 ids) teacher-forced over the windows (bench/lm_head_quality.py)."""
+    return _teacher_forced(windows, model, weights, kv_dtype)
 
 
 @pytest.fixture(scope="module")
