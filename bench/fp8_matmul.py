@@ -163,8 +163,11 @@ def hlo_kernels(fn, x, weight) -> dict:
     return {"by_kind": entry["by_kind"], "custom_calls": entry["custom_calls"]}
 
 
-def time_per_op(fn, xs, weights, samples):
-    """Median seconds per op; the program applies fn once per (x, weight) pair."""
+def time_per_op(fn, xs, weights, samples, device: bool = False):
+    """Median host-clock seconds per op; the program applies fn once per (x, weight) pair.
+    Returns (seconds, first output), or with device=True (seconds, device seconds or None
+    off the GPU, first output): the same compiled program run 3 times under the profiler
+    (bench.profile.device_seconds)."""
     run = jax.jit(lambda xs, ws: [fn(x, *w) for x, w in zip(xs, ws)])
     out = jax.block_until_ready(run(xs, weights))
     t0 = time.perf_counter()
@@ -177,14 +180,10 @@ def time_per_op(fn, xs, weights, samples):
             res = run(xs, weights)
         jax.block_until_ready(res)
         times.append((time.perf_counter() - t0) / (calls * len(xs)))
-    return statistics.median(times), out[0]
-
-
-def device_per_op(fn, xs, weights, reps: int = 3):
-    """Device seconds per op (bench.profile.device_seconds; None off the GPU): the program of
-    time_per_op run `reps` times under the profiler, its kernels' and copies' time summed."""
-    run = jax.jit(lambda xs, ws: [fn(x, *w) for x, w in zip(xs, ws)])
-    return device_seconds(lambda: [run(xs, weights) for _ in range(reps)], reps * len(xs))
+    if not device:
+        return statistics.median(times), out[0]
+    dev = device_seconds(lambda: [run(xs, weights) for _ in range(3)], 3 * len(xs))
+    return statistics.median(times), dev, out[0]
 
 
 def rel_err(y, ref):
@@ -225,8 +224,7 @@ def bench_shape(k, n, ms, args, rows):
             impls.update(ksplit_variants(m, args.ksplit))
         for name, fn in impls.items():
             try:
-                sec, y = time_per_op(fn, xs, weights, args.samples)
-                dev = device_per_op(fn, xs, weights)
+                sec, dev, y = time_per_op(fn, xs, weights, args.samples, device=True)
             except Exception as e:   # one broken route must not cost the other rows
                 rows.append({"impl": name, "M": m, "K": k, "N": n, "error": repr(e)[:400]})
                 print(json.dumps(rows[-1]), flush=True)

@@ -136,23 +136,19 @@ def rotated(fn):
                                                         for r in range(tables.shape[0])])
 
 
-def time_impl(fn, case) -> float:
-    q, k, v, (ks, vs), tables, lens = case
-    return timed(rotated(fn), (q, k, v, ks, vs, tables, lens)) / tables.shape[0]
-
-
-def device_time_impl(fn, case, reps: int = 3) -> float | None:
-    """Device seconds per call of `fn` on `case` (None off the GPU): the rotated call run
-    `reps` times back to back under the profiler (bench.profile.device_seconds).
-    Unlike time_impl's host clock it leaves out the device's idle time between kernels
-    (launch gaps inside each dispatched executable and between them: on the H200, 10 us per
-    call at B=1 S=512 and 40 us at B=64 S=2048, bf16; bench/README.md, thirteenth session),
-    which the model's step, kernels replayed from a command buffer, mostly does not have."""
-    if jax.default_backend() != "gpu":
-        return None
+def time_impl(fn, case, reps: int = 3) -> tuple[float, float | None]:
+    """(host-clock seconds per call, device seconds per call or None off the GPU) of `fn`
+    on `case`, one compiled program for both. Device: the rotated call run `reps` times
+    back to back under the profiler (bench.profile.device_seconds). Unlike the host clock it
+    leaves out the device's idle time between kernels (launch gaps inside each dispatched
+    executable and between them: on the H200, 10 us per call at B=1 S=512 and 40 us at
+    B=64 S=2048, bf16; bench/README.md, thirteenth session), which the model's step, kernels
+    replayed from a command buffer, mostly does not have."""
     q, k, v, (ks, vs), tables, lens = case
     call, args = rotated(fn), (q, k, v, ks, vs, tables, lens)
-    return device_seconds(lambda: [call(*args) for _ in range(reps)], reps * tables.shape[0])
+    wall = timed(call, args) / tables.shape[0]
+    device = device_seconds(lambda: [call(*args) for _ in range(reps)], reps * tables.shape[0])
+    return wall, device
 
 
 def bench_attention(batch, context, fp8, key, names, bf16_kv=None) -> list[dict]:
@@ -169,7 +165,7 @@ def bench_attention(batch, context, fp8, key, names, bf16_kv=None) -> list[dict]
         if name not in names or (name == "xla_reference" and batch * context > MAX_REF_TOKENS):
             continue
         try:
-            times[name] = {"": time_impl(fn, case), "_device": device_time_impl(fn, case)}
+            times[name] = dict(zip(("", "_device"), time_impl(fn, case)))
         except Exception as e:  # a failing baseline must not sink the run: record it
             rows.append({"impl": name, **base, "error": f"{type(e).__name__}: {e}"[:300]})
     for name, secs in times.items():
@@ -247,7 +243,7 @@ def _tune_once(key, shapes, kv, tiles, split_choices, fp8_computes, prefetch) ->
                 label = f"TUNE B={batch} S={context} fp8={fp8} {blk}"
                 try:
                     fn = impls(fp8, blk, tuned=False)["jaxinfer"]
-                    sec, dev = time_impl(fn, case), device_time_impl(fn, case)
+                    sec, dev = time_impl(fn, case)
                     nbytes = bytes_moved(batch, context, fp8)
                     busy = "" if dev is None else (f" device {dev * 1e6:.1f}us "
                                                    f"{nbytes / dev / 1e12:.2f}TB/s")

@@ -4,8 +4,7 @@ timing itself needs a GPU; off it, rows carry the host clock only)."""
 import jax
 import pytest
 
-from bench.kernels import device_time_impl
-from bench.profile import busy_seconds
+from bench.profile import busy_seconds, device_seconds
 
 
 def test_busy_seconds_sums_every_event_per_call():
@@ -23,4 +22,20 @@ def test_busy_seconds_refuses_an_empty_trace(events, calls):
 
 @pytest.mark.skipif(jax.default_backend() == "gpu", reason="the CPU's answer")
 def test_no_device_time_off_the_gpu():
-    assert device_time_impl(lambda *a: a[0], None) is None
+    calls = []
+    assert device_seconds(lambda: calls.append(1), 3) is None
+    assert calls == [], "off the GPU nothing is run for a device time"
+
+
+def test_attention_rows_keep_the_host_clock_off_the_gpu():
+    """bench.kernels' rows run end to end on the XLA reference: host-clock keys always,
+    device keys only where a device time exists (never on the CPU)."""
+    from bench import kernels
+
+    key = jax.random.PRNGKey(0)
+    (bf16,) = kernels.bench_attention(1, 512, False, key, ["xla_reference"])
+    (fp8,) = kernels.bench_attention(1, 512, True, key, ["xla_reference"], bf16)
+    for row in (bf16, fp8):
+        assert row["us"] > 0 and row["TBps"] >= 0 and "error" not in row
+        if jax.default_backend() != "gpu":
+            assert not any(k.endswith("_device") for k in row), row
