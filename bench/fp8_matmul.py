@@ -8,8 +8,9 @@ the 60 MB L2 never holds the next weight), issued back to back; us = median over
 wall time / (calls * R). On the GPU `us_device` is the device-side time of the same program
 (its kernels' and copies' durations under the profiler, per op; bench.profile.device_seconds):
 the host clock also counts the idle time between launches, which the model's step (replayed
-from a command buffer) mostly does not pay. The targets are read on us_device. `TBps` counts weight bytes only (fp8: K*N + 4N, bf16: 2KN), the unit
-the targets are stated in. Each row also carries its error against the f32 reference.
+from a command buffer) mostly does not pay. The targets are read on us_device. `TBps` counts
+weight bytes only (fp8: K*N + 4N, bf16: 2KN), the unit the targets are stated in. Each row
+also carries its error against the f32 reference.
 """
 from __future__ import annotations
 

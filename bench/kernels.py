@@ -20,8 +20,8 @@ GPU each row also has `us_device`: the same calls run under the profiler, the du
 all their device kernels and copies summed per op (BENCH.md's device-side timing). The host
 clock also counts the device's idle time between launches, which a kernel inside the model's
 step (replayed from a command buffer) mostly does not pay; the targets are read on
-`us_device`, and both stay in the file. Bytes counted: K/V (+ FP8
-scales) of every sequence's live tokens, q and the output. `--tune` only times candidate
+`us_device`, and both stay in the file. Bytes counted: K/V (+ FP8 scales) of every
+sequence's live tokens, q and the output. `--tune` only times candidate
 block sizes (for FP8 also the compute dtypes; page-table prefetch on/off) on the target shapes
 and prints them (the winners go into pallas_kernels/tuning.py by hand). `--mixed` adds one
 mixed step's attention (bench/mixed_attention.py).
@@ -41,8 +41,8 @@ import jax
 import jax.numpy as jnp
 
 from bench import ceilings
-from bench.profile import device_seconds
 from bench.common import new_result, parse_ints, save
+from bench.profile import device_seconds
 from jaxinfer.kv_cache import FP8_DTYPE, KVCache, write_kv
 from pallas_kernels import tuning
 from pallas_kernels.paged_attention import (paged_attention, paged_attention_blocks,
