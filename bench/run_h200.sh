@@ -18,7 +18,9 @@
 #   profile256  the same for the throughput run's decode step: FP8 weights + FP8 KV, B=256,
 #             C=$PROFILE_CONTEXT (1536); $OUT/profile_b256_fp8.json                         ~2 min
 #   kernels   paged attention, the grid B 1/8/64/256 x S 512..32768: ours (FP8 read as
-#             byte pairs, and widened to f16) vs bundled vs the XLA reference, both KV dtypes ~4 min
+#             byte pairs, and widened to f16) vs bundled vs the XLA reference, both KV dtypes,
+#             host clock and device time (6m17s at 8c0b89c, which compiled each program twice;
+#             one compile since bf2d9f9, not timed)                                        ~6 min
 #   attnprobe FP8/bf16 paged decode at B=256 S=2048 under Nsight Compute (ncu_*.txt), the
 #             FP8 block-size sweep (--tune, B 64/256 x S 2048), then kernels at B 64/256 x
 #             S 2048/8192 (ours, ours widened to f16, bundled)                              ~5 min
@@ -28,7 +30,9 @@
 #   fp8tune   FP8 GEMV (M=1) tile variants on the four Llama-3-8B projection shapes          ~2 min
 #   swiglu    the fused SiLU * up + e4m3 kernel's block variants vs XLA's unfused route, M
 #             256/2048, F 14336, two passes; $OUT/swiglu_quant.json                         ~2 min
-#   fp8       FP8 matmul: ours vs XLA bf16 vs XLA dequant, M 1..2048, four shapes            ~7 min
+#   fp8       FP8 matmul: ours vs XLA bf16 vs XLA dequant, M 1..2048, four shapes, host clock
+#             and device time; $FP8_SHAPES (KxN,...) picks shapes: with device time two shapes
+#             took 6 min at 380263e (programs compiled twice), so run the four in two calls  ~7 min
 #   compile   every bucket cold / warm, kernels per layer                                    ~2 min
 #   fusion    fused vs op-by-op (eager) vs command buffers off, B=1                          ~4 min
 #   batching  continuous vs static batching, max batch 64 and 256                            ~6 min
@@ -114,7 +118,7 @@ for stage in "$@"; do
         --contexts "${PROFILE_CONTEXT:-1536}" --reps 5 --kv-budget-gb 40 \
         --out "$OUT/profile_b256_fp8.json" ;;
     kernels)
-      run kernels 300 "$PY" -m bench.kernels --git "$GIT" --out "$OUT/paged_attention.json" ;;
+      run kernels 420 "$PY" -m bench.kernels --git "$GIT" --out "$OUT/paged_attention.json" ;;
     attnprobe)
       for kv in fp8 bf16; do
         run "ncu_$kv" 90 ncu --clock-control none -k regex:paged_decode --launch-skip 2 \
@@ -138,6 +142,7 @@ for stage in "$@"; do
         --out "$OUT/fp8_tune.json" ;;
     fp8)
       run fp8 450 "$PY" -m bench.fp8_matmul --git "$GIT" --ms "${FP8_MS:-1,8,16,32,64,128,2048}" \
+        --shapes "${FP8_SHAPES:-4096x6144,4096x4096,4096x28672,14336x4096}" \
         --out "$OUT/fp8_matmul.json" ;;
     compile)
       bench compile 200 compile "${LLAMA[@]}" --max-num-seqs "${SEQS:-64}" \
