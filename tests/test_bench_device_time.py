@@ -27,11 +27,12 @@ def test_no_device_time_off_the_gpu():
     assert calls == [], "off the GPU nothing is run for a device time"
 
 
-def test_attention_rows_keep_the_host_clock_off_the_gpu():
+def test_attention_rows_keep_the_host_clock_off_the_gpu(monkeypatch):
     """bench.kernels' rows run end to end on the XLA reference: host-clock keys always,
     device keys only where a device time exists (never on the CPU)."""
     from bench import kernels
 
+    monkeypatch.setattr(kernels, "TOUCH_BYTES", 1)   # two page-table sets, not 64: quick
     key = jax.random.PRNGKey(0)
     (bf16,) = kernels.bench_attention(1, 512, False, key, ["xla_reference"])
     (fp8,) = kernels.bench_attention(1, 512, True, key, ["xla_reference"], bf16)
