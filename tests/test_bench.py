@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import cli
+from bench import cli, decode
 
 ROOT = Path(__file__).resolve().parent.parent
 ENGINE = ["--model", "tiny", "--git", "test-sha", "--reps", "2"]
@@ -40,6 +40,10 @@ def test_decode_suite_rows_and_plot(tmp_path):
         _positive(r, "step_ms", "step_ms_device", "dispatch_ms", "tokens_per_s", "mbu",
                   "bytes_per_step", "flops_per_step", "intensity_flop_per_byte")
         assert r["tokens_per_s"] == pytest.approx(r["batch"] / r["step_ms"] * 1e3, rel=1e-2)
+        ref_floor_ms = r["bytes_per_step"] / (decode.REF_READ_TBPS * 1e12) * 1e3
+        assert r["mbu_ref"] == pytest.approx(ref_floor_ms / r["step_ms"], rel=1e-2, abs=1e-4)
+        assert r["mbu_device_ref"] == pytest.approx(ref_floor_ms / r["step_ms_device"],
+                                                    rel=1e-2, abs=1e-4)
     by = {(r["batch"], r["context"]): r for r in result["rows"]}
     assert by[2, 40]["bytes_per_step"] > by[2, 9]["bytes_per_step"] > by[1, 9]["bytes_per_step"]
     png = tmp_path / "decode_roofline.png"
