@@ -4,14 +4,15 @@ that ships with Python (pydoc_data.topics).
 Calibrated FP8 (`jaxinfer convert --weights fp8 --calibrate`, checkpoints/calibrate.py: the
 same e4m3 format and per-channel scales, each weight rounded with error compensation over
 calibration text from other Python documentation strings) meets the issue's bar: perplexity
-within 3% of bf16 (measured 1.0065x), top-1 agreement with bf16 >= 95% (measured 95.7%: a
-margin of ~29 of 4088 tokens), and within 5% with FP8 KV too (1.013x).
+within 3% of bf16 (measured 1.0059x), top-1 agreement with bf16 >= 95% (measured 95.4%: a
+margin of ~16 of 4088 tokens), and within 5% with FP8 KV too (1.014x): thirteenth session,
+the same with this file as it was at 9cbb273; an earlier docstring said 1.0065x and 95.7%.
 
 Round-to-nearest FP8 (the default `--weights fp8` load, which needs no calibration pass):
-perplexity within 3%, FP8 KV within 5%; its top-1 agreement is 92.7% (attention-only FP8:
-95.7%, MLP-only: 95.1%): e4m3's 3 mantissa bits add ~2% RMS relative noise per weight, which
-a 135M model with many near-tied next tokens feels. Its assertion (>= 92%) guards that path
-against regressions.
+perplexity within 3% (1.020x), FP8 KV within 5% (1.028x); its top-1 agreement is 92.9%
+(92.7% when first measured; attention-only FP8: 95.7%, MLP-only: 95.1%): e4m3's 3
+mantissa bits add ~2% RMS relative noise per weight, which a 135M model with many near-tied
+next tokens feels. Its assertion (>= 92%) guards that path against regressions.
 """
 import numpy as np
 import pytest
