@@ -22,7 +22,7 @@ import numpy as np
 from checkpoints.fp8 import dequantize_linear, quantize_linear
 from jaxinfer import model as model_mod
 from jaxinfer.config import EngineConfig
-from jaxinfer.kv_cache import AttentionMetadata
+from jaxinfer.kv_cache import single_sequence_metadata
 from jaxinfer.loading import load_model
 from jaxinfer.runner import ModelRunner
 
@@ -41,17 +41,6 @@ def windows(count: int) -> np.ndarray:
     return np.asarray(ids[:WINDOW * count], np.int32).reshape(count, WINDOW)
 
 
-def metadata(pages_per_seq: int, page_size: int) -> AttentionMetadata:
-    pos = np.arange(WINDOW, dtype=np.int32)
-    pages = np.arange(1, pages_per_seq + 1, dtype=np.int32)
-    return AttentionMetadata(
-        positions=jnp.asarray(pos),
-        slot_mapping=jnp.asarray(pages[pos // page_size] * page_size + pos % page_size),
-        token_seq=jnp.zeros(WINDOW, jnp.int32), page_table=jnp.asarray(pages[None]),
-        seq_lens=jnp.asarray([WINDOW], jnp.int32),
-        query_start=jnp.asarray([0, WINDOW], jnp.int32), decode_only=False)
-
-
 def _engine(weights: str, kv_dtype: str) -> EngineConfig:
     return EngineConfig(dtype="bfloat16", weights=weights, kv_dtype=kv_dtype, page_size=16,
                         max_model_len=WINDOW, max_num_seqs=1)
@@ -68,7 +57,8 @@ def teacher_forced(ws, model: str, weights: str, kv_dtype: str):
     engine = _engine(weights, kv_dtype)
     cfg, graphdef, params = _load(model, weights)
     runner = ModelRunner(cfg, engine, graphdef, params)
-    md = metadata(engine.pages_per_seq, engine.page_size)
+    md = single_sequence_metadata(range(WINDOW), range(1, engine.pages_per_seq + 1),
+                                  engine.page_size, engine.pages_per_seq)
     nll, top1 = [], []
     for w in ws:
         logits = runner.all_logits(w, md)[:-1]

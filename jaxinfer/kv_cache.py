@@ -24,6 +24,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 FP8_DTYPE = jnp.float8_e4m3fn
 FP8_MAX = 448.0
@@ -89,6 +90,23 @@ class AttentionMetadata:
     # static, decode only: rows past this one are padding added on the device
     # (pad_decode_rows), which attention skips; 0 = attend every row
     attend_rows: int = 0
+
+
+def single_sequence_metadata(positions, page_ids, page_size: int,
+                             pages_per_seq: int) -> AttentionMetadata:
+    """Metadata for new tokens at `positions` of one sequence living in pages `page_ids`
+    (teacher forcing and tests: no scheduler). Positions and pages are host integers."""
+    positions = np.asarray(positions, np.int32)
+    pages = np.asarray(page_ids, np.int32)
+    table = np.zeros((1, pages_per_seq), np.int32)
+    table[0, :len(pages)] = pages
+    slots = pages[positions // page_size] * page_size + positions % page_size
+    t = len(positions)
+    return AttentionMetadata(
+        positions=jnp.asarray(positions), slot_mapping=jnp.asarray(slots, jnp.int32),
+        token_seq=jnp.zeros(t, jnp.int32), page_table=jnp.asarray(table),
+        seq_lens=jnp.asarray([positions[-1] + 1], jnp.int32),
+        query_start=jnp.asarray([0, t], jnp.int32), decode_only=t == 1)
 
 
 def pad_decode_rows(tokens: jax.Array, md: AttentionMetadata, rows: int):

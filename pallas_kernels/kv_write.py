@@ -23,8 +23,9 @@ output, rotates q and k (model.apply_rope's math and rounding: f32, then the act
 dtype) and writes k and v; q comes back [T, H, D] for attention. In XLA's hands the rotation
 and the slices feeding the write and attention ran as kernels of their own beside the write
 (8B decode step at batch 1, H200 profile, eleventh session: a concatenate fusion and two
-slice fusions per layer, read by their names, ~1.3-1.5 us each, for a few KB of work). This kernel takes 2.5 us
-per call there (twelfth session); the step's time did not move (ops.FUSED_GLUE).
+slice fusions per layer, read by their names, ~1.3-1.5 us each, for a few KB of work). This
+kernel takes 2.5 us per call there (twelfth session); the step's time did not move
+(ops.FUSED_GLUE).
 
 Backend: Pallas Triton, as the attention kernels (pallas_kernels/paged_attention.py says why).
 """

@@ -17,7 +17,7 @@ next tokens feels. Its assertion (>= 92%) guards that path against regressions.
 import numpy as np
 import pytest
 
-from bench.lm_head_quality import WINDOW, teacher_forced as _teacher_forced
+from bench.lm_head_quality import WINDOW, teacher_forced
 from bench.lm_head_quality import windows as _windows
 
 NUM_WINDOWS = 8   # 8 x 511 predicted tokens = 4088 scored, 4096 fed
@@ -40,21 +40,16 @@ def calibrated(tmp_path_factory):
     return str(path)
 
 
-def teacher_forced(windows, weights, kv_dtype, model="smollm2"):
-    """(perplexity, top-1 ids) teacher-forced over the windows (bench/lm_head_quality.py)."""
-    return _teacher_forced(windows, model, weights, kv_dtype)
-
-
 @pytest.fixture(scope="module")
 def bf16(windows):
     """(perplexity, top-1 ids) of the bf16 model: the reference of both tests."""
-    return teacher_forced(windows, "bf16", "bf16")
+    return teacher_forced(windows, "smollm2", "bf16", "bf16")
 
 
 def test_fp8_perplexity_and_agreement(windows, bf16):
     ppl_bf16, top_bf16 = bf16
-    ppl_fp8, top_fp8 = teacher_forced(windows, "fp8", "bf16")
-    ppl_fp8_kv, _ = teacher_forced(windows, "fp8", "fp8")
+    ppl_fp8, top_fp8 = teacher_forced(windows, "smollm2", "fp8", "bf16")
+    ppl_fp8_kv, _ = teacher_forced(windows, "smollm2", "fp8", "fp8")
     agreement = float((top_fp8 == top_bf16).mean())
     print(f"ppl bf16 {ppl_bf16:.3f}  fp8 {ppl_fp8:.3f} ({ppl_fp8 / ppl_bf16:.4f}x)  "
           f"fp8+fp8kv {ppl_fp8_kv:.3f} ({ppl_fp8_kv / ppl_bf16:.4f}x)  top-1 {agreement:.4f}")
@@ -67,8 +62,8 @@ def test_fp8_perplexity_and_agreement(windows, bf16):
 
 def test_calibrated_fp8_perplexity_and_agreement(windows, bf16, calibrated):
     ppl_bf16, top_bf16 = bf16
-    ppl_fp8, top_fp8 = teacher_forced(windows, "fp8", "bf16", model=calibrated)
-    ppl_fp8_kv, _ = teacher_forced(windows, "fp8", "fp8", model=calibrated)
+    ppl_fp8, top_fp8 = teacher_forced(windows, calibrated, "fp8", "bf16")
+    ppl_fp8_kv, _ = teacher_forced(windows, calibrated, "fp8", "fp8")
     agreement = float((top_fp8 == top_bf16).mean())
     print(f"calibrated: ppl bf16 {ppl_bf16:.3f}  fp8 {ppl_fp8:.3f} ({ppl_fp8 / ppl_bf16:.4f}x)"
           f"  fp8+fp8kv {ppl_fp8_kv:.3f} ({ppl_fp8_kv / ppl_bf16:.4f}x)  top-1 {agreement:.4f}")

@@ -8,23 +8,9 @@ import pytest
 from dense_reference import dense_logits, random_flat
 from jaxinfer.config import EngineConfig, RopeScaling, standard_config
 from jaxinfer.kv_cache import AttentionMetadata
+from jaxinfer.kv_cache import single_sequence_metadata as single_sequence_md
 from jaxinfer.params import build_model
 from jaxinfer.runner import ModelRunner
-
-
-def single_sequence_md(positions, page_ids, page_size, pages_per_seq):
-    """Metadata for new tokens at `positions` of one sequence living in `page_ids`."""
-    positions = np.asarray(positions, np.int32)
-    pages = np.asarray(page_ids, np.int32)
-    table = np.zeros((1, pages_per_seq), np.int32)
-    table[0, :len(pages)] = pages
-    slots = pages[positions // page_size] * page_size + positions % page_size
-    t = len(positions)
-    return AttentionMetadata(
-        positions=jnp.asarray(positions), slot_mapping=jnp.asarray(slots, jnp.int32),
-        token_seq=jnp.zeros(t, jnp.int32), page_table=jnp.asarray(table),
-        seq_lens=jnp.asarray([positions[-1] + 1], jnp.int32),
-        query_start=jnp.asarray([0, t], jnp.int32), decode_only=t == 1)
 
 
 def paged_logits(cfg, flat, tokens, prefill_len, page_size=4):
