@@ -219,18 +219,16 @@ TUNE_CANDIDATES = ((32, 4, 4), (64, 4, 3), (128, 4, 3), (128, 8, 3), (128, 8, 4)
 
 def tune(key, shapes=TUNE_SHAPES, kv=(False, True), tiles=TUNE_CANDIDATES,
          split_choices=None, fp8_computes=tuning.FP8_COMPUTE, prefetch=(False,),
-         repeat: int = 1, heads=(1,)) -> None:
+         repeat: int = 1) -> None:
     """Time candidate block sizes (tiles: (block_tokens, warps, stages); FP8: each of
-    fp8_computes; each page-table prefetch choice and kv heads per program, timed back to
-    back) on the target shapes, the whole sweep `repeat` times; print, don't write. Splits:
-    split_choices, or the tuned rule's (and twice it at B=1). Candidates too big for shared
-    memory print their error."""
+    fp8_computes; each page-table prefetch choice, timed back to back) on the target shapes,
+    the whole sweep `repeat` times; print, don't write. Splits: split_choices, or the tuned
+    rule's (and twice it at B=1). Candidates too big for shared memory print their error."""
     for _ in range(repeat):
-        _tune_once(key, shapes, kv, tiles, split_choices, fp8_computes, prefetch, heads)
+        _tune_once(key, shapes, kv, tiles, split_choices, fp8_computes, prefetch)
 
 
-def _tune_once(key, shapes, kv, tiles, split_choices, fp8_computes, prefetch,
-               heads) -> None:
+def _tune_once(key, shapes, kv, tiles, split_choices, fp8_computes, prefetch) -> None:
     cands = tiles
     for batch, context in shapes:
         for fp8 in kv:
@@ -239,9 +237,9 @@ def _tune_once(key, shapes, kv, tiles, split_choices, fp8_computes, prefetch,
             splits = sorted(split_choices or {base.num_splits, 2 * base.num_splits
                                               if batch == 1 else base.num_splits})
             computes = fp8_computes if fp8 else ("bfloat16",)
-            for (tok, warps, stages), n, comp, pre, per in itertools.product(
-                    cands, splits, computes, prefetch, heads):
-                blk = tuning.DecodeBlocks(tok, n, warps, stages, comp, pre, per)
+            for (tok, warps, stages), n, comp, pre in itertools.product(cands, splits,
+                                                                         computes, prefetch):
+                blk = tuning.DecodeBlocks(tok, n, warps, stages, comp, pre)
                 label = f"TUNE B={batch} S={context} fp8={fp8} {blk}"
                 try:
                     fn = impls(fp8, blk, tuned=False)["jaxinfer"]
@@ -287,9 +285,6 @@ def main(argv=None) -> None:
     ap.add_argument("--tune-prefetch", type=parse_flags, default=[0],
                     help="page-table prefetch choices to time, 0 and/or 1 (default 0)")
     ap.add_argument("--tune-repeat", type=int, default=1, help="run the --tune sweep N times")
-    ap.add_argument("--tune-heads", type=parse_ints, default=[1],
-                    help="kv heads per program to time (DecodeBlocks.kv_heads_per_program; "
-                         "default 1)")
     ap.add_argument("--batches", type=parse_ints, default=list(BATCHES))
     ap.add_argument("--contexts", type=parse_ints, default=list(CONTEXTS))
     ap.add_argument("--impls", type=lambda t: t.split(","), default=list(IMPLS),
@@ -307,8 +302,7 @@ def main(argv=None) -> None:
         tune(key, args.tune_shapes, {"both": (False, True), "bf16": (False,),
                                      "fp8": (True,)}[args.tune_kv], args.tune_tiles,
              args.tune_splits, args.tune_fp8_compute,
-             tuple(bool(x) for x in args.tune_prefetch), args.tune_repeat,
-             tuple(args.tune_heads))
+             tuple(bool(x) for x in args.tune_prefetch), args.tune_repeat)
         return        # a sweep only prints (it once went on to the whole default grid)
     result = new_result("paged_attention", args.git,
                         command="python -m bench.kernels " + " ".join(sys.argv[1:]),

@@ -162,39 +162,6 @@ def paged_loop(read_pages, body, state, n_full, n_all, prefetch: bool):
     return lax.fori_loop(n_full, n_all, functools.partial(step_ahead, masked=True), carry)[0]
 
 
-def paged_loop_heads(read_pages, body, state, n_full, n_all, prefetch: bool, heads: int):
-    """paged_loop over `heads` kv heads of one sequence in turn, as ONE loop of heads x
-    n_full unmasked steps (head-major) and then the heads' masked tail blocks:
-    body(i, r, pages, state, masked) -> state for block i of head r (0 <= r < heads). The
-    heads share the row's page ids (block i's ids are the same for every head), and the
-    program's K/V copies stay pipelined across the change of head, so one program does the
-    work of `heads` programs with one pipeline fill and one epilogue (DecodeBlocks.
-    kv_heads_per_program). heads == 1 is paged_loop."""
-    if heads == 1:
-        return paged_loop(read_pages, lambda i, p, st, masked: body(i, 0, p, st, masked),
-                          state, n_full, n_all, prefetch)
-    per_head = jnp.maximum(n_full, 1)       # no division by zero when no block is full
-
-    def at(j):
-        return j % per_head, j // per_head  # (block, head)
-
-    if prefetch:
-        def step_ahead(j, carry):
-            st, pages = carry
-            i, r = at(j)
-            nxt = read_pages((j + 1) % per_head)
-            return body(i, r, pages, st, False), nxt
-        state = lax.fori_loop(0, heads * n_full, step_ahead, (state, read_pages(0)))[0]
-    else:
-        def step(j, st):
-            i, r = at(j)
-            return body(i, r, read_pages(i), st, False)
-        state = lax.fori_loop(0, heads * n_full, step, state)
-    tail = read_pages(n_full)                # the masked block (n_all - n_full is 0 or 1)
-    return lax.fori_loop(0, heads * (n_all - n_full),
-                         lambda r, st: body(n_full, r, tail, st, True), state)
-
-
 def empty_carry(rows_q: int, d: int, pairs: bool = False):
     """The online-softmax state before the first block: (running max, sum, accumulator);
     with pairs the accumulator is (even dims, odd dims) [rows_q, d/2] each."""

@@ -45,7 +45,7 @@ from jaxinfer.kv_cache import FP8_DTYPE
 from pallas_kernels import pow2_ceil, triton_params, tuning
 from pallas_kernels.attention_block import (LOG2E, MIN_ROWS, attend_block, block_pages,
                                             cache_views, compute_dtype, empty_carry,
-                                            kernel_refs, kv_rows, load_q, paged_loop_heads,
+                                            kernel_refs, kv_rows, load_q, paged_loop,
                                             prepare_q, store_rows, uses_pairs, validate)
 
 def _decode_kernel(layer_ref, lens_ref, table_ref, *refs, groups: int, rows_q: int,
@@ -54,12 +54,8 @@ def _decode_kernel(layer_ref, lens_ref, table_ref, *refs, groups: int, rows_q: i
                    qk_scale: float, fp8: bool, cdt, pairs: bool, interpret: bool):
     # with pairs, q and the accumulator are (even, odd) halves (load_q, store_rows)
     q_ref, k_ref, v_ref, ks_ref, vs_ref, outs = kernel_refs(refs, fp8)
-    b, hp, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    per_prog = blk.kv_heads_per_program        # kv heads hp * per_prog + r, r < per_prog
-    real = per_prog * groups                   # their q heads are contiguous: q rows < real
-    row = jnp.arange(rows_q, dtype=jnp.int32)
-    heads = hp * real + jnp.minimum(row, real - 1)
-    row_head = jnp.minimum(row // groups, per_prog - 1)   # the kv head (r) of each q row
+    b, h, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    heads = h * groups + jnp.minimum(jnp.arange(rows_q, dtype=jnp.int32), groups - 1)
     q, logit_scale = prepare_q(load_q(q_ref, b * num_heads + heads, pairs, head_dim), cdt,
                                qk_scale)
     seq_len = jnp.minimum(lens_ref[b], pages_per_seq * page_size)
@@ -73,24 +69,16 @@ def _decode_kernel(layer_ref, lens_ref, table_ref, *refs, groups: int, rows_q: i
     def read_pages(i):
         return block_pages(table_ref, b, start + i * bk, page_off, pages_per_seq, page_size)
 
-    def body(i, r, pages, state, masked):
-        rows = kv_rows(layer, hp * per_prog + r, pages, slots, num_kv_heads, num_pages,
-                       page_size)
+    def body(i, pages, state, masked):
+        rows = kv_rows(layer, h, pages, slots, num_kv_heads, num_pages, page_size)
         valid = (start + i * bk + tok < seq_len) if masked else None
-        new = attend_block(q, k_ref, v_ref, ks_ref, vs_ref, rows, state,
-                           logit_scale=logit_scale,
-                           logit_mask=None if valid is None else valid[None, :],
-                           kv_valid=valid, interpret=interpret)
-        if per_prog == 1:
-            return new
-        # only head r's q rows take this block (the others' logits were wasted work)
-        mine = row_head == r
-        return jax.tree.map(
-            lambda x, old: jnp.where(mine.reshape(-1, *([1] * (x.ndim - 1))), x, old),
-            new, state)
+        return attend_block(q, k_ref, v_ref, ks_ref, vs_ref, rows, state,
+                            logit_scale=logit_scale,
+                            logit_mask=None if valid is None else valid[None, :],
+                            kv_valid=valid, interpret=interpret)
 
-    m, l, acc = paged_loop_heads(read_pages, body, empty_carry(rows_q, head_dim, pairs),
-                                 n // bk, pl.cdiv(n, bk), blk.prefetch_table, per_prog)
+    m, l, acc = paged_loop(read_pages, body, empty_carry(rows_q, head_dim, pairs), n // bk,
+                           pl.cdiv(n, bk), blk.prefetch_table)
     if len(outs) == 1:
         inv = 1.0 / jnp.where(l > 0, l, 1.0)[:, None]
         out = tuple(a * inv for a in acc) if pairs else acc * inv
@@ -175,11 +163,7 @@ def paged_attention_blocks(q, k_pages, v_pages, layer, seq_lens, page_table, k_s
     per_split = pl.cdiv(pages_per_seq * page_size, blocks.num_splits)
     split_tokens = pl.cdiv(per_split, blocks.block_tokens) * blocks.block_tokens
     groups = num_heads // kv_heads
-    per_prog = blocks.kv_heads_per_program
-    if per_prog < 1 or kv_heads % per_prog:
-        raise ConfigError(f"kv_heads_per_program {per_prog} must divide the kv heads "
-                          f"{kv_heads}")
-    rows_q = max(MIN_ROWS, pow2_ceil(groups * per_prog))
+    rows_q = max(MIN_ROWS, pow2_ceil(groups))
     pairs = uses_pairs(k_pages.dtype, blocks.fp8_compute, head_dim)
     kernel = functools.partial(
         _decode_kernel, groups=groups, rows_q=rows_q, pages_per_seq=pages_per_seq,
@@ -195,8 +179,7 @@ def paged_attention_blocks(q, k_pages, v_pages, layer, seq_lens, page_table, k_s
         ml = jax.ShapeDtypeStruct((n * heads_rows,), jnp.float32)
         out_shape = (jax.ShapeDtypeStruct((n * heads_rows, head_dim), jnp.float32), ml, ml)
     outs = pl.pallas_call(
-        kernel, grid=(batch, kv_heads // per_prog, n), out_shape=out_shape,
-        interpret=interpret,
+        kernel, grid=(batch, kv_heads, n), out_shape=out_shape, interpret=interpret,
         **triton_params(interpret, blocks.num_warps, blocks.num_stages),
         name="jaxinfer_paged_decode" + ("_pairs" if pairs else ""),
     )(jnp.asarray(layer, jnp.int32).reshape(1), seq_lens.astype(jnp.int32),

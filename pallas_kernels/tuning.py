@@ -74,9 +74,6 @@ class DecodeBlocks:
     # K/V copies' addresses do not wait on a page-table load and Triton's pipeliner can
     # double-buffer K/V (without it, it keeps one K/V buffer whatever num_stages is).
     prefetch_table: bool = False
-    # kv heads of one sequence a program runs in turn (attention_block.paged_loop_heads),
-    # all their q heads in its one q tile: a grid of batch x kv_heads / this programs
-    kv_heads_per_program: int = 1
 
 
 @dataclasses.dataclass(frozen=True)

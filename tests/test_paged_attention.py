@@ -116,7 +116,7 @@ def run_pair(case, interpret, blocks=None, layer=1):
 
 
 # (page size, q heads per kv head, head dim, kv dtype, block tokens, splits, fp8 compute,
-#  page-table prefetch[, kv heads per program (default 1)])
+#  page-table prefetch)
 BF, HF, PR = "bfloat16", "float16", "f16pairs"
 GRID = [
     (8, 1, 64, "bf16", 16, 1, BF, 0), (8, 8, 64, "bf16", 16, 3, BF, 1),
@@ -126,21 +126,18 @@ GRID = [
     (32, 8, 128, "fp8", 32, 1, HF, 1), (16, 3, 64, "bf16", 16, 2, BF, 0),
     (8, 4, 64, "f32", 16, 2, BF, 1), (8, 4, 128, "fp8", 32, 2, PR, 1),
     (16, 8, 64, "fp8", 16, 1, PR, 0), (32, 1, 128, "fp8", 64, 3, PR, 1),
-    # both kv heads in one program (paged_loop_heads): 8 or 16 q rows in the tile
-    (16, 4, 128, "fp8", 32, 1, PR, 1, 2), (8, 8, 64, "bf16", 16, 2, BF, 0, 2),
-    (32, 1, 64, "bf16", 64, 1, BF, 1, 2), (16, 4, 64, "fp8", 16, 3, HF, 1, 2),
 ]
 
 
 @pytest.mark.parametrize("interpret", MODES)
-@pytest.mark.parametrize("page_size,groups,head_dim,kv_dtype,tokens,splits,compute,prefetch,"
-                         "heads", [g if len(g) == 9 else (*g, 1) for g in GRID])
+@pytest.mark.parametrize("page_size,groups,head_dim,kv_dtype,tokens,splits,compute,prefetch",
+                         GRID)
 def test_kernel_matches_reference(page_size, groups, head_dim, kv_dtype, tokens, splits,
-                                  compute, prefetch, heads, interpret):
-    seed = page_size * 1000 + groups * 100 + head_dim + tokens + splits + heads
+                                  compute, prefetch, interpret):
+    seed = page_size * 1000 + groups * 100 + head_dim + tokens + splits
     case = make_decode(seed, page_size, groups, head_dim, kv_dtype)
     out, ref = run_pair(case, interpret,
-                        DecodeBlocks(tokens, splits, 4, 2, compute, bool(prefetch), heads))
+                        DecodeBlocks(tokens, splits, 4, 2, compute, bool(prefetch)))
     assert out.shape == case[0].shape and out.dtype == case[0].dtype
     assert rel_err(out, ref) < (1e-3 if kv_dtype == "f32" else 1e-2)
     np.testing.assert_array_equal(np.asarray(out[-1], np.float32), 0.0)  # padded row
@@ -210,9 +207,6 @@ def test_bad_shapes_raise():
                                blocks=DecodeBlocks(16, 1, 4, 2, "float8"))
     with pytest.raises(ConfigError, match="batch"):
         paged_attention(q, k, v, 0, lens[:2], table, ks, vs, sm_scale=1.0, interpret=True)
-    with pytest.raises(ConfigError, match="kv_heads_per_program"):   # 2 kv heads
-        paged_attention_blocks(q, k, v, 0, lens, table, ks, vs, sm_scale=1.0, interpret=True,
-                               blocks=DecodeBlocks(16, 1, 4, 2, "f16pairs", False, 3))
 
 
 @pytest.mark.parametrize("splits", [1, 3, 40])
