@@ -38,14 +38,16 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from jaxinfer.kv_cache import KVCache, fp8_scale, write_kv as write_kv_reference
-from pallas_kernels import chunked_max, pow2_ceil, triton_params
+from pallas_kernels import pow2_ceil, triton_params
 
 
 def _store(c_ref, s_ref, rows, parts, cols, fp8: bool):
     """Rows `rows` of the cache view c_ref get `parts` ([K', d] f32 pieces of each row at
     column slices `cols`); FP8: quantized with one scale per row over all its pieces."""
     if fp8:
-        scale = fp8_scale(chunked_max([jnp.maximum(x, -x) for x in parts]))
+        amax = functools.reduce(jnp.maximum, [jnp.max(jnp.maximum(x, -x), axis=1)
+                                              for x in parts])
+        scale = fp8_scale(amax)
         for x, c in zip(parts, cols):
             c_ref[rows, c] = (x / scale[:, None]).astype(c_ref.dtype)
         s_ref[rows] = scale

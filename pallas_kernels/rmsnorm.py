@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels import chunked_sum, triton_params
+from pallas_kernels import triton_params
 from pallas_kernels.swiglu_quant import chunk
 
 NUM_WARPS = 4
@@ -58,15 +58,17 @@ def _kernel(*refs, e: int, bf: int, eps: float, add: bool):
     row = pl.ds(pl.program_id(0), 1)
     # the weight is read before the reduction, so its load is not a second round trip after it
     ws = [w_ref[pl.ds(c * bf, bf)].astype(jnp.float32)[None, :] for c in range(e // bf)]
-    xs = []
+    xs, ss = [], jnp.zeros((1,), jnp.float32)
     for c in range(e // bf):                       # static: the row stays in registers
         cols = pl.ds(c * bf, bf)
         x = x_ref[row, cols]                                              # [1, BF]
         if add:
             x = (x.astype(jnp.float32) + d_ref[row, cols].astype(jnp.float32)).astype(x.dtype)
             xo_ref[row, cols] = x
-        xs.append(x.astype(jnp.float32))
-    inv = jax.lax.rsqrt(chunked_sum([xf * xf for xf in xs]) / e + eps)[:, None]
+        xf = x.astype(jnp.float32)
+        ss = ss + jnp.sum(xf * xf, axis=1)
+        xs.append(xf)
+    inv = jax.lax.rsqrt(ss / e + eps)[:, None]
     for c, (xf, w) in enumerate(zip(xs, ws)):
         n_ref[row, pl.ds(c * bf, bf)] = (xf * inv * w).astype(n_ref.dtype)
 

@@ -39,7 +39,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels import fp8_matmul as fm
-from pallas_kernels import chunked_max, pow2_divisor, triton_params
+from pallas_kernels import pow2_divisor, triton_params
 from pallas_kernels.fp8_matmul import FP8_DTYPE, quantize_rows
 
 MAX_CHUNK = 2048        # columns per tile (BF)
@@ -131,8 +131,12 @@ def swiglu_quant_kernel(y_ref, xs_ref, ws_ref, q_ref, s_ref, *, f: int, bf: int,
             return carry
         lax.fori_loop(0, f // bf, store_step, 0)
     else:              # static chunks: h stays in registers, y read once
-        h = [_h_chunk(y_ref, ws_ref, rows, xs, c, f, bf) for c in range(f // bf)]
-        scale = fm.amax_scale(chunked_max([jnp.abs(hc) for hc in h]))
+        h, amax = [], amax0
+        for c in range(f // bf):
+            hc = _h_chunk(y_ref, ws_ref, rows, xs, c, f, bf)
+            amax = jnp.maximum(amax, jnp.max(jnp.abs(hc), axis=1))
+            h.append(hc)
+        scale = fm.amax_scale(amax)
         for c, hc in enumerate(h):
             _store(q_ref, rows, c, bf, hc, scale)
     s_ref[rows] = scale
