@@ -40,7 +40,8 @@ DECODE_MIN_ROWS = 8
 # The decoder layer's glue as Pallas kernels (GPU: compiled; elsewhere with impl "pallas":
 # interpret mode): RoPE, the QKV split and the K/V write in one (pallas_kernels/kv_write.py's
 # rope_write_kv, with impl "pallas"), and each residual add with the RMSNorm after it in one
-# (pallas_kernels/rmsnorm.py, on the GPU). H200, twelfth session (bench/README.md): the 8B
+# (pallas_kernels/rmsnorm.py, on the GPU; now behind PALLAS_ADD_NORM, off: XLA's fusion of
+# the add and the norm is faster, below). H200, twelfth session (bench/README.md): the 8B
 # batch-1 step's kernels 591 -> 430, its time unchanged (back to back 4.18-4.27 ms on vs
 # 4.16-4.24 off, one process per run; the fused kernels take 2.4-2.6 us each where XLA's
 # took 1.3-1.8); B=64/256 and one request through the engine within noise. Kept for the
@@ -48,11 +49,19 @@ DECODE_MIN_ROWS = 8
 # above, it is read when a step is traced: a runner's step keeps what its first trace saw,
 # and model._unrolled_layer (shared by all runners) keys its trace cache on `switches()`.
 FUSED_GLUE = True
+# Under FUSED_GLUE, the residual add + RMSNorm as the Pallas kernel (pallas_kernels/rmsnorm.py)
+# instead of XLA's fusion of the same jnp. Off: on the H200 (fourteenth session, decode
+# harness B=1 C=512 back to back, one process per run, runs of one call interleaved) XLA's
+# route ran 8B bf16 4.159 / 4.194 ms vs 4.238 / 4.225, Qwen2.5-32B FP8 + FP8 KV 9.740 vs
+# 10.007, 8B FP8 weights 2.855 vs 2.839; alone, chained, the kernel took 1.8-2.7 us per
+# [8, 4096..5120] call and XLA's add + norm (+ an add) 0.7-0.8 us.
+PALLAS_ADD_NORM = False
 
 
 def switches() -> tuple:
     """This module's switches, as a key for a trace cache shared across runners."""
-    return (FUSED_FP8_MLP, PALLAS_KV_WRITE, FUSED_NORM_QUANT, BF16_PAD_M, FUSED_GLUE)
+    return (FUSED_FP8_MLP, PALLAS_KV_WRITE, FUSED_NORM_QUANT, BF16_PAD_M, FUSED_GLUE,
+            PALLAS_ADD_NORM)
 
 
 def _on_gpu() -> bool:
@@ -99,10 +108,11 @@ def rope_write_kv(kv: KVCache, layer, qkv, cos, sin, slot_mapping, *, num_heads:
 
 def add_rmsnorm(x, delta, weight, *, eps: float, layout: TPLayout = TPLayout()):
     """x + delta (delta None: x) and its RMSNorm times `weight` -> (x after the add, the
-    normed rows): one Pallas kernel on the GPU (pallas_kernels/rmsnorm.py), else (and under
-    tensor parallelism, or with FUSED_GLUE off) its plain-jnp reference."""
+    normed rows): its plain-jnp reference, which XLA fuses; one Pallas kernel
+    (pallas_kernels/rmsnorm.py) on the GPU with FUSED_GLUE and PALLAS_ADD_NORM on and no
+    tensor parallelism."""
     from pallas_kernels import rmsnorm
-    if FUSED_GLUE and _on_gpu() and layout.size == 1:
+    if FUSED_GLUE and PALLAS_ADD_NORM and _on_gpu() and layout.size == 1:
         return rmsnorm.add_rmsnorm(x, weight, delta, eps=eps)
     return rmsnorm.add_rmsnorm_reference(x, weight, delta, eps=eps)
 

@@ -76,6 +76,25 @@ def test_ops_switch_off_is_the_reference(monkeypatch):
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 
+def test_ops_uses_the_kernel_only_when_switched_on(monkeypatch):
+    """On the GPU ops.add_rmsnorm is XLA's fusion of the reference by default (measured
+    faster, ops.PALLAS_ADD_NORM) and the kernel with the switch on."""
+    rng = np.random.default_rng(6)
+    x, d, w = _inputs(rng, 2, 128, jnp.bfloat16)
+    calls = []
+
+    def kernel(*args, **kw):
+        calls.append(1)
+        return rmsnorm.add_rmsnorm_reference(*args, **kw)
+    monkeypatch.setattr(ops, "_on_gpu", lambda: True)
+    monkeypatch.setattr(rmsnorm, "add_rmsnorm", kernel)
+    ops.add_rmsnorm(x, d, w, eps=1e-5)
+    assert calls == []
+    monkeypatch.setattr(ops, "PALLAS_ADD_NORM", True)
+    ops.add_rmsnorm(x, d, w, eps=1e-5)
+    assert calls == [1]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 8, 256])
 def test_gpu_8b_shape(m):
