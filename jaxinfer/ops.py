@@ -91,18 +91,25 @@ def write_kv(kv: KVCache, layer, k, v, slot_mapping, *, impl: str,
     return kv_cache.write_kv(kv, layer, k, v, slot_mapping)
 
 
-def rope_write_kv(kv: KVCache, layer, qkv, cos, sin, slot_mapping, *, num_heads: int,
-                  impl: str, layout: TPLayout = TPLayout()):
-    """RoPE on the fused QKV projection's output and the K/V write in one kernel: -> (q
-    [T, H, D] rotated, the cache), or None where it does not apply (the caller's route:
-    split, model.apply_rope, write_kv): FUSED_GLUE off, impl "reference", tensor
-    parallelism, or a head dim the kernel does not take."""
+def fused_rope_applies(kv: KVCache, impl: str, layout: TPLayout = TPLayout()) -> bool:
+    """Whether rope_write_kv runs its kernel (else the caller's route): FUSED_GLUE on, impl
+    "pallas", no tensor parallelism and a head dim the kernel takes."""
     from pallas_kernels import kv_write as kw
-    if not (FUSED_GLUE and PALLAS_KV_WRITE and impl == "pallas" and layout.size == 1
-            and kw.supported(kv)):
+    return (FUSED_GLUE and PALLAS_KV_WRITE and impl == "pallas" and layout.size == 1
+            and kw.supported(kv))
+
+
+def rope_write_kv(kv: KVCache, layer, qkv, cos, sin, slot_mapping, *, num_heads: int,
+                  impl: str, layout: TPLayout = TPLayout(), bias=None):
+    """RoPE on the fused QKV projection's output and the K/V write in one kernel: -> (q
+    [T, H, D] rotated, the cache), or None where it does not apply (fused_rope_applies; the
+    caller's route: split, model.apply_rope, write_kv). bias: the projection's bias, added
+    in the kernel (qkv then comes without it), or None."""
+    from pallas_kernels import kv_write as kw
+    if not fused_rope_applies(kv, impl, layout):
         return None
     kv, q = kw.rope_write_kv(kv, layer, qkv, cos, sin, slot_mapping, num_heads=num_heads,
-                             interpret=not _on_gpu())
+                             bias=bias, interpret=not _on_gpu())
     return q, kv
 
 

@@ -25,7 +25,10 @@ and the slices feeding the write and attention ran as kernels of their own besid
 (8B decode step at batch 1, H200 profile, eleventh session: a concatenate fusion and two
 slice fusions per layer, read by their names, ~1.3-1.5 us each, for a few KB of work). This
 kernel takes 2.5 us per call there (twelfth session); the step's time did not move
-(ops.FUSED_GLUE).
+(ops.FUSED_GLUE). With `bias` (Qwen2's QKV bias) the projection's bias is added here too, as
+the Linear would have (rounded to the activations' dtype before the rotation), instead of in a
+kernel of its own: XLA ran that add as a 1.76 us fusion per layer in the Qwen2.5-32B FP8
+batch-1 step (bench/results/profile_b1_qwen_fp8.json, read by its name and count).
 
 Backend: Pallas Triton, as the attention kernels (pallas_kernels/paged_attention.py says why).
 """
@@ -122,10 +125,11 @@ def supported(cache: KVCache) -> bool:
 ROPE_WARPS = 4   # a program rotates all H q heads of its token
 
 
-def _rope_kernel(layer_ref, slot_ref, qkv_ref, cos_ref, sin_ref, kc_in, vc_in, *refs,
-                 num_heads: int, q_p2: int, kv_heads: int, kv_p2: int, num_pages: int,
-                 page_size: int, half: int, fp8: bool):
-    del kc_in, vc_in     # aliased to the outputs below
+def _rope_kernel(layer_ref, slot_ref, qkv_ref, cos_ref, sin_ref, *refs, num_heads: int,
+                 q_p2: int, kv_heads: int, kv_p2: int, num_pages: int, page_size: int,
+                 half: int, fp8: bool, bias: bool):
+    b_ref, refs = (refs[0], refs[1:]) if bias else (None, refs)
+    refs = refs[2:]      # past the K/V caches in, aliased to the outputs below
     if fp8:
         _ks_in, _vs_in, q_ref, kc_ref, vc_ref, ks_ref, vs_ref = refs
     else:
@@ -137,14 +141,20 @@ def _rope_kernel(layer_ref, slot_ref, qkv_ref, cos_ref, sin_ref, kc_in, vc_in, *
     c, s = cos_ref[t][None, :], sin_ref[t][None, :]                       # [1, D/2]
     dtype = qkv_ref.dtype
 
-    def rotated(src):     # model.apply_rope on rows src of qkv: f32, rounded to its dtype
-        x1, x2 = qkv_ref[src, lo].astype(jnp.float32), qkv_ref[src, hi].astype(jnp.float32)
+    def row(head, cols):  # qkv's head row of token t (+ its bias, rounded like the Linear's)
+        x = qkv_ref[t * width + head, cols]
+        if b_ref is not None:
+            x = (x.astype(jnp.float32) + b_ref[head, cols].astype(jnp.float32)).astype(dtype)
+        return x.astype(jnp.float32)
+
+    def rotated(head):    # model.apply_rope on head rows of qkv: f32, rounded to its dtype
+        x1, x2 = row(head, lo), row(head, hi)
         return [(x1 * c - x2 * s).astype(dtype).astype(jnp.float32),
                 (x2 * c + x1 * s).astype(dtype).astype(jnp.float32)]
 
     # padded heads repeat the last one: the same value to the same place, no mask
     qh = jnp.minimum(jnp.arange(q_p2, dtype=jnp.int32), num_heads - 1)
-    q1, q2 = rotated(t * width + qh)
+    q1, q2 = rotated(qh)
     q_ref[t * num_heads + qh, lo] = q1.astype(q_ref.dtype)
     q_ref[t * num_heads + qh, hi] = q2.astype(q_ref.dtype)
     slot = slot_ref[t]
@@ -154,9 +164,8 @@ def _rope_kernel(layer_ref, slot_ref, qkv_ref, cos_ref, sin_ref, kc_in, vc_in, *
         heads = jnp.minimum(jnp.arange(kv_p2, dtype=jnp.int32), kv_heads - 1)
         page, within = slot // page_size, slot % page_size
         rows = ((layer_ref[0] * kv_heads + heads) * num_pages + page) * page_size + within
-        k_src = t * width + num_heads + heads
-        _store(kc_ref, ks_ref, rows, rotated(k_src), [lo, hi], fp8)
-        _store(vc_ref, vs_ref, rows, [qkv_ref[k_src + kv_heads].astype(jnp.float32)],
+        _store(kc_ref, ks_ref, rows, rotated(num_heads + heads), [lo, hi], fp8)
+        _store(vc_ref, vs_ref, rows, [row(num_heads + kv_heads + heads, pl.ds(0, 2 * half))],
                [pl.ds(0, 2 * half)], fp8)
 
 
@@ -168,10 +177,13 @@ def _split_qkv(qkv, num_heads: int, kv_heads: int, head_dim: int):
 
 
 def rope_write_kv_reference(cache: KVCache, layer, qkv, cos, sin, slot_mapping, *,
-                            num_heads: int):
-    """Plain jnp (model.Attention's route): -> (cache with the new K/V, q [T, H, D])."""
+                            num_heads: int, bias=None):
+    """Plain jnp (model.Attention's route): -> (cache with the new K/V, q [T, H, D]); bias
+    [(H + 2K) D] (or None) is added to qkv first, as ops.linear adds it."""
     from jaxinfer.model import apply_rope
     _, kv_heads, _, _, head_dim = cache.k.shape
+    if bias is not None:
+        qkv = qkv + bias.astype(qkv.dtype)
     q, k, v = _split_qkv(qkv, num_heads, kv_heads, head_dim)
     cache = write_kv_reference(cache, layer, apply_rope(k, cos, sin), v, slot_mapping)
     return cache, apply_rope(q, cos, sin)
@@ -179,35 +191,41 @@ def rope_write_kv_reference(cache: KVCache, layer, qkv, cos, sin, slot_mapping, 
 
 @functools.partial(jax.jit, static_argnames=("num_heads", "interpret"))
 def rope_write_kv(cache: KVCache, layer, qkv, cos, sin, slot_mapping, *, num_heads: int,
-                  interpret: bool = False):
+                  bias=None, interpret: bool = False):
     """rope_write_kv_reference in one kernel (module doc): qkv [T, (H + 2K) D] ([q | k | v]
-    heads, the projection's output), cos/sin [T, D/2] f32, slot_mapping [T] (-1 = padding:
-    nothing written, q still rotated). Returns (the cache, q [T, H, D] in qkv's dtype); the
-    cache is updated in place as write_kv's."""
+    heads, the projection's output, without its bias when `bias` [(H + 2K) D] is given),
+    cos/sin [T, D/2] f32, slot_mapping [T] (-1 = padding: nothing written, q still rotated).
+    Returns (the cache, q [T, H, D] in qkv's dtype); the cache is updated in place as
+    write_kv's."""
     _, kv_heads, num_pages, page_size, head_dim = cache.k.shape
     t = qkv.shape[0]
     half = head_dim // 2
-    if (qkv.shape != (t, (num_heads + 2 * kv_heads) * head_dim) or cos.shape != (t, half)
-            or sin.shape != cos.shape or slot_mapping.shape != (t,)):
+    width = (num_heads + 2 * kv_heads) * head_dim
+    if (qkv.shape != (t, width) or cos.shape != (t, half) or sin.shape != cos.shape
+            or slot_mapping.shape != (t,) or (bias is not None and bias.shape != (width,))):
         raise ValueError(f"rope_write_kv: want qkv [T, {num_heads + 2 * kv_heads} * "
-                         f"{head_dim}], cos/sin [T, {half}], slot_mapping [T]; got "
-                         f"{qkv.shape}, {cos.shape}, {sin.shape}, {slot_mapping.shape}")
+                         f"{head_dim}], cos/sin [T, {half}], slot_mapping [T], bias None or "
+                         f"[{width}]; got {qkv.shape}, {cos.shape}, {sin.shape}, "
+                         f"{slot_mapping.shape}, {None if bias is None else bias.shape}")
     fp8 = cache.is_fp8
     views = [cache.k.reshape(-1, head_dim), cache.v.reshape(-1, head_dim)]
     if fp8:
         views += [cache.k_scale.reshape(-1), cache.v_scale.reshape(-1)]
     kernel = functools.partial(_rope_kernel, num_heads=num_heads, q_p2=pow2_ceil(num_heads),
                                kv_heads=kv_heads, kv_p2=pow2_ceil(kv_heads), num_pages=num_pages,
-                               page_size=page_size, half=half, fp8=fp8)
+                               page_size=page_size, half=half, fp8=fp8, bias=bias is not None)
+    extra = [] if bias is None else [bias.astype(qkv.dtype).reshape(-1, head_dim)]
     q_out = jax.ShapeDtypeStruct((t * num_heads, head_dim), qkv.dtype)
+    first = 5 + len(extra)              # the first cache view's operand index
     outs = pl.pallas_call(
         kernel, grid=(t,),
         out_shape=[q_out] + [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in views],
-        input_output_aliases={5 + i: 1 + i for i in range(len(views))},
+        input_output_aliases={first + i: 1 + i for i in range(len(views))},
         interpret=interpret, name="jaxinfer_rope_kv_write",
         **triton_params(interpret, num_warps=ROPE_WARPS, num_stages=1),
     )(jnp.asarray(layer, jnp.int32).reshape(1), slot_mapping.astype(jnp.int32),
-      qkv.reshape(-1, head_dim), cos.astype(jnp.float32), sin.astype(jnp.float32), *views)
+      qkv.reshape(-1, head_dim), cos.astype(jnp.float32), sin.astype(jnp.float32), *extra,
+      *views)
     q, outs = outs[0].reshape(t, num_heads, head_dim), outs[1:]
     shape = cache.k.shape
     if fp8:

@@ -89,21 +89,25 @@ def _rope_case(rng, num_heads, kv_heads, head_dim, dtype, tokens):
     return cache, qkv, jnp.cos(freqs), jnp.sin(freqs), slots
 
 
-@pytest.mark.parametrize("num_heads,kv_heads,head_dim,dtype,tokens", [
-    (32, 8, 128, FP8_DTYPE, 7), (32, 8, 128, jnp.bfloat16, 5), (9, 3, 64, jnp.bfloat16, 6),
-    (9, 3, 64, FP8_DTYPE, 4), (4, 4, 32, jnp.float32, 3)])
-def test_rope_kernel_matches_reference(num_heads, kv_heads, head_dim, dtype, tokens):
+@pytest.mark.parametrize("num_heads,kv_heads,head_dim,dtype,tokens,bias", [
+    (32, 8, 128, FP8_DTYPE, 7, False), (32, 8, 128, jnp.bfloat16, 5, False),
+    (9, 3, 64, jnp.bfloat16, 6, False), (9, 3, 64, FP8_DTYPE, 4, False),
+    (4, 4, 32, jnp.float32, 3, False), (40, 8, 128, FP8_DTYPE, 5, True),
+    (9, 3, 64, jnp.bfloat16, 4, True)])
+def test_rope_kernel_matches_reference(num_heads, kv_heads, head_dim, dtype, tokens, bias):
     """RoPE + K/V write in one kernel against model.apply_rope + XLA's scatter: the cache
     (codes, scales, untouched slots) and the rotated q; padding tokens (slot -1) write
     nothing but still get their q. q differs by at most one bf16 rounding (the kernel's f32
-    products may be fused differently)."""
+    products may be fused differently). With a QKV bias (Qwen2's heads: 40 q, 8 kv) added
+    in the kernel, against the reference adding it to qkv first."""
     rng = np.random.default_rng(num_heads * 1000 + kv_heads * 100 + head_dim + tokens)
     cache, qkv, cos, sin, slots = _rope_case(rng, num_heads, kv_heads, head_dim, dtype, tokens)
+    b = (jnp.asarray(rng.standard_normal(qkv.shape[1]) * 3, jnp.float32) if bias else None)
     for layer in (0, 1):
         want_cache, want_q = kw.rope_write_kv_reference(cache, jnp.int32(layer), qkv, cos, sin,
-                                                        slots, num_heads=num_heads)
+                                                        slots, num_heads=num_heads, bias=b)
         got_cache, got_q = kw.rope_write_kv(cache, jnp.int32(layer), qkv, cos, sin, slots,
-                                            num_heads=num_heads, interpret=not ON_GPU)
+                                            num_heads=num_heads, bias=b, interpret=not ON_GPU)
         assert got_q.shape == (tokens, num_heads, head_dim) and got_q.dtype == qkv.dtype
         np.testing.assert_allclose(np.asarray(got_q, np.float32), np.asarray(want_q, np.float32),
                                    rtol=2 ** -7, atol=1e-6)
@@ -127,24 +131,31 @@ def test_rope_route_and_errors():
     with pytest.raises(ValueError, match="rope_write_kv"):
         kw.rope_write_kv(cache, jnp.int32(0), qkv[:, :-64], cos, sin, slots, num_heads=4,
                          interpret=True)
+    with pytest.raises(ValueError, match="bias"):
+        kw.rope_write_kv(cache, jnp.int32(0), qkv, cos, sin, slots, num_heads=4,
+                         bias=jnp.zeros(qkv.shape[1] - 1), interpret=True)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [FP8_DTYPE, jnp.bfloat16])
 @pytest.mark.parametrize("tokens", [8, 256])
-def test_gpu_rope_8b_shape(dtype, tokens):
-    """Llama-3-8B's heads (32 q, 8 kv, D 128) compiled on the H200, batch-1 (8 padded rows)
-    and 256-row decode steps; in place inside a jit that owns the cache."""
+@pytest.mark.parametrize("num_heads,bias", [(32, False), (40, True)])
+def test_gpu_rope_8b_shape(dtype, tokens, num_heads, bias):
+    """Llama-3-8B's heads (32 q, 8 kv, D 128; and Qwen2.5-32B's 40 q with the QKV bias)
+    compiled on the H200, batch-1 (8 padded rows) and 256-row decode steps; in place inside
+    a jit that owns the cache."""
     rng = np.random.default_rng(tokens)
-    cache, qkv, cos, sin, slots = _rope_case(rng, 32, 8, 128, dtype, tokens)
+    cache, qkv, cos, sin, slots = _rope_case(rng, num_heads, 8, 128, dtype, tokens)
+    b = jnp.asarray(rng.standard_normal(qkv.shape[1]), jnp.bfloat16) if bias else None
     want_cache, want_q = kw.rope_write_kv_reference(cache, jnp.int32(1), qkv, cos, sin, slots,
-                                                    num_heads=32)
-    got_cache, got_q = kw.rope_write_kv(cache, jnp.int32(1), qkv, cos, sin, slots, num_heads=32)
+                                                    num_heads=num_heads, bias=b)
+    got_cache, got_q = kw.rope_write_kv(cache, jnp.int32(1), qkv, cos, sin, slots,
+                                        num_heads=num_heads, bias=b)
     np.testing.assert_allclose(np.asarray(got_q, np.float32), np.asarray(want_q, np.float32),
                                rtol=2 ** -7, atol=1e-6)
     _equal(got_cache, want_cache, exact=False)
     step = jax.jit(lambda c, x: ops.rope_write_kv(c, jnp.int32(1), x, cos, sin, slots,
-                                                  num_heads=32, impl="pallas"),
+                                                  num_heads=num_heads, impl="pallas", bias=b),
                    donate_argnums=0)
     hlo = step.lower(cache, qkv).compile().as_text()
     shape = re.escape(",".join(map(str, cache.k.shape)))

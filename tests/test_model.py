@@ -161,20 +161,21 @@ def test_decode_step_padded_to_min_rows_equals_unpadded(monkeypatch):
     assert rows8 in jaxpr_padded and rows8 not in jaxpr_plain
 
 
-@pytest.mark.parametrize("unroll", [False, True])
-def test_fused_glue_equals_unfused(monkeypatch, unroll):
+@pytest.mark.parametrize("unroll,bias", [(False, False), (True, False), (True, True)])
+def test_fused_glue_equals_unfused(monkeypatch, unroll, bias):
     """ops.FUSED_GLUE's kernels (RoPE + K/V write, residual add + RMSNorm, attention over the
     real rows with the combine kernel padding the rest) against the unfused route, with
     Pallas attention in interpret mode: a prefill and a decode step padded to 8 rows give the
     same logits and the same cache, and the fused decode step's jaxpr holds the fused kernels
     in place of the unfused K/V write. add_rmsnorm runs its kernel only on the GPU (and with
     ops.PALLAS_ADD_NORM on), so here ops' entry is pointed at the kernel in interpret mode. (The tiny context is not split:
-    the combine kernel has its own tests in test_paged_attention.py.)"""
+    the combine kernel has its own tests in test_paged_attention.py.) With a QKV bias (Qwen2)
+    the fused route adds it in the RoPE kernel, the unfused one in the projection."""
     import jax
     import jax.extend
     from jaxinfer import ops
     from pallas_kernels import rmsnorm
-    cfg = standard_config("tiny")
+    cfg = dataclasses.replace(standard_config("tiny"), qkv_bias=bias)
     flat = random_flat(cfg, seed=8)
     engine = EngineConfig(page_size=4, max_model_len=32, max_num_seqs=2,
                           attention_impl="pallas")
