@@ -168,9 +168,10 @@ def test_fused_glue_equals_unfused(monkeypatch, unroll, bias):
     Pallas attention in interpret mode: a prefill and a decode step padded to 8 rows give the
     same logits and the same cache, and the fused decode step's jaxpr holds the fused kernels
     in place of the unfused K/V write. add_rmsnorm runs its kernel only on the GPU (and with
-    ops.PALLAS_ADD_NORM on), so here ops' entry is pointed at the kernel in interpret mode. (The tiny context is not split:
-    the combine kernel has its own tests in test_paged_attention.py.) With a QKV bias (Qwen2)
-    the fused route adds it in the RoPE kernel, the unfused one in the projection."""
+    ops.PALLAS_ADD_NORM on), so here ops' entry is pointed at the kernel in interpret mode.
+    (The tiny context is not split: the combine kernel has its own tests in
+    test_paged_attention.py.) With a QKV bias (Qwen2) the fused route adds it in the RoPE
+    kernel, the unfused one in the projection."""
     import jax
     import jax.extend
     from jaxinfer import ops
