@@ -166,8 +166,8 @@ def hlo_kernels(fn, x, weight) -> dict:
 
 def time_per_op(fn, xs, weights, samples, device: bool = False):
     """Median host-clock seconds per op; the program applies fn once per (x, weight) pair.
-    Returns (seconds, first output), or with device=True (seconds, device seconds or None
-    off the GPU, first output): the same compiled program run 3 times under the profiler
+    Returns (seconds, device seconds or None, first output): the device time only with
+    device=True on a GPU, from the same compiled program run 3 times under the profiler
     (bench.profile.device_seconds)."""
     run = jax.jit(lambda xs, ws: [fn(x, *w) for x, w in zip(xs, ws)])
     out = jax.block_until_ready(run(xs, weights))
@@ -181,9 +181,8 @@ def time_per_op(fn, xs, weights, samples, device: bool = False):
             res = run(xs, weights)
         jax.block_until_ready(res)
         times.append((time.perf_counter() - t0) / (calls * len(xs)))
-    if not device:
-        return statistics.median(times), out[0]
-    dev = device_seconds(lambda: [run(xs, weights) for _ in range(3)], 3 * len(xs))
+    dev = (device_seconds(lambda: [run(xs, weights) for _ in range(3)], 3 * len(xs))
+           if device else None)
     return statistics.median(times), dev, out[0]
 
 
@@ -278,7 +277,7 @@ def tune(args, rows, on_shape=lambda: None):
                    "num_stages": t.num_stages, "reduce_each_step": t.reduce_each_step,
                    "prefetch": t.prefetch}
             try:
-                sec, y = time_per_op(functools.partial(_forced_tiles, t=t), xs, weights,
+                sec, _, y = time_per_op(functools.partial(_forced_tiles, t=t), xs, weights,
                                      args.samples)
             except Exception as e:
                 rows.append({**row, "error": repr(e)[:400]})
@@ -306,8 +305,8 @@ def add_ratios(rows, m, k, n):
 def ceilings():
     """Bandwidth ceilings in this run: a read-only reduction and an XLA elementwise pass."""
     a = jax.random.normal(jax.random.PRNGKey(0), (CEILING_ELEMS,), jnp.bfloat16)
-    read, _ = time_per_op(lambda x, w: jnp.sum(x, dtype=jnp.float32), [a], [(a,)], 5)
-    copy, _ = time_per_op(lambda x, w: x + 1, [a], [(a,)], 5)
+    read, _, _ = time_per_op(lambda x, w: jnp.sum(x, dtype=jnp.float32), [a], [(a,)], 5)
+    copy, _, _ = time_per_op(lambda x, w: x + 1, [a], [(a,)], 5)
     return {"read_TBps": round(a.nbytes / read / 1e12, 3),
             "xla_elementwise_TBps": round(2 * a.nbytes / copy / 1e12, 3)}
 

@@ -62,7 +62,7 @@ def bench_gemv(args, rows, on_shape=lambda: None):
             row = {"impl": name, "M": 1, "K": k, "N": n, "prologue": prologue,
                    "residual": residual}
             try:
-                sec, y = time_per_op(fn, xs, weights, args.samples)
+                sec, _, y = time_per_op(fn, xs, weights, args.samples)
                 row.update(us=round(sec * 1e6, 2), TBps=round(2 * k * n / sec / 1e12, 3),
                            max_abs_err=float(jnp.max(jnp.abs(y.astype(jnp.float32)
                                                              - ref.astype(jnp.float32)))),

@@ -59,7 +59,7 @@ def bench_m(m, f, args, rows, pas):
             row.update(tiles=str(t).replace("Tiles", ""),
                        rows_per_program=sq.block_rows(m, f, t))
         try:
-            sec, out = time_per_op(fn, ys, args_w, args.samples)
+            sec, _, out = time_per_op(fn, ys, args_w, args.samples)
         except Exception as e:   # one broken variant must not cost the others
             rows.append({**row, "error": repr(e)[:400]})
             print(json.dumps(rows[-1]), flush=True)
