@@ -62,8 +62,10 @@ def teacher_forced(ws, model: str, weights: str, kv_dtype: str):
     nll, top1 = [], []
     for w in ws:
         logits = runner.all_logits(w, md)[:-1]
-        logp = logits - np.logaddexp.reduce(logits, axis=-1, keepdims=True)
-        nll.append(-logp[np.arange(WINDOW - 1), w[1:]])
+        # log-sum-exp by the row max (np.logaddexp.reduce took ~10x as long: ~1 s a window)
+        top = logits.max(-1)
+        lse = top + np.log(np.exp(logits - top[:, None]).sum(-1, dtype=np.float64))
+        nll.append(lse - logits[np.arange(WINDOW - 1), w[1:]])
         top1.append(logits.argmax(-1))
     return float(np.exp(np.concatenate(nll).mean())), np.concatenate(top1)
 
