@@ -278,7 +278,7 @@ def tune(args, rows, on_shape=lambda: None):
                    "prefetch": t.prefetch}
             try:
                 sec, _, y = time_per_op(functools.partial(_forced_tiles, t=t), xs, weights,
-                                     args.samples)
+                                        args.samples)
             except Exception as e:
                 rows.append({**row, "error": repr(e)[:400]})
                 print(json.dumps(rows[-1]), flush=True)
