@@ -66,10 +66,10 @@ class Linear(nnx.Module):
             self.scale = None
         self.bias = nnx.Param(jnp.zeros(stack + (dout,), dtype)) if bias else None
 
-    def __call__(self, x, with_bias: bool = True):
-        """with_bias=False: the product alone (a caller that adds self.bias itself)."""
+    def __call__(self, x, add_bias: bool = True):
+        """add_bias=False: the product alone (a caller that adds self.bias itself)."""
         scale = None if self.scale is None else self.scale[...]
-        bias = None if self.bias is None or not with_bias else self.bias[...]
+        bias = None if self.bias is None or not add_bias else self.bias[...]
         return ops.linear(x, self.kernel[...], scale, bias, parallel=self.parallel)
 
 
@@ -114,18 +114,17 @@ class Attention(nnx.Module):
                          fp8=fp8, parallel=_parallel(layout, n, "row"))
 
     def __call__(self, x, kv: KVCache, layer, md: AttentionMetadata, cos, sin, attn_impl):
-        # a QKV bias goes into the RoPE + K/V write kernel when that runs (no add kernel)
-        fold = (self.wqkv.bias is not None
-                and ops.fused_rope_applies(kv, attn_impl, self.layout))
-        o, kv = self.attend(self.wqkv(x, with_bias=not fold), kv, layer, md, cos, sin,
-                            attn_impl, bias=self.wqkv.bias[...] if fold else None)
+        # the QKV bias is added by attend: inside the RoPE + K/V write kernel when that runs
+        bias = None if self.wqkv.bias is None else self.wqkv.bias[...]
+        o, kv = self.attend(self.wqkv(x, add_bias=False), kv, layer, md, cos, sin, attn_impl,
+                            bias=bias)
         return self.wo(o), kv
 
     def attend(self, qkv, kv: KVCache, layer, md: AttentionMetadata, cos, sin, attn_impl,
                bias=None):
-        """qkv [T, (H+2K)D] (the fused projection's output; without its bias if `bias` is
-        given) -> the attention output [T, H*D] before wo, and the cache with the new
-        tokens' K/V written."""
+        """qkv [T, (H+2K)D] (the fused projection's output, without `bias` [(H+2K)D] if
+        that is given: it is added here, in the RoPE kernel where that runs) -> the attention
+        output [T, H*D] before wo, and the cache with the new tokens' K/V written."""
         cfg, n = self.cfg, self.layout.attn
         t = qkv.shape[0]
         fused = ops.rope_write_kv(kv, layer, qkv, cos, sin, md.slot_mapping,
@@ -134,8 +133,7 @@ class Attention(nnx.Module):
         if fused is not None:
             q, kv = fused
         else:     # [T, n, (H+2K)D/n]: each device's own heads under tensor parallelism
-            if bias is not None:
-                qkv = qkv + bias.astype(qkv.dtype)
+            qkv = ops.with_bias(qkv, bias)
             q, kv = self._rope_write(qkv.reshape(t, n, -1), kv, layer, md, cos, sin,
                                      attn_impl)
         o = ops.attention(q, kv, layer, md, sm_scale=cfg.head_dim ** -0.5, impl=attn_impl,

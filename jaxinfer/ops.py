@@ -91,22 +91,16 @@ def write_kv(kv: KVCache, layer, k, v, slot_mapping, *, impl: str,
     return kv_cache.write_kv(kv, layer, k, v, slot_mapping)
 
 
-def fused_rope_applies(kv: KVCache, impl: str, layout: TPLayout = TPLayout()) -> bool:
-    """Whether rope_write_kv runs its kernel (else the caller's route): FUSED_GLUE on, impl
-    "pallas", no tensor parallelism and a head dim the kernel takes."""
-    from pallas_kernels import kv_write as kw
-    return (FUSED_GLUE and PALLAS_KV_WRITE and impl == "pallas" and layout.size == 1
-            and kw.supported(kv))
-
-
 def rope_write_kv(kv: KVCache, layer, qkv, cos, sin, slot_mapping, *, num_heads: int,
                   impl: str, layout: TPLayout = TPLayout(), bias=None):
     """RoPE on the fused QKV projection's output and the K/V write in one kernel: -> (q
-    [T, H, D] rotated, the cache), or None where it does not apply (fused_rope_applies; the
-    caller's route: split, model.apply_rope, write_kv). bias: the projection's bias, added
+    [T, H, D] rotated, the cache), or None where it does not apply (the caller's route:
+    split, model.apply_rope, write_kv): FUSED_GLUE off, impl "reference", tensor
+    parallelism, or a head dim the kernel does not take. bias: the projection's bias, added
     in the kernel (qkv then comes without it), or None."""
     from pallas_kernels import kv_write as kw
-    if not fused_rope_applies(kv, impl, layout):
+    if not (FUSED_GLUE and PALLAS_KV_WRITE and impl == "pallas" and layout.size == 1
+            and kw.supported(kv)):
         return None
     kv, q = kw.rope_write_kv(kv, layer, qkv, cos, sin, slot_mapping, num_heads=num_heads,
                              bias=bias, interpret=not _on_gpu())
@@ -172,10 +166,11 @@ def linear(x, kernel, scale=None, bias=None, parallel=None):
         xp = jnp.pad(x, ((0, pad), (0, 0))) if pad > 0 else x
         y = jnp.dot(xp, kernel.astype(x.dtype), preferred_element_type=jnp.float32)
         y = y[:m].astype(x.dtype)
-    return _with_bias(y, bias)
+    return with_bias(y, bias)
 
 
-def _with_bias(y, bias):
+def with_bias(y, bias):
+    """y + bias in y's dtype (bias None: y): how a Linear's bias is added."""
     return y if bias is None else y + bias.astype(y.dtype)
 
 
@@ -219,7 +214,7 @@ def norm_quant(x, weight, delta=None, *, eps: float):
 def fp8_tc_linear(x_q, x_scale, kernel, scale, dtype, bias=None):
     """An FP8 linear on the tensor-core route from activations already quantized per token."""
     from pallas_kernels import fp8_matmul as fm
-    return _with_bias(fm.tc_scaled(fm.tc_product(x_q, kernel, dtype), x_scale, scale, dtype),
+    return with_bias(fm.tc_scaled(fm.tc_product(x_q, kernel, dtype), x_scale, scale, dtype),
                       bias)
 
 

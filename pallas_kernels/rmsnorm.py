@@ -14,8 +14,8 @@ registers (static chunks of BF columns), writes x after the add and n; nothing e
 memory. Measured there (twelfth session, bench/README.md): 2.6 us per call, and the step's
 time did not move (ops.FUSED_GLUE). The fourteenth session found XLA's own fusion of the
 add and the norm faster (alone, chained: 0.7-0.8 us per [8, 4096..5120] call against the
-kernel's 1.8-2.7 us at 2-16 warps; in the decode steps, below ops.PALLAS_ADD_NORM), so the
-model no longer calls this kernel by default: ops.PALLAS_ADD_NORM turns it back on.
+kernel's 1.8-2.7 us at 2-16 warps; the decode steps' A/B is at ops.PALLAS_ADD_NORM), so
+the model no longer calls this kernel by default: ops.PALLAS_ADD_NORM turns it back on.
 
 Numerics: the XLA route's rounding (the sum to x's dtype before the norm, n rounded once);
 the sum of squares is added in a different order, so n may differ in its last bit.
