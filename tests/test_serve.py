@@ -224,7 +224,7 @@ def test_duplicate_request_id(client):
     assert e.value.details().startswith("request_id")
 
 
-@pytest.mark.parametrize("token", [None, "wrong", TOKEN + "x"])
+@pytest.mark.parametrize("token", [None, "wrong", TOKEN + "x"], ids=["none", "wrong", "close"])
 def test_auth(server, token):
     with Client(server.target, token=token) as c:
         for call in (lambda: c.complete([5, 6], {"max_tokens": 2}, timeout=10),
