@@ -41,8 +41,9 @@ from bench.common import git_sha
 from jaxinfer.config import EngineConfig
 from jaxinfer.engine import Engine
 from jaxinfer.loading import load_model
-from jaxinfer.request import SamplingParams
+from jaxinfer.request import Request, SamplingParams
 from jaxinfer.runner import CompileCounter
+from jaxinfer.scheduler import Scheduler
 
 
 def lognormal_lengths(rng, n: int, median: float, sigma: float, lo: int, hi: int) -> np.ndarray:
@@ -122,6 +123,43 @@ def engine_config(args, workload, max_batch: int, dtype: str) -> EngineConfig:
         async_scheduling=not args.no_async_scheduling)
 
 
+def simulate(workload, args, max_batch: int) -> list[dict]:
+    """Replay the workload through the Scheduler alone (no model, no device; every sampled
+    token is a dummy, which changes nothing here: greedy, ignore_eos, no prefix caching):
+    per mode the steps, those that carry a prefill chunk, and how full the decode-only
+    steps are. Shows where a mode's steps go without timing them."""
+    cfg = engine_config(args, workload, max_batch, "float32")
+    out = []
+    for mode in ("continuous", "static"):
+        groups = [workload] if mode == "continuous" else [
+            workload[i:i + max_batch] for i in range(0, len(workload), max_batch)]
+        decode_rows, mixed, prefill = [], 0, 0
+        for group in groups:
+            sched = Scheduler.from_config(cfg)
+            for i, (prompt, n) in enumerate(group):
+                sched.add(Request(f"r{i}", prompt, SamplingParams(
+                    temperature=0.0, max_tokens=n, ignore_eos=True), arrival_time=float(i)))
+            while sched.has_unfinished:
+                step = sched.schedule()
+                chunk = sum(r.num_tokens for r in step.rows if r.num_tokens > 1)
+                if chunk:
+                    mixed, prefill = mixed + 1, prefill + chunk
+                else:
+                    decode_rows.append(len(step.rows))
+                sched.update(step, [0] * len(step.rows))
+        # decode-only steps by their rows, in quarters of max_batch (64: <16, 16-31, ...)
+        q = [max_batch * k // 4 for k in range(1, 4)]
+        hist = np.histogram(decode_rows, bins=[0, *q, max_batch + 1])[0]
+        labels = [f"<{q[0]}", f"{q[0]}-{q[1] - 1}", f"{q[1]}-{q[2] - 1}", f"{q[2]}-{max_batch}"]
+        out.append({"mode": mode, "max_batch": max_batch, "steps": mixed + len(decode_rows),
+                    "steps_with_prefill": mixed,
+                    "prefill_tokens_per_such_step": round(prefill / max(mixed, 1), 1),
+                    "decode_only_steps": len(decode_rows),
+                    "decode_only_mean_rows": round(float(np.mean(decode_rows or [0])), 2),
+                    "decode_only_steps_by_rows": dict(zip(labels, map(int, hist)))})
+    return out
+
+
 def int_pair(s: str) -> tuple[int, int]:
     lo, hi = (int(x) for x in s.split(","))
     if not 1 <= lo <= hi:
@@ -159,6 +197,10 @@ def parse_args(argv):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--git", default=None, help="commit to record (default: git rev-parse HEAD)")
     ap.add_argument("--out", default="bench/results/batching.json")
+    ap.add_argument("--simulate", action="store_true",
+                    help="replay the workload through the scheduler alone (no model, no "
+                         "device) and print each mode's steps and decode-row occupancy; "
+                         "writes nothing")
     return ap.parse_args(argv)
 
 
@@ -185,6 +227,12 @@ def bench_max_batch(model, workload, args, max_batch: int, dtype: str) -> list[d
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    if args.simulate:   # lengths do not depend on the vocabulary: any size replays the run
+        workload = make_workload(args, 1000)
+        rows = [r for b in args.max_batch.split(",") for r in simulate(workload, args, int(b))]
+        for r in rows:
+            print(json.dumps(r), flush=True)
+        return {"rows": rows}
     dtype = args.dtype or ("bfloat16" if jax.default_backend() == "gpu" else "float32")
     batches = [int(b) for b in args.max_batch.split(",")]
     loaded = load_model(args.model, EngineConfig(dtype=dtype, weights=args.weights))

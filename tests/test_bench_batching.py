@@ -53,3 +53,25 @@ def test_batching_bench_schema(tmp_path):
     assert rows[1]["steps"] >= rows[0]["steps"]
     assert set(result["continuous_over_static"]) == {"2"}
     assert result["continuous_over_static"]["2"] > 0
+
+
+def test_simulate_replays_the_schedule_without_a_model(capsys):
+    argv = ["--simulate", "--num-requests", "40", "--max-batch", "8",
+            "--max-num-batched-tokens", "64", "--prompt-len", "4,60", "--prompt-median", "16",
+            "--output-len", "2,40", "--output-median", "6"]
+    rows = batching.main(argv)["rows"]
+    assert [r["mode"] for r in rows] == ["continuous", "static"]
+    printed = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert printed == rows
+    args = batching.parse_args(argv)
+    workload = batching.make_workload(args, 1000)
+    prompt_tokens = sum(len(p) for p, _ in workload)
+    for r in rows:
+        assert r["steps"] == r["steps_with_prefill"] + r["decode_only_steps"]
+        assert sum(r["decode_only_steps_by_rows"].values()) == r["decode_only_steps"]
+        assert 0 < r["decode_only_mean_rows"] <= 8
+        # every prompt token but the ones a one-token chunk carried sits in a prefill step
+        assert r["steps_with_prefill"] * r["prefill_tokens_per_such_step"] <= prompt_tokens
+    continuous, static = rows
+    assert continuous["steps"] < static["steps"]
+    assert continuous["decode_only_mean_rows"] > static["decode_only_mean_rows"]
