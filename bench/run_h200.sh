@@ -43,7 +43,7 @@
 #             (default) and at 64 tokens ($SPLIT_FLOORS), one process each; rows in
 #             $OUT/splits.json                                                               ~3 min
 #   xlaflags  decode B=1, bf16 then FP8 weights, under each XLA flag set of $FLAG_SETS (e.g.
-#             PDL, exhaustive GEMM tiling search), one process each; rows in
+#             PDL off, exhaustive GEMM tiling search), one process each; rows in
 #             $OUT/xla_flags.json                                                            ~1 min/set
 #   engine1   one request through the real engine (async scheduling): 512 in / 256 out,
 #             bf16 then FP8 weights ($ENGINE1_WEIGHTS); its median step is the B=1 decode
@@ -186,8 +186,10 @@ for stage in "$@"; do
       rm -f "$OUT/splits_roofline.png" ;;
     xlaflags)
       # decode B=1 C=$CTX1 (weights $FLAG_WEIGHTS) under each XLA flag set of $FLAG_SETS
-      # (';'-separated, '-' = none), one process each; every run records its XLA_FLAGS
-      IFS=';' read -ra sets <<< "${FLAG_SETS:--;--xla_gpu_enable_pdl=true}"
+      # (';'-separated, '-' = none), one process each; every run records its XLA_FLAGS.
+      # Importing jaxinfer adds --xla_gpu_enable_pdl=true unless a set names that flag, so
+      # '-' runs with PDL on and the default pair compares it with PDL off.
+      IFS=';' read -ra sets <<< "${FLAG_SETS:--;--xla_gpu_enable_pdl=false}"
       for w in ${FLAG_WEIGHTS:-bf16 fp8}; do
         i=0
         for fs in "${sets[@]}"; do
