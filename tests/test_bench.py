@@ -27,6 +27,14 @@ def _positive(row, *keys):
         assert row[k] > 0, (k, row)
 
 
+def _rounded_ratio(value, num, den):
+    """value was round(num / d, 4) for a d that the row keeps as den = round(d, 4) (ms): on a
+    noisy CPU the back-to-back step can come out at a few us, where den's rounding alone moves
+    the ratio by percent."""
+    lo, hi = num / (den + 5e-5), num / max(den - 5e-5, 1e-9)
+    assert lo - 5e-5 <= value <= hi + 5e-5, (value, num, den)
+
+
 def test_decode_suite_rows_and_plot(tmp_path):
     out = tmp_path / "decode.json"
     assert cli.main(["decode", *ENGINE, "--out", str(out), "--batch-sizes", "1,2",
@@ -41,9 +49,8 @@ def test_decode_suite_rows_and_plot(tmp_path):
                   "bytes_per_step", "flops_per_step", "intensity_flop_per_byte")
         assert r["tokens_per_s"] == pytest.approx(r["batch"] / r["step_ms"] * 1e3, rel=1e-2)
         ref_floor_ms = r["bytes_per_step"] / (decode.REF_READ_TBPS * 1e12) * 1e3
-        assert r["mbu_ref"] == pytest.approx(ref_floor_ms / r["step_ms"], rel=1e-2, abs=1e-4)
-        assert r["mbu_device_ref"] == pytest.approx(ref_floor_ms / r["step_ms_device"],
-                                                    rel=1e-2, abs=1e-4)
+        _rounded_ratio(r["mbu_ref"], ref_floor_ms, r["step_ms"])
+        _rounded_ratio(r["mbu_device_ref"], ref_floor_ms, r["step_ms_device"])
     by = {(r["batch"], r["context"]): r for r in result["rows"]}
     assert by[2, 40]["bytes_per_step"] > by[2, 9]["bytes_per_step"] > by[1, 9]["bytes_per_step"]
     png = tmp_path / "decode_roofline.png"
