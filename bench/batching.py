@@ -66,11 +66,22 @@ def pool_pages(workload, max_batch: int, page_size: int) -> int:
     return sum(pages[:max_batch]) + 1
 
 
+def exact_length(n: int) -> SamplingParams:
+    """Greedy, EOS ignored: the request emits exactly n tokens."""
+    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+
+
+def mode_groups(workload, mode: str, max_batch: int) -> list:
+    """continuous: the whole workload queued at once; static: groups of max_batch, in order,
+    each run to its end before the next is queued."""
+    return [workload] if mode == "continuous" else [
+        workload[i:i + max_batch] for i in range(0, len(workload), max_batch)]
+
+
 def drive(engine: Engine, requests) -> dict:
     """Queue `requests`, step until all are done; per-step host and total seconds."""
     for prompt, n in requests:
-        engine.add_request({"prompt_token_ids": prompt},
-                           SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
+        engine.add_request({"prompt_token_ids": prompt}, exact_length(n))
     host, step, phases, tokens = [], [], [], 0
     while engine.has_unfinished_requests():
         outs = engine.step()
@@ -88,8 +99,7 @@ def phase_medians(phases: list[dict]) -> dict:
 
 
 def measure(engine: Engine, workload, mode: str, max_batch: int) -> dict:
-    groups = [workload] if mode == "continuous" else [
-        workload[i:i + max_batch] for i in range(0, len(workload), max_batch)]
+    groups = mode_groups(workload, mode, max_batch)
     c0, p0 = CompileCounter.count(), engine.scheduler.num_preemptions
     t0 = time.perf_counter()
     runs = [drive(engine, g) for g in groups]
@@ -131,14 +141,11 @@ def simulate(workload, args, max_batch: int) -> list[dict]:
     cfg = engine_config(args, workload, max_batch, "float32")
     out = []
     for mode in ("continuous", "static"):
-        groups = [workload] if mode == "continuous" else [
-            workload[i:i + max_batch] for i in range(0, len(workload), max_batch)]
         decode_rows, mixed, prefill = [], 0, 0
-        for group in groups:
+        for group in mode_groups(workload, mode, max_batch):
             sched = Scheduler.from_config(cfg)
             for i, (prompt, n) in enumerate(group):
-                sched.add(Request(f"r{i}", prompt, SamplingParams(
-                    temperature=0.0, max_tokens=n, ignore_eos=True), arrival_time=float(i)))
+                sched.add(Request(f"r{i}", prompt, exact_length(n), arrival_time=float(i)))
             while sched.has_unfinished:
                 step = sched.schedule()
                 chunk = sum(r.num_tokens for r in step.rows if r.num_tokens > 1)

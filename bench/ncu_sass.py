@@ -7,8 +7,9 @@ with the most samples.
         --print-source sass --csv python3 -m bench.kernel_probe 64 2048 fp8 > sass.csv
     python -m bench.ncu_sass sass.csv            # (or sass.csv.gz)
 
-(A fresh HOME: on the H200 machine a second ncu process in one call segfaulted at start-up
-with the default one, fifteenth session.)
+(The fresh HOME is a guess: on the H200 machine later ncu processes of one call segfaulted at
+start-up after a first one had run; a run with a fresh HOME worked, but it was also the first
+ncu process of its call. Fifteenth session.)
 """
 from __future__ import annotations
 
