@@ -55,6 +55,6 @@ def summarize(path: str, top: int = 30) -> str:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 2:
+    if len(sys.argv) != 2 or sys.argv[1] in ("-h", "--help"):
         sys.exit(__doc__)
     print(summarize(sys.argv[1]))

@@ -49,7 +49,8 @@
 #             bf16 then FP8 weights ($ENGINE1_WEIGHTS); its median step is the B=1 decode
 #             step serving sees                                                              ~4 min
 #   throughput  offline throughput, Llama-3-8B FP8 weights + FP8 KV, $NUM_REQUESTS (1000)
-#             requests of 1000 in / 1000 out, max $THR_SEQS (512) seqs; a partial row if
+#             requests of 1000 in / 1000 out, max $THR_SEQS (512) seqs and $THR_TOKENS
+#             (2048) tokens per step; a partial row if
 #             the 300 s limit comes first; THR_PROFILE=FIRST:COUNT profiles those steps      ~5 min
 #
 # Each suite writes its JSON (and a .log) into $OUT and rewrites the JSON after every row, so
@@ -164,7 +165,8 @@ for stage in "$@"; do
       lim=$((DEADLINE - SECONDS)); (( lim > ${THR_LIMIT:-300} )) && lim=${THR_LIMIT:-300}
       run throughput "$lim" "$PY" -m bench.throughput "${LLAMA[@]}" --weights fp8 --kv-dtype fp8 \
         --input-len 1000 --output-len 1000 --num-requests "${NUM_REQUESTS:-1000}" \
-        --max-num-seqs "${THR_SEQS:-512}" --time-limit-s $((lim - lim / 10)) --git "$GIT" \
+        --max-num-seqs "${THR_SEQS:-512}" --max-num-batched-tokens "${THR_TOKENS:-2048}" \
+        --time-limit-s $((lim - lim / 10)) --git "$GIT" \
         ${THR_PROFILE:+--profile-steps "$THR_PROFILE"} --out "$OUT/throughput.json" ;;
     cmdbuf)
       for mode in ${CMDBUF_MODES:-ALWAYS_UPDATE SKIP_TEMP SKIP_PROFILED}; do

@@ -1,6 +1,8 @@
 """bench.ncu_sass: the summary of an Nsight Compute SASS source page (CSV)."""
 import csv
 import gzip
+import subprocess
+import sys
 
 from bench.ncu_sass import summarize
 
@@ -35,3 +37,10 @@ def test_summary_counts_stalls_and_opcodes(tmp_path):
 def test_reads_gzip(tmp_path):
     _write(tmp_path / "s.csv.gz", gzip.open)
     assert summarize(str(tmp_path / "s.csv.gz")).startswith("3 instructions")
+
+
+def test_help_prints_usage_without_reading_a_file():
+    for args in ([], ["--help"]):
+        r = subprocess.run([sys.executable, "-m", "bench.ncu_sass", *args],
+                           capture_output=True, text=True)
+        assert r.returncode == 1 and "source page" in r.stderr and "Traceback" not in r.stderr
