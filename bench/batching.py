@@ -133,34 +133,42 @@ def engine_config(args, workload, max_batch: int, dtype: str) -> EngineConfig:
         async_scheduling=not args.no_async_scheduling)
 
 
+def replay(cfg: EngineConfig, group) -> list[tuple[int, int, int]]:
+    """Run `group` [(prompt ids, output length)] through a fresh Scheduler alone (no model,
+    no device; every sampled token a dummy, which changes nothing for greedy, ignore_eos
+    requests without prefix caching), all queued at once. One (decode rows, their context
+    tokens, prefill-chunk tokens) per step: what the steps hold, without timing them."""
+    sched = Scheduler.from_config(cfg)
+    for i, (prompt, n) in enumerate(group):
+        sched.add(Request(f"r{i}", prompt, exact_length(n), arrival_time=float(i)))
+    steps = []
+    while sched.has_unfinished:
+        step = sched.schedule()
+        decode = [r for r in step.rows if r.num_tokens == 1]
+        steps.append((len(decode), sum(r.seq_len for r in decode),
+                      step.num_tokens - len(decode)))
+        sched.update(step, [0] * len(step.rows))
+    return steps
+
+
 def simulate(workload, args, max_batch: int) -> list[dict]:
-    """Replay the workload through the Scheduler alone (no model, no device; every sampled
-    token is a dummy, which changes nothing here: greedy, ignore_eos, no prefix caching):
-    per mode the steps, those that carry a prefill chunk, and how full the decode-only
-    steps are. Shows where a mode's steps go without timing them."""
+    """Per mode, where replay's steps go: how many carry a prefill chunk and how full the
+    decode-only ones are. Shows where a mode's steps go without timing them."""
     cfg = engine_config(args, workload, max_batch, "float32")
     out = []
     for mode in ("continuous", "static"):
-        decode_rows, mixed, prefill = [], 0, 0
-        for group in mode_groups(workload, mode, max_batch):
-            sched = Scheduler.from_config(cfg)
-            for i, (prompt, n) in enumerate(group):
-                sched.add(Request(f"r{i}", prompt, exact_length(n), arrival_time=float(i)))
-            while sched.has_unfinished:
-                step = sched.schedule()
-                chunk = sum(r.num_tokens for r in step.rows if r.num_tokens > 1)
-                if chunk:
-                    mixed, prefill = mixed + 1, prefill + chunk
-                else:
-                    decode_rows.append(len(step.rows))
-                sched.update(step, [0] * len(step.rows))
+        steps = [s for group in mode_groups(workload, mode, max_batch)
+                 for s in replay(cfg, group)]
+        decode_rows = [rows for rows, _, chunk in steps if not chunk]
+        prefill = [chunk for _, _, chunk in steps if chunk]
+        mixed = len(prefill)
         # decode-only steps by their rows, in quarters of max_batch (64: <16, 16-31, ...)
         q = [max_batch * k // 4 for k in range(1, 4)]
         hist = np.histogram(decode_rows, bins=[0, *q, max_batch + 1])[0]
         labels = [f"<{q[0]}", f"{q[0]}-{q[1] - 1}", f"{q[1]}-{q[2] - 1}", f"{q[2]}-{max_batch}"]
-        out.append({"mode": mode, "max_batch": max_batch, "steps": mixed + len(decode_rows),
+        out.append({"mode": mode, "max_batch": max_batch, "steps": len(steps),
                     "steps_with_prefill": mixed,
-                    "prefill_tokens_per_such_step": round(prefill / max(mixed, 1), 1),
+                    "prefill_tokens_per_such_step": round(sum(prefill) / max(mixed, 1), 1),
                     "decode_only_steps": len(decode_rows),
                     "decode_only_mean_rows": round(float(np.mean(decode_rows or [0])), 2),
                     "decode_only_steps_by_rows": dict(zip(labels, map(int, hist)))})

@@ -29,6 +29,14 @@ by kernel category (`profile`, bench.profile's summary) to the row; the trace is
 the timed run, but stopping the profiler (`stop_trace_s`) and its overhead on those steps
 fall inside it.
 
+`--simulate` replays the workload through the scheduler alone (bench.batching.replay: no
+model, no device, seconds on a CPU) and prices each step with a step-time model of the
+Llama-3-8B FP8 + FP8 KV engine on the H200 fitted to measured runs (MODEL_POINTS below): a
+planning tool for the engine's knobs (--max-num-seqs, --max-num-batched-tokens), whose
+`predicted_*` numbers are not measurements. Its step counts are the run's (2,308 against the
+H200's 2,309 at 79f568b); its time is optimistic by 8% there (58.7 s predicted, 63.7 s
+measured). It put 256 rows per step 4.0% below 512; the tenth session measured 3.4%.
+
 --time-limit-s bounds the whole run from the start of main() (model load and warmup
 included): once it is spent no further step is dispatched and the row is written with
 `partial: true`, the tokens received so far (the step still in flight is not counted) and
@@ -49,13 +57,62 @@ import jax
 import numpy as np
 
 from bench import profile
-from bench.batching import add_engine_flags, engine_config, phase_medians
+from bench.batching import add_engine_flags, engine_config, phase_medians, replay
 from bench.common import dtype_name, git_sha, new_result, progress, save, weights_name
 from jaxinfer.config import EngineConfig
 from jaxinfer.engine import Engine
 from jaxinfer.loading import load_model
 from jaxinfer.request import SamplingParams
 from jaxinfer.runner import CompileCounter, kv_dtype_for
+
+
+# --simulate's step-time model (ms) of Llama-3-8B with FP8 weights + FP8 KV on the H200:
+# a piecewise-linear function of the step's tokens (the GEMMs and the per-token kernels;
+# extended past the last point by the last segment's slope) plus ATTENTION_MS_PER_ROW_TOKEN
+# per context token of each decode row (prefill chunks' attention is left out). Fitted to:
+#   (8, 2.6)      the batch-1 decode step (rows padded to 8): 2.80 ms (fp8_decode.json,
+#                 79757c5) less ~0.2 ms of attention at context 512 (profile_b1_fp8.json)
+#   (256, 4.96)   profile_b256_fp8.json (ee2f885): GEMMs 3.52 + all but attention 1.44 ms
+#   (488, 8.4)    throughput.json (79f568b): decode-only steps, median 488 rows, 22.27 ms,
+#                 less their attention at ~1,500 tokens of context (13.9 ms by the rate below)
+#   (2048, 27.9)  its steps with a prefill chunk, median 2,048 tokens, 41.78 ms, less the same
+# and attention from profile_b256_fp8.json: 7.48 ms over 256 rows x 1,536 tokens.
+MODEL_POINTS = ((8, 2.6), (256, 4.96), (488, 8.4), (2048, 27.9))
+ATTENTION_MS_PER_ROW_TOKEN = 7.4755 / (256 * 1536)
+
+
+def model_step_ms(tokens: int, decode_context: int) -> float:
+    """The step-time model above: a step of `tokens` tokens whose decode rows hold
+    `decode_context` context tokens in all."""
+    xs, ys = zip(*MODEL_POINTS)
+    if tokens <= xs[-1]:
+        base = float(np.interp(tokens, xs, ys))
+    else:
+        base = ys[-1] + (tokens - xs[-1]) * (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
+    return base + ATTENTION_MS_PER_ROW_TOKEN * decode_context
+
+
+def simulate(args) -> dict:
+    """The workload replayed through the scheduler (bench.batching.replay) and priced by
+    model_step_ms: the steps' makeup (counted) and the predicted time (modelled)."""
+    workload = make_workload(args, 1000)   # lengths do not depend on the vocabulary
+    cfg = engine_config(args, workload, args.max_num_seqs, "float32")
+    steps = replay(cfg, workload)
+    ms = [model_step_ms(rows + chunk, ctx) for rows, ctx, chunk in steps]
+    decode_rows = [rows for rows, _, chunk in steps if not chunk]
+    predicted_s = sum(ms) / 1e3
+    out_tokens = sum(n for _, n in workload)
+    return {"simulated": True, "input_len": args.input_len, "output_len": args.output_len,
+            "num_requests": args.num_requests, "max_num_seqs": args.max_num_seqs,
+            "max_num_batched_tokens": args.max_num_batched_tokens,
+            "page_size": args.page_size, "num_pages": cfg.total_pages, "steps": len(steps),
+            "steps_with_prefill": len(steps) - len(decode_rows),
+            "decode_only_steps": len(decode_rows),
+            "decode_only_mean_rows": round(float(np.mean(decode_rows or [0])), 2),
+            "predicted_s": round(predicted_s, 3),
+            "predicted_output_tokens_per_s": round(out_tokens / predicted_s, 1),
+            "predicted_attention_share": round(
+                sum(ATTENTION_MS_PER_ROW_TOKEN * ctx for _, ctx, _ in steps) / sum(ms), 3)}
 
 
 def make_workload(args, vocab_size: int) -> list[tuple[list[int], int]]:
@@ -207,12 +264,18 @@ def parse_args(argv):
                          "profiler slows those steps, and stopping it takes seconds inside "
                          "the timed run: not for headline numbers)")
     ap.add_argument("--git", default=None, help="commit to record (default: git rev-parse HEAD)")
-    ap.add_argument("--out", required=True, help="results JSON (e.g. "
-                                                  "bench/results/throughput.json)")
+    ap.add_argument("--out", default=None, help="results JSON (e.g. "
+                                                "bench/results/throughput.json); needed "
+                                                "unless --simulate")
+    ap.add_argument("--simulate", action="store_true",
+                    help="replay the workload through the scheduler alone and print the "
+                         "steps and a modelled time (module doc); loads no model")
     ap.add_argument("--append", action="store_true",
                     help="add this run's row to an existing --out file (the row carries its "
                          "own command) instead of replacing the file")
     args = ap.parse_args(argv)
+    if args.out is None and not args.simulate:
+        ap.error("--out is required (unless --simulate)")
     for name in ("input_len", "output_len", "num_requests", "max_num_seqs",
                  "max_num_batched_tokens"):
         if getattr(args, name) < 1:
@@ -223,6 +286,10 @@ def parse_args(argv):
 def main(argv=None) -> dict:
     start = time.perf_counter()
     args = parse_args(argv)
+    if args.simulate:
+        row = simulate(args)
+        print(json.dumps(row), flush=True)
+        return {"rows": [row]}
     deadline = None if args.time_limit_s is None else start + args.time_limit_s
     dtype = args.dtype or ("bfloat16" if jax.default_backend() == "gpu" else "float32")
     cfg, graphdef, params, tokenizer = load_model(args.model,

@@ -5,6 +5,8 @@ profile of its window, and --time-limit-s leaves a partial row. No timing
 asserts."""
 import json
 
+import pytest
+
 from bench import throughput
 
 ARGV = ["--model", "tiny", "--weights", "fp8", "--kv-dtype", "fp8", "--input-len", "12",
@@ -52,6 +54,12 @@ def test_throughput_bench_schema(tmp_path):
     assert kinds["decode"]["median_tokens"] <= 2 < kinds["mixed"]["median_tokens"] <= 16
     assert row["profile"]["first_step"] == 3 and row["profile"]["steps"] == 4
     assert row["profile"]["kernels_per_step"] > 0 and row["profile"]["top"]
+    # --simulate replays the same schedule without the model: the same prefill steps; the
+    # async engine admits into a freed row one step later, here twice (H200 run: 1 of 2,309)
+    sim = throughput.simulate(throughput.parse_args(ARGV + ["--simulate"]))
+    assert sim["steps_with_prefill"] == kinds["mixed"]["steps"]
+    assert 0 <= row["steps"] - sim["steps"] <= 2
+    assert sim["num_pages"] == row["num_pages"]
 
 
 class _Clock:
@@ -94,3 +102,27 @@ def test_append_adds_a_row(tmp_path):
     assert [r["git"] for r in result["rows"]] == ["first", "second"]
     assert result["git"] == "first" and "--append" in result["rows"][1]["command"]
     assert all(r["output_tokens"] == 2 and r["steps"] > 0 for r in result["rows"])
+
+
+def test_simulate_prints_its_row_and_needs_no_out(capsys):
+    result = throughput.main(["--simulate", "--input-len", "40", "--output-len", "30",
+                              "--num-requests", "12", "--max-num-seqs", "4",
+                              "--max-num-batched-tokens", "64"])
+    [row] = result["rows"]
+    assert json.loads(capsys.readouterr().out) == row and row["simulated"]
+    assert row["steps"] == row["steps_with_prefill"] + row["decode_only_steps"]
+    # 12 x 30 output tokens over at most 4 rows a step: at least 90 steps
+    assert row["steps"] >= 90 and 0 < row["decode_only_mean_rows"] <= 4
+    assert row["predicted_output_tokens_per_s"] == pytest.approx(360 / row["predicted_s"],
+                                                                  rel=0.01)
+    with pytest.raises(SystemExit):
+        throughput.parse_args(["--num-requests", "3"])       # a timed run needs --out
+
+
+def test_step_model_grows_with_tokens_and_context():
+    f = throughput.model_step_ms
+    tokens = [1, 8, 100, 256, 488, 1000, 2048, 4096, 8192]
+    times = [f(t, 0) for t in tokens]
+    assert all(a < b for a, b in zip(times[1:], times[2:]))     # flat below the first point
+    assert f(4096, 0) - f(2048, 0) == pytest.approx(f(8192, 0) - f(6144, 0))  # linear past it
+    assert f(512, 512 * 1500) > f(512, 512 * 1000) > f(512, 0)
