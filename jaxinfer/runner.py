@@ -211,6 +211,27 @@ def kv_dtype_for(engine: EngineConfig):
     return jnp.dtype(engine.dtype)
 
 
+def kv_pool_gib(cfg: ModelConfig, engine: EngineConfig) -> float:
+    """The whole KV pool's size in GiB: K and V, and with FP8 KV their f32 scales."""
+    dtype = jnp.dtype(kv_dtype_for(engine))
+    slots = cfg.num_layers * cfg.num_kv_heads * engine.total_pages * engine.page_size
+    scales = 2 * slots * 4 if dtype == FP8_DTYPE else 0
+    return (2 * slots * cfg.head_dim * dtype.itemsize + scales) / 2 ** 30
+
+
+def out_of_memory(err: Exception, cfg: ModelConfig, engine: EngineConfig,
+                  where: str) -> ConfigError | None:
+    """A device out-of-memory error (XLA's RESOURCE_EXHAUSTED) as a ConfigError naming the
+    pool's size and the settings that shrink it; None for any other error."""
+    if not (isinstance(err, jax.errors.JaxRuntimeError) and "RESOURCE_EXHAUSTED" in str(err)):
+        return None
+    return ConfigError(
+        f"{where} ran out of device memory next to a KV pool of {engine.total_pages} pages "
+        f"({kv_pool_gib(cfg, engine):.1f} GiB): lower num_pages (or max_num_seqs x "
+        f"max_model_len, which size the pool when num_pages is 0) or max_num_batched_tokens. "
+        f"XLA said: {str(err).splitlines()[0][:200]}")
+
+
 def allocate_kv(cfg: ModelConfig, engine: EngineConfig, layout: TPLayout) -> KVCache:
     """The engine's page pool; on a mesh each device allocates only its own kv heads."""
     alloc = functools.partial(KVCache.allocate, cfg.num_layers, cfg.num_kv_heads,
@@ -238,7 +259,13 @@ class ModelRunner:
             raise ConfigError(f"the params were built for another tensor-parallel layout than "
                               f"tensor_parallel={engine.tensor_parallel}: build them with "
                               f"params.build_model(..., layout=sharding.make_layout(cfg, tp))")
-        self.kv = allocate_kv(cfg, engine, self.layout)
+        try:
+            self.kv = allocate_kv(cfg, engine, self.layout)
+        except jax.errors.JaxRuntimeError as e:
+            err = out_of_memory(e, cfg, engine, "allocating the KV cache")
+            if err is None:
+                raise
+            raise err from e
         self._rng = jax.random.key(engine.seed)
         self._num_steps = 0
         kv_sharding = None if self.layout.mesh is None else self.layout.named(kv_spec(self.layout))
@@ -336,7 +363,13 @@ class ModelRunner:
                   for i in warmup_inputs(buckets, self.engine.max_num_seqs, variants)]
         self.compile_ahead(inputs, on_done=on_done)
         for inp in inputs:
-            self.step(inp)
+            try:
+                self.step(inp)
+            except jax.errors.JaxRuntimeError as e:
+                err = out_of_memory(e, self.cfg, self.engine, "a warm-up step")
+                if err is None:
+                    raise
+                raise err from e
 
     def all_logits(self, tokens, md: AttentionMetadata) -> np.ndarray:
         """Teacher-forced logits [T, V] for every new token (tests, perplexity)."""

@@ -2,9 +2,13 @@
 import subprocess
 import sys
 
+import jax
 import pytest
 
 from checkpoints import load_checkpoint
+from engine_util import tiny_engine
+from jaxinfer import runner
+from jaxinfer.config import EngineConfig, standard_config
 from jaxinfer import LLM, SamplingParams
 from jaxinfer.cli import main
 from jaxinfer.errors import ConfigError, InvalidRequestError, ModelLoadError
@@ -109,3 +113,41 @@ def test_bad_prompt_leaves_nothing_queued(llm):
 def test_num_pages_too_small():
     with pytest.raises(ConfigError, match="num_pages"):
         LLM("tiny", num_pages=1)
+
+
+def _exhausted(*_a, **_k):
+    raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to "
+                                     "allocate 46.88GiB")
+
+
+def test_kv_pool_out_of_memory_names_the_pool(monkeypatch):
+    monkeypatch.setattr(runner, "allocate_kv", _exhausted)
+    with pytest.raises(ConfigError, match=r"allocating the KV cache ran out of device memory "
+                                          r"next to a KV pool of 257 pages \(0\.0 GiB\): "
+                                          r"lower num_pages.*XLA said: RESOURCE_EXHAUSTED"):
+        tiny_engine()
+
+
+def test_warmup_out_of_memory_names_the_pool(monkeypatch):
+    engine = tiny_engine(max_num_seqs=2, max_num_batched_tokens=16)
+    monkeypatch.setattr(runner.ModelRunner, "step", _exhausted)
+    with pytest.raises(ConfigError, match="a warm-up step ran out of device memory"):
+        engine.warmup(progress=False, variants=("plain",))
+
+
+def test_other_runtime_errors_pass_through(monkeypatch):
+    def broken(*_a, **_k):
+        raise jax.errors.JaxRuntimeError("INTERNAL: something else")
+    monkeypatch.setattr(runner, "allocate_kv", broken)
+    with pytest.raises(jax.errors.JaxRuntimeError, match="INTERNAL"):
+        tiny_engine()
+
+
+def test_kv_pool_size():
+    # Llama-3-8B, FP8 KV, 96,001 pages of 16: K and V 46.88 GiB each (the H200's failed
+    # request in bench/README.md's sixteenth session) plus two f32 scale arrays
+    cfg = EngineConfig(page_size=16, num_pages=96001, max_model_len=2001, max_num_seqs=768,
+                       kv_dtype="fp8", dtype="bfloat16")
+    k = 32 * 8 * 96001 * 16 * 128 / 2 ** 30
+    assert runner.kv_pool_gib(standard_config("llama-3-8b"), cfg) == pytest.approx(
+        2 * k * (1 + 4 / 128))
