@@ -151,26 +151,31 @@ def replay(cfg: EngineConfig, group) -> list[tuple[int, int, int]]:
     return steps
 
 
+def step_counts(steps) -> dict:
+    """replay's steps counted: how many carry a prefill chunk (and its mean tokens) and how
+    many rows the decode-only ones hold on average."""
+    decode_rows = [rows for rows, _, chunk in steps if not chunk]
+    prefill = [chunk for _, _, chunk in steps if chunk]
+    return {"steps": len(steps), "steps_with_prefill": len(prefill),
+            "prefill_tokens_per_such_step": round(sum(prefill) / max(len(prefill), 1), 1),
+            "decode_only_steps": len(decode_rows),
+            "decode_only_mean_rows": round(float(np.mean(decode_rows or [0])), 2)}
+
+
 def simulate(workload, args, max_batch: int) -> list[dict]:
-    """Per mode, where replay's steps go: how many carry a prefill chunk and how full the
-    decode-only ones are. Shows where a mode's steps go without timing them."""
+    """Per mode, where replay's steps go (step_counts) and the decode-only steps by rows:
+    a mode's steps without timing them."""
     cfg = engine_config(args, workload, max_batch, "float32")
     out = []
     for mode in ("continuous", "static"):
         steps = [s for group in mode_groups(workload, mode, max_batch)
                  for s in replay(cfg, group)]
         decode_rows = [rows for rows, _, chunk in steps if not chunk]
-        prefill = [chunk for _, _, chunk in steps if chunk]
-        mixed = len(prefill)
         # decode-only steps by their rows, in quarters of max_batch (64: <16, 16-31, ...)
         q = [max_batch * k // 4 for k in range(1, 4)]
         hist = np.histogram(decode_rows, bins=[0, *q, max_batch + 1])[0]
         labels = [f"<{q[0]}", f"{q[0]}-{q[1] - 1}", f"{q[1]}-{q[2] - 1}", f"{q[2]}-{max_batch}"]
-        out.append({"mode": mode, "max_batch": max_batch, "steps": len(steps),
-                    "steps_with_prefill": mixed,
-                    "prefill_tokens_per_such_step": round(sum(prefill) / max(mixed, 1), 1),
-                    "decode_only_steps": len(decode_rows),
-                    "decode_only_mean_rows": round(float(np.mean(decode_rows or [0])), 2),
+        out.append({"mode": mode, "max_batch": max_batch, **step_counts(steps),
                     "decode_only_steps_by_rows": dict(zip(labels, map(int, hist)))})
     return out
 

@@ -57,7 +57,8 @@ import jax
 import numpy as np
 
 from bench import profile
-from bench.batching import add_engine_flags, engine_config, phase_medians, replay
+from bench.batching import (add_engine_flags, engine_config, phase_medians, replay,
+                            step_counts)
 from bench.common import dtype_name, git_sha, new_result, progress, save, weights_name
 from jaxinfer.config import EngineConfig
 from jaxinfer.engine import Engine
@@ -99,16 +100,12 @@ def simulate(args) -> dict:
     cfg = engine_config(args, workload, args.max_num_seqs, "float32")
     steps = replay(cfg, workload)
     ms = [model_step_ms(rows + chunk, ctx) for rows, ctx, chunk in steps]
-    decode_rows = [rows for rows, _, chunk in steps if not chunk]
     predicted_s = sum(ms) / 1e3
     out_tokens = sum(n for _, n in workload)
     return {"simulated": True, "input_len": args.input_len, "output_len": args.output_len,
             "num_requests": args.num_requests, "max_num_seqs": args.max_num_seqs,
             "max_num_batched_tokens": args.max_num_batched_tokens,
-            "page_size": args.page_size, "num_pages": cfg.total_pages, "steps": len(steps),
-            "steps_with_prefill": len(steps) - len(decode_rows),
-            "decode_only_steps": len(decode_rows),
-            "decode_only_mean_rows": round(float(np.mean(decode_rows or [0])), 2),
+            "page_size": args.page_size, "num_pages": cfg.total_pages, **step_counts(steps),
             "predicted_s": round(predicted_s, 3),
             "predicted_output_tokens_per_s": round(out_tokens / predicted_s, 1),
             "predicted_attention_share": round(

@@ -19,6 +19,7 @@ donated buffers are reused in place); step inputs are replicated by jit.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import functools
 import os
@@ -219,17 +220,20 @@ def kv_pool_gib(cfg: ModelConfig, engine: EngineConfig) -> float:
     return (2 * slots * cfg.head_dim * dtype.itemsize + scales) / 2 ** 30
 
 
-def out_of_memory(err: Exception, cfg: ModelConfig, engine: EngineConfig,
-                  where: str) -> ConfigError | None:
-    """A device out-of-memory error (XLA's RESOURCE_EXHAUSTED) as a ConfigError naming the
-    pool's size and the settings that shrink it; None for any other error."""
-    if not (isinstance(err, jax.errors.JaxRuntimeError) and "RESOURCE_EXHAUSTED" in str(err)):
-        return None
-    return ConfigError(
-        f"{where} ran out of device memory next to a KV pool of {engine.total_pages} pages "
-        f"({kv_pool_gib(cfg, engine):.1f} GiB): lower num_pages (or max_num_seqs x "
-        f"max_model_len, which size the pool when num_pages is 0) or max_num_batched_tokens. "
-        f"XLA said: {str(err).splitlines()[0][:200]}")
+@contextlib.contextmanager
+def pool_oom_as_config_error(cfg: ModelConfig, engine: EngineConfig, where: str):
+    """Inside: a device out-of-memory error (XLA's RESOURCE_EXHAUSTED) is re-raised as a
+    ConfigError naming the pool's size and the settings that shrink it; other errors pass."""
+    try:
+        yield
+    except jax.errors.JaxRuntimeError as e:
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        raise ConfigError(
+            f"{where} ran out of device memory next to a KV pool of {engine.total_pages} pages "
+            f"({kv_pool_gib(cfg, engine):.1f} GiB): lower num_pages (or max_num_seqs x "
+            f"max_model_len, which size the pool when num_pages is 0) or "
+            f"max_num_batched_tokens. XLA said: {str(e).splitlines()[0][:200]}") from e
 
 
 def allocate_kv(cfg: ModelConfig, engine: EngineConfig, layout: TPLayout) -> KVCache:
@@ -259,13 +263,8 @@ class ModelRunner:
             raise ConfigError(f"the params were built for another tensor-parallel layout than "
                               f"tensor_parallel={engine.tensor_parallel}: build them with "
                               f"params.build_model(..., layout=sharding.make_layout(cfg, tp))")
-        try:
+        with pool_oom_as_config_error(cfg, engine, "allocating the KV cache"):
             self.kv = allocate_kv(cfg, engine, self.layout)
-        except jax.errors.JaxRuntimeError as e:
-            err = out_of_memory(e, cfg, engine, "allocating the KV cache")
-            if err is None:
-                raise
-            raise err from e
         self._rng = jax.random.key(engine.seed)
         self._num_steps = 0
         kv_sharding = None if self.layout.mesh is None else self.layout.named(kv_spec(self.layout))
@@ -362,14 +361,9 @@ class ModelRunner:
         inputs = [self.prepare(i)   # packed once, for the compile and the run
                   for i in warmup_inputs(buckets, self.engine.max_num_seqs, variants)]
         self.compile_ahead(inputs, on_done=on_done)
-        for inp in inputs:
-            try:
+        with pool_oom_as_config_error(self.cfg, self.engine, "a warm-up step"):
+            for inp in inputs:
                 self.step(inp)
-            except jax.errors.JaxRuntimeError as e:
-                err = out_of_memory(e, self.cfg, self.engine, "a warm-up step")
-                if err is None:
-                    raise
-                raise err from e
 
     def all_logits(self, tokens, md: AttentionMetadata) -> np.ndarray:
         """Teacher-forced logits [T, V] for every new token (tests, perplexity)."""
