@@ -73,49 +73,54 @@ def _register_lowering():
         ptrs = tl._compute_pointers_from_indices(ptr, block_info, indexer)
         shape = indexer.get_indexer_shape_static()
         i32 = ir.RankedTensorType.get(shape, ir.IntegerType.get_signless(32))
-        asm = (f"cp.async.bulk.prefetch.L2.global [$1], {size_bytes};\n"
-               "mov.u32 $0, 0;")
+        if size_bytes:
+            asm = (f"cp.async.bulk.prefetch.L2.global [$1], {size_bytes};\n"
+                   "mov.u32 $0, 0;")
+        else:     # one 128-byte line per pointer
+            asm = "prefetch.global.L2::evict_last [$1];\nmov.u32 $0, 0;"
         tt_dialect.elementwise_inline_asm([i32], asm, constraints="=r,l", pure=False,
                                           packed_element=1, args=[ptrs])
         return []
 
 
-def _kernel(x_in, *refs, plans):
+def _kernel(x_in, *refs, plans, lines: bool):
     del x_in                # aliased to the output, which is left as it is
     pid = pl.program_id(0)
     for w_ref, (rows, per, chunk) in zip(refs[:-1], plans):
         idx = jnp.minimum(pid * per + jnp.arange(per, dtype=jnp.int32), rows - 1)
-        prefetch_rows(w_ref, idx, chunk)
+        prefetch_rows(w_ref, idx, 0 if lines else chunk)
 
 
-def chunk_view(w, nbytes: int):
+def chunk_view(w, nbytes: int, max_chunk: int = CHUNK_BYTES):
     """(w viewed as rows of `chunk` bytes, a free reshape; the number of rows covering its
-    first `nbytes`; chunk): chunk is the largest power of two <= CHUNK_BYTES dividing w's
+    first `nbytes`; chunk): chunk is the largest power of two <= max_chunk dividing w's
     size, at least the instruction's 16 (else ValueError)."""
     size = w.size * w.dtype.itemsize
-    chunk = pow2_divisor(size, CHUNK_BYTES)
+    chunk = pow2_divisor(size, max_chunk)
     if chunk < 16:
         raise ValueError(f"{w.shape} {w.dtype}: {size} bytes is not a multiple of 16")
     view = w.reshape(size // chunk, chunk // w.dtype.itemsize)
     return view, min(size // chunk, -(-nbytes // chunk)), chunk
 
 
-def prefetch(x, weights, nbytes):
+def prefetch(x, weights, nbytes, *, programs: int = PROGRAMS, max_chunk: int = CHUNK_BYTES,
+             lines: bool = False):
     """x unchanged (aliased: its buffer comes back); on the way, the first nbytes[i] bytes of
-    weights[i] are prefetched into L2. Compiled on the GPU only (the asm is PTX)."""
+    weights[i] are prefetched into L2 by `programs` programs, at most max_chunk bytes per
+    instruction. Compiled on the GPU only (the asm is PTX)."""
     _register_lowering()
     views, plans = [], []
     for w, n in zip(weights, nbytes):
-        view, rows, chunk = chunk_view(w, n)
+        view, rows, chunk = chunk_view(w, n, 128 if lines else max_chunk)
         if rows:
             views.append(view)
-            plans.append((rows, pow2_ceil(-(-rows // PROGRAMS)), chunk))
+            plans.append((rows, pow2_ceil(-(-rows // programs)), chunk))
     if not views:
         return x
     return pl.pallas_call(
-        functools.partial(_kernel, plans=tuple(plans)),
+        functools.partial(_kernel, plans=tuple(plans), lines=lines),
         out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
-        grid=(PROGRAMS,),
+        grid=(programs,),
         input_output_aliases={0: 0},
         name="jaxinfer_l2_prefetch",
         **triton_params(False, NUM_WARPS, 1),
