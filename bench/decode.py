@@ -33,7 +33,6 @@ import jax
 import numpy as np
 
 from bench import ceilings as ceilings_mod
-from jaxinfer import ops
 from pallas_kernels import tuning
 from bench.common import (burst, decode_input, dtype_name, fill_kv, load_runner, new_result,
                           pipelined_step_s, print_table, progress, save, timed, weights_name)
@@ -141,8 +140,7 @@ def start_result(args, ceil: dict, skipped: list) -> dict:
     fresh = new_result("decode", args.git, ceilings=ceil, skipped=[], runs=[])
     run_info = {"command": fresh["command"], "ceilings": ceil,
                 "xla_flags": os.environ.get("XLA_FLAGS", ""),
-                "min_split_tokens": tuning.MIN_SPLIT_TOKENS,
-                "l2_prefetch_mb": list(ops.L2_PREFETCH_MB)}
+                "min_split_tokens": tuning.MIN_SPLIT_TOKENS}
     path = Path(args.out)
     result = json.loads(path.read_text()) if args.append and path.exists() else fresh
     result.setdefault("runs", []).append(run_info)

@@ -45,8 +45,6 @@
 #   xlaflags  decode B=1, bf16 then FP8 weights, under each XLA flag set of $FLAG_SETS (e.g.
 #             PDL off, exhaustive GEMM tiling search), one process each; rows in
 #             $OUT/xla_flags.json                                                            ~1 min/set
-#   l2ab      decode B=1 under each L2 prefetch setting of $L2_SETS (O_MB,GATEUP_MB;...),
-#             weights $L2_WEIGHTS; rows in $OUT/l2_prefetch.json                               ~1 min/set
 #   engine1   one request through the real engine (async scheduling): 512 in / 256 out,
 #             bf16 then FP8 weights ($ENGINE1_WEIGHTS); its median step is the B=1 decode
 #             step serving sees                                                              ~4 min
@@ -211,27 +209,6 @@ d = json.load(open(sys.argv[1]))
 for r in d["rows"]:
     print(f'{r["weights"]:5} {r["step_ms"]:8.3f} ms synced {r["step_ms_device"]:8.3f} ms b2b '
           f'{r["tokens_per_s"]:8.1f} tok/s  {d["runs"][r["run"]]["xla_flags"] or "(default)"}')
-PYEOF
-      ;;
-    l2ab)
-      # decode B=1 C=$CTX1 (weights $L2_WEIGHTS) under each L2 prefetch setting of $L2_SETS
-      # (';'-separated "O_MB,GATEUP_MB", 0,0 = off: jaxinfer/ops.py L2_PREFETCH_MB), one
-      # process each; each run records its setting. Rows in $OUT/l2_prefetch.json
-      IFS=';' read -ra sets <<< "${L2_SETS:-0,0;16,16}"
-      for w in ${L2_WEIGHTS:-fp8 bf16}; do
-        for fs in "${sets[@]}"; do
-          JAXINFER_L2_PREFETCH=$fs bench "l2ab_${w}_${fs/,/_}" "${FLAG_LIMIT:-100}" decode \
-            "${LLAMA[@]}" --weights "$w" --batch-sizes 1 --contexts "$CTX1" --reps 5 --append \
-            --out "$OUT/l2_prefetch.json"
-        done
-      done
-      rm -f "$OUT/l2_prefetch_roofline.png"
-      "$PY" - "$OUT/l2_prefetch.json" <<'PYEOF'
-import json, sys
-d = json.load(open(sys.argv[1]))
-for r in d["rows"]:
-    print(f'{r["weights"]:5} {r["step_ms"]:8.3f} ms synced {r["step_ms_device"]:8.3f} ms b2b '
-          f'{r["tokens_per_s_device"]:8.1f} tok/s b2b  l2 {d["runs"][r["run"]].get("l2_prefetch_mb")}')
 PYEOF
       ;;
     engine1)

@@ -113,16 +113,11 @@ class Attention(nnx.Module):
         self.wo = Linear(cfg.q_size, cfg.hidden_size, rngs=rngs, stack=stack, dtype=dtype,
                          fp8=fp8, parallel=_parallel(layout, n, "row"))
 
-    def __call__(self, x, kv: KVCache, layer, md: AttentionMetadata, cos, sin, attn_impl,
-                 prefetch=()):
-        """prefetch: (weight, MB) pairs pulled into L2 after the QKV projection, while the
-        attention's small kernels run (ops.l2_prefetch; wo's own kernel is named here)."""
+    def __call__(self, x, kv: KVCache, layer, md: AttentionMetadata, cos, sin, attn_impl):
         # the QKV bias is added by attend: inside the RoPE + K/V write kernel when that runs
         bias = None if self.wqkv.bias is None else self.wqkv.bias[...]
-        qkv = self.wqkv(x, add_bias=False)
-        if self.layout.size == 1:
-            qkv = ops.l2_prefetch(qkv, prefetch)
-        o, kv = self.attend(qkv, kv, layer, md, cos, sin, attn_impl, bias=bias)
+        o, kv = self.attend(self.wqkv(x, add_bias=False), kv, layer, md, cos, sin, attn_impl,
+                            bias=bias)
         return self.wo(o), kv
 
     def attend(self, qkv, kv: KVCache, layer, md: AttentionMetadata, cos, sin, attn_impl,
@@ -188,23 +183,19 @@ class DecoderLayer(nnx.Module):
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, stack=stack, dtype=dtype)
         self.mlp = MLP(cfg, rngs=rngs, stack=stack, dtype=dtype, fp8=fp8, layout=layout)
 
-    def __call__(self, x, delta, kv, layer, md, cos, sin, attn_impl, prefetch=False):
+    def __call__(self, x, delta, kv, layer, md, cos, sin, attn_impl):
         """The residual stream x [T, E] with delta still to be added to it (the previous
         layer's MLP output; None for the first layer) -> (x, this layer's MLP output still to
         be added, the cache). Unrolled, the add is left to the next RMSNorm (the decoder's
         final one after the last layer), so the two run as one kernel (ops.add_rmsnorm);
-        the scan passes None and adds it in its body. prefetch: the weights are this layer's
-        own buffers (unrolled), which ops.L2_PREFETCH_MB may pull into L2 early (the scan's
-        slices would be copies)."""
+        the scan passes None and adds it in its body."""
         layout = self.attn.layout
         if ops.fused_fp8_layer(x, self.attn.wqkv.kernel[...], self.mlp.w_down.kernel[...],
                                layout.size):
             return self._fused_fp8(x if delta is None else x + delta, kv, layer, md, cos, sin,
                                    attn_impl)
         x, n = self.attn_norm.add_norm(x, delta, layout)
-        o_mb, gu_mb = ops.L2_PREFETCH_MB if prefetch else (0, 0)
-        early = ((self.attn.wo.kernel[...], o_mb), (self.mlp.w_gateup.kernel[...], gu_mb))
-        h, kv = self.attn(n, kv, layer, md, cos, sin, attn_impl, early)
+        h, kv = self.attn(n, kv, layer, md, cos, sin, attn_impl)
         x, n = self.mlp_norm.add_norm(x, h, layout)
         return x, self.mlp(n), kv
 
@@ -236,8 +227,7 @@ def _unrolled_layer(graphdef, attn_impl, switches, state, x, delta, kv, layer, m
     warm start-up went 15.7 -> 6.4 s there. `switches` (ops.switches()) only keys the trace
     cache: a runner built after an ops switch changed traces the layer anew."""
     del switches
-    return nnx.merge(graphdef, state)(x, delta, kv, layer, md, cos, sin, attn_impl,
-                                      prefetch=True)
+    return nnx.merge(graphdef, state)(x, delta, kv, layer, md, cos, sin, attn_impl)
 
 
 class Decoder(nnx.Module):

@@ -10,8 +10,6 @@ shard — a row-parallel one sums its partial products across the mesh itself.
 """
 from __future__ import annotations
 
-import os
-
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
@@ -60,40 +58,10 @@ FUSED_GLUE = True
 PALLAS_ADD_NORM = False
 
 
-def _env_mb(name: str, default: tuple[int, int]) -> tuple[int, int]:
-    raw = os.environ.get(name)
-    if not raw:
-        return default
-    try:
-        o_mb, gu_mb = (int(x) for x in raw.split(","))
-    except ValueError:
-        raise ValueError(f"{name}={raw!r}: expected two whole numbers of MB, 'O,GATEUP'")
-    return o_mb, gu_mb
-
-
-# Weights pulled into L2 while the attention's small kernels leave HBM idle, at decode steps
-# of up to L2_PREFETCH_MAX_ROWS rows on the GPU (pallas_kernels/l2_prefetch.py): after the QKV
-# projection, the first MB of wo and of the MLP's first linear (gate/up) are prefetched.
-# (0, 0) is off. JAXINFER_L2_PREFETCH="O,GATEUP" sets it at import (A/B runs).
-L2_PREFETCH_MB = _env_mb("JAXINFER_L2_PREFETCH", (0, 0))
-L2_PREFETCH_MAX_ROWS = 64
-
-
 def switches() -> tuple:
     """This module's switches, as a key for a trace cache shared across runners."""
     return (FUSED_FP8_MLP, PALLAS_KV_WRITE, FUSED_NORM_QUANT, BF16_PAD_M, FUSED_GLUE,
-            PALLAS_ADD_NORM, L2_PREFETCH_MB, L2_PREFETCH_MAX_ROWS)
-
-
-def l2_prefetch(x, weights):
-    """x unchanged; on the GPU, at up to L2_PREFETCH_MAX_ROWS rows, the kernel that returns
-    it first prefetches the first MB of each weight (weights: (array, MB) pairs) into L2.
-    Elsewhere (or with nothing to prefetch): x itself."""
-    weights = [(w, mb) for w, mb in weights if mb > 0]
-    if not weights or not _on_gpu() or x.shape[0] > L2_PREFETCH_MAX_ROWS:
-        return x
-    from pallas_kernels import l2_prefetch as lp
-    return lp.prefetch(x, [w for w, _ in weights], tuple(mb << 20 for _, mb in weights))
+            PALLAS_ADD_NORM)
 
 
 def _on_gpu() -> bool:
