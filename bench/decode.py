@@ -33,6 +33,7 @@ import jax
 import numpy as np
 
 from bench import ceilings as ceilings_mod
+from pallas_kernels import paged_attention as pa
 from pallas_kernels import tuning
 from bench.common import (burst, decode_input, dtype_name, fill_kv, load_runner, new_result,
                           pipelined_step_s, print_table, progress, save, timed, weights_name)
@@ -140,7 +141,8 @@ def start_result(args, ceil: dict, skipped: list) -> dict:
     fresh = new_result("decode", args.git, ceilings=ceil, skipped=[], runs=[])
     run_info = {"command": fresh["command"], "ceilings": ceil,
                 "xla_flags": os.environ.get("XLA_FLAGS", ""),
-                "min_split_tokens": tuning.MIN_SPLIT_TOKENS}
+                "min_split_tokens": tuning.MIN_SPLIT_TOKENS,
+                "longest_first_programs": list(pa.LONGEST_FIRST_PROGRAMS)}
     path = Path(args.out)
     result = json.loads(path.read_text()) if args.append and path.exists() else fresh
     result.setdefault("runs", []).append(run_info)

@@ -59,9 +59,11 @@ PALLAS_ADD_NORM = False
 
 
 def switches() -> tuple:
-    """This module's switches, as a key for a trace cache shared across runners."""
+    """This module's switches (and the attention kernel's longest-first window), as a key
+    for a trace cache shared across runners."""
+    from pallas_kernels import paged_attention as pa
     return (FUSED_FP8_MLP, PALLAS_KV_WRITE, FUSED_NORM_QUANT, BF16_PAD_M, FUSED_GLUE,
-            PALLAS_ADD_NORM)
+            PALLAS_ADD_NORM, pa.LONGEST_FIRST_PROGRAMS)
 
 
 def _on_gpu() -> bool:
@@ -142,7 +144,8 @@ def _attention(q, kv: KVCache, layer, md: AttentionMetadata, *, sm_scale: float,
         if impl == "pallas":                # the kernel skips (and zeroes) the padding itself
             return pa.paged_attention(q, kv.k, kv.v, layer, md.seq_lens, md.page_table,
                                       kv.k_scale, kv.v_scale, sm_scale=sm_scale,
-                                      interpret=interpret, rows=n if n < rows else None)
+                                      interpret=interpret, rows=n if n < rows else None,
+                                      longest_first=None)
         o = pa.paged_attention_reference(q[:n], kv.k, kv.v, layer, md.seq_lens[:n],
                                          md.page_table[:n], kv.k_scale, kv.v_scale,
                                          sm_scale=sm_scale)

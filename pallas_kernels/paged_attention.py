@@ -5,7 +5,8 @@ per page slot and kv head, k_scale/v_scale [L, K, P, S] (a token's K row is q8 *
 a token is quantized alone when written. The layer index is a traced scalar: the kernel
 reads the layer's pages in place, no slice of the cache is ever copied.
 
-Kernel: grid (B, K, splits). One program owns one sequence, one kv head and one split of the
+Kernel: grid (B, K, splits), or (K, B, 1) with the rows longest first (LONGEST_FIRST_PROGRAMS,
+below). One program owns one sequence, one kv head and one split of the
 context, and holds all G = H/K q heads of that kv head as the rows of one tile (padded to 16
 rows for the tensor cores by repeating the last head), so each K/V page is read from HBM
 once. Per step it gathers `block_tokens` KV rows through the page table (with
@@ -35,6 +36,7 @@ public functions take no backend argument, so one can replace the kernel later.
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -48,13 +50,33 @@ from pallas_kernels.attention_block import (LOG2E, MIN_ROWS, attend_block, block
                                             kernel_refs, kv_rows, load_q, paged_loop,
                                             prepare_q, store_rows, uses_pairs, validate)
 
-def _decode_kernel(layer_ref, lens_ref, table_ref, *refs, groups: int, rows_q: int,
-                   pages_per_seq: int, split_tokens: int, blk, num_kv_heads: int,
-                   num_pages: int, page_size: int, num_heads: int, head_dim: int, batch: int,
-                   qk_scale: float, fp8: bool, cdt, pairs: bool, interpret: bool):
+# Unsplit grids of LONGEST_FIRST_PROGRAMS[0]..[1] programs (one per row and kv head) run the
+# rows longest first. Programs start in grid order as SM slots free up, so with rows of
+# unequal lengths a long row late in the grid runs alone at the end; longest first, the last
+# wave holds the short rows. H200, device time, rows 0.5-1.5x the mean length against equal
+# lengths at the same mean (bench/README.md, seventeenth session): FP8 KV B=64 S~2048 (512
+# programs, ~2 waves of 2 per SM) 96.7 -> 83.8 us (equal 77.4), B=256 S~1536 245.9 -> 243.4;
+# bf16 KV B=256 397.3 -> 381.8, B=64 140.1 -> 142.0 (one wave of 4 per SM). At 4096 programs
+# (B=512) FP8 465.4 -> 469.2 and bf16 769.1 -> 751.1: outside the window. The order is an
+# argsort of the lengths (~3.5 us alone; the model's layers share one per step, XLA's CSE).
+# The model asks for the window (longest_first=None); the kernel benchmark's calls keep the
+# grid order (False, the default).
+# JAXINFER_LONGEST_FIRST="LO,HI" overrides the window at import (A/B runs; "0,0" is off).
+LONGEST_FIRST_PROGRAMS = tuple(int(x) for x in os.environ.get(
+    "JAXINFER_LONGEST_FIRST", f"{tuning.TARGET_PROGRAMS + 1},2048").split(","))
+
+
+def _decode_kernel(layer_ref, lens_ref, table_ref, order_ref, *refs, groups: int,
+                   rows_q: int, pages_per_seq: int, split_tokens: int, blk,
+                   num_kv_heads: int, num_pages: int, page_size: int, num_heads: int,
+                   head_dim: int, batch: int, qk_scale: float, fp8: bool, cdt, pairs: bool,
+                   longest_first: bool, interpret: bool):
     # with pairs, q and the accumulator are (even, odd) halves (load_q, store_rows)
     q_ref, k_ref, v_ref, ks_ref, vs_ref, outs = kernel_refs(refs, fp8)
-    b, h, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    if longest_first:   # grid (K, B, 1): a row's kv heads side by side, rows by rank
+        h, b, s = pl.program_id(0), order_ref[pl.program_id(1)], pl.program_id(2)
+    else:
+        b, h, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     heads = h * groups + jnp.minimum(jnp.arange(rows_q, dtype=jnp.int32), groups - 1)
     q, logit_scale = prepare_q(load_q(q_ref, b * num_heads + heads, pairs, head_dim), cdt,
                                qk_scale)
@@ -142,11 +164,14 @@ def _combine_call(acc, m, l, *, splits: int, rows: int, batch: int, num_heads: i
     )(acc, m, l)
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "interpret", "blocks", "rows"))
+@functools.partial(jax.jit, static_argnames=("sm_scale", "interpret", "blocks", "rows",
+                                             "longest_first"))
 def paged_attention_blocks(q, k_pages, v_pages, layer, seq_lens, page_table, k_scale=None,
                            v_scale=None, *, sm_scale: float, interpret: bool = False,
-                           blocks: tuning.DecodeBlocks, rows: int | None = None):
-    """paged_attention with explicit block sizes (the benchmark's tuning and the tests)."""
+                           blocks: tuning.DecodeBlocks, rows: int | None = None,
+                           longest_first: bool = False):
+    """paged_attention with explicit block sizes (the benchmark's tuning and the tests);
+    longest_first: the rows longest first (unsplit grids only)."""
     kv_heads, num_pages, page_size, head_dim = validate(q, k_pages, v_pages, k_scale, v_scale,
                                                         interpret, blocks.block_tokens)
     total, num_heads, _ = q.shape
@@ -165,25 +190,30 @@ def paged_attention_blocks(q, k_pages, v_pages, layer, seq_lens, page_table, k_s
     groups = num_heads // kv_heads
     rows_q = max(MIN_ROWS, pow2_ceil(groups))
     pairs = uses_pairs(k_pages.dtype, blocks.fp8_compute, head_dim)
+    longest_first = longest_first and n == 1
+    lens = seq_lens.astype(jnp.int32)
+    order = (jnp.argsort(-lens).astype(jnp.int32) if longest_first
+             else jnp.zeros((1,), jnp.int32))     # the rows by rank (else not read)
     kernel = functools.partial(
         _decode_kernel, groups=groups, rows_q=rows_q, pages_per_seq=pages_per_seq,
         split_tokens=split_tokens, blk=blocks, num_kv_heads=kv_heads, num_pages=num_pages,
         page_size=page_size, num_heads=num_heads, head_dim=head_dim, batch=batch,
         qk_scale=float(sm_scale) * LOG2E, fp8=k_pages.dtype == FP8_DTYPE,
         cdt=compute_dtype(k_pages.dtype, blocks.fp8_compute), pairs=pairs,
-        interpret=interpret)
+        longest_first=longest_first, interpret=interpret)
     heads_rows = batch * num_heads
     if n == 1:
         out_shape = (jax.ShapeDtypeStruct((heads_rows, head_dim), q.dtype),)
     else:
         ml = jax.ShapeDtypeStruct((n * heads_rows,), jnp.float32)
         out_shape = (jax.ShapeDtypeStruct((n * heads_rows, head_dim), jnp.float32), ml, ml)
+    grid = (kv_heads, batch, n) if longest_first else (batch, kv_heads, n)
     outs = pl.pallas_call(
-        kernel, grid=(batch, kv_heads, n), out_shape=out_shape, interpret=interpret,
+        kernel, grid=grid, out_shape=out_shape, interpret=interpret,
         **triton_params(interpret, blocks.num_warps, blocks.num_stages),
         name="jaxinfer_paged_decode" + ("_pairs" if pairs else ""),
-    )(jnp.asarray(layer, jnp.int32).reshape(1), seq_lens.astype(jnp.int32),
-      page_table.astype(jnp.int32).reshape(-1), q.reshape(-1, head_dim),
+    )(jnp.asarray(layer, jnp.int32).reshape(1), lens,
+      page_table.astype(jnp.int32).reshape(-1), order, q.reshape(-1, head_dim),
       *cache_views(k_pages, v_pages, k_scale, v_scale, pairs))
     if n == 1:
         return outs[0].reshape(q.shape)
@@ -194,20 +224,27 @@ def paged_attention_blocks(q, k_pages, v_pages, layer, seq_lens, page_table, k_s
 
 def paged_attention(q, k_pages, v_pages, layer, seq_lens, page_table, k_scale=None,
                     v_scale=None, *, sm_scale: float, interpret: bool = False,
-                    rows: int | None = None) -> jax.Array:
+                    rows: int | None = None, longest_first: bool | None = False
+                    ) -> jax.Array:
     """Decode attention. q [B, H, D]; k/v pages [L, K, P, S, D]; layer int32 scalar (may be
     traced); seq_lens [B] (0 = padded row, outputs zeros); page_table [B, pages_per_seq];
     k_scale/v_scale [L, K, P, S] f32 for FP8 pages; rows (static): only the first `rows` rows
-    are real, the rest padding (their seq_lens 0; module doc). Returns [B, H, D] in q.dtype.
+    are real, the rest padding (their seq_lens 0; module doc). longest_first (static): the
+    rows in grid order (False), longest first (True; unsplit grids only) or, None, longest
+    first within LONGEST_FIRST_PROGRAMS (the model: its layers' sorts of the same lengths
+    are one in the compiled step, XLA's CSE). Returns [B, H, D] in q.dtype.
     Block sizes come from pallas_kernels/tuning.py; shapes and dtypes are static (a new one
     recompiles)."""
     _, kv_heads, _, page_size, head_dim = k_pages.shape
     blocks = tuning.decode_blocks(rows or q.shape[0], kv_heads,
                                   page_table.shape[1] * page_size, page_size,
                                   jnp.dtype(k_pages.dtype).itemsize, head_dim)
+    if longest_first is None:
+        lo, hi = LONGEST_FIRST_PROGRAMS
+        longest_first = 0 < lo <= (rows or q.shape[0]) * kv_heads <= hi
     return paged_attention_blocks(q, k_pages, v_pages, layer, seq_lens, page_table, k_scale,
                                   v_scale, sm_scale=sm_scale, interpret=interpret,
-                                  blocks=blocks, rows=rows)
+                                  blocks=blocks, rows=rows, longest_first=longest_first)
 
 
 def gather_kv(k_pages, v_pages, layer, page_table, k_scale=None, v_scale=None):

@@ -18,6 +18,9 @@ clipped to f16's range instead of normalized gives ~1e3 at |q| = 2e5 and ~1.2e-2
 bf16 widening ~2.3e-3). What FP8 costs against unquantized KV (3 mantissa bits, ~2^-4 per
 element, averaged over the context) is checked separately at 8e-2.
 """
+import functools
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -104,14 +107,15 @@ def make_decode(seed, page_size, groups, head_dim, kv_dtype):
             originals)
 
 
-def run_pair(case, interpret, blocks=None, layer=1):
+def run_pair(case, interpret, blocks=None, layer=1, longest_first=None):
     q, (k, v, ks, vs), lens, table, _ = case
     scale = q.shape[-1] ** -0.5
     args = (q, k, v, jnp.int32(layer), lens, table, ks, vs)
     if blocks is None:
         out = paged_attention(*args, sm_scale=scale, interpret=interpret)
     else:
-        out = paged_attention_blocks(*args, sm_scale=scale, interpret=interpret, blocks=blocks)
+        out = paged_attention_blocks(*args, sm_scale=scale, interpret=interpret, blocks=blocks,
+                                     longest_first=longest_first)
     return out, paged_attention_reference(*args, sm_scale=scale)
 
 
@@ -141,6 +145,34 @@ def test_kernel_matches_reference(page_size, groups, head_dim, kv_dtype, tokens,
     assert out.shape == case[0].shape and out.dtype == case[0].dtype
     assert rel_err(out, ref) < (1e-3 if kv_dtype == "f32" else 1e-2)
     np.testing.assert_array_equal(np.asarray(out[-1], np.float32), 0.0)  # padded row
+
+
+@pytest.mark.parametrize("interpret", MODES)
+@pytest.mark.parametrize("page_size,groups,head_dim,kv_dtype,tokens,compute",
+                         [(8, 1, 64, "bf16", 16, BF), (16, 4, 128, "fp8", 32, PR),
+                          (32, 8, 64, "fp8", 32, HF)])
+def test_longest_first_matches_reference(page_size, groups, head_dim, kv_dtype, tokens,
+                                         compute, interpret):
+    """Rows run longest first (grid (K, B, 1), row = the sorted order's rank): every row's
+    output is its own. The lengths are shuffled so the order is not the identity."""
+    q, cache, lens, table, originals = make_decode(page_size + groups, page_size, groups,
+                                                   head_dim, kv_dtype)
+    perm = np.random.default_rng(groups).permutation(len(lens))
+    assert not np.array_equal(np.argsort(-np.asarray(lens)[perm], kind="stable"),
+                              np.arange(len(lens)))
+    case = (q[perm], cache, lens[perm], table[perm], originals)
+    blocks = DecodeBlocks(tokens, 1, 4, 2, compute, True)
+    out, _ = run_pair(case, interpret, blocks)        # 14 programs: grid order (B, K, 1)
+    first, ref = run_pair(case, interpret, blocks, longest_first=True)
+    k, v, ks, vs = cache
+    jaxpr = str(jax.make_jaxpr(functools.partial(
+        paged_attention_blocks, sm_scale=1.0, interpret=interpret, blocks=blocks,
+        longest_first=True))(case[0], k, v, jnp.int32(1), case[2], case[3], ks, vs))
+    assert "sort" in jaxpr and "grid=(2, 7, 1)" in jaxpr.replace("grid_mapping=", "")
+    np.testing.assert_array_equal(np.asarray(first, np.float32), np.asarray(out, np.float32))
+    assert row_rel_err(first, ref) < 1e-2
+    pad = int(np.flatnonzero(np.asarray(case[2]) == 0)[0])
+    np.testing.assert_array_equal(np.asarray(first[pad], np.float32), 0.0)
 
 
 @pytest.mark.parametrize("interpret", MODES)
@@ -260,3 +292,31 @@ def test_combine_kernel_matches_reference(splits, rows, batch):
     got = np.asarray(got).reshape(batch, heads, d)
     np.testing.assert_allclose(got[:rows], want, rtol=1e-5, atol=1e-6)
     np.testing.assert_array_equal(got[rows:], 0.0)
+
+
+@pytest.mark.parametrize("unroll,window,sorts", [(False, (1, 1 << 20), 1),
+                                                 (True, (1, 1 << 20), 1),
+                                                 (True, None, 0)])
+def test_longest_first_order_is_sorted_once_per_step(monkeypatch, unroll, window, sorts):
+    """The model's decode step with every grid longest first: the rows' argsort is the same
+    computation in every layer, so the compiled step holds one sort (XLA's CSE unrolled, its
+    loop-invariant hoisting under the scan), not one per layer. With the default window the
+    tiny model's 16-program grids keep the grid order and the unused sort is dropped."""
+    from dense_reference import random_flat
+    from jaxinfer.config import EngineConfig
+    from jaxinfer.engine import Engine
+    from jaxinfer.params import build_model
+    from jaxinfer.runner import dummy_input
+    from engine_util import TINY
+    from pallas_kernels import paged_attention as pa
+    assert TINY.num_layers > 1
+    if window is not None:
+        monkeypatch.setattr(pa, "LONGEST_FIRST_PROGRAMS", window)
+    cfg = EngineConfig(max_model_len=64, max_num_seqs=8, max_num_batched_tokens=64,
+                       page_size=4, attention_impl="pallas")
+    engine = Engine(TINY, cfg, *build_model(TINY, random_flat(TINY, seed=1), jnp.float32,
+                                             unroll_layers=unroll))
+    bucket = next(b for b in engine.buckets.all_buckets() if b.decode_only and b.num_seqs == 8)
+    inp = engine.runner.prepare(dummy_input(bucket, max_num_seqs=8))
+    text = engine.runner.lower(inp).compile().as_text()
+    assert len(re.findall(r"^\s*(?:ROOT )?%\S+ = .* sort\(", text, re.M)) == sorts
