@@ -1,4 +1,8 @@
-"""One-off: decode attention with rows longest first vs grid order, equal vs spread lengths."""
+"""Decode attention with the rows longest first vs in grid order, at equal lengths and at
+lengths spread 0.5-1.5x the mean (same mean), FP8 and bf16 KV, B = 64 / 256 / 512: device
+time per call (bench.kernels.time_impl). The H200 run is bench/results/history/
+longest_first_probe.json. Usage on the GPU, from the repository root:
+OUT=dir python -m bench.probes.longest_first (on the CPU it stops at the first kernel)."""
 import json, os
 import jax, jax.numpy as jnp, numpy as np
 from bench import kernels as bk
@@ -31,5 +35,6 @@ for fp8 in (True, False):
                          TBps_device=round(nbytes / dev / 1e12, 3) if dev else None,
                          max_len=int(lens.max()), min_len=int(lens.min()), blocks=str(blk))
                 rows.append(r)
-                print({k: r[k] for k in ("kv", "batch", "lens", "longest_first", "us", "us_device", "TBps_device")}, flush=True)
+                print({k: r[k] for k in ("kv", "batch", "lens", "longest_first", "us", "us_device",
+                                        "TBps_device")}, flush=True)
 json.dump(rows, open(os.environ.get("OUT", ".") + "/lpt_probe.json", "w"), indent=1)
