@@ -294,6 +294,14 @@ def test_combine_kernel_matches_reference(splits, rows, batch):
     np.testing.assert_array_equal(got[rows:], 0.0)
 
 
+def test_longest_first_window_setting():
+    from pallas_kernels import paged_attention as pa
+    assert pa._window("265,2048") == (265, 2048)
+    for bad in ("0", "1,2,3", "a,b"):
+        with pytest.raises(ConfigError, match="JAXINFER_LONGEST_FIRST"):
+            pa._window(bad)
+
+
 @pytest.mark.parametrize("unroll,window,sorts", [(False, (1, 1 << 20), 1),
                                                  (True, (1, 1 << 20), 1),
                                                  (True, None, 0)])
