@@ -199,30 +199,50 @@ def _logits(q, k):
     return lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
 
 
+def read_rows(ref, rows, valid=None, interpret: bool = False):
+    """ref's rows `rows` [N] ([N, D], or [N] of a 1-D ref). With `valid` [N], rows where it
+    is False are not read (a masked load; interpret mode reads and zeroes them, its masked
+    load taking no gathered rows) and come back as zeros."""
+    if valid is None:
+        return ref[rows]
+    mask = valid if len(ref.shape) == 1 else valid[:, None]
+    zero = jnp.zeros((), ref.dtype)
+    if interpret:
+        return jnp.where(mask, ref[rows], zero)
+    return plgpu.load(ref.at[rows], mask=mask, other=zero)
+
+
 def attend_block(q, k_ref, v_ref, ks_ref, vs_ref, rows, carry, *, logit_scale,
-                 logit_mask=None, kv_valid=None, interpret: bool = False):
+                 logit_mask=None, kv_valid=None, masked_loads: bool = False,
+                 interpret: bool = False):
     """One online-softmax step over the KV rows `rows` [N]; q [M, D] in the compute dtype
     and logit_scale (scalar or [M, 1]) from prepare_q; carry (m, l, acc) with m, l [M] f32 in
     the base-2 domain and acc [M, D] f32. logit_mask [M|1, N] hides logits, kv_valid [N]
-    zeroes V rows (and their scales) that may hold stale data. With f16pairs, q and acc are
+    zeroes V rows (and their scales) that may hold stale data; with masked_loads the rows
+    it leaves out are not read at all (K's and V's, read_rows). With f16pairs, q and acc are
     (even, odd) tuples and k_ref/v_ref hold u16 byte pairs (cache_views)."""
     m, l, acc = carry
     pairs = isinstance(q, tuple)
+    skip = kv_valid if masked_loads else None      # rows the loads themselves leave out
+
+    def load(ref):
+        return read_rows(ref, rows, skip, interpret)
+
     if pairs:   # V is read and split after the softmax: its f16 parts stay live less long
-        k = fp8_pairs_to_f16(k_ref[rows], interpret)
+        k = fp8_pairs_to_f16(load(k_ref), interpret)
         logits = _logits(q[0], k[0]) + _logits(q[1], k[1])
     else:
-        k = k_ref[rows].astype(q.dtype)
-        v = v_ref[rows].astype(q.dtype)
+        k = load(k_ref).astype(q.dtype)
+        v = load(v_ref).astype(q.dtype)
         logits = _logits(q, k)
     if ks_ref is not None:
-        logits = logits * ks_ref[rows][None, :]
+        logits = logits * load(ks_ref)[None, :]
     logits = logits * logit_scale
     if logit_mask is not None:
         logits = jnp.where(logit_mask, logits, -jnp.inf)
     if pairs:
-        v = v_ref[rows]
-    if kv_valid is not None:
+        v = load(v_ref)
+    if kv_valid is not None and skip is None:
         v = jnp.where(kv_valid[:, None], v, jnp.zeros_like(v))
     if pairs:
         v = fp8_pairs_to_f16(v, interpret)
@@ -232,8 +252,8 @@ def attend_block(q, k_ref, v_ref, ks_ref, vs_ref, rows, carry, *, logit_scale,
     l = l * alpha + jnp.sum(p, axis=1)
     vs = None
     if vs_ref is not None:
-        vs = vs_ref[rows]
-        if kv_valid is not None:
+        vs = load(vs_ref)
+        if kv_valid is not None and skip is None:
             vs = jnp.where(kv_valid, vs, jnp.zeros_like(vs))
     pv = _weighted_values(p, v, vs)
     if isinstance(acc, tuple):

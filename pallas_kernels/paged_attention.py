@@ -14,7 +14,8 @@ blocks.prefetch_table, the next block's page ids are read one step ahead: see
 attention_block.paged_loop), computes
 logits = q k^T (f32 accumulate), runs the online softmax in f32 (base 2, scale folded in),
 and accumulates p v. Full blocks run unmasked; only the tail block of a split masks
-positions >= seq_len (and zeroes their V rows, so stale slot contents never leak).
+positions >= seq_len (and zeroes their V rows, so stale slot contents never leak; on grids of
+MASKED_LOADS_MIN_PROGRAMS or more its loads skip those rows instead).
 With splits > 1 each split writes its unnormalized accumulator and (max, sum); a second
 small kernel (`_combine_kernel`, one program per row and q head) merges them. Padded rows
 (seq_len 0) output zeros.
@@ -74,12 +75,26 @@ def _window(text: str) -> tuple[int, int]:
 LONGEST_FIRST_PROGRAMS = _window(os.environ.get("JAXINFER_LONGEST_FIRST",
                                                 f"{tuning.TARGET_PROGRAMS + 1},2048"))
 
+# Grids of at least this many programs read a sequence's last, partly filled block with
+# masked loads (attention_block.read_rows): the tokens past its length are not read. H200,
+# device us per call, bench/probes/longest_first.py in two calls (bench/README.md, seventeenth
+# session), masked vs read and zeroed (a variant that zeroed K too; the unmasked kernel kept
+# here, from an earlier call, in parentheses): FP8 KV B=256 S~1536 with lengths 0.5-1.5x the
+# mean 216.3 / 216.3 vs 245.1 (245.9), B=512 404.4 / 407.4 vs 467.2 (465.4); at equal
+# lengths, where no block is partly filled, 214.0 / 215.0 vs 220.9 (225.3) and 397.7 / 397.4
+# vs 425.6 (433.5): the kernel compiles differently. bf16 KV, spread: B=256 383.5 vs 394.8
+# (397.3), B=512 738.4 vs 763.9 (769.1). At B=64 (512 programs) FP8 ran slower masked, 95.8
+# vs 76.6 (77.4) us at equal lengths, so smaller grids keep the unmasked kernel (its Triton
+# IR is the one from before this switch). JAXINFER_MASKED_LOADS overrides the threshold at
+# import (0 is off).
+MASKED_LOADS_MIN_PROGRAMS = int(os.environ.get("JAXINFER_MASKED_LOADS", "2048"))
+
 
 def _decode_kernel(layer_ref, lens_ref, table_ref, order_ref, *refs, groups: int,
                    rows_q: int, pages_per_seq: int, split_tokens: int, blk,
                    num_kv_heads: int, num_pages: int, page_size: int, num_heads: int,
                    head_dim: int, batch: int, qk_scale: float, fp8: bool, cdt, pairs: bool,
-                   longest_first: bool, interpret: bool):
+                   longest_first: bool, masked_loads: bool, interpret: bool):
     # with pairs, q and the accumulator are (even, odd) halves (load_q, store_rows)
     q_ref, k_ref, v_ref, ks_ref, vs_ref, outs = kernel_refs(refs, fp8)
     if longest_first:   # grid (K, B, 1): a row's kv heads side by side, rows by rank
@@ -106,7 +121,8 @@ def _decode_kernel(layer_ref, lens_ref, table_ref, order_ref, *refs, groups: int
         return attend_block(q, k_ref, v_ref, ks_ref, vs_ref, rows, state,
                             logit_scale=logit_scale,
                             logit_mask=None if valid is None else valid[None, :],
-                            kv_valid=valid, interpret=interpret)
+                            kv_valid=valid, masked_loads=masked_loads,
+                            interpret=interpret)
 
     m, l, acc = paged_loop(read_pages, body, empty_carry(rows_q, head_dim, pairs), n // bk,
                            pl.cdiv(n, bk), blk.prefetch_table)
@@ -174,13 +190,14 @@ def _combine_call(acc, m, l, *, splits: int, rows: int, batch: int, num_heads: i
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "interpret", "blocks", "rows",
-                                             "longest_first"))
+                                             "longest_first", "masked_loads"))
 def paged_attention_blocks(q, k_pages, v_pages, layer, seq_lens, page_table, k_scale=None,
                            v_scale=None, *, sm_scale: float, interpret: bool = False,
                            blocks: tuning.DecodeBlocks, rows: int | None = None,
-                           longest_first: bool = False):
+                           longest_first: bool = False, masked_loads: bool | None = None):
     """paged_attention with explicit block sizes (the benchmark's tuning and the tests);
-    longest_first: the rows longest first (unsplit grids only)."""
+    longest_first: the rows longest first (unsplit grids only); masked_loads: the last
+    blocks' loads masked (None: from MASKED_LOADS_MIN_PROGRAMS)."""
     kv_heads, num_pages, page_size, head_dim = validate(q, k_pages, v_pages, k_scale, v_scale,
                                                         interpret, blocks.block_tokens)
     total, num_heads, _ = q.shape
@@ -200,6 +217,8 @@ def paged_attention_blocks(q, k_pages, v_pages, layer, seq_lens, page_table, k_s
     rows_q = max(MIN_ROWS, pow2_ceil(groups))
     pairs = uses_pairs(k_pages.dtype, blocks.fp8_compute, head_dim)
     longest_first = longest_first and n == 1
+    if masked_loads is None:
+        masked_loads = 0 < MASKED_LOADS_MIN_PROGRAMS <= batch * kv_heads * n
     lens = seq_lens.astype(jnp.int32)
     order = (jnp.argsort(-lens).astype(jnp.int32) if longest_first
              else jnp.zeros((1,), jnp.int32))     # the rows by rank (else not read)
@@ -209,7 +228,7 @@ def paged_attention_blocks(q, k_pages, v_pages, layer, seq_lens, page_table, k_s
         page_size=page_size, num_heads=num_heads, head_dim=head_dim, batch=batch,
         qk_scale=float(sm_scale) * LOG2E, fp8=k_pages.dtype == FP8_DTYPE,
         cdt=compute_dtype(k_pages.dtype, blocks.fp8_compute), pairs=pairs,
-        longest_first=longest_first, interpret=interpret)
+        longest_first=longest_first, masked_loads=masked_loads, interpret=interpret)
     heads_rows = batch * num_heads
     if n == 1:
         out_shape = (jax.ShapeDtypeStruct((heads_rows, head_dim), q.dtype),)

@@ -6,9 +6,11 @@ OUT=dir python -m bench.probes.longest_first (on the CPU it stops at the first k
 import json, os
 import jax, jax.numpy as jnp, numpy as np
 from bench import kernels as bk
+from pallas_kernels import paged_attention as pa
 from pallas_kernels.paged_attention import paged_attention_blocks
 
 rows = []
+LF = (False,) if os.environ.get("PROBE_GRID_ORDER_ONLY") else (False, True)
 BM = ((64, 2048), (256, 1536), (512, 1536)) if jax.default_backend() == "gpu" else ((4, 64),)
 key = jax.random.PRNGKey(0)
 for fp8 in (True, False):
@@ -21,7 +23,7 @@ for fp8 in (True, False):
         spread = np.clip(np.round(spread / spread.mean() * mean), 1, ctx).astype(np.int32)
         for kind, lens in (("equal", np.full(batch, mean, np.int32)), ("spread", spread)):
             blk = bk.tuned_blocks(batch, ctx, fp8)
-            for lf in (False, True):
+            for lf in LF:
                 fn = (lambda lf, blk: lambda q, k, v, ks, vs, t, n: paged_attention_blocks(
                     q, k, v, 0, n, t, ks, vs, sm_scale=bk.D ** -0.5, blocks=blk,
                     longest_first=lf))(lf, blk)
@@ -33,8 +35,10 @@ for fp8 in (True, False):
                          longest_first=lf, us=round(wall * 1e6, 1),
                          us_device=round(dev * 1e6, 1) if dev else None,
                          TBps_device=round(nbytes / dev / 1e12, 3) if dev else None,
-                         max_len=int(lens.max()), min_len=int(lens.min()), blocks=str(blk))
+                         max_len=int(lens.max()), min_len=int(lens.min()), blocks=str(blk),
+                         masked_loads_min_programs=pa.MASKED_LOADS_MIN_PROGRAMS)
                 rows.append(r)
                 print({k: r[k] for k in ("kv", "batch", "lens", "longest_first", "us", "us_device",
                                         "TBps_device")}, flush=True)
-json.dump(rows, open(os.environ.get("OUT", ".") + "/lpt_probe.json", "w"), indent=1)
+json.dump(rows, open(os.environ.get("OUT", ".") + "/" + os.environ.get("PROBE_NAME", "lpt_probe")
+                     + ".json", "w"), indent=1)
