@@ -1,8 +1,10 @@
 """Decode attention with the rows longest first vs in grid order, at equal lengths and at
 lengths spread 0.5-1.5x the mean (same mean), FP8 and bf16 KV, B = 64 / 256 / 512: device
-time per call (bench.kernels.time_impl). The H200 run is bench/results/history/
-longest_first_probe.json. Usage on the GPU, from the repository root:
-OUT=dir python -m bench.probes.longest_first (on the CPU it stops at the first kernel)."""
+time per call (bench.kernels.time_impl). H200 runs: bench/results/history/
+longest_first_probe.json, and masked_loads_*_probe.json (grid order only, one process per
+JAXINFER_MASKED_LOADS setting). Usage on the GPU, from the repository root:
+OUT=dir [PROBE_GRID_ORDER_ONLY=1] [PROBE_NAME=name] python -m bench.probes.longest_first
+(on the CPU it stops at the first kernel)."""
 import json, os
 import jax, jax.numpy as jnp, numpy as np
 from bench import kernels as bk
