@@ -142,7 +142,8 @@ def start_result(args, ceil: dict, skipped: list) -> dict:
     run_info = {"command": fresh["command"], "ceilings": ceil,
                 "xla_flags": os.environ.get("XLA_FLAGS", ""),
                 "min_split_tokens": tuning.MIN_SPLIT_TOKENS,
-                "longest_first_programs": list(pa.LONGEST_FIRST_PROGRAMS)}
+                "longest_first_programs": list(pa.LONGEST_FIRST_PROGRAMS),
+                "masked_loads_min_programs": pa.MASKED_LOADS_MIN_PROGRAMS}
     path = Path(args.out)
     result = json.loads(path.read_text()) if args.append and path.exists() else fresh
     result.setdefault("runs", []).append(run_info)

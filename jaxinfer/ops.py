@@ -59,11 +59,11 @@ PALLAS_ADD_NORM = False
 
 
 def switches() -> tuple:
-    """This module's switches (and the attention kernel's longest-first window), as a key
-    for a trace cache shared across runners."""
+    """This module's switches (and the decode attention kernel's: its longest-first window
+    and masked-loads threshold), as a key for a trace cache shared across runners."""
     from pallas_kernels import paged_attention as pa
     return (FUSED_FP8_MLP, PALLAS_KV_WRITE, FUSED_NORM_QUANT, BF16_PAD_M, FUSED_GLUE,
-            PALLAS_ADD_NORM, pa.LONGEST_FIRST_PROGRAMS)
+            PALLAS_ADD_NORM, pa.LONGEST_FIRST_PROGRAMS, pa.MASKED_LOADS_MIN_PROGRAMS)
 
 
 def _on_gpu() -> bool:
