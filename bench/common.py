@@ -147,17 +147,14 @@ def load_runner(args, *, max_num_seqs: int, max_len: int, pairs=(), kv_budget_gb
     holds the largest case that fits in kv_budget_gb GB."""
     from jaxinfer.cli import engine_config_from_args
     from jaxinfer.loading import load_model
-    from jaxinfer.runner import ModelRunner, kv_dtype_for
+    from jaxinfer.runner import ModelRunner, kv_page_bytes
 
     engine = engine_config_from_args(args)
     engine = engine.replace(max_num_seqs=max_num_seqs,
                             max_model_len=max(max_len, engine.max_model_len))
     cfg, graphdef, params, _ = load_model(args.model, engine)
     if pairs:
-        item = jax.numpy.dtype(kv_dtype_for(engine)).itemsize
-        page_bytes = engine.page_size * cfg.num_layers * 2 * cfg.num_kv_heads * (
-            cfg.head_dim * item + (4 if item == 1 else 0))
-        budget = int((kv_budget_gb or 1e9) * 1e9 // page_bytes)
+        budget = int((kv_budget_gb or 1e9) * 1e9 // kv_page_bytes(cfg, engine))
         fits = [n for n in (b * -(-(c + 1) // engine.page_size) for b, c in pairs)
                 if n <= budget]
         if not fits:

@@ -212,12 +212,16 @@ def kv_dtype_for(engine: EngineConfig):
     return jnp.dtype(engine.dtype)
 
 
-def kv_pool_gib(cfg: ModelConfig, engine: EngineConfig) -> float:
-    """The whole KV pool's size in GiB: K and V, and with FP8 KV their f32 scales."""
+def kv_page_bytes(cfg: ModelConfig, engine: EngineConfig) -> int:
+    """One page's bytes over all layers: K and V, and with FP8 KV their f32 scales."""
     dtype = jnp.dtype(kv_dtype_for(engine))
-    slots = cfg.num_layers * cfg.num_kv_heads * engine.total_pages * engine.page_size
-    scales = 2 * slots * 4 if dtype == FP8_DTYPE else 0
-    return (2 * slots * cfg.head_dim * dtype.itemsize + scales) / 2 ** 30
+    per_slot = cfg.head_dim * dtype.itemsize + (4 if dtype == FP8_DTYPE else 0)
+    return 2 * cfg.num_layers * cfg.num_kv_heads * engine.page_size * per_slot
+
+
+def kv_pool_gib(cfg: ModelConfig, engine: EngineConfig) -> float:
+    """The whole KV pool's size in GiB (kv_page_bytes x the pool's pages)."""
+    return kv_page_bytes(cfg, engine) * engine.total_pages / 2 ** 30
 
 
 @contextlib.contextmanager

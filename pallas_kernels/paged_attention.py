@@ -59,7 +59,8 @@ from pallas_kernels.attention_block import (LOG2E, MIN_ROWS, attend_block, block
 # programs, ~2 waves of 2 per SM) 96.7 -> 83.8 us (equal 77.4), B=256 S~1536 245.9 -> 243.4;
 # bf16 KV B=256 397.3 -> 381.8, B=64 140.1 -> 142.0 (one wave of 4 per SM). At 4096 programs
 # (B=512) FP8 465.4 -> 469.2 and bf16 769.1 -> 751.1: outside the window. The order is an
-# argsort of the lengths (~3.5 us alone; the model's layers share one per step, XLA's CSE).
+# argsort of the lengths (the probe's equal-length calls, sort included, took ~3.5 us more;
+# the model's layers share one sort per step, XLA's CSE: tests/test_paged_attention.py).
 # The model asks for the window (longest_first=None); the kernel benchmark's calls keep the
 # grid order (False, the default).
 # JAXINFER_LONGEST_FIRST="LO,HI" overrides the window at import (A/B runs; "0,0" is off).
