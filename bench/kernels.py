@@ -73,14 +73,15 @@ def timed(fn, args, reps: int = 15, min_s: float = 2e-3) -> float:
     return statistics.median(samples)
 
 
-def make_case(batch: int, context: int, fp8: bool, key):
-    """One [1, K, P, S, D] cache and R disjoint random page tables [R, B, S/PAGE]."""
-    pps = context // PAGE
+def make_case(batch: int, context: int, fp8: bool, key, page: int = PAGE):
+    """One [1, K, P, S, D] cache (S = `page` tokens per page) and R disjoint random page
+    tables [R, B, context / page]."""
+    pps = context // page
     per_set = batch * context * HKV * D * (1 if fp8 else 2) * 2
     rot = max(2, min(64, math.ceil(TOUCH_BYTES / per_set)))
     pages = 1 + rot * batch * pps
     ks = jax.random.split(key, 6)
-    shape = (1, HKV, pages, PAGE, D)
+    shape = (1, HKV, pages, page, D)
     dt = FP8_DTYPE if fp8 else jnp.bfloat16
     k = jax.random.normal(ks[0], shape, jnp.bfloat16).astype(dt)
     v = jax.random.normal(ks[1], shape, jnp.bfloat16).astype(dt)
@@ -96,8 +97,8 @@ def bytes_moved(batch: int, context: int, fp8: bool) -> int:
     return kv + 2 * batch * HQ * D * 2
 
 
-def tuned_blocks(batch: int, context: int, fp8: bool) -> tuning.DecodeBlocks:
-    return tuning.decode_blocks(batch, HKV, context, PAGE, 1 if fp8 else 2, D)
+def tuned_blocks(batch: int, context: int, fp8: bool, page: int = PAGE) -> tuning.DecodeBlocks:
+    return tuning.decode_blocks(batch, HKV, context, page, 1 if fp8 else 2, D)
 
 
 def widened_f16(blocks: tuning.DecodeBlocks) -> tuning.DecodeBlocks:

@@ -40,3 +40,18 @@ def test_attention_rows_keep_the_host_clock_off_the_gpu(monkeypatch):
         assert row["us"] > 0 and row["TBps"] >= 0 and "error" not in row
         if jax.default_backend() != "gpu":
             assert not any(k.endswith("_device") for k in row), row
+
+
+@pytest.mark.parametrize("page", [16, 64, 128])
+def test_attention_case_at_a_page_size(page):
+    """bench.kernels' case at another page size (bench/probes/page_size.py): pages of `page`
+    tokens, page tables that cover the context with pages no two rows share, and blocks of
+    at least one page."""
+    import numpy as np
+    from bench import kernels
+
+    q, k, v, _, tables, lens = kernels.make_case(2, 256, False, jax.random.PRNGKey(0), page=page)
+    assert k.shape[3] == v.shape[3] == page and tables.shape[2] == 256 // page
+    ids = np.asarray(tables).ravel()
+    assert len(set(ids.tolist())) == ids.size and ids.min() >= 1 and ids.max() < k.shape[2]
+    assert kernels.tuned_blocks(2, 256, False, page=page).block_tokens >= page
