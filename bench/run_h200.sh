@@ -99,7 +99,7 @@ decode_fp8_rows() {  # the FP8 rows of `decode`, appended to $OUT/decode.json
 for stage in "$@"; do
   case $stage in
     check)
-      JAXINFER_TEST_GPU=1 run check 200 "$PY" -m pytest -q -m gpu -x \
+      JAXINFER_TEST_GPU=1 run check 260 "$PY" -m pytest -q -m gpu -x \
         tests/test_paged_attention.py tests/test_ragged_paged_attention.py tests/test_fp8_matmul.py \
         tests/test_swiglu_quant.py tests/test_norm_quant.py tests/test_kv_write.py tests/test_gemv.py ;;
     decode8)
