@@ -9,7 +9,7 @@ os.environ.setdefault("JAX_PLATFORMS", "" if ON_GPU else "cpu")
 # CPU runs share JAX's persistent compilation cache, in a directory of their own: engines of
 # the same configuration (a sync/async pair, each test's tiny engine) compile each executable
 # once per run, not once per engine (tests/test_async_scheduling.py: 99 -> 47 s). Every
-# executable counts, however quick to compile. Set before jax is imported, so its config
+# executable is kept, however quick to compile. Set before jax is imported, so its config
 # reads it; child processes (servers, the tensor-parallel run) inherit it. An executable
 # loaded from the cache still counts as a compile for runner.CompileCounter (jax times the
 # load as a backend compile), so "steady state compiles nothing" keeps its meaning. A cache

@@ -51,8 +51,7 @@ def test_attention_case_at_a_page_size(page, monkeypatch):
     from bench import kernels
 
     monkeypatch.setattr(kernels, "TOUCH_BYTES", 1)   # two page-table sets, not 64: quick
-
-    q, k, v, _, tables, lens = kernels.make_case(2, 256, False, jax.random.PRNGKey(0), page=page)
+    _, k, v, _, tables, _ = kernels.make_case(2, 256, False, jax.random.PRNGKey(0), page=page)
     assert k.shape[3] == v.shape[3] == page and tables.shape[2] == 256 // page
     ids = np.asarray(tables).ravel()
     assert len(set(ids.tolist())) == ids.size and ids.min() >= 1 and ids.max() < k.shape[2]
