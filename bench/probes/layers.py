@@ -1,9 +1,18 @@
-"""FP8 decode attention over a 32-layer cache, one call per layer (as the model's step
-calls it), vs bench.kernels' one-layer cache with rotating page tables: device time per call
-of the tuned kernel, B=384 S=1536 (equal lengths), each row's pages contiguous. Asked by the
-eighteenth session (the kernel alone 300-305 us, in the model's step 332 us per layer).
+"""Why the FP8 decode kernel is slower inside the model's step (332 us per layer at B=384
+S=1536, profile_b384_fp8.json) than alone (300-305 us, bench.kernels --tune and
+bench/probes/page_tables.py). Device time per call of the tuned kernel, B=384 S=1536, equal
+lengths, each row's pages contiguous, over three caches:
+  layers    32 layers, one call per layer, as the model calls it (18 GiB per K)
+  big       one layer of > 4 GiB per K (pages past the ones read), page-table sets rotated
+  small     one layer of ~1.1 GiB per K (bench.kernels' case), page-table sets rotated
+Pallas's Triton lowering computes a gather's element offsets in 64-bit integers when the
+array holds >= 2**32 bytes (jax/_src/pallas/triton/lowering.py,
+_compute_offsets_from_indices): the model's cache and `big` get [128, 64] i64 offset tensors
+per K/V block, `small` i32 ones (the Triton IR lowered for CUDA on the CPU, eighteenth
+session). `big` vs `small` isolates that; `layers` vs `big` the rest.
 Usage on the GPU, from the repository root: OUT=dir python -m bench.probes.layers
-(on the CPU it runs one tiny shape in interpret mode)."""
+(on the CPU it runs tiny shapes in interpret mode). Written in the eighteenth session, not
+run there (no device time left)."""
 import json
 import os
 
@@ -18,6 +27,14 @@ from pallas_kernels.paged_attention import paged_attention_blocks
 
 GPU = jax.default_backend() == "gpu"
 BATCH, CTX, LAYERS = (384, 1536, 32) if GPU else (2, 64, 2)
+BIG_PAGES = (1 << 32) // (bk.HKV * bk.PAGE * bk.D) + 4096 if GPU else 64   # > 4 GiB per K
+
+
+def cache(layers: int, pages: int):
+    """K, V and their scales filled with constants (the values do not change the time)."""
+    shape = (layers, bk.HKV, pages, bk.PAGE, bk.D)
+    scale = jnp.full(shape[:-1], 1 / 16, jnp.float32)
+    return jnp.full(shape, 0.5, FP8_DTYPE), jnp.full(shape, 0.25, FP8_DTYPE), scale, scale
 
 
 def main() -> None:
@@ -31,28 +48,28 @@ def main() -> None:
         return paged_attention_blocks(q, k, v, layer, n, t, ks, vs, sm_scale=bk.D ** -0.5,
                                       blocks=blk, interpret=not GPU)
 
-    # the model's way: one cache of LAYERS layers, one call per layer, one page table
-    shape = (LAYERS, bk.HKV, 1 + BATCH * pps, bk.PAGE, bk.D)
-    k = jnp.full(shape, 0.5, FP8_DTYPE)
-    v = jnp.full(shape, 0.25, FP8_DTYPE)
-    ks = vs = jnp.full(shape[:-1], 1 / 16, jnp.float32)
+    def record(name, k, dev, rep):
+        rows.append(dict(cache=name, gib_per_k=round(k.size * k.dtype.itemsize / 2**30, 2),
+                         rep=rep, us_device=round(dev * 1e6, 1) if dev else None))
+        print(rows[-1], flush=True)
+
+    k, v, ks, vs = cache(LAYERS, 1 + BATCH * pps)
     table = contiguous(jnp.zeros((1, BATCH, pps), jnp.int32))[0]
     every_layer = jax.jit(lambda q, k, v, ks, vs, t, n: [attend(q, k, v, ks, vs, t, n, i)
                                                           for i in range(LAYERS)])
     for rep in range(2):
-        dev = device_seconds(lambda: every_layer(q, k, v, ks, vs, table, lens), LAYERS)
-        rows.append(dict(cache="layers", layers=LAYERS, rep=rep,
-                         us_device=round(dev * 1e6, 1) if dev else None))
-        print(rows[-1], flush=True)
+        record("layers", k, device_seconds(
+            lambda: every_layer(q, k, v, ks, vs, table, lens), LAYERS), rep)
     del k, v, ks, vs
-    # bench.kernels' way: a one-layer cache, page-table sets rotated
-    q1, k1, v1, sc, tables, _ = bk.make_case(BATCH, CTX, True, jax.random.PRNGKey(0))
-    fn = lambda q, k, v, ks, vs, t, n: attend(q, k, v, ks, vs, t, n, 0)  # noqa: E731
+    one = lambda q, k, v, ks, vs, t, n: attend(q, k, v, ks, vs, t, n, 0)  # noqa: E731
+    _, k1, v1, sc, tables, _ = bk.make_case(BATCH, CTX, True, jax.random.PRNGKey(0))
+    tables = contiguous(tables)
     for rep in range(2):
-        _, dev = bk.time_impl(fn, (q, k1, v1, sc, contiguous(tables), lens))
-        rows.append(dict(cache="one layer", layers=1, rep=rep,
-                         us_device=round(dev * 1e6, 1) if dev else None))
-        print(rows[-1], flush=True)
+        record("small", k1, bk.time_impl(one, (q, k1, v1, sc, tables, lens))[1], rep)
+    del k1, v1, sc
+    k, v, ks, vs = cache(1, max(BIG_PAGES, 1 + tables.size))
+    for rep in range(2):
+        record("big", k, bk.time_impl(one, (q, k, v, (ks, vs), tables, lens))[1], rep)
     with open(os.path.join(os.environ.get("OUT", "."), "layers_probe.json"), "w") as f:
         json.dump(rows, f, indent=1)
 
