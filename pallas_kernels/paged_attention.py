@@ -190,36 +190,61 @@ def _combine_call(acc, m, l, *, splits: int, rows: int, batch: int, num_heads: i
     )(acc, m, l)
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "interpret", "blocks", "rows",
-                                             "longest_first", "masked_loads"))
 def paged_attention_blocks(q, k_pages, v_pages, layer, seq_lens, page_table, k_scale=None,
                            v_scale=None, *, sm_scale: float, interpret: bool = False,
                            blocks: tuning.DecodeBlocks, rows: int | None = None,
-                           longest_first: bool = False, masked_loads: bool | None = None):
+                           longest_first: bool | None = False,
+                           masked_loads: bool | None = None):
     """paged_attention with explicit block sizes (the benchmark's tuning and the tests);
-    longest_first: the rows longest first (unsplit grids only); masked_loads: the last
-    blocks' loads masked (None: from MASKED_LOADS_MIN_PROGRAMS)."""
-    kv_heads, num_pages, page_size, head_dim = validate(q, k_pages, v_pages, k_scale, v_scale,
-                                                        interpret, blocks.block_tokens)
-    total, num_heads, _ = q.shape
+    longest_first: the rows longest first (unsplit grids only; None: within
+    LONGEST_FIRST_PROGRAMS, counting the real rows' programs); masked_loads: the last
+    blocks' loads masked (None: from MASKED_LOADS_MIN_PROGRAMS, counting the grid's). Both
+    rules are resolved here, outside the jit, so the compiled kernel's cache is keyed by
+    their outcome, not by the module settings at its first trace."""
+    kv_heads = validate(q, k_pages, v_pages, k_scale, v_scale, interpret,
+                        blocks.block_tokens)[0]
+    total = q.shape[0]
     if seq_lens.shape != (total,) or page_table.ndim != 2 or page_table.shape[0] != total:
         raise ConfigError(f"seq_lens {seq_lens.shape} / page_table {page_table.shape} do not "
                           f"match batch {total}")
     if rows is not None and not 0 < rows <= total:
         raise ConfigError(f"rows {rows}: want 1..{total} (q's rows)")
     n = blocks.num_splits
-    # split: the grid covers the real rows only (the combine pads); else every row (padding
-    # rows have seq_len 0 and write their zeros themselves)
-    batch = total if rows is None or n == 1 else rows
+    if longest_first is None:
+        lo, hi = LONGEST_FIRST_PROGRAMS
+        longest_first = 0 < lo <= (rows or total) * kv_heads <= hi
+    if masked_loads is None:
+        masked_loads = 0 < MASKED_LOADS_MIN_PROGRAMS <= _grid_rows(total, rows, n) * kv_heads * n
+    return _paged_attention_blocks(q, k_pages, v_pages, layer, seq_lens, page_table, k_scale,
+                                   v_scale, sm_scale=sm_scale, interpret=interpret,
+                                   blocks=blocks, rows=rows,
+                                   longest_first=bool(longest_first and n == 1),
+                                   masked_loads=bool(masked_loads))
+
+
+def _grid_rows(total: int, rows: int | None, splits: int) -> int:
+    """The rows the decode grid covers: split, the real rows only (the combine pads);
+    else every row (padding rows have seq_len 0 and write their zeros themselves)."""
+    return total if rows is None or splits == 1 else rows
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "interpret", "blocks", "rows",
+                                             "longest_first", "masked_loads"))
+def _paged_attention_blocks(q, k_pages, v_pages, layer, seq_lens, page_table, k_scale,
+                            v_scale, *, sm_scale: float, interpret: bool,
+                            blocks: tuning.DecodeBlocks, rows: int | None,
+                            longest_first: bool, masked_loads: bool):
+    """paged_attention_blocks after its checks and rules: the kernel call."""
+    _, kv_heads, num_pages, page_size, head_dim = k_pages.shape
+    total, num_heads, _ = q.shape
+    n = blocks.num_splits
+    batch = _grid_rows(total, rows, n)
     pages_per_seq = page_table.shape[1]
     per_split = pl.cdiv(pages_per_seq * page_size, blocks.num_splits)
     split_tokens = pl.cdiv(per_split, blocks.block_tokens) * blocks.block_tokens
     groups = num_heads // kv_heads
     rows_q = max(MIN_ROWS, pow2_ceil(groups))
     pairs = uses_pairs(k_pages.dtype, blocks.fp8_compute, head_dim)
-    longest_first = longest_first and n == 1
-    if masked_loads is None:
-        masked_loads = 0 < MASKED_LOADS_MIN_PROGRAMS <= batch * kv_heads * n
     lens = seq_lens.astype(jnp.int32)
     order = (jnp.argsort(-lens).astype(jnp.int32) if longest_first
              else jnp.zeros((1,), jnp.int32))     # the rows by rank (else not read)
@@ -268,9 +293,6 @@ def paged_attention(q, k_pages, v_pages, layer, seq_lens, page_table, k_scale=No
     blocks = tuning.decode_blocks(rows or q.shape[0], kv_heads,
                                   page_table.shape[1] * page_size, page_size,
                                   jnp.dtype(k_pages.dtype).itemsize, head_dim)
-    if longest_first is None:
-        lo, hi = LONGEST_FIRST_PROGRAMS
-        longest_first = 0 < lo <= (rows or q.shape[0]) * kv_heads <= hi
     return paged_attention_blocks(q, k_pages, v_pages, layer, seq_lens, page_table, k_scale,
                                   v_scale, sm_scale=sm_scale, interpret=interpret,
                                   blocks=blocks, rows=rows, longest_first=longest_first)
