@@ -92,9 +92,27 @@ def make_case(batch: int, context: int, fp8: bool, key, page: int = PAGE):
     return q, k, v, (scales if fp8 else [None, None]), tables.astype(jnp.int32), lens
 
 
+def kv_bytes(tokens: int, fp8: bool) -> int:
+    """K and V bytes (with FP8's f32 scales) of `tokens` context tokens over the kv heads."""
+    return tokens * HKV * (D * (1 if fp8 else 2) + (4 if fp8 else 0)) * 2
+
+
 def bytes_moved(batch: int, context: int, fp8: bool) -> int:
-    kv = batch * context * HKV * (D * (1 if fp8 else 2) + (4 if fp8 else 0)) * 2
-    return kv + 2 * batch * HQ * D * 2
+    return kv_bytes(batch * context, fp8) + 2 * batch * HQ * D * 2
+
+
+def timing(wall: float, device: float | None, nbytes: int) -> dict:
+    """A row's times: host-clock us, device us and TB/s of `nbytes` (None off the GPU)."""
+    return {"us": round(wall * 1e6, 1),
+            "us_device": round(device * 1e6, 1) if device else None,
+            "TBps_device": round(nbytes / device / 1e12, 3) if device else None}
+
+
+def decode_with(blocks: tuning.DecodeBlocks, **options):
+    """f(q, k, v, ks, vs, table, lens): paged_attention_blocks on the [1, K, P, S, D] cache,
+    layer 0, with `blocks` and paged_attention_blocks' other options (interpret, ...)."""
+    return lambda q, k, v, ks, vs, t, n: paged_attention_blocks(
+        q, k, v, 0, n, t, ks, vs, sm_scale=D ** -0.5, blocks=blocks, **options)
 
 
 def tuned_blocks(batch: int, context: int, fp8: bool, page: int = PAGE) -> tuning.DecodeBlocks:
@@ -115,8 +133,7 @@ def impls(fp8: bool, blocks: tuning.DecodeBlocks, tuned: bool = True):
         if blk is None:
             return lambda q, k, v, ks, vs, t, n: paged_attention(
                 q, k, v, 0, n, t, ks, vs, sm_scale=scale)
-        return lambda q, k, v, ks, vs, t, n: paged_attention_blocks(
-            q, k, v, 0, n, t, ks, vs, sm_scale=scale, blocks=blk)
+        return decode_with(blk)
 
     def bundled(q, k, v, ks, vs, t, n):
         from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention as pa

@@ -47,6 +47,7 @@ def main() -> None:
     def attend(q, k, v, ks, vs, t, n, layer):
         return paged_attention_blocks(q, k, v, layer, n, t, ks, vs, sm_scale=bk.D ** -0.5,
                                       blocks=blk, interpret=not GPU)
+    one = bk.decode_with(blk, interpret=not GPU)     # layer 0
 
     def record(name, k, dev, rep):
         rows.append(dict(cache=name, gib_per_k=round(k.size * k.dtype.itemsize / 2**30, 2),
@@ -61,7 +62,6 @@ def main() -> None:
         record("layers", k, device_seconds(
             lambda: every_layer(q, k, v, ks, vs, table, lens), LAYERS), rep)
     del k, v, ks, vs
-    one = lambda q, k, v, ks, vs, t, n: attend(q, k, v, ks, vs, t, n, 0)  # noqa: E731
     _, k1, v1, sc, tables, _ = bk.make_case(BATCH, CTX, True, jax.random.PRNGKey(0))
     tables = contiguous(tables)
     for rep in range(2):

@@ -4,39 +4,32 @@ time per call (bench.kernels.time_impl). H200 runs: bench/results/history/
 longest_first_probe.json, and masked_loads_*_probe.json (grid order only, one process per
 JAXINFER_MASKED_LOADS setting). Usage on the GPU, from the repository root:
 OUT=dir [PROBE_GRID_ORDER_ONLY=1] [PROBE_NAME=name] python -m bench.probes.longest_first
-(on the CPU it stops at the first kernel)."""
+(on the CPU it runs one tiny shape in interpret mode)."""
 import json, os
-import jax, jax.numpy as jnp, numpy as np
+import jax, jax.numpy as jnp
 from bench import kernels as bk
 from pallas_kernels import paged_attention as pa
-from pallas_kernels.paged_attention import paged_attention_blocks
+from bench.probes.page_size import lengths
 
 rows = []
 LF = (False,) if os.environ.get("PROBE_GRID_ORDER_ONLY") else (False, True)
-BM = ((64, 2048), (256, 1536), (512, 1536)) if jax.default_backend() == "gpu" else ((4, 64),)
+GPU = jax.default_backend() == "gpu"
+BM = ((64, 2048), (256, 1536), (512, 1536)) if GPU else ((4, 64),)
 key = jax.random.PRNGKey(0)
 for fp8 in (True, False):
     for batch, mean in BM:
         ctx = mean * 3 // 2
         case = bk.make_case(batch, ctx, fp8, key)
         q, k, v, sc, tables, _ = case
-        rng = np.random.default_rng(batch)
-        spread = rng.uniform(0.5, 1.5, batch)
-        spread = np.clip(np.round(spread / spread.mean() * mean), 1, ctx).astype(np.int32)
-        for kind, lens in (("equal", np.full(batch, mean, np.int32)), ("spread", spread)):
+        for kind in ("equal", "spread"):
+            lens = lengths(batch, mean, kind == "spread", ctx)
             blk = bk.tuned_blocks(batch, ctx, fp8)
             for lf in LF:
-                fn = (lambda lf, blk: lambda q, k, v, ks, vs, t, n: paged_attention_blocks(
-                    q, k, v, 0, n, t, ks, vs, sm_scale=bk.D ** -0.5, blocks=blk,
-                    longest_first=lf))(lf, blk)
-                c = (q, k, v, sc, tables, jnp.asarray(lens))
-                wall, dev = bk.time_impl(fn, c)
-                tokens = int(lens.sum())
-                nbytes = tokens * bk.HKV * (bk.D * (1 if fp8 else 2) + (4 if fp8 else 0)) * 2
+                fn = bk.decode_with(blk, longest_first=lf, interpret=not GPU)
+                wall, dev = bk.time_impl(fn, (q, k, v, sc, tables, jnp.asarray(lens)))
+                nbytes = bk.kv_bytes(int(lens.sum()), fp8)
                 r = dict(kv="fp8" if fp8 else "bf16", batch=batch, mean=mean, lens=kind,
-                         longest_first=lf, us=round(wall * 1e6, 1),
-                         us_device=round(dev * 1e6, 1) if dev else None,
-                         TBps_device=round(nbytes / dev / 1e12, 3) if dev else None,
+                         longest_first=lf, **bk.timing(wall, dev, nbytes),
                          max_len=int(lens.max()), min_len=int(lens.min()), blocks=str(blk),
                          masked_loads_min_programs=pa.MASKED_LOADS_MIN_PROGRAMS)
                 rows.append(r)

@@ -16,7 +16,6 @@ import numpy as np
 
 from bench import kernels as bk
 from pallas_kernels import paged_attention as pa
-from pallas_kernels.paged_attention import paged_attention_blocks
 
 GPU = jax.default_backend() == "gpu"
 PAGES = [int(x) for x in os.environ.get("PROBE_PAGES", "16,32,64,128").split(",")]
@@ -43,17 +42,11 @@ def main() -> None:
             for page in PAGES:
                 q, k, v, sc, tables, _ = bk.make_case(batch, ctx, fp8, key, page=page)
                 blk = bk.tuned_blocks(batch, ctx, fp8, page=page)
-                fn = (lambda blk: lambda q, k, v, ks, vs, t, n: paged_attention_blocks(
-                    q, k, v, 0, n, t, ks, vs, sm_scale=bk.D ** -0.5, blocks=blk,
-                    interpret=not GPU))(blk)
+                fn = bk.decode_with(blk, interpret=not GPU)
                 wall, dev = bk.time_impl(fn, (q, k, v, sc, tables, jnp.asarray(lens)))
-                nbytes = int(lens.sum()) * bk.HKV * (bk.D * (1 if fp8 else 2)
-                                                     + (4 if fp8 else 0)) * 2
                 r = dict(kv="fp8" if fp8 else "bf16", batch=batch, mean=mean,
                          lens="spread" if spread else "equal", page=page, rep=rep,
-                         us=round(wall * 1e6, 1),
-                         us_device=round(dev * 1e6, 1) if dev else None,
-                         TBps_device=round(nbytes / dev / 1e12, 3) if dev else None,
+                         **bk.timing(wall, dev, bk.kv_bytes(int(lens.sum()), fp8)),
                          blocks=str(blk),
                          masked_loads_min_programs=pa.MASKED_LOADS_MIN_PROGRAMS)
                 rows.append(r)

@@ -12,7 +12,6 @@ import jax
 import jax.numpy as jnp
 
 from bench import kernels as bk
-from pallas_kernels.paged_attention import paged_attention_blocks
 
 GPU = jax.default_backend() == "gpu"
 SHAPES = [(384, 1536), (512, 1536), (64, 2048)] if GPU else [(2, 64)]
@@ -30,16 +29,11 @@ def main() -> None:
         for batch, ctx in SHAPES:
             q, k, v, sc, tables, lens = bk.make_case(batch, ctx, True, jax.random.PRNGKey(0))
             blk = bk.tuned_blocks(batch, ctx, True)
-            fn = lambda q, k, v, ks, vs, t, n: paged_attention_blocks(  # noqa: E731
-                q, k, v, 0, n, t, ks, vs, sm_scale=bk.D ** -0.5, blocks=blk,
-                interpret=not GPU)
+            fn = bk.decode_with(blk, interpret=not GPU)
             for kind, t in (("random", tables), ("contiguous", contiguous(tables))):
                 wall, dev = bk.time_impl(fn, (q, k, v, sc, t, lens))
-                nbytes = batch * ctx * bk.HKV * (bk.D + 4) * 2
                 r = dict(batch=batch, context=ctx, tables=kind, rep=rep,
-                         us=round(wall * 1e6, 1),
-                         us_device=round(dev * 1e6, 1) if dev else None,
-                         TBps_device=round(nbytes / dev / 1e12, 3) if dev else None)
+                         **bk.timing(wall, dev, bk.kv_bytes(batch * ctx, True)))
                 rows.append(r)
                 print(r, flush=True)
             del q, k, v, sc, tables
