@@ -188,7 +188,16 @@ def decode_input(cfg, engine, batch: int, context: int, rng):
 @functools.partial(jax.jit, donate_argnums=0)
 def _fill(kv):
     """Every K/V element (and FP8 scale) replaced by a cheap hash of its index, in place:
-    one elementwise kernel per array, no full-size temporaries (the pool may be 50 GB)."""
+    one elementwise kernel per array, no full-size temporaries (the pool may be 50 GB).
+    KVLayers: each layer's arrays salted by the layer, so layers hold different values."""
+    from jaxinfer.kv_cache import KVLayers
+
+    if isinstance(kv, KVLayers):
+        return KVLayers(tuple(_fill_cache(c, 4 * i) for i, c in enumerate(kv.layers)))
+    return _fill_cache(kv, 0)
+
+
+def _fill_cache(kv, salt: int):
     def noise(x, salt):
         # Per-axis iotas: a flat one would overflow 32 bits on a pool of > 4G elements.
         h = jnp.uint32(salt)
@@ -198,15 +207,16 @@ def _fill(kv):
         h = h ^ (h >> 15)
         return (h >> 8).astype(jnp.float32) * (1.0 / (1 << 24))              # [0, 1)
 
-    k = (2 * noise(kv.k, 1) - 1).astype(kv.k.dtype)
-    v = (2 * noise(kv.v, 2) - 1).astype(kv.v.dtype)
+    k = (2 * noise(kv.k, salt + 1) - 1).astype(kv.k.dtype)
+    v = (2 * noise(kv.v, salt + 2) - 1).astype(kv.v.dtype)
     if kv.k_scale is None:
         return dataclasses.replace(kv, k=k, v=v)
-    return dataclasses.replace(kv, k=k, v=v, k_scale=(0.5 + noise(kv.k_scale, 3)) / 64,
-                               v_scale=(0.5 + noise(kv.v_scale, 4)) / 64)
+    return dataclasses.replace(kv, k=k, v=v, k_scale=(0.5 + noise(kv.k_scale, salt + 3)) / 64,
+                               v_scale=(0.5 + noise(kv.v_scale, salt + 4)) / 64)
 
 
 def fill_kv(kv):
+    """bench's K/V contents (_fill) for a pool of either form (jaxinfer/kv_cache.py)."""
     return jax.block_until_ready(_fill(kv))
 
 

@@ -60,7 +60,7 @@ def weight_bytes(params, cfg, batch: int) -> int:
 
 def kv_bytes_per_token(cfg, kv) -> int:
     """K and V of one token over all layers (+ the FP8 per-token-head scales)."""
-    per_head = cfg.head_dim * kv.k.dtype.itemsize + (4 if kv.is_fp8 else 0)
+    per_head = cfg.head_dim * kv.dtype.itemsize + (4 if kv.is_fp8 else 0)
     return cfg.num_layers * 2 * cfg.num_kv_heads * per_head
 
 
@@ -84,7 +84,7 @@ def measure_case(runner, cfg, model: str, batch: int, context: int, ceil: dict,
     ref_floor = nbytes / (REF_READ_TBPS * 1e12)
     floor = max(byte_floor, flops / (ceil["gemm_TFLOPs"] * 1e12))
     return {"model": model, "weights": weights_name(runner.engine),
-            "kv_dtype": dtype_name(runner.kv.k.dtype), "batch": batch, "context": context,
+            "kv_dtype": dtype_name(runner.kv.dtype), "batch": batch, "context": context,
             "unroll_layers": runner.engine.unroll_layers,
             "step_ms": round(synced * 1e3, 4), "step_ms_device": round(device * 1e3, 4),
             "dispatch_ms": round(dispatch * 1e3, 4),

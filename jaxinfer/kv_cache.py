@@ -7,9 +7,20 @@ Layout (chosen for the decode kernel, see pallas_kernels/paged_attention.py):
     v_scale:    [L, K, P, S] f32  only for FP8 (e4m3) KV: one scale per token and kv head
 
 One kv head's page is a contiguous [S, D] tile, so the decode kernel streams whole pages with
-wide loads and reads each page once for all the q heads of its group. The layer axis is
-part of the array because the decoder scans over layers with the cache in the scan carry:
-kernels and the K/V write index the layer themselves, so no layer slice is ever copied.
+wide loads and reads each page once for all the q heads of its group. Kernels and the K/V
+write index the layer themselves, so no layer slice is ever copied.
+
+Two forms of the pool (runner.allocate_kv picks by the decoder's layer loop):
+- KVCache, one array of all layers: the scanned decoder carries it through lax.scan, whose
+  layer index is traced.
+- KVLayers, one KVCache of L = 1 per layer: the unrolled decoder (the GPU default) hands
+  layer i's own arrays to its kernels, with index 0. Pallas's Triton lowering computes a
+  load's element offsets in 64-bit integers when the array holds >= 2**32 bytes (jax's
+  pallas/triton/lowering.py, _compute_offsets_from_indices). A stacked pool is that big at
+  serving sizes (~18 GiB per K for 8B at 384 rows of 1,536 tokens), a layer's share is not
+  (~0.6 GiB). The FP8 decode kernel took ~7% longer over the big arrays (H200, B=384
+  S=1536, us per call: 300 over a 1.1 GiB one-layer array, 321 over an 18 GiB 32-layer
+  one, 322 over a 4.06 GiB one-layer one; bench/probes/layers.py, bench/README.md).
 
 Page 0 is reserved (never handed out by the allocator): padded page-table entries point at
 it, so padded rows read valid memory; padded tokens (slot -1) write nothing.
@@ -53,8 +64,16 @@ class KVCache:
         return self.k.dtype == FP8_DTYPE
 
     @property
+    def dtype(self) -> jnp.dtype:
+        return self.k.dtype
+
+    @property
     def nbytes(self) -> int:
         return sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(self))
+
+    def stacked(self) -> "KVCache":
+        """All layers in one KVCache: this one (KVLayers.stacked's counterpart)."""
+        return self
 
     @staticmethod
     def allocate(num_layers: int, num_kv_heads: int, num_pages: int, page_size: int,
@@ -65,6 +84,43 @@ class KVCache:
             return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype),
                            jnp.ones(shape[:-1], jnp.float32), jnp.ones(shape[:-1], jnp.float32))
         return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["layers"], meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class KVLayers:
+    """The pool as one KVCache per layer, each of shape [1, K, P, S, D] (module docstring):
+    layer i reads and writes layers[i] at layer index 0."""
+    layers: tuple[KVCache, ...]
+
+    @property
+    def num_pages(self) -> int:
+        return self.layers[0].num_pages
+
+    @property
+    def page_size(self) -> int:
+        return self.layers[0].page_size
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.layers[0].is_fp8
+
+    @property
+    def dtype(self) -> jnp.dtype:
+        return self.layers[0].dtype
+
+    @property
+    def nbytes(self) -> int:
+        return sum(layer.nbytes for layer in self.layers)
+
+    def stacked(self) -> KVCache:
+        """A copy as one KVCache of all layers (tests and inspection: the whole pool twice)."""
+        return jax.tree.map(lambda *xs: jnp.concatenate(xs), *self.layers)
+
+    @staticmethod
+    def allocate(num_layers: int, *args) -> "KVLayers":
+        """KVCache.allocate's arguments: num_layers caches of one layer each."""
+        return KVLayers(tuple(KVCache.allocate(1, *args) for _ in range(num_layers)))
 
 
 @functools.partial(

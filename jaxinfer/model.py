@@ -8,7 +8,9 @@ One forward takes a flat batch of new tokens — prefill chunks and single decod
 together — with AttentionMetadata, writes their K/V into the pages and attends over each
 sequence's pages. Layers are stacked (every per-layer param has a leading L axis) and run
 with `lax.scan`: one traced layer, so compile time does not grow with depth; the KV cache
-rides in the scan carry and is updated in place (the step donates it).
+rides in the scan carry and is updated in place (the step donates it). Unrolled
+(Decoder(unroll_layers=True), the GPU default) each layer has its own weights and, in the
+runner, its own KV arrays (kv_cache.KVLayers).
 
 Linear weights are [in, out] (y = x @ w); q/k/v and gate/up are fused into single matmuls.
 Under tensor parallelism (`layout`, see sharding.py) the fused outputs are laid out
@@ -27,7 +29,9 @@ from flax import nnx
 
 from jaxinfer import ops
 from jaxinfer.config import ModelConfig
-from jaxinfer.kv_cache import FP8_DTYPE, AttentionMetadata, KVCache, pad_decode_rows
+from jaxinfer.errors import ConfigError
+from jaxinfer.kv_cache import (FP8_DTYPE, AttentionMetadata, KVCache, KVLayers,
+                               pad_decode_rows)
 from jaxinfer.sharding import TPLayout
 
 
@@ -253,10 +257,12 @@ class Decoder(nnx.Module):
             cfg.hidden_size, cfg.vocab_size, rngs=rngs, dtype=dtype)
         self.inv_freq = nnx.Variable(jnp.asarray(rope_inv_freq(cfg)))  # [D/2], not a param
 
-    def __call__(self, tokens, kv: KVCache, md: AttentionMetadata, attn_impl: str = "reference"):
-        """tokens [T] -> final hidden states [T, E] (normed) and the updated cache. A decode
-        step of fewer rows than ops.decode_rows asks for runs padded to that (GPU: one pad
-        here instead of a pad and a slice around every small linear)."""
+    def __call__(self, tokens, kv: KVCache | KVLayers, md: AttentionMetadata,
+                 attn_impl: str = "reference"):
+        """tokens [T] -> final hidden states [T, E] (normed) and the updated cache: scanned,
+        one KVCache of all layers; unrolled, that or KVLayers (kv_cache.py; the runner's
+        pool). A decode step of fewer rows than ops.decode_rows asks for runs padded to that
+        (GPU: one pad here instead of a pad and a slice around every small linear)."""
         t = tokens.shape[0]
         rows = ops.decode_rows(t) if md.decode_only else t
         if rows > t:
@@ -268,12 +274,27 @@ class Decoder(nnx.Module):
         cos, sin = jnp.cos(freqs), jnp.sin(freqs)                        # [T, D/2]
         if self.unroll_layers:
             delta = None          # each layer's MLP output, added by the next RMSNorm
+            own = isinstance(kv, KVLayers)    # layer i's own arrays, at index 0
+            if own and len(kv.layers) != self.cfg.num_layers:
+                raise ConfigError(f"a KV pool of {len(kv.layers)} layers for a model of "
+                                  f"{self.cfg.num_layers}")
+            layers = list(kv.layers) if own else None
             for i, layer in enumerate(self.layers):
                 graphdef, state = nnx.split(layer)
+                cache, index = (layers[i], 0) if own else (kv, i)
                 with jax.named_scope("decoder_layer"):  # bench/hlo.py counts kernels by it
-                    x, delta, kv = _unrolled_layer(graphdef, attn_impl, ops.switches(), state,
-                                                   x, delta, kv, jnp.int32(i), md, cos, sin)
+                    x, delta, cache = _unrolled_layer(graphdef, attn_impl, ops.switches(),
+                                                      state, x, delta, cache,
+                                                      jnp.int32(index), md, cos, sin)
+                if own:
+                    layers[i] = cache
+                else:
+                    kv = cache
+            kv = KVLayers(tuple(layers)) if own else kv
             return self.final_norm.add_norm(x, delta, self.layout)[1], kv
+        if isinstance(kv, KVLayers):
+            raise ConfigError("the scanned decoder takes the pool as one KVCache of all layers "
+                              "(runner.allocate_kv), not KVLayers")
         graphdef, state = nnx.split(self.layers)
 
         def body(carry, xs):     # the MLP's add stays in the layer's body (XLA fuses it)

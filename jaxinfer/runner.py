@@ -33,7 +33,7 @@ from flax import nnx
 from jaxinfer import sampling
 from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.errors import ConfigError
-from jaxinfer.kv_cache import FP8_DTYPE, AttentionMetadata, KVCache
+from jaxinfer.kv_cache import FP8_DTYPE, AttentionMetadata, KVCache, KVLayers
 from jaxinfer.ops import resolve_attention_impl
 from jaxinfer.request import SamplingParams
 from jaxinfer.sharding import TPLayout, kv_spec, make_layout
@@ -240,9 +240,13 @@ def pool_oom_as_config_error(cfg: ModelConfig, engine: EngineConfig, where: str)
             f"max_num_batched_tokens. XLA said: {str(e).splitlines()[0][:200]}") from e
 
 
-def allocate_kv(cfg: ModelConfig, engine: EngineConfig, layout: TPLayout) -> KVCache:
-    """The engine's page pool; on a mesh each device allocates only its own kv heads."""
-    alloc = functools.partial(KVCache.allocate, cfg.num_layers, cfg.num_kv_heads,
+def allocate_kv(cfg: ModelConfig, engine: EngineConfig, layout: TPLayout
+                ) -> KVCache | KVLayers:
+    """The engine's page pool: KVLayers for the unrolled decoder (engine.unroll_layers
+    resolved), one KVCache of all layers for the scanned one (kv_cache.py says why); on a
+    mesh each device allocates only its own kv heads."""
+    form = KVLayers if engine.unroll_layers else KVCache
+    alloc = functools.partial(form.allocate, cfg.num_layers, cfg.num_kv_heads,
                               engine.total_pages, engine.page_size, cfg.head_dim,
                               kv_dtype_for(engine))
     if layout.mesh is None:
@@ -268,7 +272,7 @@ class ModelRunner:
                               f"tensor_parallel={engine.tensor_parallel}: build them with "
                               f"params.build_model(..., layout=sharding.make_layout(cfg, tp))")
         with pool_oom_as_config_error(cfg, engine, "allocating the KV cache"):
-            self.kv = allocate_kv(cfg, engine, self.layout)
+            self.kv = allocate_kv(cfg, self.engine, self.layout)
         self._rng = jax.random.key(engine.seed)
         self._num_steps = 0
         kv_sharding = None if self.layout.mesh is None else self.layout.named(kv_spec(self.layout))
@@ -301,7 +305,7 @@ class ModelRunner:
         buf, prev = jax.device_put((buf, inp.prev_tokens))
         return PackedInput(buf, prev, spec)
 
-    def dispatch(self, kv: KVCache, inp: StepInput | PackedInput, step_index: int):
+    def dispatch(self, kv: KVCache | KVLayers, inp: StepInput | PackedInput, step_index: int):
         """(new kv, SampleOutput, next_tokens) on the device: the compiled step, dispatched
         without waiting. `kv` is donated. For the bench's back-to-back runs."""
         p = self.prepare(inp)

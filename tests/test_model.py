@@ -66,15 +66,47 @@ def test_fp8_weights_close_to_float():
     assert err > 1e-6, "FP8 path returned the float result: weights were not quantized"
 
 
-def test_unrolled_layers_equal_scanned():
+def test_unrolled_layers_equal_scanned(monkeypatch):
+    """The scanned decoder over one KVCache of all layers, the unrolled one over its
+    per-layer KVLayers (the runner's pools) and over a stacked KVCache (index i): the same
+    logits and the same cache contents. The pools' forms are checked too."""
+    import jax
+    from jaxinfer import runner as runner_mod
+    from jaxinfer.errors import ConfigError
+    from jaxinfer.kv_cache import KVCache, KVLayers
+
     cfg = standard_config("tiny")
     flat = random_flat(cfg, seed=4)
     tokens = np.random.default_rng(3).integers(0, cfg.vocab_size, 11).astype(np.int32)
     md = single_sequence_md(range(11), [3, 1, 2], 4, 8)
     engine = EngineConfig(page_size=4, max_model_len=32, max_num_seqs=1)
-    got = [ModelRunner(cfg, engine, *build_model(cfg, flat, jnp.float32, unroll_layers=u))
-           .all_logits(tokens, md) for u in (False, True)]
-    np.testing.assert_allclose(got[1], got[0], atol=1e-5, rtol=1e-5)
+    runners = [ModelRunner(cfg, engine, *build_model(cfg, flat, jnp.float32, unroll_layers=u))
+               for u in (False, True)]
+    stacked_alloc = runner_mod.allocate_kv
+    monkeypatch.setattr(runner_mod, "allocate_kv", lambda c, e, layout: stacked_alloc(
+        c, e.replace(unroll_layers=False), layout))
+    runners.append(ModelRunner(cfg, engine, *build_model(cfg, flat, jnp.float32,
+                                                         unroll_layers=True)))
+    forms = [type(r.kv) for r in runners]
+    assert forms == [KVCache, KVLayers, KVCache], forms
+    assert len(runners[1].kv.layers) == cfg.num_layers
+    assert runners[1].kv.layers[0].k.shape == (1,) + runners[0].kv.k.shape[1:]
+    got = [r.all_logits(tokens, md) for r in runners]
+    caches = [jax.tree.leaves(r.kv.stacked()) for r in runners]
+    assert np.abs(np.asarray(caches[0][0])).sum() > 0
+    for g, c in zip(got[1:], caches[1:]):
+        np.testing.assert_allclose(g, got[0], atol=1e-5, rtol=1e-5)
+        for a, b in zip(c, caches[0]):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-5)
+    # a pool of the wrong form or depth is refused, not misread
+    runners[0].kv = KVLayers.allocate(cfg.num_layers, cfg.num_kv_heads, 8, 4, cfg.head_dim,
+                                      jnp.float32)
+    with pytest.raises(ConfigError, match="scanned decoder"):
+        runners[0].all_logits(tokens, md)
+    runners[1].kv = KVLayers.allocate(cfg.num_layers - 1, cfg.num_kv_heads, 8, 4,
+                                      cfg.head_dim, jnp.float32)
+    with pytest.raises(ConfigError, match="KV pool of"):
+        runners[1].all_logits(tokens, md)
 
 
 @pytest.mark.parametrize("m", [1, 3, 8, 16])
@@ -131,11 +163,12 @@ def test_decode_step_padded_to_min_rows_equals_unpadded(monkeypatch):
         for p, ids in zip(prompts, pages):
             runner.all_logits(p, single_sequence_md(range(len(p)), ids, 4,
                                                     engine.pages_per_seq))
-        before = np.asarray(runner.kv.k).copy()
+        before = np.asarray(runner.kv.stacked().k).copy()
         jaxpr = jax.make_jaxpr(lambda kv: runner._logits_fn(
             runner.params, kv, jnp.asarray(nxt), decode_md))(runner.kv)
         logits = runner.all_logits(nxt, decode_md)
-        return logits, before, np.asarray(runner.kv.k), np.asarray(runner.kv.v), jaxpr.jaxpr
+        kv = runner.kv.stacked()
+        return logits, before, np.asarray(kv.k), np.asarray(kv.v), jaxpr.jaxpr
 
     def attention_rows(jaxpr):
         """Rows of q in every decode attention call of the step (nested jits searched)."""
@@ -208,7 +241,8 @@ def test_fused_glue_equals_unfused(monkeypatch, unroll, bias):
         jaxpr = jax.make_jaxpr(lambda kv: runner._logits_fn(
             runner.params, kv, nxt, decode_md))(runner.kv)
         dec = runner.all_logits(np.asarray(nxt), decode_md)
-        return pre, dec, np.asarray(runner.kv.k), np.asarray(runner.kv.v), kernels(jaxpr.jaxpr)
+        kv = runner.kv.stacked()
+        return pre, dec, np.asarray(kv.k), np.asarray(kv.v), kernels(jaxpr.jaxpr)
 
     def kernels(jaxpr):
         """The names of the step's Pallas calls (nested jits searched)."""
@@ -264,7 +298,8 @@ def test_gpu_fused_glue_equals_unfused(monkeypatch, unroll):
             out.append(runner.all_logits(np.asarray([tok], np.int32), single_sequence_md(
                 [pos], ids, 4, engine.pages_per_seq)))
             tok = int(np.argmax(out[-1][-1]))
-        return np.concatenate(out), np.asarray(runner.kv.k), np.asarray(runner.kv.v)
+        kv = runner.kv.stacked()
+        return np.concatenate(out), np.asarray(kv.k), np.asarray(kv.v)
 
     logits_u, k_u, v_u = run(False)
     logits_f, k_f, v_f = run(True)
