@@ -34,8 +34,8 @@ model, no device, seconds on a CPU) and prices each step with a step-time model 
 Llama-3-8B FP8 + FP8 KV engine on the H200 fitted to measured runs (MODEL_POINTS below): a
 planning tool for the engine's knobs (--max-num-seqs, --max-num-batched-tokens), whose
 `predicted_*` numbers are not measurements. Its step counts are the run's (2,308 against the
-H200's 2,309); its time is optimistic by 8% (59.0 s predicted, 64.1 s measured at 4fa4f66;
-58.7 against 63.7 at 79f568b with the fit before). It put 256 rows per step 4.0% below 512;
+H200's 2,309); its time is optimistic by 9% (56.3 s predicted, 61.7 s measured at 921e01b;
+59.0 against 64.1 at 4fa4f66 and 58.7 against 63.7 at 79f568b with the fits before). It put 256 rows per step 4.0% below 512;
 the tenth session measured 3.4%.
 
 --time-limit-s bounds the whole run from the start of main() (model load and warmup
@@ -72,18 +72,19 @@ from jaxinfer.runner import CompileCounter, kv_dtype_for
 # a piecewise-linear function of the step's tokens (the GEMMs and the per-token kernels;
 # extended past the last point by the last segment's slope) plus ATTENTION_MS_PER_ROW_TOKEN
 # per context token of each decode row (prefill chunks' attention is left out). Fitted to
-# the code with masked loads (4fa4f66, eighteenth session):
+# the code with one KV array per layer (921e01b, nineteenth session):
 #   (8, 2.6)      the batch-1 decode step (rows padded to 8): 2.80 ms (fp8_decode.json,
 #                 79757c5) less ~0.2 ms of attention at context 512 (profile_b1_fp8.json)
 #   (256, 4.96)   profile_b256_fp8.json (ee2f885): GEMMs 3.52 + all but attention 1.44 ms
-#   (384, 6.51)   profile_b384_fp8.json (4fa4f66): GEMMs 4.62 + all but attention 1.89 ms
-#   (488, 9.0)    throughput.json (4fa4f66): decode-only steps, median 488 rows, 22.21 ms,
-#                 less their attention at ~1,500 tokens of context (13.2 ms by the rate below)
-#   (2048, 29.4)  its steps with a prefill chunk, median 2,048 tokens, 42.56 ms, less the same
-# and attention from profile_b384_fp8.json: 10.64 ms over 384 rows x 1,536 tokens (7.48 ms
-# over 256 rows before the masked loads, profile_b256_fp8.json: 5% more per row and token).
-MODEL_POINTS = ((8, 2.6), (256, 4.96), (384, 6.51), (488, 9.0), (2048, 29.4))
-ATTENTION_MS_PER_ROW_TOKEN = 10.6392 / (384 * 1536)
+#   (384, 6.72)   profile_b384_fp8.json (921e01b): busy 16.75 ms less attention 10.03
+#   (488, 8.5)    throughput.json (921e01b): decode-only steps, median 488 rows, 20.96 ms,
+#                 less their attention at ~1,500 tokens of context (12.45 ms by the rate below)
+#   (2048, 28.6)  its steps with a prefill chunk, median 2,048 tokens, 41.03 ms, less the same
+# and attention from profile_b384_fp8.json: 10.03 ms over 384 rows x 1,536 tokens (10.64
+# with the stacked pool at 4fa4f66; 7.48 ms over 256 rows before the masked loads,
+# profile_b256_fp8.json).
+MODEL_POINTS = ((8, 2.6), (256, 4.96), (384, 6.72), (488, 8.5), (2048, 28.6))
+ATTENTION_MS_PER_ROW_TOKEN = 10.0307 / (384 * 1536)
 
 
 def model_step_ms(tokens: int, decode_context: int) -> float:

@@ -68,7 +68,8 @@ def _tiny(tp: int, **kw):
 
     fp8 = kw.get("weights") == "fp8"
     graphdef, params = build_model(TINY, random_flat(TINY, seed=11, std=0.08), jnp.float32,
-                                   fp8=fp8, layout=make_layout(TINY, tp))
+                                   fp8=fp8, layout=make_layout(TINY, tp),
+                                   unroll_layers=bool(kw.get("unroll_layers")))
     # Few buckets (decode B=1,2 and one mixed T=16): compiles dominate this test's time.
     cfg = EngineConfig(max_model_len=64, max_num_seqs=2, max_num_batched_tokens=16,
                        page_size=4, tensor_parallel=tp, **kw)
@@ -126,6 +127,13 @@ def child_main() -> dict:
             res[f"gathered{tp}"] = _gathered_elements(engine)
     res["tiny_pallas2"] = _engine_tokens(_tiny(2, attention_impl="pallas"), prompts, 8,
                                          TINY_ARRIVALS)
+    engine = _tiny(2, unroll_layers=True)    # the GPU's layer loop: a KV pool per layer
+    res["tiny_unrolled2"] = _engine_tokens(engine, prompts, 8, TINY_ARRIVALS)
+    kv = engine.runner.kv
+    res["specs"]["tiny_unrolled2"] = {
+        "form": type(kv).__name__, "layers": len(kv.layers),
+        "kv": [list(c.k.sharding.spec) for c in kv.layers],
+        "kv_shard_shape": list(kv.layers[-1].v.addressable_shards[0].data.shape)}
     for tp in (1, 2):
         res[f"tiny_fp8_{tp}"] = _engine_tokens(_tiny(tp, weights="fp8", kv_dtype="fp8"),
                                                prompts[:2], 6, [0, 1])
@@ -164,6 +172,18 @@ def test_tiny_greedy_identical_at_tp_1_2_4(results):
 
 def test_tiny_pallas_attention_per_shard_matches(results):
     assert results["tiny_pallas2"] == results["tiny"]["1"]
+
+
+def test_tiny_unrolled_layers_per_layer_kv_shard(results):
+    """Unrolled (the GPU default), the pool is one KVCache per layer, each split by kv head
+    like the stacked one, and the tokens are tp=1's."""
+    from engine_util import TINY
+
+    assert results["tiny_unrolled2"] == results["tiny"]["1"]
+    spec = results["specs"]["tiny_unrolled2"]
+    assert spec["form"] == "KVLayers" and spec["layers"] == TINY.num_layers
+    assert spec["kv"] == [[None, "tp"]] * TINY.num_layers
+    assert spec["kv_shard_shape"][:2] == [1, 1]      # one layer, K=2 over 2 devices
 
 
 def test_tiny_fp8_weights_and_kv_shard(results):
