@@ -11,6 +11,8 @@ first (never zeros). Two times per case:
                   eleventh session: a burst of 8 over 8, which counts its start and end)
   dispatch_ms     host time to enqueue one step (of such a burst): if it nears step_ms_device
                   the host, not the GPU, sets the pace
+  gpu_clocks      the SM clock and board power through the case (bench/gpu_clocks.py; None
+                  off the GPU): at the H200's power cap the clock drops and every time with it
 Bytes that must move per step: every weight read once (embeddings: only the B looked-up rows;
 the LM head whole) + the KV of B x C tokens read + the new tokens' KV written.
 FLOPs: 2 x matmul params x B + attention (4 x L x H x D x C x B).
@@ -37,6 +39,7 @@ from pallas_kernels import paged_attention as pa
 from pallas_kernels import tuning
 from bench.common import (burst, decode_input, dtype_name, fill_kv, load_runner, new_result,
                           pipelined_step_s, print_table, progress, save, timed, weights_name)
+from bench.gpu_clocks import ClockMonitor
 
 REF_READ_TBPS = 4.27   # shared/BENCH.md: the H200's read ceiling, the unit of issue 8's MBU
 
@@ -123,8 +126,10 @@ def run(args) -> int:
     runner.kv = fill_kv(runner.kv)
     rng = np.random.default_rng(0)
     for b, c in progress(kept, "decode cases"):
-        row = measure_case(runner, cfg, args.model, b, c, ceil, args.reps, rng)
-        save(result, args.out, [dict(row, run=len(result["runs"]) - 1)])
+        with ClockMonitor() as clocks:
+            row = measure_case(runner, cfg, args.model, b, c, ceil, args.reps, rng)
+        save(result, args.out, [dict(row, gpu_clocks=clocks.summary(),
+                                     run=len(result["runs"]) - 1)])
     print_table(result["rows"], KEYS)
     if result["rows"]:
         try:

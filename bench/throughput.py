@@ -23,7 +23,8 @@ request until the last request's final token is back on the host. The row:
 should be 0). `step_kinds` splits the steps into `decode` (every row one token) and `mixed`
 (a prefill chunk rides along): count, median tokens and ms, total seconds. It needs async
 scheduling (the default), where an engine.step() call's time is charged to the step in
-flight it waited for; with --no-async-scheduling it stays empty.
+flight it waited for; with --no-async-scheduling it stays empty. `gpu_clocks`: the SM clock
+and board power through the timed run (bench/gpu_clocks.py; None off the GPU).
 `--profile-steps FIRST:COUNT` runs those steps under the profiler and adds their device time
 by kernel category (`profile`, bench.profile's summary) to the row; the trace is read after
 the timed run, but stopping the profiler (`stop_trace_s`) and its overhead on those steps
@@ -61,6 +62,7 @@ from bench import profile
 from bench.batching import (add_engine_flags, engine_config, phase_medians, replay,
                             step_counts)
 from bench.common import dtype_name, git_sha, new_result, progress, save, weights_name
+from bench.gpu_clocks import ClockMonitor
 from jaxinfer.config import EngineConfig
 from jaxinfer.engine import Engine
 from jaxinfer.loading import load_model
@@ -316,7 +318,8 @@ def main(argv=None) -> dict:
            "kv_dtype": dtype_name(kv_dtype_for(ecfg)), "dtype": dtype,
            "input_len": args.input_len, "output_len": args.output_len,
            "num_requests": args.num_requests}
-    measured = run(engine, workload, deadline, args.profile_steps)
+    with ClockMonitor() as clocks:
+        measured = run(engine, workload, deadline, args.profile_steps)
     row.update(output_tokens_per_s=measured.pop("output_tokens_per_s"),
                total_tokens_per_s=measured.pop("total_tokens_per_s"),
                max_num_seqs=args.max_num_seqs,
@@ -324,7 +327,7 @@ def main(argv=None) -> dict:
                page_size=args.page_size, num_pages=ecfg.total_pages,
                async_scheduling=ecfg.async_scheduling, seed=args.seed, **measured,
                load_s=round(load_s, 1), warmup_s=round(warm["seconds"], 1),
-               command=command, git=git_sha(args.git))
+               gpu_clocks=clocks.summary(), command=command, git=git_sha(args.git))
     save(result, args.out, [row])
     return result
 

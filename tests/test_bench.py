@@ -45,6 +45,7 @@ def test_decode_suite_rows_and_plot(tmp_path):
         (1, 9), (1, 40), (2, 9), (2, 40)]
     for r in result["rows"]:
         assert r["model"] == "tiny" and r["weights"] == "f32" and r["kv_dtype"] == "f32"
+        assert r["gpu_clocks"] is None or r["gpu_clocks"]["samples"] > 0   # None: no GPU
         _positive(r, "step_ms", "step_ms_device", "dispatch_ms", "tokens_per_s", "mbu",
                   "bytes_per_step", "flops_per_step", "intensity_flop_per_byte")
         assert r["tokens_per_s"] == pytest.approx(r["batch"] / r["step_ms"] * 1e3, rel=1e-2)

@@ -36,6 +36,7 @@ def test_throughput_bench_schema(tmp_path):
     assert row["finished_requests"] == 5 and row["wrong_length"] == 0
     assert row["output_tokens"] == 5 * 6 and not row["partial"]
     assert row["compiles"] == 0 and row["preemptions"] == 0
+    assert row["gpu_clocks"] is None or row["gpu_clocks"]["samples"] > 0   # None: no GPU
     assert row["output_tokens_per_s"] > 0
     assert row["total_tokens_per_s"] > row["output_tokens_per_s"]
     assert row["max_num_seqs"] == 2 and row["async_scheduling"] is True
