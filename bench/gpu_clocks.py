@@ -21,14 +21,18 @@ import statistics
 import subprocess
 import tempfile
 
-QUERY = "clocks.sm,power.draw,utilization.gpu,clocks_event_reasons.active"
+# power.draw.instant where the driver has it: plain power.draw is an average over about a
+# second on recent drivers, which lags a burst's start
+QUERIES = ("clocks.sm,power.draw.instant,utilization.gpu,clocks_event_reasons.active",
+           "clocks.sm,power.draw,utilization.gpu,clocks_event_reasons.active")
 # NVML's clock-event reason bits (nvmlClocksEventReasons)
 SW_POWER_CAP = 0x4
 SLOWDOWN = 0x8 | 0x20 | 0x40 | 0x80    # HW slowdown, SW / HW thermal, HW power brake
 
 
 def parse(lines) -> list[tuple[float, float | None, float, int]]:
-    """nvidia-smi's `--format=csv,noheader,nounits` lines of QUERY -> (SM MHz, watts or None,
+    """nvidia-smi's `--format=csv,noheader,nounits` lines of a QUERIES entry -> (SM MHz,
+    watts or None,
     utilization %, reason bits); lines that do not parse (its error messages) are skipped."""
     samples = []
     for line in lines:
@@ -48,20 +52,24 @@ def parse(lines) -> list[tuple[float, float | None, float, int]]:
 
 
 def summarize(samples, interval_ms: int) -> dict | None:
-    """The busy samples' clock and power: median, min and max SM MHz, median and max watts,
-    and the shares of samples held back by the power cap and by other slowdowns. None when
-    no sample had the GPU busy."""
+    """The busy samples' clock and power: SM MHz (median, 10th percentile, min, max), watts
+    (median, 90th percentile, max), and the shares of samples held back by the power cap and
+    by other slowdowns. A run that mixes light and heavy phases (the decode harness's synced
+    steps and its bursts) has a low median and a high 90th percentile. None when no sample
+    had the GPU busy."""
     busy = [s for s in samples if s[2] > 0]
     if not busy:
         return None
-    mhz = [s[0] for s in busy]
-    watts = [s[1] for s in busy if s[1] is not None]
+    mhz = sorted(s[0] for s in busy)
+    watts = sorted(s[1] for s in busy if s[1] is not None)
     share = lambda bits: round(sum(bool(s[3] & bits) for s in busy) / len(busy), 3)  # noqa: E731
+    at = lambda xs, q: xs[min(len(xs) - 1, int(q * len(xs)))]                       # noqa: E731
     return {"samples": len(busy), "interval_ms": interval_ms,
-            "sm_mhz_median": statistics.median(mhz), "sm_mhz_min": min(mhz),
-            "sm_mhz_max": max(mhz),
+            "sm_mhz_median": statistics.median(mhz), "sm_mhz_p10": at(mhz, 0.1),
+            "sm_mhz_min": mhz[0], "sm_mhz_max": mhz[-1],
             "power_w_median": round(statistics.median(watts), 1) if watts else None,
-            "power_w_max": round(max(watts), 1) if watts else None,
+            "power_w_p90": round(at(watts, 0.9), 1) if watts else None,
+            "power_w_max": round(watts[-1], 1) if watts else None,
             "power_capped_share": share(SW_POWER_CAP), "slowdown_share": share(SLOWDOWN)}
 
 
@@ -72,17 +80,32 @@ class ClockMonitor:
         self.interval_ms, self._smi = interval_ms, shutil.which(smi)
         self._proc = self._out = None
         self._lines: list[str] = []
+        self.power_field: str | None = None     # the QUERIES entry's power field in use
 
     def __enter__(self) -> "ClockMonitor":
         if self._smi is None:
             return self
         gpu = (os.environ.get("CUDA_VISIBLE_DEVICES") or "0").split(",")[0]
+        query = next((q for q in QUERIES if self._answers(q, gpu)), None)
+        if query is None:            # a driver that knows neither: no samples, summary None
+            return self
+        self.power_field = query.split(",")[1]
         self._out = tempfile.TemporaryFile("w+")
         self._proc = subprocess.Popen(
-            [self._smi, f"--query-gpu={QUERY}", "--format=csv,noheader,nounits",
+            [self._smi, f"--query-gpu={query}", "--format=csv,noheader,nounits",
              "-i", gpu, "-lms", str(self.interval_ms)],
             stdout=self._out, stderr=subprocess.STDOUT)
         return self
+
+    def _answers(self, query: str, gpu: str) -> bool:
+        """Whether one sample of `query` parses (older drivers reject newer field names)."""
+        try:
+            out = subprocess.run([self._smi, f"--query-gpu={query}",
+                                  "--format=csv,noheader,nounits", "-i", gpu],
+                                 capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.TimeoutExpired):
+            return False
+        return out.returncode == 0 and bool(parse(out.stdout.splitlines()))
 
     def __exit__(self, *exc) -> None:
         if self._proc is None:
@@ -99,5 +122,7 @@ class ClockMonitor:
         self._proc = None
 
     def summary(self) -> dict | None:
-        """summarize() of the samples taken (None without nvidia-smi or busy samples)."""
-        return summarize(parse(self._lines), self.interval_ms)
+        """summarize() of the samples taken and the power field read (None without
+        nvidia-smi or busy samples)."""
+        got = summarize(parse(self._lines), self.interval_ms)
+        return None if got is None else dict(got, power_field=self.power_field)
