@@ -32,8 +32,8 @@ SLOWDOWN = 0x8 | 0x20 | 0x40 | 0x80    # HW slowdown, SW / HW thermal, HW power 
 
 def parse(lines) -> list[tuple[float, float | None, float, int]]:
     """nvidia-smi's `--format=csv,noheader,nounits` lines of a QUERIES entry -> (SM MHz,
-    watts or None,
-    utilization %, reason bits); lines that do not parse (its error messages) are skipped."""
+    watts or None, utilization %, reason bits); lines that do not parse (its error messages)
+    are skipped."""
     samples = []
     for line in lines:
         parts = [p.strip() for p in line.split(",")]
