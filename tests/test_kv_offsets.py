@@ -19,14 +19,15 @@ from jax.experimental import pallas as pl
 from jaxinfer import ops
 from jaxinfer.kv_cache import FP8_DTYPE, AttentionMetadata, KVCache, KVLayers
 
-# Llama-3-8B's attention shapes and a pool of the throughput run's size (64,001 pages)
-LAYERS, HQ, HKV, D, PAGE, PAGES = 32, 32, 8, 128, 16, 64001
+# Llama-3-8B's attention shapes and pools of about the throughput run's size (64,001 pages;
+# each test its own page count, so no trace cached without the debug output is reused)
+LAYERS, HQ, HKV, D, PAGE = 32, 32, 8, 128, 16
 ROWS, WIDTH = 64, 96                    # rows of the step, page-table width (1,536 tokens)
 
 
-def pools():
+def pools(pages: int):
     """(stacked KVCache, KVLayers) of FP8 KV as abstract arrays: no memory is allocated."""
-    args = (HKV, PAGES, PAGE, D, FP8_DTYPE)
+    args = (HKV, pages, PAGE, D, FP8_DTYPE)
     return (jax.eval_shape(lambda: KVCache.allocate(LAYERS, *args)),
             jax.eval_shape(lambda: KVLayers.allocate(LAYERS, *args)))
 
@@ -42,7 +43,6 @@ def triton_ir(monkeypatch, fn, *args) -> str:
     output)."""
     monkeypatch.setattr(ops, "_on_gpu", lambda: True)
     monkeypatch.setattr(pl, "pallas_call", functools.partial(pl.pallas_call, debug=True))
-    jax.clear_caches()           # a kernel traced before the patch would not print its IR
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
@@ -64,7 +64,7 @@ def attend(tokens: int, decode_only: bool):
 
 @pytest.mark.parametrize("step", ["decode", "mixed"])
 def test_attention_kernels_use_32_bit_offsets_on_one_layer(monkeypatch, step):
-    stacked, layered = pools()
+    stacked, layered = pools(64001 if step == "decode" else 64002)
     assert stacked.k.size >= 2 ** 32 > layered.layers[0].k.size     # bytes: FP8
     fn, q, md = attend(ROWS, True) if step == "decode" else attend(2048, False)
     one_layer = triton_ir(monkeypatch, fn, q, layered.layers[31], md)
@@ -78,7 +78,7 @@ def test_attention_kernels_use_32_bit_offsets_on_one_layer(monkeypatch, step):
 
 
 def test_kv_write_uses_32_bit_offsets_on_one_layer(monkeypatch):
-    stacked, layered = pools()
+    stacked, layered = pools(64003)
     t = 2048
 
     def fn(kv, qkv, cos, sin, slots):
