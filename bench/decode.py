@@ -12,7 +12,7 @@ first (never zeros). Two times per case:
   dispatch_ms     host time to enqueue one step (of such a burst): if it nears step_ms_device
                   the host, not the GPU, sets the pace
   gpu_clocks      the SM clock and board power through the case (bench/gpu_clocks.py; None
-                  off the GPU): at the H200's power cap the clock drops and every time with it
+                  off the GPU): at the H200's power cap the clock drops, and kernels slow with it
 Bytes that must move per step: every weight read once (embeddings: only the B looked-up rows;
 the LM head whole) + the KV of B x C tokens read + the new tokens' KV written.
 FLOPs: 2 x matmul params x B + attention (4 x L x H x D x C x B).

@@ -3,7 +3,7 @@
 Under sustained load the H200 runs at its 700 W power cap: in the nineteenth session's
 8B FP8 decode harness at 384 rows the SM clock ran mostly at 1.7-1.8 GHz instead of 1.98
 (nvidia-smi's clock-event reason "software power cap"), while a profiler's short bursts ran
-at ~1.95 GHz (bench/README.md). Runs on other machines, or of other lengths, can differ by
+at 1.86-1.97 GHz (bench/README.md). Runs on other machines, or of other lengths, can differ by
 their clocks as much as by the code; a row that carries its clocks says which it had.
 
     with ClockMonitor() as mon:
@@ -15,6 +15,7 @@ GPU busy (utilization > 0) count.
 """
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import statistics
@@ -73,6 +74,21 @@ def summarize(samples, interval_ms: int) -> dict | None:
             "power_capped_share": share(SW_POWER_CAP), "slowdown_share": share(SLOWDOWN)}
 
 
+@functools.lru_cache(maxsize=None)
+def _query(smi: str, gpu: str) -> str | None:
+    """The first QUERIES entry whose one sample parses (older drivers reject newer field
+    names), or None; asked once per process (the decode harness opens a monitor per case)."""
+    for query in QUERIES:
+        try:
+            out = subprocess.run([smi, f"--query-gpu={query}", "--format=csv,noheader,nounits",
+                                  "-i", gpu], capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.TimeoutExpired):
+            continue
+        if out.returncode == 0 and parse(out.stdout.splitlines()):
+            return query
+    return None
+
+
 class ClockMonitor:
     """A context manager sampling the first visible GPU (module docstring)."""
 
@@ -86,7 +102,7 @@ class ClockMonitor:
         if self._smi is None:
             return self
         gpu = (os.environ.get("CUDA_VISIBLE_DEVICES") or "0").split(",")[0]
-        query = next((q for q in QUERIES if self._answers(q, gpu)), None)
+        query = _query(self._smi, gpu)
         if query is None:            # a driver that knows neither: no samples, summary None
             return self
         self.power_field = query.split(",")[1]
@@ -96,16 +112,6 @@ class ClockMonitor:
              "-i", gpu, "-lms", str(self.interval_ms)],
             stdout=self._out, stderr=subprocess.STDOUT)
         return self
-
-    def _answers(self, query: str, gpu: str) -> bool:
-        """Whether one sample of `query` parses (older drivers reject newer field names)."""
-        try:
-            out = subprocess.run([self._smi, f"--query-gpu={query}",
-                                  "--format=csv,noheader,nounits", "-i", gpu],
-                                 capture_output=True, text=True, timeout=10)
-        except (OSError, subprocess.TimeoutExpired):
-            return False
-        return out.returncode == 0 and bool(parse(out.stdout.splitlines()))
 
     def __exit__(self, *exc) -> None:
         if self._proc is None:

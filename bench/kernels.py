@@ -108,11 +108,12 @@ def timing(wall: float, device: float | None, nbytes: int) -> dict:
             "TBps_device": round(nbytes / device / 1e12, 3) if device else None}
 
 
-def decode_with(blocks: tuning.DecodeBlocks, **options):
-    """f(q, k, v, ks, vs, table, lens): paged_attention_blocks on the [1, K, P, S, D] cache,
-    layer 0, with `blocks` and paged_attention_blocks' other options (interpret, ...)."""
+def decode_with(blocks: tuning.DecodeBlocks, layer: int = 0, **options):
+    """f(q, k, v, ks, vs, table, lens): paged_attention_blocks on the cache's `layer` (0: the
+    [1, K, P, S, D] case), with `blocks` and paged_attention_blocks' other options
+    (interpret, ...)."""
     return lambda q, k, v, ks, vs, t, n: paged_attention_blocks(
-        q, k, v, 0, n, t, ks, vs, sm_scale=D ** -0.5, blocks=blocks, **options)
+        q, k, v, layer, n, t, ks, vs, sm_scale=D ** -0.5, blocks=blocks, **options)
 
 
 def tuned_blocks(batch: int, context: int, fp8: bool, page: int = PAGE) -> tuning.DecodeBlocks:

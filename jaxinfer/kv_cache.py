@@ -75,6 +75,14 @@ class KVCache:
         """All layers in one KVCache: this one (KVLayers.stacked's counterpart)."""
         return self
 
+    def layer(self, i: int) -> tuple["KVCache", int]:
+        """The cache layer i reads and writes, and its index there: this one, i."""
+        return self, i
+
+    def with_layer(self, i: int, cache: "KVCache") -> "KVCache":
+        """The pool after layer i wrote `cache` (layer(i)'s cache, updated): that cache."""
+        return cache
+
     @staticmethod
     def allocate(num_layers: int, num_kv_heads: int, num_pages: int, page_size: int,
                  head_dim: int, dtype) -> "KVCache":
@@ -116,6 +124,14 @@ class KVLayers:
     def stacked(self) -> KVCache:
         """A copy as one KVCache of all layers (tests and inspection: the whole pool twice)."""
         return jax.tree.map(lambda *xs: jnp.concatenate(xs), *self.layers)
+
+    def layer(self, i: int) -> tuple[KVCache, int]:
+        """The cache layer i reads and writes, and its index there: its own, 0."""
+        return self.layers[i], 0
+
+    def with_layer(self, i: int, cache: KVCache) -> "KVLayers":
+        """The pool after layer i wrote `cache` (layer(i)'s cache, updated)."""
+        return KVLayers(self.layers[:i] + (cache,) + self.layers[i + 1:])
 
     @staticmethod
     def allocate(num_layers: int, *args) -> "KVLayers":

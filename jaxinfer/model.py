@@ -274,23 +274,17 @@ class Decoder(nnx.Module):
         cos, sin = jnp.cos(freqs), jnp.sin(freqs)                        # [T, D/2]
         if self.unroll_layers:
             delta = None          # each layer's MLP output, added by the next RMSNorm
-            own = isinstance(kv, KVLayers)    # layer i's own arrays, at index 0
-            if own and len(kv.layers) != self.cfg.num_layers:
+            if isinstance(kv, KVLayers) and len(kv.layers) != self.cfg.num_layers:
                 raise ConfigError(f"a KV pool of {len(kv.layers)} layers for a model of "
                                   f"{self.cfg.num_layers}")
-            layers = list(kv.layers) if own else None
             for i, layer in enumerate(self.layers):
                 graphdef, state = nnx.split(layer)
-                cache, index = (layers[i], 0) if own else (kv, i)
+                cache, index = kv.layer(i)      # KVLayers: layer i's own arrays, at index 0
                 with jax.named_scope("decoder_layer"):  # bench/hlo.py counts kernels by it
                     x, delta, cache = _unrolled_layer(graphdef, attn_impl, ops.switches(),
                                                       state, x, delta, cache,
                                                       jnp.int32(index), md, cos, sin)
-                if own:
-                    layers[i] = cache
-                else:
-                    kv = cache
-            kv = KVLayers(tuple(layers)) if own else kv
+                kv = kv.with_layer(i, cache)
             return self.final_norm.add_norm(x, delta, self.layout)[1], kv
         if isinstance(kv, KVLayers):
             raise ConfigError("the scanned decoder takes the pool as one KVCache of all layers "

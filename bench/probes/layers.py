@@ -25,7 +25,6 @@ from bench import kernels as bk
 from bench.probes.page_tables import contiguous
 from bench.profile import device_seconds
 from jaxinfer.kv_cache import FP8_DTYPE
-from pallas_kernels.paged_attention import paged_attention_blocks
 
 GPU = jax.default_backend() == "gpu"
 BATCH, CTX, LAYERS = (384, 1536, 32) if GPU else (2, 64, 2)
@@ -46,10 +45,8 @@ def main() -> None:
     q = jax.random.normal(jax.random.PRNGKey(0), (BATCH, bk.HQ, bk.D), jnp.bfloat16)
     lens = jnp.full((BATCH,), CTX, jnp.int32)
 
-    def attend(q, k, v, ks, vs, t, n, layer):
-        return paged_attention_blocks(q, k, v, layer, n, t, ks, vs, sm_scale=bk.D ** -0.5,
-                                      blocks=blk, interpret=not GPU)
-    one = bk.decode_with(blk, interpret=not GPU)     # layer 0
+    attend = [bk.decode_with(blk, i, interpret=not GPU) for i in range(LAYERS)]
+    one = attend[0]
 
     def record(name, k, dev, rep):
         rows.append(dict(cache=name, gib_per_k=round(k.size * k.dtype.itemsize / 2**30, 2),
@@ -58,8 +55,7 @@ def main() -> None:
 
     k, v, ks, vs = cache(LAYERS, 1 + BATCH * pps)
     table = contiguous(jnp.zeros((1, BATCH, pps), jnp.int32))[0]
-    every_layer = jax.jit(lambda q, k, v, ks, vs, t, n: [attend(q, k, v, ks, vs, t, n, i)
-                                                          for i in range(LAYERS)])
+    every_layer = jax.jit(lambda *args: [f(*args) for f in attend])
     for rep in range(2):
         record("layers", k, device_seconds(
             lambda: every_layer(q, k, v, ks, vs, table, lens), LAYERS), rep)
