@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -54,6 +55,11 @@ class Tiles:
     two_pass: bool = False    # amax over y first, then h recomputed and stored (y read twice,
                               # the second time mostly from L2), instead of h kept in registers
     num_stages: int = 1       # Triton pipelining of the two-pass form's chunk loops
+    loads_first: bool = False  # one-pass form: every chunk of the rows' y loaded before any
+                               # math, so the whole row's reads are in flight at once (else
+                               # each chunk's loads follow the previous chunk's math)
+    recompute: bool = False    # with loads_first: h computed twice from the y held in
+                               # registers (amax, then the stores) instead of kept whole
 
 
 # rows 1, 8 warps, one pass. bench/swiglu_quant.py on one H200 at F = 14336
@@ -66,6 +72,25 @@ class Tiles:
 # process per run; ninth session), so these stay for every M; M = 2048 was not compared in
 # the model.
 TILES = Tiles()
+
+
+def parse_tiles(text: str) -> Tiles:
+    """Tiles from "field=value,..." (JAXINFER_SWIGLU_TILES: an A/B of the model's step without
+    an edit), e.g. "loads_first=1,num_warps=16"; unknown fields and bad values raise."""
+    fields = {f.name: f.type for f in dataclasses.fields(Tiles)}
+    kw = {}
+    for item in filter(None, (p.strip() for p in text.split(","))):
+        name, sep, value = item.partition("=")
+        if not sep or name not in fields:
+            raise ValueError(f"JAXINFER_SWIGLU_TILES: {item!r} is not field=value with a "
+                             f"field of {sorted(fields)}")
+        kw[name] = value.strip().lower() in ("1", "true", "yes") if fields[name] in (
+            bool, "bool") else int(value)
+    return Tiles(**kw)
+
+
+if os.environ.get("JAXINFER_SWIGLU_TILES"):
+    TILES = parse_tiles(os.environ["JAXINFER_SWIGLU_TILES"])
 
 
 def max_live(t: Tiles) -> int:
@@ -101,13 +126,21 @@ def supported(f: int, tiles: Tiles | None = None) -> bool:
             and (t.two_pass or f <= max_live(t)))
 
 
+def _y_chunk(y_ref, rows, c, f: int, bf: int):
+    """The rows' (gate, up) product columns [c*BF, (c+1)*BF), as stored (bf16 [BM, BF])."""
+    return y_ref[rows, pl.ds(c * bf, bf)], y_ref[rows, pl.ds(f + c * bf, bf)]
+
+
+def _h_of(yg, yu, ws_ref, xs, c, f: int, bf: int):
+    """h = silu(g) * u in f32 from a chunk's stored product (the scales applied here)."""
+    g = yg.astype(jnp.float32) * xs[:, None] * ws_ref[pl.ds(c * bf, bf)][None, :]
+    u = yu.astype(jnp.float32) * xs[:, None] * ws_ref[pl.ds(f + c * bf, bf)][None, :]
+    return g / (1.0 + jnp.exp(-g)) * u
+
+
 def _h_chunk(y_ref, ws_ref, rows, xs, c, f: int, bf: int):
     """h = silu(g) * u for columns [c*BF, (c+1)*BF) of the rows, in f32 ([BM, BF])."""
-    g = (y_ref[rows, pl.ds(c * bf, bf)].astype(jnp.float32) * xs[:, None]
-         * ws_ref[pl.ds(c * bf, bf)][None, :])
-    u = (y_ref[rows, pl.ds(f + c * bf, bf)].astype(jnp.float32) * xs[:, None]
-         * ws_ref[pl.ds(f + c * bf, bf)][None, :])
-    return g / (1.0 + jnp.exp(-g)) * u
+    return _h_of(*_y_chunk(y_ref, rows, c, f, bf), ws_ref, xs, c, f, bf)
 
 
 def _store(q_ref, rows, c, bf, hc, scale):
@@ -115,7 +148,7 @@ def _store(q_ref, rows, c, bf, hc, scale):
 
 
 def swiglu_quant_kernel(y_ref, xs_ref, ws_ref, q_ref, s_ref, *, f: int, bf: int, bm: int,
-                        two_pass: bool):
+                        two_pass: bool, loads_first: bool = False, recompute: bool = False):
     rows = pl.ds(pl.program_id(0) * bm, bm)
     xs = xs_ref[rows]                                                     # [BM] f32
     amax0 = jnp.zeros((bm,), jnp.float32)
@@ -130,6 +163,18 @@ def swiglu_quant_kernel(y_ref, xs_ref, ws_ref, q_ref, s_ref, *, f: int, bf: int,
             _store(q_ref, rows, c, bf, _h_chunk(y_ref, ws_ref, rows, xs, c, f, bf), scale)
             return carry
         lax.fori_loop(0, f // bf, store_step, 0)
+    elif loads_first:  # the rows' whole y issued first (trace order is Triton's order)
+        ys = [_y_chunk(y_ref, rows, c, f, bf) for c in range(f // bf)]
+        h, amax = [], amax0
+        for c, (yg, yu) in enumerate(ys):
+            hc = _h_of(yg, yu, ws_ref, xs, c, f, bf)
+            amax = jnp.maximum(amax, jnp.max(jnp.abs(hc), axis=1))
+            if not recompute:
+                h.append(hc)
+        scale = fm.amax_scale(amax)
+        for c, (yg, yu) in enumerate(ys):
+            _store(q_ref, rows, c, bf, h[c] if h else _h_of(yg, yu, ws_ref, xs, c, f, bf),
+                   scale)
     else:              # static chunks: h stays in registers, y read once
         h, amax = [], amax0
         for c in range(f // bf):
@@ -159,7 +204,8 @@ def swiglu_quant(y, x_scale, w_scale, *, interpret: bool = False, tiles: Tiles |
     bf, bm = chunk(f, t.chunk), block_rows(m, f, t)
     params = triton_params(interpret, t.num_warps, t.num_stages)
     h_q, h_scale = pl.pallas_call(
-        functools.partial(swiglu_quant_kernel, f=f, bf=bf, bm=bm, two_pass=t.two_pass),
+        functools.partial(swiglu_quant_kernel, f=f, bf=bf, bm=bm, two_pass=t.two_pass,
+                          loads_first=t.loads_first, recompute=t.recompute),
         out_shape=(jax.ShapeDtypeStruct((m, f), FP8_DTYPE),
                    jax.ShapeDtypeStruct((m,), jnp.float32)),
         grid=(m // bm,),

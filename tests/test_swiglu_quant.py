@@ -47,7 +47,9 @@ def test_kernel_matches_reference(m, f, zero_row):
 @pytest.mark.parametrize("m,f,tiles", [
     (8, 192, sq.Tiles(rows=4, chunk=64, two_pass=True, num_warps=4)),   # 2F/BF loop steps
     (6, 96, sq.Tiles(rows=4, two_pass=True)),                          # BM 2 divides M = 6
-    (4, 64, sq.Tiles(rows=2, chunk=16, num_warps=1))])                 # one pass, 2 rows
+    (4, 64, sq.Tiles(rows=2, chunk=16, num_warps=1)),                  # one pass, 2 rows
+    (4, 64, sq.Tiles(chunk=16, loads_first=True)),                     # y issued first
+    (4, 96, sq.Tiles(rows=2, chunk=32, loads_first=True, recompute=True))])   # h twice
 def test_other_tiles_match_reference(m, f, tiles):
     y, xs, ws = _inputs(np.random.default_rng(m + f), m, f, zero_row=1)
     assert sq.supported(f, tiles)
@@ -108,3 +110,13 @@ def test_kernel_on_gpu_at_llama_shape():
     """Llama-3-8B's MLP middle at the throughput run's decode batch (F = 14336)."""
     y, xs, ws = _inputs(np.random.default_rng(7), 256, 14336, zero_row=3)
     _check(*sq.swiglu_quant(y, xs, ws), *sq.swiglu_quant_reference(y, xs, ws))
+
+
+def test_parse_tiles():
+    assert sq.parse_tiles("loads_first=1, num_warps=16") == sq.Tiles(loads_first=True,
+                                                                      num_warps=16)
+    assert sq.parse_tiles("recompute=true,rows=2") == sq.Tiles(recompute=True, rows=2)
+    assert sq.parse_tiles("") == sq.Tiles()
+    for bad in ("warps=4", "rows", "rows=two"):
+        with pytest.raises(ValueError):
+            sq.parse_tiles(bad)
