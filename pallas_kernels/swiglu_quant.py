@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import os
 
 import jax
@@ -44,6 +45,7 @@ from pallas_kernels import pow2_divisor, triton_params
 from pallas_kernels.fp8_matmul import FP8_DTYPE, quantize_rows
 
 MAX_CHUNK = 2048        # columns per tile (BF)
+LOG2E = math.log2(math.e)
 LIVE_PER_THREAD = 64    # values of h a thread holds in the one-pass form (BM * F / threads)
 
 
@@ -55,11 +57,9 @@ class Tiles:
     two_pass: bool = False    # amax over y first, then h recomputed and stored (y read twice,
                               # the second time mostly from L2), instead of h kept in registers
     num_stages: int = 1       # Triton pipelining of the two-pass form's chunk loops
-    loads_first: bool = False  # one-pass form: every chunk of the rows' y loaded before any
-                               # math, so the whole row's reads are in flight at once (else
-                               # each chunk's loads follow the previous chunk's math)
-    recompute: bool = False    # with loads_first: h computed twice from the y held in
-                               # registers (amax, then the stores) instead of kept whole
+    fast_math: bool = False    # SiLU's exp as exp2 (the GPU's ex2, where exp is libdevice's
+                               # expf) and the codes as h * (448 / amax), one reciprocal per
+                               # row, instead of a division per value
 
 
 # rows 1, 8 warps, one pass. bench/swiglu_quant.py on one H200 at F = 14336
@@ -76,7 +76,7 @@ TILES = Tiles()
 
 def parse_tiles(text: str) -> Tiles:
     """Tiles from "field=value,..." (JAXINFER_SWIGLU_TILES: an A/B of the model's step without
-    an edit), e.g. "loads_first=1,num_warps=16"; unknown fields and bad values raise."""
+    an edit), e.g. "fast_math=1,num_warps=16"; unknown fields and bad values raise."""
     fields = {f.name: f.type for f in dataclasses.fields(Tiles)}
     kw = {}
     for item in filter(None, (p.strip() for p in text.split(","))):
@@ -126,64 +126,56 @@ def supported(f: int, tiles: Tiles | None = None) -> bool:
             and (t.two_pass or f <= max_live(t)))
 
 
-def _y_chunk(y_ref, rows, c, f: int, bf: int):
-    """The rows' (gate, up) product columns [c*BF, (c+1)*BF), as stored (bf16 [BM, BF])."""
-    return y_ref[rows, pl.ds(c * bf, bf)], y_ref[rows, pl.ds(f + c * bf, bf)]
-
-
-def _h_of(yg, yu, ws_ref, xs, c, f: int, bf: int):
-    """h = silu(g) * u in f32 from a chunk's stored product (the scales applied here)."""
-    g = yg.astype(jnp.float32) * xs[:, None] * ws_ref[pl.ds(c * bf, bf)][None, :]
-    u = yu.astype(jnp.float32) * xs[:, None] * ws_ref[pl.ds(f + c * bf, bf)][None, :]
-    return g / (1.0 + jnp.exp(-g)) * u
-
-
-def _h_chunk(y_ref, ws_ref, rows, xs, c, f: int, bf: int):
+def _h_chunk(y_ref, ws_ref, rows, xs, c, f: int, bf: int, fast: bool = False):
     """h = silu(g) * u for columns [c*BF, (c+1)*BF) of the rows, in f32 ([BM, BF])."""
-    return _h_of(*_y_chunk(y_ref, rows, c, f, bf), ws_ref, xs, c, f, bf)
+    g = (y_ref[rows, pl.ds(c * bf, bf)].astype(jnp.float32) * xs[:, None]
+         * ws_ref[pl.ds(c * bf, bf)][None, :])
+    u = (y_ref[rows, pl.ds(f + c * bf, bf)].astype(jnp.float32) * xs[:, None]
+         * ws_ref[pl.ds(f + c * bf, bf)][None, :])
+    e = jnp.exp2(g * -LOG2E) if fast else jnp.exp(-g)
+    return g / (1.0 + e) * u
 
 
-def _store(q_ref, rows, c, bf, hc, scale):
-    q_ref[rows, pl.ds(c * bf, bf)] = fm.e4m3_codes(hc, scale[:, None], q_ref.dtype)
+def _store(q_ref, rows, c, bf, hc, scale, inv=None):
+    """The chunk's e4m3 codes: h / scale, or h * inv with inv = 1 / scale per row given."""
+    if inv is None:
+        q_ref[rows, pl.ds(c * bf, bf)] = fm.e4m3_codes(hc, scale[:, None], q_ref.dtype)
+    else:
+        q_ref[rows, pl.ds(c * bf, bf)] = jnp.clip(hc * inv[:, None], -fm.FP8_MAX,
+                                                  fm.FP8_MAX).astype(q_ref.dtype)
 
 
 def swiglu_quant_kernel(y_ref, xs_ref, ws_ref, q_ref, s_ref, *, f: int, bf: int, bm: int,
-                        two_pass: bool, loads_first: bool = False, recompute: bool = False):
+                        two_pass: bool, fast_math: bool = False):
     rows = pl.ds(pl.program_id(0) * bm, bm)
     xs = xs_ref[rows]                                                     # [BM] f32
     amax0 = jnp.zeros((bm,), jnp.float32)
+
+    def h_chunk(c):
+        return _h_chunk(y_ref, ws_ref, rows, xs, c, f, bf, fast_math)
+
+    def scales(amax):   # (scale, 1 / scale or None)
+        scale = fm.amax_scale(amax)
+        return scale, (jnp.where(amax > 0, fm.FP8_MAX / amax, 1.0) if fast_math else None)
+
     if two_pass:       # chunk loops Triton can pipeline; h never held whole
         def amax_step(c, amax):
-            hc = _h_chunk(y_ref, ws_ref, rows, xs, c, f, bf)
-            return jnp.maximum(amax, jnp.max(jnp.abs(hc), axis=1))
-        amax = lax.fori_loop(0, f // bf, amax_step, amax0)
-        scale = fm.amax_scale(amax)
+            return jnp.maximum(amax, jnp.max(jnp.abs(h_chunk(c)), axis=1))
+        scale, inv = scales(lax.fori_loop(0, f // bf, amax_step, amax0))
 
         def store_step(c, carry):
-            _store(q_ref, rows, c, bf, _h_chunk(y_ref, ws_ref, rows, xs, c, f, bf), scale)
+            _store(q_ref, rows, c, bf, h_chunk(c), scale, inv)
             return carry
         lax.fori_loop(0, f // bf, store_step, 0)
-    elif loads_first:  # the rows' whole y issued first (trace order is Triton's order)
-        ys = [_y_chunk(y_ref, rows, c, f, bf) for c in range(f // bf)]
-        h, amax = [], amax0
-        for c, (yg, yu) in enumerate(ys):
-            hc = _h_of(yg, yu, ws_ref, xs, c, f, bf)
-            amax = jnp.maximum(amax, jnp.max(jnp.abs(hc), axis=1))
-            if not recompute:
-                h.append(hc)
-        scale = fm.amax_scale(amax)
-        for c, (yg, yu) in enumerate(ys):
-            _store(q_ref, rows, c, bf, h[c] if h else _h_of(yg, yu, ws_ref, xs, c, f, bf),
-                   scale)
     else:              # static chunks: h stays in registers, y read once
         h, amax = [], amax0
         for c in range(f // bf):
-            hc = _h_chunk(y_ref, ws_ref, rows, xs, c, f, bf)
+            hc = h_chunk(c)
             amax = jnp.maximum(amax, jnp.max(jnp.abs(hc), axis=1))
             h.append(hc)
-        scale = fm.amax_scale(amax)
+        scale, inv = scales(amax)
         for c, hc in enumerate(h):
-            _store(q_ref, rows, c, bf, hc, scale)
+            _store(q_ref, rows, c, bf, hc, scale, inv)
     s_ref[rows] = scale
 
 
@@ -205,7 +197,7 @@ def swiglu_quant(y, x_scale, w_scale, *, interpret: bool = False, tiles: Tiles |
     params = triton_params(interpret, t.num_warps, t.num_stages)
     h_q, h_scale = pl.pallas_call(
         functools.partial(swiglu_quant_kernel, f=f, bf=bf, bm=bm, two_pass=t.two_pass,
-                          loads_first=t.loads_first, recompute=t.recompute),
+                          fast_math=t.fast_math),
         out_shape=(jax.ShapeDtypeStruct((m, f), FP8_DTYPE),
                    jax.ShapeDtypeStruct((m,), jnp.float32)),
         grid=(m // bm,),

@@ -48,8 +48,8 @@ def test_kernel_matches_reference(m, f, zero_row):
     (8, 192, sq.Tiles(rows=4, chunk=64, two_pass=True, num_warps=4)),   # 2F/BF loop steps
     (6, 96, sq.Tiles(rows=4, two_pass=True)),                          # BM 2 divides M = 6
     (4, 64, sq.Tiles(rows=2, chunk=16, num_warps=1)),                  # one pass, 2 rows
-    (4, 64, sq.Tiles(chunk=16, loads_first=True)),                     # y issued first
-    (4, 96, sq.Tiles(rows=2, chunk=32, loads_first=True, recompute=True))])   # h twice
+    (4, 64, sq.Tiles(chunk=16, fast_math=True)),                       # exp2, 1 / scale
+    (8, 96, sq.Tiles(rows=2, chunk=32, fast_math=True, two_pass=True, num_warps=4))])
 def test_other_tiles_match_reference(m, f, tiles):
     y, xs, ws = _inputs(np.random.default_rng(m + f), m, f, zero_row=1)
     assert sq.supported(f, tiles)
@@ -113,9 +113,9 @@ def test_kernel_on_gpu_at_llama_shape():
 
 
 def test_parse_tiles():
-    assert sq.parse_tiles("loads_first=1, num_warps=16") == sq.Tiles(loads_first=True,
-                                                                      num_warps=16)
-    assert sq.parse_tiles("recompute=true,rows=2") == sq.Tiles(recompute=True, rows=2)
+    assert sq.parse_tiles("fast_math=1, num_warps=16") == sq.Tiles(fast_math=True,
+                                                                    num_warps=16)
+    assert sq.parse_tiles("two_pass=true,rows=2") == sq.Tiles(two_pass=True, rows=2)
     assert sq.parse_tiles("") == sq.Tiles()
     for bad in ("warps=4", "rows", "rows=two"):
         with pytest.raises(ValueError):
