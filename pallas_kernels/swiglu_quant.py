@@ -21,7 +21,11 @@ while the step's other kernels lost 0.145 ms (~4.5 us per layer). The whole step
 12.97 -> 12.87 / 12.91 ms. The block variants timed since are at TILES.
 
 Numerics: everything in f32 from the bf16 product on (XLA's route rounds g | u and h to
-bf16 between steps), then round to nearest e4m3 with scale = amax / 448, as fp8_matmul.quantize_rows.
+bf16 between steps), then round to nearest e4m3 with scale = amax / 448, as
+fp8_matmul.quantize_rows. With `Tiles.fast_math` (the default) SiLU's exp(-g) is exp2(-g *
+log2 e) and the codes are h * (448 / amax), one reciprocal per row: a code can differ from
+the reference's by one e4m3 step where h sits on a rounding boundary, as the last bits of
+exp and division already could (tests/test_swiglu_quant.py allows that, in < 1% of codes).
 
 Backend: the Pallas Triton backend, like the other kernels here (pallas_kernels/
 paged_attention.py says why); the refs are whole arrays and every load and store is a
@@ -62,16 +66,23 @@ class Tiles:
                                # row, instead of a division per value
 
 
-# rows 1, 8 warps, one pass. bench/swiglu_quant.py on one H200 at F = 14336
-# (bench/results/swiglu_quant.json, two passes, us) liked rows 2 and 16 warps at M = 256
-# (12.7 / 13.7 against 19.5 / 14.9 for these; XLA's unfused route 17.0 / 16.0) and 16 warps at
-# M = 2048 (79.3 / 78.8 against 82.6 / 83.6; XLA 106.3 / 106.7); the two-pass form was slower
-# everywhere (22.6-69 us at M = 256, 95-124 at M = 2048). But inside the 8B FP8 decode step
-# (M = 256, where y comes from L2, just written by the GEMM) rows 2 / 16 warps took 13.25 /
-# 13.23 us per layer against 12.72 / 12.48 for these (profile suite, two passes each, one
-# process per run; ninth session), so these stay for every M; M = 2048 was not compared in
-# the model.
-TILES = Tiles()
+# rows 1, 16 warps, one pass, fast_math. The ninth session's sweep (bench/swiglu_quant.py on
+# one H200 at F = 14336, history/swiglu_quant_6ef3735.json) liked rows 2 and 16 warps at
+# M = 256 and 16 warps at M = 2048 alone, but inside the 8B FP8 decode step (M = 256, y just
+# written by the GEMM, in L2) rows 2 / 16 warps lost to rows 1 / 8 warps (13.25 / 13.23 us
+# per layer against 12.72 / 12.48), so 8 warps stayed. The twentieth session
+# (bench/results/swiglu_quant.json, two passes, us at M = 512 / 2048): 8 warps 22.6-23.0 /
+# 82.4-83.5, fast_math 21.5-21.7 / 80.0-80.5, 16 warps 21.7-22.0 / 79.0-79.7, both 21.3-21.8
+# / 76.7-77.7; XLA's unfused route 28.5 / 107. In the 384-row decode step (profile suite,
+# one process each, one call) the kernel took 0.729 / 0.739 ms per step with rows 1 / 8
+# warps, 0.722 with fast_math and 0.597 with fast_math and 16 warps (-19%), so these.
+# Why the kernel stays far from the bandwidth (~1.7-1.9 TB/s), by Nsight Compute at M = 512
+# / 2048 with rows 1 / 8 warps (history/ncu_swiglu_m{512,2048}_6709054.txt): 103 registers,
+# 2 programs per SM (25% occupancy), 0.43-0.47 instructions issued per cycle per
+# scheduler, no eligible warp 53-57% of the cycles, DRAM 28-36% of peak: latency-bound.
+# Issuing all of a row's loads before its math did not help (history/
+# swiglu_quant_6709054.json).
+TILES = Tiles(num_warps=16, fast_math=True)
 
 
 def parse_tiles(text: str) -> Tiles:
