@@ -61,9 +61,10 @@ class Tiles:
     two_pass: bool = False    # amax over y first, then h recomputed and stored (y read twice,
                               # the second time mostly from L2), instead of h kept in registers
     num_stages: int = 1       # Triton pipelining of the two-pass form's chunk loops
-    fast_math: bool = False    # SiLU's exp as exp2 (the GPU's ex2, where exp is libdevice's
-                               # expf) and the codes as h * (448 / amax), one reciprocal per
-                               # row, instead of a division per value
+    fast_math: bool = False    # SiLU's exp(-g) as exp2(-g * log2 e) (libdevice's exp2f in
+                               # place of its expf, which does more work per value) and the
+                               # codes as h * (448 / amax), one reciprocal per row, instead
+                               # of a division per value
 
 
 # rows 1, 16 warps, one pass, fast_math. The ninth session's sweep (bench/swiglu_quant.py on
@@ -71,11 +72,12 @@ class Tiles:
 # M = 256 and 16 warps at M = 2048 alone, but inside the 8B FP8 decode step (M = 256, y just
 # written by the GEMM, in L2) rows 2 / 16 warps lost to rows 1 / 8 warps (13.25 / 13.23 us
 # per layer against 12.72 / 12.48), so 8 warps stayed. The twentieth session
-# (bench/results/swiglu_quant.json, two passes, us at M = 512 / 2048): 8 warps 22.6-23.0 /
-# 82.4-83.5, fast_math 21.5-21.7 / 80.0-80.5, 16 warps 21.7-22.0 / 79.0-79.7, both 21.3-21.8
-# / 76.7-77.7; XLA's unfused route 28.5 / 107. In the 384-row decode step (profile suite,
-# one process each, one call) the kernel took 0.729 / 0.739 ms per step with rows 1 / 8
-# warps, 0.722 with fast_math and 0.597 with fast_math and 16 warps (-19%), so these.
+# (bench/results/swiglu_quant.json, two passes, us at M = 512 / 2048): 8 warps 22.2-22.3 /
+# 81.9-82.4, fast_math 22.0-25.0 / 79.0-79.4, 16 warps 20.9-22.0 / 77.4-78.5, both 20.5-21.9
+# / 74.1-74.9; XLA's unfused route 28.2-28.9 / 106. In the 384-row decode step (profile
+# suite, one process each, one call; history/profile_b384_swiglu_*_f6910b6.json) the kernel
+# took 0.729 / 0.739 ms per step with rows 1 / 8 warps, 0.722 with fast_math and 0.597 with
+# fast_math and 16 warps (-19%), so these.
 # Why the kernel stays far from the bandwidth (~1.7-1.9 TB/s), by Nsight Compute at M = 512
 # / 2048 with rows 1 / 8 warps (history/ncu_swiglu_m{512,2048}_6709054.txt): 103 registers,
 # 2 programs per SM (25% occupancy), 0.43-0.47 instructions issued per cycle per
