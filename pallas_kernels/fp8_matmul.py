@@ -190,7 +190,12 @@ def amax_scale(amax):
 
 def e4m3_codes(xf, scale, dtype=FP8_DTYPE):
     """f32 values over their (broadcast) scale, rounded to e4m3 (saturating at +-448)."""
-    return jnp.clip(xf / scale, -FP8_MAX, FP8_MAX).astype(dtype)
+    return e4m3_saturate(xf / scale, dtype)
+
+
+def e4m3_saturate(xf, dtype=FP8_DTYPE):
+    """f32 values already in code units, rounded to e4m3 (saturating at +-448)."""
+    return jnp.clip(xf, -FP8_MAX, FP8_MAX).astype(dtype)
 
 
 def quantize_rows(x, per_token: bool = True):

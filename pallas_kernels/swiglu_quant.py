@@ -62,9 +62,9 @@ class Tiles:
                               # the second time mostly from L2), instead of h kept in registers
     num_stages: int = 1       # Triton pipelining of the two-pass form's chunk loops
     fast_math: bool = False    # SiLU's exp(-g) as exp2(-g * log2 e) (libdevice's exp2f in
-                               # place of its expf, which does more work per value) and the
-                               # codes as h * (448 / amax), one reciprocal per row, instead
-                               # of a division per value
+                               # place of its expf, as Pallas's Triton lowering maps them)
+                               # and the codes as h * (448 / amax), one reciprocal per row,
+                               # instead of a division per value
 
 
 # rows 1, 16 warps, one pass, fast_math. The ninth session's sweep (bench/swiglu_quant.py on
@@ -90,15 +90,15 @@ TILES = Tiles(num_warps=16, fast_math=True)
 def parse_tiles(text: str) -> Tiles:
     """Tiles from "field=value,..." (JAXINFER_SWIGLU_TILES: an A/B of the model's step without
     an edit), e.g. "fast_math=1,num_warps=16"; unknown fields and bad values raise."""
-    fields = {f.name: f.type for f in dataclasses.fields(Tiles)}
+    defaults = dataclasses.asdict(Tiles())
     kw = {}
     for item in filter(None, (p.strip() for p in text.split(","))):
         name, sep, value = item.partition("=")
-        if not sep or name not in fields:
+        if not sep or name not in defaults:
             raise ValueError(f"JAXINFER_SWIGLU_TILES: {item!r} is not field=value with a "
-                             f"field of {sorted(fields)}")
-        kw[name] = value.strip().lower() in ("1", "true", "yes") if fields[name] in (
-            bool, "bool") else int(value)
+                             f"field of {sorted(defaults)}")
+        kw[name] = (value.strip().lower() in ("1", "true", "yes")
+                    if isinstance(defaults[name], bool) else int(value))
     return Tiles(**kw)
 
 
@@ -154,8 +154,7 @@ def _store(q_ref, rows, c, bf, hc, scale, inv=None):
     if inv is None:
         q_ref[rows, pl.ds(c * bf, bf)] = fm.e4m3_codes(hc, scale[:, None], q_ref.dtype)
     else:
-        q_ref[rows, pl.ds(c * bf, bf)] = jnp.clip(hc * inv[:, None], -fm.FP8_MAX,
-                                                  fm.FP8_MAX).astype(q_ref.dtype)
+        q_ref[rows, pl.ds(c * bf, bf)] = fm.e4m3_saturate(hc * inv[:, None], q_ref.dtype)
 
 
 def swiglu_quant_kernel(y_ref, xs_ref, ws_ref, q_ref, s_ref, *, f: int, bf: int, bm: int,

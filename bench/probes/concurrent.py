@@ -27,6 +27,9 @@ from pallas_kernels import fp8_matmul as fm
 
 
 def _time(fn, args, calls: int = 20, repeats: int = 5) -> float:
+    """Seconds per call of fn(*args), `calls` dispatched back to back and one block (not
+    bench.common.timed, which blocks on every call: A and B timed apart would then count one
+    host round trip more than A+B)."""
     jax.block_until_ready(fn(*args))
     out = []
     for _ in range(repeats):
