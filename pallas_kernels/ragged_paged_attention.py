@@ -45,10 +45,12 @@ from pallas_kernels.attention_block import (LOG2E, MIN_ROWS, attend_block, block
 from pallas_kernels.paged_attention import gather_kv, paged_attention
 
 
-def work_list(query_start, num_tokens: int, block_q: int, skip_single: bool = False):
+def work_list(query_start, num_tokens: int, block_q: int, skip_single: bool = False,
+              heavy_first: bool = False):
     """(row [W], block [W]) int32: program w handles q block block[w] of sequence row[w];
     row is -1 past the last real block. W is static (module docstring). skip_single leaves
-    out rows with exactly one new token (the caller runs them through the decode kernel)."""
+    out rows with exactly one new token (the caller runs them through the decode kernel);
+    heavy_first lists each row's blocks last (most KV to read) first."""
     batch = query_start.shape[0] - 1
     per_row = pl.cdiv(num_tokens, block_q)
     w = min(batch * per_row, batch + per_row)
@@ -62,6 +64,8 @@ def work_list(query_start, num_tokens: int, block_q: int, skip_single: bool = Fa
     live = idx < ends[-1]
     row_c = jnp.minimum(row, batch - 1)
     blk = idx - (ends[row_c] - blocks[row_c])
+    if heavy_first:
+        blk = blocks[row_c] - 1 - blk
     return jnp.where(live, row_c, -1), jnp.where(live, blk, 0).astype(jnp.int32)
 
 
@@ -144,7 +148,8 @@ def ragged_paged_attention_blocks(q, k_pages, v_pages, layer, md, k_scale=None, 
     views = cache_views(k_pages, v_pages, k_scale, v_scale, pairs)
     zeros = jnp.zeros(q2d.shape, q.dtype)
     query_start = md.query_start.astype(jnp.int32)
-    rows, q_blocks = work_list(query_start, num_tokens, blocks.block_q, skip_single)
+    rows, q_blocks = work_list(query_start, num_tokens, blocks.block_q, skip_single,
+                               blocks.heavy_first)
     out = pl.pallas_call(
         kernel, grid=(rows.shape[0], kv_heads),
         out_shape=jax.ShapeDtypeStruct(zeros.shape, q.dtype),

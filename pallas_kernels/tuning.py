@@ -20,10 +20,9 @@ DRAM peak, where the bf16 kernel (128 registers, 4 blocks per SM) reaches 93%. F
 registers per program looked like the next lever; two ways of getting them were measured and
 dropped (bench/README.md, fifth session): K/V widened in head-dim column blocks (255 -> 168
 registers by ptxas, 3 blocks per SM, but B=64 S=2048 136.6 -> 188.3 us) and K transposed
-before widening (within noise). Ragged keeps bfloat16 widening: over a whole mixed step's rows
-f16 widening was 4-12% faster (bench/results/history/mixed_attention_bffea72.json,
-`ragged_all_*`), but decode rows now go to the decode kernel and the ragged kernel's
-prefill-only case was not compared.
+before widening (within noise). Over a whole mixed step's rows f16 widening was 4-12% faster
+for the ragged kernel (bench/results/history/mixed_attention_bffea72.json, `ragged_all_*`);
+its prefill-only case is timed at the end of this docstring.
 
 "f16pairs" (pallas_kernels/attention_block.py) reads FP8 K/V as u16 pairs of
 e4m3 bytes, so their shared-memory tiles load with ldmatrix like bf16 ones, and splits each
@@ -32,10 +31,10 @@ scalar shared loads). Sixth session's sweep (attn_tune.txt, one process, 4 warps
 128 tokens): B=64 S=2048 135.1 -> 120.6 us, B=256 S=2048 481.3 -> 345.4 (3.22 TB/s), B=1
 S=32768 (32 splits) 52.2 -> 43.9, B=8 S=8192 80.4 -> 73.1; 3 stages, 8 warps and 256-token
 blocks were slower for pairs at B=64/256 (without prefetch). It is the (1, 128) decode
-choice; (1, 64) was not timed with it and keeps "float16". The ragged kernel takes it too,
-but on a mixed step's prefill row it ran slower than bf16 widening (480-598 vs ~410 us per
-layer, 255 registers; history/mixed_attention_e098ea5.json, rows split_prefill@...), so
-RAGGED_TABLE keeps bfloat16.
+choice; (1, 64) was not timed with it and keeps "float16". The ragged kernel takes it too:
+the host-clock mixed bench had it slower on a prefill row (480-598 vs ~410 us per layer;
+history/mixed_attention_e098ea5.json), the device-time probe at the end of this docstring
+faster.
 Splitting the FP8 decode context 2, 3, 5 or 6 ways at B=64 S=2048 (512 programs for ~396
 block slots) stayed within noise (attn_tune.txt).
 
@@ -54,8 +53,19 @@ prefetch vs 140.1/140.5 without (and 138.8/129.9 for the old 2-stage entry); B=2
 gained 3-5% at B=64 S=2048 in the sweep but lost at 256 rows (88 KB shared, 2 blocks per SM
 instead of 4): one mixed step's 255 decode rows 556/573 us with it vs 534/444 without
 (mixed_attention.json, rows split_decode@...), so bf16 keeps it off. The ragged kernel's
-prefill row under prefetch variants stayed within the bench's noise (same file); its table is
-unchanged.
+prefill row under prefetch variants stayed within the bench's noise (same file).
+
+Ragged, head dim 128 (twenty-first session): bench/probes/ragged_prefill.py times the kernel
+on prefill chunks alone by device time, variants interleaved over 4 rounds (spread ~1%,
+where the mixed bench's host clock read one entry at 263 and 344 us). One layer, FP8 KV,
+device us for a 1793-token first chunk / a 560 + 1000-token chunk like the throughput run's:
+the old entry (16, 64, 4, 2, bfloat16) 209.4 / 137.4; heavy_first alone 195.9 / 132.3; with
+f16pairs 173.7 / 122.7 (-17% / -11%); float16 174.6 / 121.6; (32, 64, 4, 2, bfloat16)
+171.2 / 125.9; 16 q tokens and 128 KV tokens with f16pairs 165.2 / 126.0. On another
+machine (the old entry 207.3 / 136.5 there) 8 warps were slower: (32, 64, 8, 2, bfloat16)
+214.8 / 142.7, 256-row tiles (64, 64, 8, 2) 213.3 / 142.6. bf16 KV: the old entry 123.2 / 90.6; with
+page-table prefetch, 3 stages and heavy_first 113.2 / 85.3 (-8% / -6%). Head dim 64 was not
+timed and keeps its entries (bench/results/ragged_prefill_*.json).
 """
 from __future__ import annotations
 
@@ -84,6 +94,9 @@ class RaggedBlocks:
     num_stages: int
     fp8_compute: str = "bfloat16"
     prefetch_table: bool = False   # as DecodeBlocks'
+    # Each row's q blocks listed last first: the causally heaviest programs (most KV blocks)
+    # start first and the grid's tail holds light ones instead of the longest.
+    heavy_first: bool = False
 
 
 FP8_COMPUTE = ("bfloat16", "float16", "f16pairs")
@@ -99,12 +112,12 @@ DECODE_TABLE = {
     (4, 128): (32, 4, 2, "bfloat16"),
 }
 # (kv itemsize, head dim) -> (block_q, block_tokens, num_warps, num_stages, fp8_compute[,
-#  prefetch_table])
+#  prefetch_table[, heavy_first]])
 RAGGED_TABLE = {
     (1, 64): (16, 64, 4, 2, "bfloat16"),
-    (1, 128): (16, 64, 4, 2, "bfloat16"),
+    (1, 128): (16, 64, 4, 2, "f16pairs", False, True),
     (2, 64): (16, 64, 4, 2, "bfloat16"),
-    (2, 128): (16, 64, 4, 2, "bfloat16"),
+    (2, 128): (16, 64, 4, 3, "bfloat16", True, True),
     (4, 64): (16, 32, 4, 1, "bfloat16"),
     (4, 128): (16, 32, 4, 1, "bfloat16"),
 }
@@ -138,15 +151,15 @@ def decode_blocks(batch: int, kv_heads: int, max_tokens: int, page_size: int,
 
 
 def parse_ragged(text: str) -> tuple:
-    """'block_q,block_tokens,warps,stages,fp8_compute[,prefetch]' -> a RAGGED_TABLE value
-    (prefetch: 0 or 1, default 0)."""
+    """'block_q,block_tokens,warps,stages,fp8_compute[,prefetch[,heavy_first]]' -> a
+    RAGGED_TABLE value (prefetch, heavy_first: 0 or 1, default 0)."""
     parts = text.split(",")
-    if (len(parts) not in (5, 6) or parts[4] not in FP8_COMPUTE
-            or parts[5:] not in ([], ["0"], ["1"])):
+    if (len(parts) not in (5, 6, 7) or parts[4] not in FP8_COMPUTE
+            or any(x not in ("0", "1") for x in parts[5:])):
         raise ValueError(f"ragged blocks {text!r}: want block_q,block_tokens,warps,stages,"
-                         f"fp8_compute[,prefetch] with fp8_compute one of {FP8_COMPUTE} and "
-                         f"prefetch 0 or 1")
-    return (*map(int, parts[:4]), parts[4], parts[5:] == ["1"])
+                         f"fp8_compute[,prefetch[,heavy_first]] with fp8_compute one of "
+                         f"{FP8_COMPUTE} and prefetch, heavy_first 0 or 1")
+    return (*map(int, parts[:4]), parts[4], *([x == "1" for x in parts[5:]] or [False]))
 
 
 # An experiment's override of RAGGED_TABLE for every class (bench result files record it under
@@ -156,9 +169,9 @@ RAGGED_OVERRIDE = (parse_ragged(os.environ["JAXINFER_RAGGED_BLOCKS"])
 
 
 def ragged_blocks(itemsize: int, head_dim: int, page_size: int) -> RaggedBlocks:
-    bq, tokens, warps, stages, fp8, *prefetch = RAGGED_OVERRIDE or RAGGED_TABLE.get(
+    bq, tokens, warps, stages, fp8, *flags = RAGGED_OVERRIDE or RAGGED_TABLE.get(
         (itemsize, head_dim), (16, 32, 4, 1, "bfloat16"))
-    return RaggedBlocks(bq, max(tokens, page_size, 16), warps, stages, fp8, *prefetch)
+    return RaggedBlocks(bq, max(tokens, page_size, 16), warps, stages, fp8, *flags)
 
 
 @dataclasses.dataclass(frozen=True)

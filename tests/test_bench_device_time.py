@@ -56,3 +56,23 @@ def test_attention_case_at_a_page_size(page, monkeypatch):
     ids = np.asarray(tables).ravel()
     assert len(set(ids.tolist())) == ids.size and ids.min() >= 1 and ids.max() < k.shape[2]
     assert kernels.tuned_blocks(2, 256, False, page=page).block_tokens >= page
+
+
+def test_ragged_prefill_probe_runs_and_checks_each_variant(tmp_path):
+    """bench/probes/ragged_prefill.py on the CPU (small case, interpret mode): one row per
+    variant, its output checked against the reference, the causal pair count that its
+    TFLOP/s rests on, and the result's command and git."""
+    import json
+
+    from bench.probes import ragged_prefill as rp
+    q, _, md, pairs = rp.make_case(((3, 5), (0, 4)), True, jax.random.PRNGKey(1))
+    assert q.shape[0] == 9 and md.positions.tolist() == [3, 4, 5, 6, 7, 0, 1, 2, 3]
+    assert pairs == sum(p + 1 for p in md.positions.tolist())
+    out = tmp_path / "r.json"
+    rp.main(["--variants", "tuned;4,16,4,2,f16pairs,0,1", "--kv", "fp8", "--cases", "pair",
+             "--rounds", "1", "--out", str(out)])
+    res = json.loads(out.read_text())
+    assert [r["variant"] for r in res["rows"]] == ["tuned", "4,16,4,2,f16pairs,0,1"]
+    assert all(r["max_abs_err"] < 2e-2 for r in res["rows"])
+    assert "heavy_first=True" in res["rows"][1]["blocks"]
+    assert res["command"].startswith("python -m bench.probes.ragged_prefill") and res["git"]

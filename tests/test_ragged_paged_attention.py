@@ -47,40 +47,42 @@ def make_ragged(seed, page_size, groups, head_dim, kv_dtype, q_lens, num_tokens)
 
 
 # (page size, q heads per kv head, head dim, kv dtype, block_q, block tokens, q_lens, T,
-#  fp8 compute, page-table prefetch)
+#  fp8 compute, flags: 1 page-table prefetch, 2 heavy_first)
 GRID = [
     (8, 4, 64, "bf16", 4, 16, [7, 1, 0, 12], 24, BF, 0),
     (16, 1, 128, "fp8", 8, 32, [9, 3, 16], 32, HF, 1),
-    (32, 8, 64, "bf16", 2, 32, [5, 0, 1, 4], 12, BF, 0),
+    (32, 8, 64, "bf16", 2, 32, [5, 0, 1, 4], 12, BF, 2),
     (16, 3, 64, "fp8", 4, 16, [6, 6], 16, BF, 1),
-    (8, 8, 128, "fp8", 16, 16, [20, 2], 24, HF, 0),
-    (32, 1, 64, "bf16", 16, 64, [33, 1], 40, BF, 1),
-    (16, 4, 128, "fp8", 8, 32, [9, 1, 14], 28, PR, 1),
+    (8, 8, 128, "fp8", 16, 16, [20, 2], 24, HF, 2),
+    (32, 1, 64, "bf16", 16, 64, [33, 1], 40, BF, 3),
+    (16, 4, 128, "fp8", 8, 32, [9, 1, 14], 28, PR, 3),
 ]
 
 
 @pytest.mark.parametrize("interpret", MODES)
 @pytest.mark.parametrize("page_size,groups,head_dim,kv_dtype,block_q,tokens,q_lens,t,compute,"
-                         "prefetch", GRID)
+                         "flags", GRID)
 def test_kernel_matches_reference(page_size, groups, head_dim, kv_dtype, block_q, tokens,
-                                  q_lens, t, compute, prefetch, interpret):
+                                  q_lens, t, compute, flags, interpret):
     q, (k, v, ks, vs), md = make_ragged(sum(q_lens) * page_size + groups, page_size, groups,
                                         head_dim, kv_dtype, q_lens, t)
     scale = head_dim ** -0.5
     args = (q, k, v, jnp.int32(1), md, ks, vs)
     out = ragged_paged_attention_blocks(*args, sm_scale=scale, interpret=interpret,
                                         blocks=RaggedBlocks(block_q, tokens, 4, 2, compute,
-                                                            bool(prefetch)))
+                                                            bool(flags & 1), bool(flags & 2)))
     ref = ragged_paged_attention_reference(*args, sm_scale=scale)
     assert out.shape == q.shape and out.dtype == q.dtype
     assert rel_err(out, ref) < 1e-2
     np.testing.assert_array_equal(np.asarray(out[sum(q_lens):], np.float32), 0.0)
 
 
+@pytest.mark.parametrize("heavy_first", [False, True])
 @pytest.mark.parametrize("seed", range(6))
-def test_work_list_names_every_q_block_once(seed):
+def test_work_list_names_every_q_block_once(seed, heavy_first):
     """Any split of T tokens over B rows (zeros, ones, one long row, T not filled) fits the
-    static W, and the list is exactly each row's q blocks in order, then -1."""
+    static W, and the list is exactly each row's q blocks in order (last first with
+    heavy_first), then -1."""
     rng = np.random.default_rng(seed)
     batch, t, bq = int(rng.integers(1, 40)), int(rng.integers(1, 300)), int(rng.choice([1, 4, 16]))
     cuts = np.sort(rng.integers(0, t + 1, batch))      # row b has cuts[b] - cuts[b-1] tokens
@@ -88,8 +90,10 @@ def test_work_list_names_every_q_block_once(seed):
         cuts = np.full(batch, t)                        # one row takes everything
     q_lens = np.diff(np.concatenate([[0], cuts]))
     start = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
-    rows, blocks = (np.asarray(x) for x in work_list(jnp.asarray(start), t, bq))
-    want = [(b, i) for b, n in enumerate(q_lens) for i in range(-(-n // bq))]
+    rows, blocks = (np.asarray(x) for x in work_list(jnp.asarray(start), t, bq,
+                                                     heavy_first=heavy_first))
+    order = reversed if heavy_first else iter
+    want = [(b, i) for b, n in enumerate(q_lens) for i in order(range(-(-n // bq)))]
     assert len(rows) == min(batch * -(-t // bq), batch + -(-t // bq)) >= len(want)
     assert list(zip(rows[:len(want)].tolist(), blocks[:len(want)].tolist())) == want
     assert np.all(rows[len(want):] == -1)
@@ -162,6 +166,9 @@ def test_fp8_scale_stress(q_mag, compute, interpret):
 def test_parse_ragged_blocks():
     assert tuning.parse_ragged("32,32,4,2,bfloat16") == (32, 32, 4, 2, "bfloat16", False)
     assert tuning.parse_ragged("16,64,4,3,f16pairs,1") == (16, 64, 4, 3, "f16pairs", True)
-    for bad in ("16,64,4,3", "16,64,4,3,float8", "16,64,4,3,bfloat16,2"):
+    assert tuning.parse_ragged("16,64,4,2,bfloat16,0,1") == (16, 64, 4, 2, "bfloat16", False,
+                                                             True)
+    for bad in ("16,64,4,3", "16,64,4,3,float8", "16,64,4,3,bfloat16,2",
+                "16,64,4,2,bfloat16,0,1,1"):
         with pytest.raises(ValueError, match="ragged blocks"):
             tuning.parse_ragged(bad)

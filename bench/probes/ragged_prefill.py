@@ -1,0 +1,151 @@
+"""The ragged kernel on prefill chunks alone: device time of block variants, interleaved.
+
+The mixed-step bench (bench/mixed_attention.py) times the chunk's ragged kernel by the host
+clock, once per variant: the same blocks read 263 and 344 us in one call
+(history/mixed_attention.json), so its sweeps could not rank variants. Here every variant is
+timed by the profiler's device time (bench.profile.device_seconds) in several rounds, the
+variants interleaved in each round, and the median kept. One layer, Llama-3-8B heads (Hq 32,
+Hkv 8, D 128, page 16), KV pages in a random order. Cases:
+
+  first   one sequence's first chunk, 1793 tokens at positions 0..1792 (the mixed bench's)
+  pair    a chunk like the throughput run's (1000-token prompts, ~1560 chunk tokens beside
+          ~488 decode rows): one prompt's last 560 tokens (positions 440..999, its first 440
+          cached) and the next prompt's first 1000
+
+    OUT=dir python -m bench.probes.ragged_prefill [--variants V;V..] [--cases first,pair]
+        [--kv fp8,bf16] [--rounds 5] [--calls 10] [--once]
+
+A variant is "block_q,block_tokens,warps,stages,fp8_compute[,prefetch]" (tuning.parse_ragged)
+or "tuned" (the table's entry). --once runs each variant's kernel three times and exits (for
+Nsight Compute: `ncu -k regex:ragged --launch-skip 2 --launch-count 1 ...`). TFLOP/s counts
+the causal work only: 4 * D * Hq per (token, visible key) pair. `max_abs_err`: against the
+plain-jnp reference (outputs are O(0.1): values of random unit normals). On the CPU it runs a small
+case in interpret mode.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+
+import jax
+import jax.numpy as jnp
+
+from bench.common import git_sha
+from bench.kernels import D, HKV, HQ, PAGE
+from bench.profile import device_seconds
+from jaxinfer.kv_cache import FP8_DTYPE, AttentionMetadata
+from pallas_kernels import tuning
+from pallas_kernels.ragged_paged_attention import (ragged_paged_attention_blocks,
+                                                   ragged_paged_attention_reference)
+
+GPU = jax.default_backend() == "gpu"
+CASES = {"first": ((0, 1793),), "pair": ((440, 560), (0, 1000))} if GPU else {
+    "first": ((0, 40),), "pair": ((8, 12), (0, 20))}
+
+
+def make_case(seqs, fp8: bool, key):
+    """seqs: (cached tokens, new tokens) per sequence -> q [T, HQ, D], (k, v, ks, vs),
+    AttentionMetadata, and the causal (token, key) pair count."""
+    ks = jax.random.split(key, 8)
+    lens = [c + n for c, n in seqs]
+    pps = -(-max(lens) // PAGE)
+    pages = 1 + sum(-(-n // PAGE) for n in lens)
+    perm = (1 + jax.random.permutation(ks[1], pages - 1)).tolist()
+    table, at = [], 0
+    for n in lens:
+        need = -(-n // PAGE)
+        table.append(perm[at:at + need] + [0] * (pps - need))
+        at += need
+    positions = [p for c, n in seqs for p in range(c, c + n)]
+    token_seq = [b for b, (_, n) in enumerate(seqs) for _ in range(n)]
+    slots = [table[b][p // PAGE] * PAGE + p % PAGE for b, p in zip(token_seq, positions)]
+    start = [0]
+    for _, n in seqs:
+        start.append(start[-1] + n)
+    md = AttentionMetadata(*(jnp.asarray(x, jnp.int32) for x in
+                             (positions, slots, token_seq, table, lens, start)))
+    shape = (1, HKV, pages, PAGE, D)
+    dt = FP8_DTYPE if fp8 else jnp.bfloat16
+    k = jax.random.normal(ks[2], shape, jnp.bfloat16).astype(dt)
+    v = jax.random.normal(ks[3], shape, jnp.bfloat16).astype(dt)
+    scales = ([jax.random.uniform(x, shape[:-1], jnp.float32, 0.5, 1.5) / 16 for x in ks[4:6]]
+              if fp8 else [None, None])
+    q = jax.random.normal(ks[6], (len(positions), HQ, D), jnp.bfloat16)
+    return q, (k, v, *scales), md, sum(p + 1 for p in positions)
+
+
+def blocks_of(text: str, fp8: bool) -> tuning.RaggedBlocks:
+    if text == "tuned":
+        return tuning.ragged_blocks(1 if fp8 else 2, D, PAGE)
+    return tuning.RaggedBlocks(*tuning.parse_ragged(text))
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--variants", default="tuned",
+                    help="';'-separated variants (module docstring); default: tuned")
+    ap.add_argument("--cases", default="first,pair")
+    ap.add_argument("--kv", default="fp8,bf16")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--calls", type=int, default=10, help="calls per timed batch")
+    ap.add_argument("--once", action="store_true", help="three calls per variant, no timing")
+    ap.add_argument("--out", default=None, help="JSON file (default $OUT/ragged_prefill.json)")
+    args = ap.parse_args(argv)
+    variants = [v for v in args.variants.split(";") if v]
+    scale = D ** -0.5
+    rows = []
+    for kv in args.kv.split(","):
+        fp8 = kv == "fp8"
+        for case in args.cases.split(","):
+            q, (k, v, ks, vs), md, pairs = make_case(CASES[case], fp8, jax.random.PRNGKey(0))
+            flops = 4 * D * HQ * pairs
+            fns = {}
+            for text in variants:
+                blk = blocks_of(text, fp8)
+                fns[text] = jax.jit(lambda q, md, k, v, ks, vs, blk=blk:
+                                    ragged_paged_attention_blocks(
+                                        q, k, v, 0, md, ks, vs, sm_scale=scale, blocks=blk,
+                                        interpret=not GPU))
+            ref = ragged_paged_attention_reference(q, k, v, 0, md, ks, vs, sm_scale=scale)
+            ref = ref.astype(jnp.float32)
+            err = {t: float(jnp.max(jnp.abs(fn(q, md, k, v, ks, vs).astype(jnp.float32) - ref)))
+                   for t, fn in fns.items()}
+            if args.once:
+                for text, fn in fns.items():
+                    for _ in range(3):
+                        jax.block_until_ready(fn(q, md, k, v, ks, vs))
+                    print(f"{kv} {case} {text}: 3 calls", flush=True)
+                continue
+            samples = {t: [] for t in fns}
+            for _ in range(args.rounds):
+                for text, fn in fns.items():
+                    sec = device_seconds(lambda fn=fn: [fn(q, md, k, v, ks, vs)
+                                                        for _ in range(args.calls)], args.calls)
+                    if sec is not None:
+                        samples[text].append(sec * 1e6)
+            for text in fns:
+                us = statistics.median(samples[text]) if samples[text] else None
+                rows.append(dict(kv_dtype=kv, case=case, tokens=int(q.shape[0]),
+                                 variant=text, blocks=str(blocks_of(text, fp8)),
+                                 us_device=round(us, 1) if us else None,
+                                 us_rounds=[round(x, 1) for x in samples[text]],
+                                 max_abs_err=round(err[text], 5),
+                                 tflops=round(flops / us / 1e6, 1) if us else None))
+                print(rows[-1], flush=True)
+    if not args.once:
+        out = args.out or os.path.join(os.environ.get("OUT", "."), "ragged_prefill.json")
+        with open(out, "w") as f:
+            json.dump({"probe": "ragged_prefill", "device": jax.devices()[0].device_kind,
+                       "jax": jax.__version__, "git": git_sha(),
+                       "date": datetime.date.today().isoformat(),
+                       "command": "python -m bench.probes.ragged_prefill " + " ".join(
+                           sys.argv[1:] if argv is None else argv),
+                       "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
