@@ -139,17 +139,18 @@ def block_pages(table_ref, seq, first_token, page_off, pages_per_seq: int, page_
     return table_ref[seq * pages_per_seq + idx]
 
 
-def paged_loop(read_pages, body, state, n_full, n_all, prefetch: bool):
-    """Run body(i, pages, state, masked) -> state for blocks i in [0, n_full) unmasked, then
-    [n_full, n_all) masked; read_pages(i) -> block i's page ids [block_tokens] (clamped by
-    the caller). With `prefetch` block i + 1's ids are read before block i's math and
-    carried, so the K/V copies' addresses never wait on a page-table load: Triton's
-    pipeliner then double-buffers K/V at num_stages >= 3 (ttgir: 2x tiles), where with the
-    read inside the step it keeps one K/V buffer whatever num_stages is (tuning.py)."""
+def paged_loop(read_pages, body, state, n_full, n_all, prefetch: bool, start=0):
+    """Run body(i, pages, state, masked) -> state for blocks i in [start, n_full) unmasked,
+    then [n_full, n_all) masked (start <= n_full <= n_all); read_pages(i) -> block i's page
+    ids [block_tokens] (clamped by the caller). With `prefetch` block i + 1's ids are read
+    before block i's math and carried, so the K/V copies' addresses never wait on a
+    page-table load: Triton's pipeliner then double-buffers K/V at num_stages >= 3 (ttgir:
+    2x tiles), where with the read inside the step it keeps one K/V buffer whatever
+    num_stages is (tuning.py)."""
     if not prefetch:
         def step(i, st, masked):
             return body(i, read_pages(i), st, masked)
-        st = lax.fori_loop(0, n_full, functools.partial(step, masked=False), state)
+        st = lax.fori_loop(start, n_full, functools.partial(step, masked=False), state)
         return lax.fori_loop(n_full, n_all, functools.partial(step, masked=True), st)
 
     def step_ahead(i, carry, masked):
@@ -157,8 +158,8 @@ def paged_loop(read_pages, body, state, n_full, n_all, prefetch: bool):
         nxt = read_pages(i + 1)
         return body(i, pages, st, masked), nxt
 
-    carry = lax.fori_loop(0, n_full, functools.partial(step_ahead, masked=False),
-                          (state, read_pages(0)))
+    carry = lax.fori_loop(start, n_full, functools.partial(step_ahead, masked=False),
+                          (state, read_pages(start)))
     return lax.fori_loop(n_full, n_all, functools.partial(step_ahead, masked=True), carry)[0]
 
 

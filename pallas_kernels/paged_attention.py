@@ -151,18 +151,22 @@ def _combine(acc, m, l):
 COMBINE_CHUNK = 32    # splits the combine holds at once ([chunk, D] f32 per program)
 
 
-def _combine_kernel(acc_ref, m_ref, l_ref, o_ref, *, splits: int, rows: int, num_heads: int,
-                    head_dim: int):
+def _combine_kernel(*refs, splits: int, rows: int, num_heads: int, head_dim: int,
+                    live: bool):
     """_combine for one (row, q head): acc [N * rows * H, D], m/l [N * rows * H] -> o row
-    b * H + h. Rows >= `rows` (padding) get zeros."""
+    b * H + h. Rows >= `rows` (padding) get zeros; with `live` (the ragged kernel's split
+    path) a first ref live [rows] i32 says which rows the partials cover, the others get
+    zeros."""
+    live_ref, (acc_ref, m_ref, l_ref, o_ref) = (refs[0], refs[1:]) if live else (None, refs)
     b, h = pl.program_id(0), pl.program_id(1)
     out_row = b * num_heads + h
+    real = (b < rows) if live_ref is None else (live_ref[b] != 0)
 
-    @pl.when(b >= rows)
+    @pl.when(jnp.logical_not(real))
     def _():
         o_ref[pl.ds(out_row, 1), :] = jnp.zeros((1, head_dim), o_ref.dtype)
 
-    @pl.when(b < rows)
+    @pl.when(real)
     def _():
         chunk = min(COMBINE_CHUNK, pow2_ceil(splits))
         parts = [jnp.arange(c, c + chunk, dtype=jnp.int32) for c in range(0, splits, chunk)]
@@ -179,15 +183,18 @@ def _combine_kernel(acc_ref, m_ref, l_ref, o_ref, *, splits: int, rows: int, num
                                         ).astype(o_ref.dtype)
 
 
-def _combine_call(acc, m, l, *, splits: int, rows: int, batch: int, num_heads: int,
-                  head_dim: int, dtype, interpret: bool):
+def combine_call(acc, m, l, *, splits: int, rows: int, batch: int, num_heads: int,
+                 head_dim: int, dtype, interpret: bool, live=None,
+                 name: str = "jaxinfer_paged_decode_combine"):
+    """The split partials merged into [batch * H, D] (_combine_kernel); live [rows] (or
+    None): which rows the partials cover."""
     kernel = functools.partial(_combine_kernel, splits=splits, rows=rows, num_heads=num_heads,
-                               head_dim=head_dim)
+                               head_dim=head_dim, live=live is not None)
     return pl.pallas_call(
         kernel, grid=(batch, num_heads), interpret=interpret,
         out_shape=jax.ShapeDtypeStruct((batch * num_heads, head_dim), dtype),
-        name="jaxinfer_paged_decode_combine", **triton_params(interpret, 1, 1),
-    )(acc, m, l)
+        name=name, **triton_params(interpret, 1, 1),
+    )(*(() if live is None else (live,)), acc, m, l)
 
 
 def paged_attention_blocks(q, k_pages, v_pages, layer, seq_lens, page_table, k_scale=None,
@@ -271,7 +278,7 @@ def _paged_attention_blocks(q, k_pages, v_pages, layer, seq_lens, page_table, k_
       *cache_views(k_pages, v_pages, k_scale, v_scale, pairs))
     if n == 1:
         return outs[0].reshape(q.shape)
-    out = _combine_call(*outs, splits=n, rows=batch, batch=total, num_heads=num_heads,
+    out = combine_call(*outs, splits=n, rows=batch, batch=total, num_heads=num_heads,
                         head_dim=head_dim, dtype=q.dtype, interpret=interpret)
     return out.reshape(q.shape)
 

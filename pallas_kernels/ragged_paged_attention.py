@@ -42,7 +42,7 @@ from pallas_kernels.attention_block import (LOG2E, MIN_ROWS, attend_block, block
                                             cache_views, compute_dtype, empty_carry,
                                             kernel_refs, kv_rows, load_q, paged_loop,
                                             prepare_q, store_rows, uses_pairs, validate)
-from pallas_kernels.paged_attention import gather_kv, paged_attention
+from pallas_kernels.paged_attention import combine_call, gather_kv, paged_attention
 
 
 def work_list(query_start, num_tokens: int, block_q: int, skip_single: bool = False,
@@ -72,11 +72,12 @@ def work_list(query_start, num_tokens: int, block_q: int, skip_single: bool = Fa
 def _ragged_kernel(layer_ref, row_ref, blk_ref, qstart_ref, pos_ref, table_ref, *refs,
                    groups: int, groups_p2: int, rows_q: int, pages_per_seq: int, blk,
                    num_kv_heads: int, num_pages: int, page_size: int, num_heads: int,
-                   head_dim: int, qk_scale: float, fp8: bool, cdt, pairs: bool,
-                   interpret: bool):
+                   head_dim: int, num_tokens: int, qk_scale: float, fp8: bool, cdt,
+                   pairs: bool, interpret: bool):
     q_ref, k_ref, v_ref, ks_ref, vs_ref, rest = kernel_refs(refs, fp8)
-    o_ref = rest[1]                   # past the aliased zeros
-    w, h = pl.program_id(0), pl.program_id(1)
+    splits = blk.num_splits
+    o_ref = rest[1] if splits == 1 else None    # past the aliased zeros; else the partials
+    w, h, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     row, i = row_ref[w], blk_ref[w]
     b = jnp.maximum(row, 0)
     q0 = qstart_ref[b]
@@ -109,10 +110,26 @@ def _ragged_kernel(layer_ref, row_ref, blk_ref, qstart_ref, pos_ref, table_ref, 
                                 logit_scale=logit_scale, logit_mask=t[None, :] <= pos[:, None],
                                 kv_valid=t < hi, interpret=interpret)
 
-        _, l, acc = paged_loop(read_pages, body, empty_carry(rows_q, head_dim, pairs),
-                               lo // bk, pl.cdiv(hi, bk), blk.prefetch_table)
-        out = tuple(a / l[:, None] for a in acc) if pairs else acc / l[:, None]
-        store_rows(o_ref, tokens * num_heads + heads, out, head_dim)
+        n_full, n_all = lo // bk, pl.cdiv(hi, bk)
+        if splits == 1:
+            _, l, acc = paged_loop(read_pages, body, empty_carry(rows_q, head_dim, pairs),
+                                   n_full, n_all, blk.prefetch_table)
+            out = tuple(a / l[:, None] for a in acc) if pairs else acc / l[:, None]
+            store_rows(o_ref, tokens * num_heads + heads, out, head_dim)
+            return
+        # split s takes blocks [first, last) of the q block's [0, n_all); an empty range
+        # writes (M_INIT, 0, 0), which weighs nothing in the combine
+        per = pl.cdiv(n_all, splits)
+        first = jnp.minimum(s * per, n_all)
+        last = jnp.minimum(first + per, n_all)
+        m, l, acc = paged_loop(read_pages, body, empty_carry(rows_q, head_dim, pairs),
+                               jnp.clip(n_full, first, last), last, blk.prefetch_table,
+                               start=first)
+        acc_ref, m_ref, l_ref = rest
+        flat = (s * num_tokens + tokens) * num_heads + heads
+        store_rows(acc_ref, flat, acc, head_dim)
+        m_ref[flat] = m
+        l_ref[flat] = l
 
 
 def _check_metadata(q, md):
@@ -137,28 +154,46 @@ def ragged_paged_attention_blocks(q, k_pages, v_pages, layer, md, k_scale=None, 
     groups = num_heads // kv_heads
     groups_p2 = pow2_ceil(groups)
     pairs = uses_pairs(k_pages.dtype, blocks.fp8_compute, head_dim)
+    splits = blocks.num_splits
     kernel = functools.partial(
         _ragged_kernel, groups=groups, groups_p2=groups_p2,
         rows_q=max(MIN_ROWS, groups_p2 * blocks.block_q), pages_per_seq=pages_per_seq,
         blk=blocks, num_kv_heads=kv_heads, num_pages=num_pages, page_size=page_size,
-        num_heads=num_heads, head_dim=head_dim, qk_scale=float(sm_scale) * LOG2E,
-        fp8=k_pages.dtype == FP8_DTYPE, cdt=compute_dtype(k_pages.dtype, blocks.fp8_compute),
-        pairs=pairs, interpret=interpret)
+        num_heads=num_heads, head_dim=head_dim, num_tokens=num_tokens,
+        qk_scale=float(sm_scale) * LOG2E, fp8=k_pages.dtype == FP8_DTYPE,
+        cdt=compute_dtype(k_pages.dtype, blocks.fp8_compute), pairs=pairs,
+        interpret=interpret)
     q2d = q.reshape(-1, head_dim)
     views = cache_views(k_pages, v_pages, k_scale, v_scale, pairs)
-    zeros = jnp.zeros(q2d.shape, q.dtype)
     query_start = md.query_start.astype(jnp.int32)
     rows, q_blocks = work_list(query_start, num_tokens, blocks.block_q, skip_single,
                                blocks.heavy_first)
-    out = pl.pallas_call(
-        kernel, grid=(rows.shape[0], kv_heads),
-        out_shape=jax.ShapeDtypeStruct(zeros.shape, q.dtype),
-        input_output_aliases={7 + len(views): 0}, interpret=interpret,   # the zeros
-        **triton_params(interpret, blocks.num_warps, blocks.num_stages),
-        name="jaxinfer_ragged_paged_attention",
-    )(jnp.asarray(layer, jnp.int32).reshape(1), rows, q_blocks, query_start,
-      md.positions.astype(jnp.int32), md.page_table.astype(jnp.int32).reshape(-1),
-      q2d, *views, zeros)
+    args = (jnp.asarray(layer, jnp.int32).reshape(1), rows, q_blocks, query_start,
+            md.positions.astype(jnp.int32), md.page_table.astype(jnp.int32).reshape(-1),
+            q2d, *views)
+    params = dict(grid=(rows.shape[0], kv_heads, splits), interpret=interpret,
+                  name="jaxinfer_ragged_paged_attention",
+                  **triton_params(interpret, blocks.num_warps, blocks.num_stages))
+    if splits == 1:
+        zeros = jnp.zeros(q2d.shape, q.dtype)
+        out = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(zeros.shape, q.dtype),
+                             input_output_aliases={len(args): 0}, **params)(*args, zeros)
+        return out.reshape(q.shape)
+    part = splits * q2d.shape[0]
+    ml = jax.ShapeDtypeStruct((part,), jnp.float32)
+    partials = pl.pallas_call(
+        kernel, out_shape=(jax.ShapeDtypeStruct((part, head_dim), jnp.float32), ml, ml),
+        **params)(*args)
+    # the tokens some program covers: not padding, and not a skipped one-token row
+    t = jnp.arange(num_tokens, dtype=jnp.int32)
+    live = t < query_start[-1]
+    if skip_single:
+        q_lens = query_start[1:] - query_start[:-1]
+        live &= q_lens[jnp.clip(md.token_seq, 0, batch - 1)] > 1
+    out = combine_call(*partials, splits=splits, rows=num_tokens, batch=num_tokens,
+                       num_heads=num_heads, head_dim=head_dim, dtype=q.dtype,
+                       interpret=interpret, live=live.astype(jnp.int32),
+                       name="jaxinfer_ragged_combine")
     return out.reshape(q.shape)
 
 
@@ -172,8 +207,9 @@ def ragged_paged_attention(q, k_pages, v_pages, layer, md, k_scale=None, v_scale
     kernel (pallas_kernels/paged_attention.py: 16-row tiles where the ragged kernel's are
     G' x block_q, and its split rule), the others through the ragged kernel; the decode
     rows' outputs are scattered into their token slots."""
-    _, _, _, page_size, head_dim = k_pages.shape
-    blocks = tuning.ragged_blocks(jnp.dtype(k_pages.dtype).itemsize, head_dim, page_size)
+    _, kv_heads, _, page_size, head_dim = k_pages.shape
+    blocks = tuning.ragged_blocks(jnp.dtype(k_pages.dtype).itemsize, head_dim, page_size,
+                                  q.shape[0], kv_heads, md.page_table.shape[1] * page_size)
     out = ragged_paged_attention_blocks(q, k_pages, v_pages, layer, md, k_scale, v_scale,
                                         sm_scale=sm_scale, interpret=interpret,
                                         blocks=blocks, skip_single=True)

@@ -97,6 +97,9 @@ class RaggedBlocks:
     # Each row's q blocks listed last first: the causally heaviest programs (most KV blocks)
     # start first and the grid's tail holds light ones instead of the longest.
     heavy_first: bool = False
+    # split-K over each q block's KV blocks, merged by a combine kernel (not in the table:
+    # ragged_blocks sets it by a rule from the grid and the context, like decode_blocks)
+    num_splits: int = 1
 
 
 FP8_COMPUTE = ("bfloat16", "float16", "f16pairs")
@@ -168,10 +171,33 @@ RAGGED_OVERRIDE = (parse_ragged(os.environ["JAXINFER_RAGGED_BLOCKS"])
                    if os.environ.get("JAXINFER_RAGGED_BLOCKS") else None)
 
 
-def ragged_blocks(itemsize: int, head_dim: int, page_size: int) -> RaggedBlocks:
+# The ragged kernel's split rule: split each q block's KV blocks until the grid holds about
+# TARGET_PROGRAMS programs, counting every q block the bucket's tokens could form (W), but
+# keep >= RAGGED_MIN_SPLIT_TOKENS of the bucket's context per split. A chunk of T tokens has
+# cdiv(T, block_q) * K programs: at the throughput run's 2,048 tokens 1,024 (no split); at
+# the engine's default 256-token chunks 128, on under one wave, however long the context.
+# JAXINFER_RAGGED_MIN_SPLIT_TOKENS overrides the floor at import (A/B runs; a value above
+# any context turns splitting off).
+RAGGED_MIN_SPLIT_TOKENS = int(os.environ.get("JAXINFER_RAGGED_MIN_SPLIT_TOKENS", "1024"))
+
+
+def ragged_splits(num_tokens: int, block_q: int, kv_heads: int, max_tokens: int) -> int:
+    programs = -(-num_tokens // block_q) * kv_heads
+    want = -(-TARGET_PROGRAMS // max(programs, 1))
+    return _pow2_floor(min(want, max(max_tokens // RAGGED_MIN_SPLIT_TOKENS, 1)))
+
+
+def ragged_blocks(itemsize: int, head_dim: int, page_size: int, num_tokens: int = 0,
+                  kv_heads: int = 0, max_tokens: int = 0) -> RaggedBlocks:
+    """The table's blocks for a shape class; given the bucket (tokens, kv heads, context
+    capacity in tokens), with the split rule's num_splits (else 1)."""
     bq, tokens, warps, stages, fp8, *flags = RAGGED_OVERRIDE or RAGGED_TABLE.get(
         (itemsize, head_dim), (16, 32, 4, 1, "bfloat16"))
-    return RaggedBlocks(bq, max(tokens, page_size, 16), warps, stages, fp8, *flags)
+    blocks = RaggedBlocks(bq, max(tokens, page_size, 16), warps, stages, fp8, *flags)
+    if num_tokens and kv_heads and max_tokens:
+        blocks = dataclasses.replace(blocks, num_splits=ragged_splits(
+            num_tokens, bq, kv_heads, max_tokens))
+    return blocks
 
 
 @dataclasses.dataclass(frozen=True)

@@ -300,13 +300,15 @@ def test_real_rows_then_padding(splits, interpret):
                                interpret=True, blocks=blocks, rows=q.shape[0] + 1)
 
 
+@pytest.mark.parametrize("live", [False, True])
 @pytest.mark.parametrize("splits,rows,batch", [(3, 2, 2), (40, 2, 5), (64, 1, 8)])
-def test_combine_kernel_matches_reference(splits, rows, batch):
+def test_combine_kernel_matches_reference(splits, rows, batch, live):
     """The split combine kernel against its plain-jnp reference on random partials, empty
     splits included (max M_INIT, sum 0: they weigh nothing), more splits than one chunk
-    holds (40, 64), and padding rows past `rows` written as zeros."""
+    holds (40, 64), and padding rows past `rows` written as zeros; with a live mask (the
+    ragged kernel's split path) the rows it leaves out are zeros too."""
     from pallas_kernels.attention_block import M_INIT
-    from pallas_kernels.paged_attention import _combine, _combine_call
+    from pallas_kernels.paged_attention import _combine, combine_call
     rng = np.random.default_rng(splits)
     heads, d = 4, 64
     acc = rng.standard_normal((splits, rows, heads, d)).astype(np.float32)
@@ -315,12 +317,15 @@ def test_combine_kernel_matches_reference(splits, rows, batch):
     empty = rng.random((splits, rows, heads)) < 0.3
     m[empty], l[empty], acc[empty] = M_INIT, 0.0, 0.0
     want = np.asarray(_combine(jnp.asarray(acc), jnp.asarray(m), jnp.asarray(l)))
-    got = _combine_call(jnp.asarray(acc.reshape(-1, d)), jnp.asarray(m.reshape(-1)),
-                        jnp.asarray(l.reshape(-1)), splits=splits, rows=rows, batch=batch,
-                        num_heads=heads, head_dim=d, dtype=jnp.float32, interpret=True)
+    mask = (np.arange(batch) < rows) & (np.arange(batch) % 2 == 0 if live else True)
+    got = combine_call(jnp.asarray(acc.reshape(-1, d)), jnp.asarray(m.reshape(-1)),
+                       jnp.asarray(l.reshape(-1)), splits=splits, rows=rows, batch=batch,
+                       num_heads=heads, head_dim=d, dtype=jnp.float32, interpret=True,
+                       live=jnp.asarray(mask, jnp.int32) if live else None)
     got = np.asarray(got).reshape(batch, heads, d)
-    np.testing.assert_allclose(got[:rows], want, rtol=1e-5, atol=1e-6)
-    np.testing.assert_array_equal(got[rows:], 0.0)
+    np.testing.assert_allclose(got[:rows][mask[:rows]], want[mask[:rows]], rtol=1e-5,
+                               atol=1e-6)
+    np.testing.assert_array_equal(got[~mask], 0.0)
 
 
 def test_longest_first_window_setting():

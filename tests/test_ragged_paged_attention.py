@@ -77,6 +77,58 @@ def test_kernel_matches_reference(page_size, groups, head_dim, kv_dtype, block_q
     np.testing.assert_array_equal(np.asarray(out[sum(q_lens):], np.float32), 0.0)
 
 
+@pytest.mark.parametrize("interpret", MODES)
+@pytest.mark.parametrize("splits", [2, 3])
+@pytest.mark.parametrize("page_size,groups,head_dim,kv_dtype,block_q,tokens,q_lens,t,compute,"
+                         "flags", GRID[::2])
+def test_split_kernel_matches_reference(page_size, groups, head_dim, kv_dtype, block_q,
+                                        tokens, q_lens, t, compute, flags, splits,
+                                        interpret):
+    """The context split `splits` ways (partials merged by the combine kernel): the same
+    outputs, padding tokens zeros (the combine's live mask), every split count dividing the
+    blocks unevenly somewhere (2 and 3 over 1..8 KV blocks), empty splits included."""
+    q, (k, v, ks, vs), md = make_ragged(sum(q_lens) * page_size + groups, page_size, groups,
+                                        head_dim, kv_dtype, q_lens, t)
+    args = (q, k, v, jnp.int32(1), md, ks, vs)
+    blocks = RaggedBlocks(block_q, tokens, 4, 2, compute, bool(flags & 1), bool(flags & 2),
+                          num_splits=splits)
+    out = ragged_paged_attention_blocks(*args, sm_scale=head_dim ** -0.5, interpret=interpret,
+                                        blocks=blocks)
+    ref = ragged_paged_attention_reference(*args, sm_scale=head_dim ** -0.5)
+    assert rel_err(out, ref) < 1e-2
+    np.testing.assert_array_equal(np.asarray(out[sum(q_lens):], np.float32), 0.0)
+
+
+@pytest.mark.parametrize("interpret", MODES)
+def test_public_entry_splits_long_context(interpret, monkeypatch):
+    """The split rule on a small grid over a long context (RAGGED_MIN_SPLIT_TOKENS lowered):
+    the public entry splits the chunk's rows, sends the decode rows to the decode kernel and
+    zeroes the padding tokens, matching the reference."""
+    monkeypatch.setattr(tuning, "RAGGED_MIN_SPLIT_TOKENS", 16)
+    q_lens = [1, 6, 0, 5]
+    q, (k, v, ks, vs), md = make_ragged(40, 16, 4, 128, "fp8", q_lens, 16)
+    blocks = tuning.ragged_blocks(1, 128, 16, 16, k.shape[1], md.page_table.shape[1] * 16)
+    assert blocks.num_splits > 1
+    args = (q, k, v, jnp.int32(1), md, ks, vs)
+    fn = functools.partial(ragged_paged_attention, sm_scale=128 ** -0.5, interpret=interpret)
+    assert "jaxinfer_ragged_combine" in pallas_calls(jax.make_jaxpr(fn)(*args).jaxpr)
+    out = fn(*args)
+    ref = ragged_paged_attention_reference(*args, sm_scale=128 ** -0.5)
+    assert row_rel_err(out[:12], ref[:12]) < 1e-2
+    np.testing.assert_array_equal(np.asarray(out[12:], np.float32), 0.0)
+
+
+def test_split_rule():
+    """Splits fill a small grid up to ~TARGET_PROGRAMS over a long context, none at the
+    throughput run's 2,048-token chunks or over short contexts."""
+    assert tuning.ragged_splits(2048, 16, 8, 8192) == 1
+    assert tuning.ragged_splits(256, 16, 8, 8192) == 2         # 128 programs -> 256
+    assert tuning.ragged_splits(64, 16, 8, 4096) == 4          # 32 programs, 4 x 1024 tokens
+    assert tuning.ragged_splits(64, 16, 8, 1024) == 1          # too short to split
+    assert tuning.ragged_blocks(1, 128, 16, 64, 8, 4096).num_splits == 4
+    assert tuning.ragged_blocks(1, 128, 16).num_splits == 1
+
+
 @pytest.mark.parametrize("heavy_first", [False, True])
 @pytest.mark.parametrize("seed", range(6))
 def test_work_list_names_every_q_block_once(seed, heavy_first):

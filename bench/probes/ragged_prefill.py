@@ -11,12 +11,15 @@ Hkv 8, D 128, page 16), KV pages in a random order. Cases:
   pair    a chunk like the throughput run's (1000-token prompts, ~1560 chunk tokens beside
           ~488 decode rows): one prompt's last 560 tokens (positions 440..999, its first 440
           cached) and the next prompt's first 1000
+  long256 the last 256-token chunk (the engine's default budget) of an 8,000-token prompt
+  hit50   50 new tokens after a 4,000-token cached prefix (a prefix-cache hit)
 
     OUT=dir python -m bench.probes.ragged_prefill [--variants V;V..] [--cases first,pair]
         [--kv fp8,bf16] [--rounds 5] [--calls 10] [--once]
 
-A variant is "block_q,block_tokens,warps,stages,fp8_compute[,prefetch]" (tuning.parse_ragged)
-or "tuned" (the table's entry). --once runs each variant's kernel three times and exits (for
+A variant is "block_q,block_tokens,warps,stages,fp8_compute[,prefetch[,heavy_first]]"
+(tuning.parse_ragged) or "tuned" (the table's entry, num_splits by tuning.ragged_splits for
+the case), either with an optional "/S": S splits of the context. --once runs each variant's kernel three times and exits (for
 Nsight Compute: `ncu -k regex:ragged --launch-skip 2 --launch-count 1 ...`). TFLOP/s counts
 the causal work only: 4 * D * Hq per (token, visible key) pair. `max_abs_err`: against the
 plain-jnp reference (outputs are O(0.1): values of random unit normals). On the CPU it runs a small
@@ -25,6 +28,7 @@ case in interpret mode.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -43,8 +47,10 @@ from pallas_kernels.ragged_paged_attention import (ragged_paged_attention_blocks
                                                    ragged_paged_attention_reference)
 
 GPU = jax.default_backend() == "gpu"
-CASES = {"first": ((0, 1793),), "pair": ((440, 560), (0, 1000))} if GPU else {
-    "first": ((0, 40),), "pair": ((8, 12), (0, 20))}
+CASES = {"first": ((0, 1793),), "pair": ((440, 560), (0, 1000)),
+         "long256": ((7744, 256),), "hit50": ((4000, 50),)} if GPU else {
+    "first": ((0, 40),), "pair": ((8, 12), (0, 20)), "long256": ((40, 8),),
+    "hit50": ((36, 5),)}
 
 
 def make_case(seqs, fp8: bool, key):
@@ -78,10 +84,16 @@ def make_case(seqs, fp8: bool, key):
     return q, (k, v, *scales), md, sum(p + 1 for p in positions)
 
 
-def blocks_of(text: str, fp8: bool) -> tuning.RaggedBlocks:
+def blocks_of(text: str, fp8: bool, md=None) -> tuning.RaggedBlocks:
+    """A variant's blocks: "tuned" is the table's entry with the split rule for the case's
+    tokens and context (md); a "/S" suffix sets num_splits = S."""
+    text, _, splits = text.partition("/")
     if text == "tuned":
-        return tuning.ragged_blocks(1 if fp8 else 2, D, PAGE)
-    return tuning.RaggedBlocks(*tuning.parse_ragged(text))
+        t, ctx = (md.positions.shape[0], md.page_table.shape[1] * PAGE) if md else (0, 0)
+        blk = tuning.ragged_blocks(1 if fp8 else 2, D, PAGE, t, HKV, ctx)
+    else:
+        blk = tuning.RaggedBlocks(*tuning.parse_ragged(text))
+    return dataclasses.replace(blk, num_splits=int(splits)) if splits else blk
 
 
 def main(argv=None) -> None:
@@ -105,7 +117,7 @@ def main(argv=None) -> None:
             flops = 4 * D * HQ * pairs
             fns = {}
             for text in variants:
-                blk = blocks_of(text, fp8)
+                blk = blocks_of(text, fp8, md)
                 fns[text] = jax.jit(lambda q, md, k, v, ks, vs, blk=blk:
                                     ragged_paged_attention_blocks(
                                         q, k, v, 0, md, ks, vs, sm_scale=scale, blocks=blk,
@@ -130,7 +142,7 @@ def main(argv=None) -> None:
             for text in fns:
                 us = statistics.median(samples[text]) if samples[text] else None
                 rows.append(dict(kv_dtype=kv, case=case, tokens=int(q.shape[0]),
-                                 variant=text, blocks=str(blocks_of(text, fp8)),
+                                 variant=text, blocks=str(blocks_of(text, fp8, md)),
                                  us_device=round(us, 1) if us else None,
                                  us_rounds=[round(x, 1) for x in samples[text]],
                                  max_abs_err=round(err[text], 5),
