@@ -6,7 +6,7 @@ in the cache (jaxinfer.kv_cache.write_kv runs first, a scatter of T*K*D elements
 layout, FP8 scales, the FP8 compute dtype (RaggedBlocks.fp8_compute, same numerics) and the
 block step are those of pallas_kernels/attention_block.py, shared with the decode kernel.
 
-Kernel (Pallas Triton, like the decode kernel): grid (W, K) over a work list. A program
+Kernel (Pallas Triton, like the decode kernel): grid (W, K, splits) over a work list. A program
 takes `block_q` consecutive new tokens of one sequence and all G q heads of one kv head as
 the rows of one tile (row r = token r // G', head r % G', G' = G rounded up to a power of
 two; padding rows repeat a real token/head), so each page is read once per q block, not once
@@ -19,12 +19,23 @@ of each program: sequence b has cdiv(q_len_b, block_q) blocks, so W = min(B * cd
 block_q), B + cdiv(T, block_q)) bounds the total for any split of T tokens over B rows;
 entries past the real total exit at once. The grid used to be (B, K, cdiv(T, block_q)):
 at a mixed step of 256 rows and 2048 tokens that is 262,144 programs per layer, all but
-~3,000 empty, each still scheduled on an SM (W = 384 here).
+~3,000 empty, each still scheduled on an SM (W = 384 here). With blocks.heavy_first each
+row's q blocks are listed last first: programs start in grid order, so the causally heaviest
+ones (most KV blocks) start first and the grid's tail holds light ones (Nsight Compute had the
+SMs idle ~22% of the kernel's time before; bench/README.md, twenty-first session).
+
+Split over the context (blocks.num_splits, tuning.ragged_splits): a chunk of T tokens is
+cdiv(T, block_q) * K programs whatever its prefix, so a short chunk over a long context (the
+engine's 256-token chunks of a long prompt, a prefix-cache hit) would run under one wave.
+With S splits, program (w, h, s) takes the s-th of S equal runs of its q block's KV blocks
+and writes its unnormalized accumulator and (max, sum); paged_attention's combine kernel
+merges them, with a mask of the tokens some program covers (the others, padding and rows the
+caller skips, come out zero). Split runs are empty past a q block's last KV block and weigh
+nothing in the combine.
 
 Why a kernel and not gather + dense attention: a gather materializes T x context x K x D, or
 context per sequence plus a ragged-to-dense q regroup; this reads the pages in place with no
-extra pass and shares the decode kernel's block step. Not split over the context: a short
-chunk over a very long cached prefix gets only B*K programs (a known gap).
+extra pass and shares the decode kernel's block step.
 """
 from __future__ import annotations
 

@@ -176,9 +176,14 @@ RAGGED_OVERRIDE = (parse_ragged(os.environ["JAXINFER_RAGGED_BLOCKS"])
 # keep >= RAGGED_MIN_SPLIT_TOKENS of the bucket's context per split. A chunk of T tokens has
 # cdiv(T, block_q) * K programs: at the throughput run's 2,048 tokens 1,024 (no split); at
 # the engine's default 256-token chunks 128, on under one wave, however long the context.
-# JAXINFER_RAGGED_MIN_SPLIT_TOKENS overrides the floor at import (A/B runs; a value above
-# any context turns splitting off).
-RAGGED_MIN_SPLIT_TOKENS = int(os.environ.get("JAXINFER_RAGGED_MIN_SPLIT_TOKENS", "1024"))
+# H200, bench/probes/ragged_prefill.py, device us, 1 / 2 / 4 / 8 splits (twenty-first
+# session, bench/results/ragged_prefill_splits.json): the last 256-token chunk of an
+# 8,000-token prompt, FP8 KV 204.2 / 165.7 / 175.0 / 190.0, bf16 117.1 / 100.2 / 104.8 /
+# 115.1 (the rule: 2); 50 new tokens after a 4,000-token cached prefix, FP8 108.2 / 63.0 /
+# 37.4 / 32.9, bf16 61.5 / 35.8 / 23.2 / 22.2 (the rule with a 1,024-token floor gave 2, so
+# the floor is 256 now: 8). JAXINFER_RAGGED_MIN_SPLIT_TOKENS overrides the floor at import
+# (A/B runs; a value above any context turns splitting off).
+RAGGED_MIN_SPLIT_TOKENS = int(os.environ.get("JAXINFER_RAGGED_MIN_SPLIT_TOKENS", "256"))
 
 
 def ragged_splits(num_tokens: int, block_q: int, kv_heads: int, max_tokens: int) -> int:

@@ -121,11 +121,13 @@ def test_public_entry_splits_long_context(interpret, monkeypatch):
 def test_split_rule():
     """Splits fill a small grid up to ~TARGET_PROGRAMS over a long context, none at the
     throughput run's 2,048-token chunks or over short contexts."""
+    floor = tuning.RAGGED_MIN_SPLIT_TOKENS
     assert tuning.ragged_splits(2048, 16, 8, 8192) == 1
     assert tuning.ragged_splits(256, 16, 8, 8192) == 2         # 128 programs -> 256
-    assert tuning.ragged_splits(64, 16, 8, 4096) == 4          # 32 programs, 4 x 1024 tokens
-    assert tuning.ragged_splits(64, 16, 8, 1024) == 1          # too short to split
-    assert tuning.ragged_blocks(1, 128, 16, 64, 8, 4096).num_splits == 4
+    assert tuning.ragged_splits(64, 16, 8, 8 * floor) == 8     # 32 programs -> 256
+    assert tuning.ragged_splits(64, 16, 8, 4 * floor) == 4     # the floor limits it
+    assert tuning.ragged_splits(64, 16, 8, floor) == 1         # too short to split
+    assert tuning.ragged_blocks(1, 128, 16, 64, 8, 4 * floor).num_splits == 4
     assert tuning.ragged_blocks(1, 128, 16).num_splits == 1
 
 

@@ -106,6 +106,9 @@ def main(argv=None) -> None:
     ap.add_argument("--calls", type=int, default=10, help="calls per timed batch")
     ap.add_argument("--once", action="store_true", help="three calls per variant, no timing")
     ap.add_argument("--out", default=None, help="JSON file (default $OUT/ragged_prefill.json)")
+    ap.add_argument("--git", default=None,
+                    help="git sha to record (default: git rev-parse HEAD; the GPU machine's "
+                         "copy of the tree may carry an older .git)")
     args = ap.parse_args(argv)
     variants = [v for v in args.variants.split(";") if v]
     scale = D ** -0.5
@@ -152,7 +155,7 @@ def main(argv=None) -> None:
         out = args.out or os.path.join(os.environ.get("OUT", "."), "ragged_prefill.json")
         with open(out, "w") as f:
             json.dump({"probe": "ragged_prefill", "device": jax.devices()[0].device_kind,
-                       "jax": jax.__version__, "git": git_sha(),
+                       "jax": jax.__version__, "git": git_sha(args.git),
                        "date": datetime.date.today().isoformat(),
                        "command": "python -m bench.probes.ragged_prefill " + " ".join(
                            sys.argv[1:] if argv is None else argv),
