@@ -19,14 +19,11 @@ from pallas_kernels.ragged_paged_attention import (ragged_paged_attention,
                                                    ragged_paged_attention_blocks)
 
 
-def make_mixed(decode_rows: int, prefill: int, fp8: bool, key, context=(1000, 2000)):
-    """A mixed step: `decode_rows` sequences with one new token each at contexts drawn from
-    `context`, then one sequence's first prefill chunk of `prefill` tokens (causal over
-    itself). Returns q [T, HQ, D], the cache (k, v, ks, vs) and AttentionMetadata, T =
-    decode_rows + prefill."""
+def make_chunks(seqs, fp8: bool, key):
+    """seqs: (cached tokens, new tokens) per sequence -> q [T, HQ, D], the cache (k, v, ks,
+    vs; one layer, pages in a random order) and AttentionMetadata, T = all new tokens."""
     ks = jax.random.split(key, 8)
-    lens = jax.random.randint(ks[0], (decode_rows,), *context).tolist() + [prefill]
-    q_lens = [1] * decode_rows + [prefill]
+    lens = [c + n for c, n in seqs]
     pps = -(-max(lens) // PAGE)
     pages = 1 + sum(-(-n // PAGE) for n in lens)
     perm = (1 + jax.random.permutation(ks[1], pages - 1)).tolist()
@@ -35,12 +32,12 @@ def make_mixed(decode_rows: int, prefill: int, fp8: bool, key, context=(1000, 20
         need = -(-n // PAGE)
         table.append(perm[at:at + need] + [0] * (pps - need))
         at += need
-    positions = [p for n, ql in zip(lens, q_lens) for p in range(n - ql, n)]
-    token_seq = [b for b, ql in enumerate(q_lens) for _ in range(ql)]
+    positions = [p for c, n in seqs for p in range(c, c + n)]
+    token_seq = [b for b, (_, n) in enumerate(seqs) for _ in range(n)]
     slots = [table[b][p // PAGE] * PAGE + p % PAGE for b, p in zip(token_seq, positions)]
     start = [0]
-    for ql in q_lens:
-        start.append(start[-1] + ql)
+    for _, n in seqs:
+        start.append(start[-1] + n)
     md = AttentionMetadata(*(jnp.asarray(x, jnp.int32) for x in
                              (positions, slots, token_seq, table, lens, start)))
     shape = (1, HKV, pages, PAGE, D)
@@ -51,6 +48,14 @@ def make_mixed(decode_rows: int, prefill: int, fp8: bool, key, context=(1000, 20
               if fp8 else [None, None])
     q = jax.random.normal(ks[6], (len(positions), HQ, D), jnp.bfloat16)
     return q, (k, v, *scales), md
+
+
+def make_mixed(decode_rows: int, prefill: int, fp8: bool, key, context=(1000, 2000)):
+    """A mixed step: `decode_rows` sequences with one new token each at contexts drawn from
+    `context`, then one sequence's first prefill chunk of `prefill` tokens (causal over
+    itself). Returns make_chunks' q, cache and metadata, T = decode_rows + prefill."""
+    lens = jax.random.randint(jax.random.split(key, 8)[0], (decode_rows,), *context).tolist()
+    return make_chunks([(n - 1, 1) for n in lens] + [(0, prefill)], fp8, key)
 
 
 # the ragged kernel over every row of the step, with these RaggedBlocks(block_q, block_tokens,

@@ -40,8 +40,8 @@ import jax.numpy as jnp
 
 from bench.common import git_sha
 from bench.kernels import D, HKV, HQ, PAGE
+from bench.mixed_attention import make_chunks
 from bench.profile import device_seconds
-from jaxinfer.kv_cache import FP8_DTYPE, AttentionMetadata
 from pallas_kernels import tuning
 from pallas_kernels.ragged_paged_attention import (ragged_paged_attention_blocks,
                                                    ragged_paged_attention_reference)
@@ -55,33 +55,10 @@ CASES = {"first": ((0, 1793),), "pair": ((440, 560), (0, 1000)),
 
 def make_case(seqs, fp8: bool, key):
     """seqs: (cached tokens, new tokens) per sequence -> q [T, HQ, D], (k, v, ks, vs),
-    AttentionMetadata, and the causal (token, key) pair count."""
-    ks = jax.random.split(key, 8)
-    lens = [c + n for c, n in seqs]
-    pps = -(-max(lens) // PAGE)
-    pages = 1 + sum(-(-n // PAGE) for n in lens)
-    perm = (1 + jax.random.permutation(ks[1], pages - 1)).tolist()
-    table, at = [], 0
-    for n in lens:
-        need = -(-n // PAGE)
-        table.append(perm[at:at + need] + [0] * (pps - need))
-        at += need
-    positions = [p for c, n in seqs for p in range(c, c + n)]
-    token_seq = [b for b, (_, n) in enumerate(seqs) for _ in range(n)]
-    slots = [table[b][p // PAGE] * PAGE + p % PAGE for b, p in zip(token_seq, positions)]
-    start = [0]
-    for _, n in seqs:
-        start.append(start[-1] + n)
-    md = AttentionMetadata(*(jnp.asarray(x, jnp.int32) for x in
-                             (positions, slots, token_seq, table, lens, start)))
-    shape = (1, HKV, pages, PAGE, D)
-    dt = FP8_DTYPE if fp8 else jnp.bfloat16
-    k = jax.random.normal(ks[2], shape, jnp.bfloat16).astype(dt)
-    v = jax.random.normal(ks[3], shape, jnp.bfloat16).astype(dt)
-    scales = ([jax.random.uniform(x, shape[:-1], jnp.float32, 0.5, 1.5) / 16 for x in ks[4:6]]
-              if fp8 else [None, None])
-    q = jax.random.normal(ks[6], (len(positions), HQ, D), jnp.bfloat16)
-    return q, (k, v, *scales), md, sum(p + 1 for p in positions)
+    AttentionMetadata (bench.mixed_attention.make_chunks), and the causal (token, key) pair
+    count."""
+    q, cache, md = make_chunks(seqs, fp8, key)
+    return q, cache, md, sum(c + i + 1 for c, n in seqs for i in range(n))
 
 
 def blocks_of(text: str, fp8: bool, md=None) -> tuning.RaggedBlocks:
