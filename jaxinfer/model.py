@@ -125,18 +125,22 @@ class Attention(nnx.Module):
         return self.wo(o), kv
 
     def attend(self, qkv, kv: KVCache, layer, md: AttentionMetadata, cos, sin, attn_impl,
-               bias=None):
+               bias=None, scales=None):
         """qkv [T, (H+2K)D] (the fused projection's output, without `bias` [(H+2K)D] if
-        that is given: it is added here, in the RoPE kernel where that runs) -> the attention
-        output [T, H*D] before wo, and the cache with the new tokens' K/V written."""
+        that is given, and unscaled if `scales` (x_scale [T, 1], w_scale [(H+2K)D]) are:
+        the FP8 tensor-core product; both are applied here, in the RoPE kernel where that
+        runs) -> the attention output [T, H*D] before wo, and the cache with the new
+        tokens' K/V written."""
         cfg, n = self.cfg, self.layout.attn
         t = qkv.shape[0]
         fused = ops.rope_write_kv(kv, layer, qkv, cos, sin, md.slot_mapping,
                                   num_heads=cfg.num_heads, impl=attn_impl, layout=self.layout,
-                                  bias=bias)
+                                  bias=bias, scales=scales)
         if fused is not None:
             q, kv = fused
         else:     # [T, n, (H+2K)D/n]: each device's own heads under tensor parallelism
+            if scales is not None:
+                qkv = ops.tc_scaled(qkv, *scales, qkv.dtype)
             qkv = ops.with_bias(qkv, bias)
             q, kv = self._rope_write(qkv.reshape(t, n, -1), kv, layer, md, cos, sin,
                                      attn_impl)
@@ -210,8 +214,11 @@ class DecoderLayer(nnx.Module):
         a, m = self.attn, self.mlp
         _, xq, xs = ops.norm_quant(x, self.attn_norm.weight[...], eps=self.attn_norm.eps)
         bias = None if a.wqkv.bias is None else a.wqkv.bias[...]
-        qkv = ops.fp8_tc_linear(xq, xs, a.wqkv.kernel[...], a.wqkv.scale[...], x.dtype, bias)
-        o, kv = a.attend(qkv, kv, layer, md, cos, sin, attn_impl)
+        # QKV's scales (and bias) are applied in the RoPE + K/V write kernel, not in an XLA
+        # fusion of their own (a pass over the product: bench/README.md, 21st session)
+        qkv = ops.fp8_tc_product_q(xq, a.wqkv.kernel[...], x.dtype)
+        o, kv = a.attend(qkv, kv, layer, md, cos, sin, attn_impl, bias=bias,
+                         scales=(xs, a.wqkv.scale[...]))
         o_product, o_scale = ops.fp8_tc_product(o, a.wo.kernel[...], x.dtype)
         x, xq, xs = ops.norm_quant(x, self.mlp_norm.weight[...],
                                    (o_product, o_scale, a.wo.scale[...]), eps=self.mlp_norm.eps)

@@ -94,18 +94,20 @@ def write_kv(kv: KVCache, layer, k, v, slot_mapping, *, impl: str,
 
 
 def rope_write_kv(kv: KVCache, layer, qkv, cos, sin, slot_mapping, *, num_heads: int,
-                  impl: str, layout: TPLayout = TPLayout(), bias=None):
+                  impl: str, layout: TPLayout = TPLayout(), bias=None, scales=None):
     """RoPE on the fused QKV projection's output and the K/V write in one kernel: -> (q
     [T, H, D] rotated, the cache), or None where it does not apply (the caller's route:
     split, model.apply_rope, write_kv): FUSED_GLUE off, impl "reference", tensor
     parallelism, or a head dim the kernel does not take. bias: the projection's bias, added
-    in the kernel (qkv then comes without it), or None."""
+    in the kernel (qkv then comes without it), or None; scales: (x_scale [T, 1], w_scale
+    [(H+2K)D]) of an unscaled FP8 tensor-core product (fp8_tc_product_q), applied in the
+    kernel, or None."""
     from pallas_kernels import kv_write as kw
     if not (FUSED_GLUE and PALLAS_KV_WRITE and impl == "pallas" and layout.size == 1
             and kw.supported(kv)):
         return None
     kv, q = kw.rope_write_kv(kv, layer, qkv, cos, sin, slot_mapping, num_heads=num_heads,
-                             bias=bias, interpret=not _on_gpu())
+                             bias=bias, scales=scales, interpret=not _on_gpu())
     return q, kv
 
 
@@ -200,7 +202,7 @@ def _fp8_mlp_applies(x, w_first, w_down) -> bool:
 
 def fused_fp8_layer(x, wqkv, w_down, shards: int) -> bool:
     """Whether a decoder layer runs its FP8 tensor-core route with the RMSNorms fused into
-    the quantizations (norm_quant, fp8_tc_linear, fp8_mlp_quantized; model.DecoderLayer):
+    the quantizations (norm_quant, fp8_tc_product_q, fp8_mlp_quantized; model.DecoderLayer):
     on the GPU, one device, FP8 weights, M > DEQUANT_MAX_M and widths the kernels take."""
     from pallas_kernels import norm_quant as nq
     return (FUSED_NORM_QUANT and shards == 1 and _fp8_mlp_applies(x, wqkv, w_down)
@@ -214,11 +216,17 @@ def norm_quant(x, weight, delta=None, *, eps: float):
     return nq.norm_quant(x, weight, delta, eps=eps, interpret=not _on_gpu())
 
 
-def fp8_tc_linear(x_q, x_scale, kernel, scale, dtype, bias=None):
-    """An FP8 linear on the tensor-core route from activations already quantized per token."""
+def fp8_tc_product_q(x_q, kernel, dtype):
+    """The unscaled FP8 tensor-core product of activations already quantized per token; its
+    scales are left to the consumer (tc_scaled's epilogue; the RoPE kernel takes them)."""
     from pallas_kernels import fp8_matmul as fm
-    return with_bias(fm.tc_scaled(fm.tc_product(x_q, kernel, dtype), x_scale, scale, dtype),
-                      bias)
+    return fm.tc_product(x_q, kernel, dtype)
+
+
+def tc_scaled(y, x_scale, scale, dtype):
+    """fp8_matmul.tc_scaled: an FP8 tensor-core product times its scales, cast to dtype."""
+    from pallas_kernels import fp8_matmul as fm
+    return fm.tc_scaled(y, x_scale, scale, dtype)
 
 
 def fp8_tc_product(x, kernel, dtype):

@@ -129,7 +129,8 @@ ROPE_WARPS = 4   # a program rotates all H q heads of its token
 
 def _rope_kernel(layer_ref, slot_ref, qkv_ref, cos_ref, sin_ref, *refs, num_heads: int,
                  q_p2: int, kv_heads: int, kv_p2: int, num_pages: int, page_size: int,
-                 half: int, fp8: bool, bias: bool):
+                 half: int, fp8: bool, bias: bool, scaled: bool):
+    xs_ref, ws_ref, refs = (refs[0], refs[1], refs[2:]) if scaled else (None, None, refs)
     b_ref, refs = (refs[0], refs[1:]) if bias else (None, refs)
     refs = refs[2:]      # past the K/V caches in, aliased to the outputs below
     if fp8:
@@ -143,8 +144,10 @@ def _rope_kernel(layer_ref, slot_ref, qkv_ref, cos_ref, sin_ref, *refs, num_head
     c, s = cos_ref[t][None, :], sin_ref[t][None, :]                       # [1, D/2]
     dtype = qkv_ref.dtype
 
-    def row(head, cols):  # qkv's head row of token t (+ its bias, rounded like the Linear's)
-        x = qkv_ref[t * width + head, cols]
+    def row(head, cols):  # qkv's head row of token t (scaled and + its bias, rounded as
+        x = qkv_ref[t * width + head, cols]      # fp8_matmul.tc_scaled and the Linear round)
+        if xs_ref is not None:
+            x = (x.astype(jnp.float32) * xs_ref[t] * ws_ref[head, cols]).astype(dtype)
         if b_ref is not None:
             x = (x.astype(jnp.float32) + b_ref[head, cols].astype(jnp.float32)).astype(dtype)
         return x.astype(jnp.float32)
@@ -179,11 +182,15 @@ def _split_qkv(qkv, num_heads: int, kv_heads: int, head_dim: int):
 
 
 def rope_write_kv_reference(cache: KVCache, layer, qkv, cos, sin, slot_mapping, *,
-                            num_heads: int, bias=None):
-    """Plain jnp (model.Attention's route): -> (cache with the new K/V, q [T, H, D]); bias
-    [(H + 2K) D] (or None) is added to qkv first, as ops.linear adds it."""
+                            num_heads: int, bias=None, scales=None):
+    """Plain jnp (model.Attention's route): -> (cache with the new K/V, q [T, H, D]); scales
+    (x_scale [T, 1], w_scale [(H + 2K) D], or None) multiply qkv first, as
+    fp8_matmul.tc_scaled; bias [(H + 2K) D] (or None) is added next, as ops.linear adds it."""
     from jaxinfer.model import apply_rope
+    from pallas_kernels.fp8_matmul import tc_scaled
     _, kv_heads, _, _, head_dim = cache.k.shape
+    if scales is not None:
+        qkv = tc_scaled(qkv, *scales, qkv.dtype)
     if bias is not None:
         qkv = qkv + bias.astype(qkv.dtype)
     q, k, v = _split_qkv(qkv, num_heads, kv_heads, head_dim)
@@ -193,30 +200,39 @@ def rope_write_kv_reference(cache: KVCache, layer, qkv, cos, sin, slot_mapping, 
 
 @functools.partial(jax.jit, static_argnames=("num_heads", "interpret"))
 def rope_write_kv(cache: KVCache, layer, qkv, cos, sin, slot_mapping, *, num_heads: int,
-                  bias=None, interpret: bool = False):
+                  bias=None, scales=None, interpret: bool = False):
     """rope_write_kv_reference in one kernel (module doc): qkv [T, (H + 2K) D] ([q | k | v]
-    heads, the projection's output, without its bias when `bias` [(H + 2K) D] is given),
-    cos/sin [T, D/2] f32, slot_mapping [T] (-1 = padding: nothing written, q still rotated).
-    Returns (the cache, q [T, H, D] in qkv's dtype); the cache is updated in place as
-    write_kv's."""
+    heads, the projection's output, without its bias when `bias` [(H + 2K) D] is given, and
+    unscaled when `scales` is: the FP8 tensor-core product and its (per-token x_scale [T, 1],
+    per-channel w_scale [(H + 2K) D]) scales, applied here instead of in an XLA fusion of
+    their own), cos/sin [T, D/2] f32, slot_mapping [T] (-1 = padding: nothing written, q
+    still rotated). Returns (the cache, q [T, H, D] in qkv's dtype); the cache is updated in
+    place as write_kv's."""
     _, kv_heads, num_pages, page_size, head_dim = cache.k.shape
     t = qkv.shape[0]
     half = head_dim // 2
     width = (num_heads + 2 * kv_heads) * head_dim
     if (qkv.shape != (t, width) or cos.shape != (t, half) or sin.shape != cos.shape
-            or slot_mapping.shape != (t,) or (bias is not None and bias.shape != (width,))):
+            or slot_mapping.shape != (t,) or (bias is not None and bias.shape != (width,))
+            or (scales is not None and (scales[0].shape != (t, 1)
+                                        or scales[1].shape != (width,)))):
         raise ValueError(f"rope_write_kv: want qkv [T, {num_heads + 2 * kv_heads} * "
                          f"{head_dim}], cos/sin [T, {half}], slot_mapping [T], bias None or "
-                         f"[{width}]; got {qkv.shape}, {cos.shape}, {sin.shape}, "
-                         f"{slot_mapping.shape}, {None if bias is None else bias.shape}")
+                         f"[{width}], scales None or ([T, 1], [{width}]); got {qkv.shape}, "
+                         f"{cos.shape}, {sin.shape}, {slot_mapping.shape}, "
+                         f"{None if bias is None else bias.shape}, "
+                         f"{None if scales is None else [x.shape for x in scales]}")
     fp8 = cache.is_fp8
     views = [cache.k.reshape(-1, head_dim), cache.v.reshape(-1, head_dim)]
     if fp8:
         views += [cache.k_scale.reshape(-1), cache.v_scale.reshape(-1)]
     kernel = functools.partial(_rope_kernel, num_heads=num_heads, q_p2=pow2_ceil(num_heads),
                                kv_heads=kv_heads, kv_p2=pow2_ceil(kv_heads), num_pages=num_pages,
-                               page_size=page_size, half=half, fp8=fp8, bias=bias is not None)
-    extra = [] if bias is None else [bias.astype(qkv.dtype).reshape(-1, head_dim)]
+                               page_size=page_size, half=half, fp8=fp8, bias=bias is not None,
+                               scaled=scales is not None)
+    extra = [] if scales is None else [scales[0].reshape(-1).astype(jnp.float32),
+                                       scales[1].reshape(-1, head_dim).astype(jnp.float32)]
+    extra += [] if bias is None else [bias.astype(qkv.dtype).reshape(-1, head_dim)]
     q_out = jax.ShapeDtypeStruct((t * num_heads, head_dim), qkv.dtype)
     first = 5 + len(extra)              # the first cache view's operand index
     outs = pl.pallas_call(

@@ -114,6 +114,35 @@ def test_rope_kernel_matches_reference(num_heads, kv_heads, head_dim, dtype, tok
         _equal(got_cache, want_cache, exact=False)
 
 
+@pytest.mark.parametrize("num_heads,kv_heads,head_dim,dtype,bias", [
+    (32, 8, 128, FP8_DTYPE, False), (9, 3, 64, jnp.bfloat16, True)])
+def test_rope_kernel_applies_product_scales(num_heads, kv_heads, head_dim, dtype, bias):
+    """An unscaled FP8 tensor-core product with its per-token and per-channel scales (the
+    fused FP8 layer's QKV): the kernel applies them (and the bias after them) as
+    fp8_matmul.tc_scaled and the Linear do, against the reference scaling qkv first."""
+    rng = np.random.default_rng(num_heads + head_dim)
+    cache, qkv, cos, sin, slots = _rope_case(rng, num_heads, kv_heads, head_dim, dtype, 6)
+    product = jnp.asarray(np.asarray(qkv, np.float32) * 300, jnp.bfloat16)  # codes' scale
+    scales = (jnp.asarray(rng.uniform(0.5, 2, (6, 1)) / 300, jnp.float32),
+              jnp.asarray(rng.uniform(0.5, 2, qkv.shape[1]), jnp.float32))
+    b = (jnp.asarray(rng.standard_normal(qkv.shape[1]), jnp.float32) if bias else None)
+    want_cache, want_q = kw.rope_write_kv_reference(cache, jnp.int32(1), product, cos, sin,
+                                                    slots, num_heads=num_heads, bias=b,
+                                                    scales=scales)
+    got_cache, got_q = kw.rope_write_kv(cache, jnp.int32(1), product, cos, sin, slots,
+                                        num_heads=num_heads, bias=b, scales=scales,
+                                        interpret=not ON_GPU)
+    np.testing.assert_allclose(np.asarray(got_q, np.float32), np.asarray(want_q, np.float32),
+                               rtol=2 ** -7, atol=1e-6)
+    _equal(got_cache, want_cache, exact=False)
+    unscaled = kw.rope_write_kv_reference(cache, jnp.int32(1), product, cos, sin, slots,
+                                          num_heads=num_heads, bias=b)[1]
+    assert not np.allclose(np.asarray(unscaled, np.float32), np.asarray(want_q, np.float32))
+    with pytest.raises(ValueError, match="scales"):
+        kw.rope_write_kv(cache, jnp.int32(0), product, cos, sin, slots, num_heads=num_heads,
+                         scales=(scales[0][:-1], scales[1]), interpret=True)
+
+
 def test_rope_route_and_errors():
     rng = np.random.default_rng(5)
     cache, qkv, cos, sin, slots = _rope_case(rng, 4, 2, 64, jnp.bfloat16, 4)

@@ -75,11 +75,13 @@ def test_kernel_on_gpu_at_llama_shape(add):
            nq.norm_quant_reference(x, w, 1e-5, delta), zero_row=7)
 
 
-def _fused_vs_unfused_model(monkeypatch):
+def _fused_vs_unfused_model(monkeypatch, attention_impl="auto"):
     """The decoder's fused FP8 layer (model.DecoderLayer._fused_fp8) against the unfused
     tensor-core route on the same FP8 weights, 72 new tokens (> DEQUANT_MAX_M), and both
     against the float model. Off the GPU both routes are forced (there the FP8 linears do
-    not quantize activations and the fused layer is off)."""
+    not quantize activations and the fused layer is off); attention_impl "pallas" runs the
+    Pallas glue there too (interpret mode), so the fused layer's QKV scales are applied in
+    the RoPE + K/V write kernel as on the GPU."""
     from dense_reference import dense_logits, random_flat
     from test_model import single_sequence_md
 
@@ -94,7 +96,8 @@ def _fused_vs_unfused_model(monkeypatch):
     flat = random_flat(cfg, seed=11)
     tokens = np.random.default_rng(4).integers(0, cfg.vocab_size, 72).astype(np.int32)
     graphdef, params = build_model(cfg, flat, jnp.float32, fp8=True)
-    engine = EngineConfig(page_size=4, max_model_len=80, max_num_seqs=1)   # scanned layers
+    engine = EngineConfig(page_size=4, max_model_len=80, max_num_seqs=1,   # scanned layers
+                          attention_impl=attention_impl)
     md = single_sequence_md(range(72), list(range(1, 19)), 4, engine.pages_per_seq)
 
     def logits():
@@ -114,8 +117,18 @@ def _fused_vs_unfused_model(monkeypatch):
     unfused = logits()
     monkeypatch.setattr(ops, "FUSED_NORM_QUANT", True)
     monkeypatch.setattr(ops, "fused_fp8_layer", fused_layer)
+    from pallas_kernels import kv_write as kw
+    rope, scaled = kw.rope_write_kv, []
+
+    def rope_spy(*args, scales=None, **kwargs):
+        scaled.append(scales is not None)
+        return rope(*args, scales=scales, **kwargs)
+
+    monkeypatch.setattr(kw, "rope_write_kv", rope_spy)
     fused = logits()
     assert any(calls), "the fused layer was not traced"
+    # with Pallas attention the QKV product's scales go to the RoPE kernel
+    assert any(scaled) == (attention_impl == "pallas" or ON_GPU)
     rel = lambda a, b: np.linalg.norm(a - b) / np.linalg.norm(b)
     ref = dense_logits(cfg, flat, tokens)
     # both round activations to e4m3 per token (~2-3% per element) and weights to e4m3
@@ -124,8 +137,9 @@ def _fused_vs_unfused_model(monkeypatch):
     assert rel(fused, unfused) < 2e-3
 
 
-def test_fused_fp8_layer_matches_unfused_model(monkeypatch):
-    _fused_vs_unfused_model(monkeypatch)
+@pytest.mark.parametrize("attention_impl", ["auto", "pallas"])
+def test_fused_fp8_layer_matches_unfused_model(monkeypatch, attention_impl):
+    _fused_vs_unfused_model(monkeypatch, attention_impl)
 
 
 @pytest.mark.gpu

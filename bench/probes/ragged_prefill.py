@@ -19,11 +19,12 @@ Hkv 8, D 128, page 16), KV pages in a random order. Cases:
 
 A variant is "block_q,block_tokens,warps,stages,fp8_compute[,prefetch[,heavy_first]]"
 (tuning.parse_ragged) or "tuned" (the table's entry, num_splits by tuning.ragged_splits for
-the case), either with an optional "/S": S splits of the context. --once runs each variant's kernel three times and exits (for
-Nsight Compute: `ncu -k regex:ragged --launch-skip 2 --launch-count 1 ...`). TFLOP/s counts
-the causal work only: 4 * D * Hq per (token, visible key) pair. `max_abs_err`: against the
-plain-jnp reference (outputs are O(0.1): values of random unit normals). On the CPU it runs a small
-case in interpret mode.
+the case), either with an optional "/S": S splits of the context. --once runs each
+variant's kernel three times and exits (for Nsight Compute: `ncu -k regex:ragged
+--launch-skip 2 --launch-count 1 ...`). TFLOP/s counts the causal work only: 4 * D * Hq per
+(token, visible key) pair. `max_abs_err`: the largest difference from the plain-jnp
+reference (f32) over the outputs (the kernel's are in q's dtype, bf16). On the CPU it runs
+a small case in interpret mode.
 """
 from __future__ import annotations
 
