@@ -279,7 +279,7 @@ def _paged_attention_blocks(q, k_pages, v_pages, layer, seq_lens, page_table, k_
     if n == 1:
         return outs[0].reshape(q.shape)
     out = combine_call(*outs, splits=n, rows=batch, batch=total, num_heads=num_heads,
-                        head_dim=head_dim, dtype=q.dtype, interpret=interpret)
+                       head_dim=head_dim, dtype=q.dtype, interpret=interpret)
     return out.reshape(q.shape)
 
 

@@ -6,8 +6,8 @@ in the cache (jaxinfer.kv_cache.write_kv runs first, a scatter of T*K*D elements
 layout, FP8 scales, the FP8 compute dtype (RaggedBlocks.fp8_compute, same numerics) and the
 block step are those of pallas_kernels/attention_block.py, shared with the decode kernel.
 
-Kernel (Pallas Triton, like the decode kernel): grid (W, K, splits) over a work list. A program
-takes `block_q` consecutive new tokens of one sequence and all G q heads of one kv head as
+Kernel (Pallas Triton, like the decode kernel): grid (W, K, splits) over a work list. A
+program takes `block_q` consecutive new tokens of one sequence and all G q heads of one kv head as
 the rows of one tile (row r = token r // G', head r % G', G' = G rounded up to a power of
 two; padding rows repeat a real token/head), so each page is read once per q block, not once
 per token. KV steps below the block's smallest position run unmasked; the rest apply the
