@@ -30,7 +30,12 @@ the Linear would have (rounded to the activations' dtype before the rotation), i
 kernel of its own: XLA ran that add as a 1.76 us fusion per layer in the Qwen2.5-32B FP8
 batch-1 step (bench/results/profile_b1_qwen_fp8.json, read by its name and count); that
 step ran 9.893 ms back to back with the add here against 10.002 with XLA's (one A/B,
-fourteenth session).
+fourteenth session). With `scales` (the fused FP8 layer's route, above 64 rows) qkv is the
+FP8 tensor-core GEMM's unscaled product and the per-token and per-channel scales are applied
+here (fp8_matmul.tc_scaled's math, rounded to the activations' dtype before the bias),
+instead of by an XLA fusion that read and wrote the whole product: in the 8B 384-row decode
+step the fusion's 4.0 us per layer went and this kernel took 0.7 us more (two profile pairs,
+twenty-first session).
 
 Backend: Pallas Triton, as the attention kernels (pallas_kernels/paged_attention.py says why).
 """
