@@ -230,10 +230,12 @@ def tc_scaled(y, x_scale, scale, dtype):
 
 
 def fp8_tc_product(x, kernel, dtype):
-    """x quantized per token and its unscaled FP8 product: -> (product, x's scales); the
-    product's epilogue is left to the caller (norm_quant's delta)."""
+    """x quantized per token (one Pallas kernel: norm_quant.quant_rows) and its unscaled FP8
+    product: -> (product, x's scales); the product's epilogue is left to the caller
+    (norm_quant's delta)."""
     from pallas_kernels import fp8_matmul as fm
-    x_q, x_scale = fm.tc_quantize(x)
+    from pallas_kernels import norm_quant as nq
+    x_q, x_scale = nq.quant_rows(x, interpret=not _on_gpu())
     return fm.tc_product(x_q, kernel, dtype), x_scale
 
 

@@ -75,6 +75,33 @@ def test_kernel_on_gpu_at_llama_shape(add):
            nq.norm_quant_reference(x, w, 1e-5, delta), zero_row=7)
 
 
+def _check_quant_rows(x, zero_row):
+    from pallas_kernels.fp8_matmul import quantize_rows
+    q, scale = nq.quant_rows(x, interpret=not ON_GPU)
+    q_ref, scale_ref = quantize_rows(x)
+    assert q.dtype == jnp.float8_e4m3fn and scale.shape == scale_ref.shape == (x.shape[0], 1)
+    # the same amax and codes; on the GPU the division may round its last bit differently
+    np.testing.assert_allclose(np.asarray(scale), np.asarray(scale_ref), rtol=1e-6)
+    a, b = (np.asarray(c.astype(jnp.float32)) for c in (q, q_ref))
+    assert np.mean(a != b) < 1e-3 and (np.abs(a - b) <= np.abs(b) * 2.0 ** -3 * 1.05).all()
+    assert float(scale[zero_row, 0]) == 1.0 and not a[zero_row].any()
+
+
+@pytest.mark.parametrize("m,e", [(3, 64), (5, 192), (2, 40)])
+def test_quant_rows_matches_quantize_rows(m, e):
+    """The rows' own per-token e4m3 codes (the attention output before the O projection) in
+    one kernel, against fp8_matmul.quantize_rows; a zero row gets scale 1; a width the
+    kernel does not take (40) runs the reference."""
+    x, _, _ = _inputs(np.random.default_rng(m + e), m, e, zero_row=1)
+    _check_quant_rows(x, zero_row=1)
+
+
+@pytest.mark.gpu
+def test_quant_rows_on_gpu_at_llama_shape():
+    x, _, _ = _inputs(np.random.default_rng(6), 384, 4096, zero_row=9)
+    _check_quant_rows(x, zero_row=9)
+
+
 def _fused_vs_unfused_model(monkeypatch, attention_impl="auto"):
     """The decoder's fused FP8 layer (model.DecoderLayer._fused_fp8) against the unfused
     tensor-core route on the same FP8 weights, 72 new tokens (> DEQUANT_MAX_M), and both
