@@ -82,7 +82,7 @@ def _kernel(*refs, e: int, bf: int, bm: int, eps: float, add: bool, norm: bool =
         if norm:
             ss = ss + jnp.sum(xf * xf, axis=1)
         xs.append(xf)
-    inv = jax.lax.rsqrt(ss / e + eps)
+    inv = jax.lax.rsqrt(ss / e + eps) if norm else None
     ns, amax = [], jnp.zeros((bm,), jnp.float32)
     for c, xf in enumerate(xs):
         n = xf if not norm else (
