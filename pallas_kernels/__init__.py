@@ -1,6 +1,9 @@
 """Pallas GPU kernels: each file holds a kernel, its pallas_call wrapper, a jitted entry with
 input validation and a plain-jnp *_reference; attention_block.py holds the block step (and
 FP8 numerics) both paged-attention kernels share, tuning.py their block sizes."""
+import math
+
+LOG2E = math.log2(math.e)   # exp(x) = exp2(x * LOG2E): the kernels' softmax and SiLU
 
 
 def triton_params(interpret: bool, num_warps: int, num_stages: int) -> dict:

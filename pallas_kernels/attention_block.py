@@ -44,7 +44,6 @@ logit column after the dot, V's per p column before it).
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -56,7 +55,6 @@ from jaxinfer.errors import ConfigError
 from jaxinfer.kv_cache import FP8_DTYPE
 from pallas_kernels import tuning
 
-LOG2E = math.log2(math.e)
 M_INIT = -1e30  # finite, so an empty split combines to 0 instead of NaN
 MIN_ROWS = 16   # tensor-core tiles need 16 rows
 MIN_BLOCK_TOKENS = 16  # and 16 columns: Triton's dot with N = 8 returned doubled sums (H200)

@@ -45,8 +45,8 @@ from jax.experimental import pallas as pl
 
 from jaxinfer.errors import ConfigError
 from jaxinfer.kv_cache import FP8_DTYPE
-from pallas_kernels import pow2_ceil, triton_params, tuning
-from pallas_kernels.attention_block import (LOG2E, MIN_ROWS, attend_block, block_pages,
+from pallas_kernels import LOG2E, pow2_ceil, triton_params, tuning
+from pallas_kernels.attention_block import (MIN_ROWS, attend_block, block_pages,
                                             cache_views, compute_dtype, empty_carry,
                                             kernel_refs, kv_rows, load_q, paged_loop,
                                             prepare_q, store_rows, uses_pairs, validate)

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import os
 
 import jax
@@ -45,11 +44,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels import fp8_matmul as fm
-from pallas_kernels import pow2_divisor, triton_params
+from pallas_kernels import LOG2E, pow2_divisor, triton_params
 from pallas_kernels.fp8_matmul import FP8_DTYPE, quantize_rows
 
 MAX_CHUNK = 2048        # columns per tile (BF)
-LOG2E = math.log2(math.e)
 LIVE_PER_THREAD = 64    # values of h a thread holds in the one-pass form (BM * F / threads)
 
 

@@ -17,11 +17,13 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import time
 
 import jax
 import jax.numpy as jnp
 
+from bench.common import git_sha
 from bench.kernels import impls, make_case, tuned_blocks
 from pallas_kernels import fp8_matmul as fm
 
@@ -44,6 +46,8 @@ def _time(fn, args, calls: int = 20, repeats: int = 5) -> float:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=None)
+    p.add_argument("--git", default=None, help="git sha to record (default: git rev-parse "
+                   "HEAD; the GPU machine's copy of the tree may carry an older .git)")
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("--context", type=int, default=1536)
     p.add_argument("--m", type=int, default=2048, help="the GEMM's rows")
@@ -74,7 +78,10 @@ def main(argv=None) -> None:
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"probe": "concurrent", "device": jax.devices()[0].device_kind,
-                       "jax": jax.__version__, "rows": [row]}, f, indent=1)
+                       "jax": jax.__version__, "git": git_sha(args.git),
+                       "command": "python -m bench.probes.concurrent " + " ".join(
+                           sys.argv[1:] if argv is None else argv),
+                       "rows": [row]}, f, indent=1)
 
 
 if __name__ == "__main__":

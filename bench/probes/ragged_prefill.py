@@ -62,13 +62,13 @@ def make_case(seqs, fp8: bool, key):
     return q, cache, md, sum(c + i + 1 for c, n in seqs for i in range(n))
 
 
-def blocks_of(text: str, fp8: bool, md=None) -> tuning.RaggedBlocks:
+def blocks_of(text: str, fp8: bool, md) -> tuning.RaggedBlocks:
     """A variant's blocks: "tuned" is the table's entry with the split rule for the case's
     tokens and context (md); a "/S" suffix sets num_splits = S."""
     text, _, splits = text.partition("/")
     if text == "tuned":
-        t, ctx = (md.positions.shape[0], md.page_table.shape[1] * PAGE) if md else (0, 0)
-        blk = tuning.ragged_blocks(1 if fp8 else 2, D, PAGE, t, HKV, ctx)
+        blk = tuning.ragged_blocks(1 if fp8 else 2, D, PAGE, md.positions.shape[0], HKV,
+                                   md.page_table.shape[1] * PAGE)
     else:
         blk = tuning.RaggedBlocks(*tuning.parse_ragged(text))
     return dataclasses.replace(blk, num_splits=int(splits)) if splits else blk
