@@ -39,7 +39,7 @@ def xla_route(y, xs, ws):
     return sq.swiglu_quant_reference(y, xs, ws)
 
 
-def bench_m(m, f, args, rows, pas):
+def bench_m(m, f, args, rows, pas, variants=None):
     key = jax.random.PRNGKey(m)
     count = min(args.max_rotate, max(2, math.ceil(args.rotate_mb * 2**20 / (m * 2 * f * 2))))
     ys = [jax.random.normal(jax.random.fold_in(key, i), (m, 2 * f), jnp.bfloat16) * 4
@@ -49,7 +49,7 @@ def bench_m(m, f, args, rows, pas):
     moved = m * 2 * f * 2 + m * f + m * 4
     impls = [("xla", None, xla_route)] + [
         ("kernel", t, lambda y, xs, ws, t=t: sq.swiglu_quant(y, xs, ws, tiles=t))
-        for t in VARIANTS]
+        for t in (variants or VARIANTS)]
     for name, t, fn in impls:
         row = {"impl": name, "M": m, "F": f, "pass": pas}
         if t is not None:
@@ -76,13 +76,17 @@ def main(argv=None):
     p.add_argument("--ms", default="256,2048", help="comma-separated token counts M")
     p.add_argument("--f", type=int, default=14336, help="the MLP's F (Llama-3-8B: 14336)")
     p.add_argument("--passes", type=int, default=2)
+    p.add_argument("--variants", default="",
+                   help="';'-separated Tiles as JAXINFER_SWIGLU_TILES takes them (e.g. "
+                        "'fast_math=1,num_warps=16;asm=1,num_warps=16'); default: VARIANTS")
     args = p.parse_args(argv)
+    variants = [sq.parse_tiles(v) for v in args.variants.split(";")] if args.variants else None
     result = new_result("swiglu_quant", args.git,
                         command=" ".join(["python -m bench.swiglu_quant"] + sys.argv[1:]),
                         default_tiles=str(sq.TILES))
     for pas in range(args.passes):
         for m in (int(v) for v in args.ms.split(",")):
-            bench_m(m, args.f, args, result["rows"], pas)
+            bench_m(m, args.f, args, result["rows"], pas, variants)
             save(result, args.out)
     for r in result["rows"]:
         print(f'{r["impl"]:>6} M={r["M"]:>5} pass {r["pass"]} {r.get("tiles", ""):<95} '

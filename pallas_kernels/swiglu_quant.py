@@ -63,6 +63,13 @@ class Tiles:
                                # place of its expf, as Pallas's Triton lowering maps them)
                                # and the codes as h * (448 / amax), one reciprocal per row,
                                # instead of a division per value
+    asm: bool = False          # sigmoid(g) in inline PTX: ex2.approx.ftz + rcp.approx.ftz
+                               # (both ~1 ulp; the GPU only, interpret mode takes fast_math's
+                               # jnp form)
+    clip: bool = True          # clip the codes to +-448 before the e4m3 cast; without, the
+                               # cast itself saturates (sm_89+: cvt.rn.satfinite), and codes
+                               # from the row's own amax never exceed 448 anyway
+    flat: bool = False         # with one row per program, 1-D [BF] tiles instead of [1, BF]
 
 
 # rows 1, 16 warps, one pass, fast_math. The ninth session's sweep (bench/swiglu_quant.py on
@@ -137,32 +144,54 @@ def supported(f: int, tiles: Tiles | None = None) -> bool:
             and (t.two_pass or f <= max_live(t)))
 
 
-def _h_chunk(y_ref, ws_ref, rows, xs, c, f: int, bf: int, fast: bool = False):
-    """h = silu(g) * u for columns [c*BF, (c+1)*BF) of the rows, in f32 ([BM, BF])."""
-    g = (y_ref[rows, pl.ds(c * bf, bf)].astype(jnp.float32) * xs[:, None]
-         * ws_ref[pl.ds(c * bf, bf)][None, :])
-    u = (y_ref[rows, pl.ds(f + c * bf, bf)].astype(jnp.float32) * xs[:, None]
-         * ws_ref[pl.ds(f + c * bf, bf)][None, :])
+# sigmoid(x) = 1 / (1 + 2^(-x log2 e)) in four PTX instructions (0fBFB8AA3B = -log2 e)
+SIGMOID_PTX = ("{ .reg .f32 t; mul.f32 t, $1, 0fBFB8AA3B; ex2.approx.ftz.f32 t, t; "
+               "add.f32 t, t, 0f3F800000; rcp.approx.ftz.f32 $0, t; }")
+
+
+def _sigmoid_asm(x):
+    from jax.experimental.pallas import triton as plt
+    [out] = plt.elementwise_inline_asm(SIGMOID_PTX, args=[x], constraints="=f,f", pack=1,
+                                       result_shape_dtypes=[jax.ShapeDtypeStruct.like(x)])
+    return out
+
+
+def _h_chunk(y_ref, ws_ref, rows, xs, c, f: int, bf: int, fast: bool = False,
+             asm: bool = False):
+    """h = silu(g) * u for columns [c*BF, (c+1)*BF) of the rows, in f32 ([BM, BF]; [BF]
+    when rows is a scalar row index and xs a scalar)."""
+    flat = jnp.ndim(xs) == 0
+    xb = xs if flat else xs[:, None]
+    wg, wu = ws_ref[pl.ds(c * bf, bf)], ws_ref[pl.ds(f + c * bf, bf)]
+    g = y_ref[rows, pl.ds(c * bf, bf)].astype(jnp.float32) * xb * (wg if flat else wg[None, :])
+    u = (y_ref[rows, pl.ds(f + c * bf, bf)].astype(jnp.float32) * xb
+         * (wu if flat else wu[None, :]))
+    if asm:
+        return g * _sigmoid_asm(g) * u
     e = jnp.exp2(g * -LOG2E) if fast else jnp.exp(-g)
     return g / (1.0 + e) * u
 
 
-def _store(q_ref, rows, c, bf, hc, scale, inv=None):
-    """The chunk's e4m3 codes: h / scale, or h * inv with inv = 1 / scale per row given."""
-    if inv is None:
-        q_ref[rows, pl.ds(c * bf, bf)] = fm.e4m3_codes(hc, scale[:, None], q_ref.dtype)
-    else:
-        q_ref[rows, pl.ds(c * bf, bf)] = fm.e4m3_saturate(hc * inv[:, None], q_ref.dtype)
+def _store(q_ref, rows, c, bf, hc, scale, inv=None, clip: bool = True):
+    """The chunk's e4m3 codes: h / scale, or h * inv with inv = 1 / scale per row given
+    (scale and inv [BM], or scalars with a flat chunk)."""
+    b = (lambda v: v) if jnp.ndim(scale) == 0 else (lambda v: v[:, None])
+    codes = hc / b(scale) if inv is None else hc * b(inv)
+    q_ref[rows, pl.ds(c * bf, bf)] = (fm.e4m3_saturate(codes, q_ref.dtype) if clip
+                                      else codes.astype(q_ref.dtype))
 
 
 def swiglu_quant_kernel(y_ref, xs_ref, ws_ref, q_ref, s_ref, *, f: int, bf: int, bm: int,
-                        two_pass: bool, fast_math: bool = False):
-    rows = pl.ds(pl.program_id(0) * bm, bm)
-    xs = xs_ref[rows]                                                     # [BM] f32
-    amax0 = jnp.zeros((bm,), jnp.float32)
+                        two_pass: bool, fast_math: bool = False, asm: bool = False,
+                        clip: bool = True, flat: bool = False):
+    flat = flat and bm == 1
+    rows = pl.program_id(0) if flat else pl.ds(pl.program_id(0) * bm, bm)
+    xs = xs_ref[rows]                                                # [BM] f32 (flat: scalar)
+    amax0 = jnp.zeros((), jnp.float32) if flat else jnp.zeros((bm,), jnp.float32)
+    rmax = (lambda v: jnp.max(v)) if flat else (lambda v: jnp.max(v, axis=1))
 
     def h_chunk(c):
-        return _h_chunk(y_ref, ws_ref, rows, xs, c, f, bf, fast_math)
+        return _h_chunk(y_ref, ws_ref, rows, xs, c, f, bf, fast_math, asm)
 
     def scales(amax):   # (scale, 1 / scale or None)
         scale = fm.amax_scale(amax)
@@ -170,22 +199,22 @@ def swiglu_quant_kernel(y_ref, xs_ref, ws_ref, q_ref, s_ref, *, f: int, bf: int,
 
     if two_pass:       # chunk loops Triton can pipeline; h never held whole
         def amax_step(c, amax):
-            return jnp.maximum(amax, jnp.max(jnp.abs(h_chunk(c)), axis=1))
+            return jnp.maximum(amax, rmax(jnp.abs(h_chunk(c))))
         scale, inv = scales(lax.fori_loop(0, f // bf, amax_step, amax0))
 
         def store_step(c, carry):
-            _store(q_ref, rows, c, bf, h_chunk(c), scale, inv)
+            _store(q_ref, rows, c, bf, h_chunk(c), scale, inv, clip)
             return carry
         lax.fori_loop(0, f // bf, store_step, 0)
     else:              # static chunks: h stays in registers, y read once
         h, amax = [], amax0
         for c in range(f // bf):
             hc = h_chunk(c)
-            amax = jnp.maximum(amax, jnp.max(jnp.abs(hc), axis=1))
+            amax = jnp.maximum(amax, rmax(jnp.abs(hc)))
             h.append(hc)
         scale, inv = scales(amax)
         for c, hc in enumerate(h):
-            _store(q_ref, rows, c, bf, hc, scale, inv)
+            _store(q_ref, rows, c, bf, hc, scale, inv, clip)
     s_ref[rows] = scale
 
 
@@ -207,7 +236,8 @@ def swiglu_quant(y, x_scale, w_scale, *, interpret: bool = False, tiles: Tiles |
     params = triton_params(interpret, t.num_warps, t.num_stages)
     h_q, h_scale = pl.pallas_call(
         functools.partial(swiglu_quant_kernel, f=f, bf=bf, bm=bm, two_pass=t.two_pass,
-                          fast_math=t.fast_math),
+                          fast_math=t.fast_math or t.asm, asm=t.asm and not interpret,
+                          clip=t.clip, flat=t.flat),
         out_shape=(jax.ShapeDtypeStruct((m, f), FP8_DTYPE),
                    jax.ShapeDtypeStruct((m,), jnp.float32)),
         grid=(m // bm,),
