@@ -70,6 +70,10 @@ class Tiles:
                                # cast itself saturates (sm_89+: cvt.rn.satfinite), and codes
                                # from the row's own amax never exceed 448 anyway
     flat: bool = False         # with one row per program, 1-D [BF] tiles instead of [1, BF]
+    vec_amax: bool = False     # one-pass: the chunks' |h| maxed elementwise, then one
+                               # reduction across the program (not one per chunk)
+    row_loop: int = 0          # one-pass + flat: R rows per program one after another, each
+                               # row's loads issued before the previous row's math (0: off)
 
 
 # rows 1, 16 warps, one pass, fast_math. The ninth session's sweep (bench/swiglu_quant.py on
@@ -156,20 +160,30 @@ def _sigmoid_asm(x):
     return out
 
 
-def _h_chunk(y_ref, ws_ref, rows, xs, c, f: int, bf: int, fast: bool = False,
-             asm: bool = False):
-    """h = silu(g) * u for columns [c*BF, (c+1)*BF) of the rows, in f32 ([BM, BF]; [BF]
-    when rows is a scalar row index and xs a scalar)."""
+def _h_from(g, u, ws_ref, xs, c, f: int, bf: int, fast: bool = False, asm: bool = False):
+    """h = silu(g) * u in f32 from columns [c*BF, (c+1)*BF) of gate and up as loaded
+    ([BM, BF] bf16 with xs [BM]; [BF] with xs a scalar)."""
     flat = jnp.ndim(xs) == 0
     xb = xs if flat else xs[:, None]
     wg, wu = ws_ref[pl.ds(c * bf, bf)], ws_ref[pl.ds(f + c * bf, bf)]
-    g = y_ref[rows, pl.ds(c * bf, bf)].astype(jnp.float32) * xb * (wg if flat else wg[None, :])
-    u = (y_ref[rows, pl.ds(f + c * bf, bf)].astype(jnp.float32) * xb
-         * (wu if flat else wu[None, :]))
+    g = g.astype(jnp.float32) * xb * (wg if flat else wg[None, :])
+    u = u.astype(jnp.float32) * xb * (wu if flat else wu[None, :])
     if asm:
         return g * _sigmoid_asm(g) * u
     e = jnp.exp2(g * -LOG2E) if fast else jnp.exp(-g)
     return g / (1.0 + e) * u
+
+
+def _load_gu(y_ref, rows, c, f: int, bf: int):
+    """Chunk c of the rows' gate and up, as stored (bf16)."""
+    return y_ref[rows, pl.ds(c * bf, bf)], y_ref[rows, pl.ds(f + c * bf, bf)]
+
+
+def _h_chunk(y_ref, ws_ref, rows, xs, c, f: int, bf: int, fast: bool = False,
+             asm: bool = False):
+    """h = silu(g) * u for columns [c*BF, (c+1)*BF) of the rows, in f32 ([BM, BF]; [BF]
+    when rows is a scalar row index and xs a scalar)."""
+    return _h_from(*_load_gu(y_ref, rows, c, f, bf), ws_ref, xs, c, f, bf, fast, asm)
 
 
 def _store(q_ref, rows, c, bf, hc, scale, inv=None, clip: bool = True):
@@ -183,39 +197,61 @@ def _store(q_ref, rows, c, bf, hc, scale, inv=None, clip: bool = True):
 
 def swiglu_quant_kernel(y_ref, xs_ref, ws_ref, q_ref, s_ref, *, f: int, bf: int, bm: int,
                         two_pass: bool, fast_math: bool = False, asm: bool = False,
-                        clip: bool = True, flat: bool = False):
+                        clip: bool = True, flat: bool = False, vec_amax: bool = False,
+                        row_loop: int = 0):
     flat = flat and bm == 1
-    rows = pl.program_id(0) if flat else pl.ds(pl.program_id(0) * bm, bm)
-    xs = xs_ref[rows]                                                # [BM] f32 (flat: scalar)
-    amax0 = jnp.zeros((), jnp.float32) if flat else jnp.zeros((bm,), jnp.float32)
+    nc = f // bf
     rmax = (lambda v: jnp.max(v)) if flat else (lambda v: jnp.max(v, axis=1))
-
-    def h_chunk(c):
-        return _h_chunk(y_ref, ws_ref, rows, xs, c, f, bf, fast_math, asm)
 
     def scales(amax):   # (scale, 1 / scale or None)
         scale = fm.amax_scale(amax)
         return scale, (jnp.where(amax > 0, fm.FP8_MAX / amax, 1.0) if fast_math else None)
 
-    if two_pass:       # chunk loops Triton can pipeline; h never held whole
-        def amax_step(c, amax):
-            return jnp.maximum(amax, rmax(jnp.abs(h_chunk(c))))
-        scale, inv = scales(lax.fori_loop(0, f // bf, amax_step, amax0))
-
-        def store_step(c, carry):
-            _store(q_ref, rows, c, bf, h_chunk(c), scale, inv, clip)
-            return carry
-        lax.fori_loop(0, f // bf, store_step, 0)
-    else:              # static chunks: h stays in registers, y read once
-        h, amax = [], amax0
-        for c in range(f // bf):
-            hc = h_chunk(c)
-            amax = jnp.maximum(amax, rmax(jnp.abs(hc)))
-            h.append(hc)
+    def one_pass(rows, xs, loaded):   # h of the rows in registers; amax; the stores
+        h = [_h_from(*loaded[c], ws_ref, xs, c, f, bf, fast_math, asm) for c in range(nc)]
+        if vec_amax:   # elementwise max over the chunks, one reduction across the program
+            acc = jnp.abs(h[0])
+            for hc in h[1:]:
+                acc = jnp.maximum(acc, jnp.abs(hc))
+            amax = rmax(acc)
+        else:
+            amax = functools.reduce(jnp.maximum, [rmax(jnp.abs(hc)) for hc in h])
         scale, inv = scales(amax)
         for c, hc in enumerate(h):
             _store(q_ref, rows, c, bf, hc, scale, inv, clip)
-    s_ref[rows] = scale
+        s_ref[rows] = scale
+
+    if row_loop and flat:   # R rows one after another, the next row's loads issued first
+        row0 = pl.program_id(0) * row_loop
+
+        def load(r):
+            return [_load_gu(y_ref, r, c, f, bf) for c in range(nc)]
+
+        def body(i, loaded):
+            nxt = load(jnp.minimum(row0 + i + 1, row0 + row_loop - 1))
+            one_pass(row0 + i, xs_ref[row0 + i], loaded)
+            return nxt
+        lax.fori_loop(0, row_loop, body, load(row0))
+        return
+
+    rows = pl.program_id(0) if flat else pl.ds(pl.program_id(0) * bm, bm)
+    xs = xs_ref[rows]                                                # [BM] f32 (flat: scalar)
+    if two_pass:       # chunk loops Triton can pipeline; h never held whole
+        amax0 = jnp.zeros((), jnp.float32) if flat else jnp.zeros((bm,), jnp.float32)
+
+        def amax_step(c, amax):
+            h = _h_chunk(y_ref, ws_ref, rows, xs, c, f, bf, fast_math, asm)
+            return jnp.maximum(amax, rmax(jnp.abs(h)))
+        scale, inv = scales(lax.fori_loop(0, nc, amax_step, amax0))
+
+        def store_step(c, carry):
+            h = _h_chunk(y_ref, ws_ref, rows, xs, c, f, bf, fast_math, asm)
+            _store(q_ref, rows, c, bf, h, scale, inv, clip)
+            return carry
+        lax.fori_loop(0, nc, store_step, 0)
+        s_ref[rows] = scale
+    else:              # static chunks: h stays in registers, y read once
+        one_pass(rows, xs, [_load_gu(y_ref, rows, c, f, bf) for c in range(nc)])
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "tiles"))
@@ -233,14 +269,17 @@ def swiglu_quant(y, x_scale, w_scale, *, interpret: bool = False, tiles: Tiles |
     if not supported(f, t):
         return swiglu_quant_reference(y, x_scale, w_scale)
     bf, bm = chunk(f, t.chunk), block_rows(m, f, t)
+    row_loop = (pow2_divisor(m, t.row_loop)
+                if t.row_loop and t.flat and bm == 1 and not t.two_pass else 0)
     params = triton_params(interpret, t.num_warps, t.num_stages)
     h_q, h_scale = pl.pallas_call(
         functools.partial(swiglu_quant_kernel, f=f, bf=bf, bm=bm, two_pass=t.two_pass,
                           fast_math=t.fast_math or t.asm, asm=t.asm and not interpret,
-                          clip=t.clip, flat=t.flat),
+                          clip=t.clip, flat=t.flat, vec_amax=t.vec_amax,
+                          row_loop=row_loop),
         out_shape=(jax.ShapeDtypeStruct((m, f), FP8_DTYPE),
                    jax.ShapeDtypeStruct((m,), jnp.float32)),
-        grid=(m // bm,),
+        grid=(m // (row_loop or bm),),
         interpret=interpret,
         name="swiglu_quant",
         **params,
