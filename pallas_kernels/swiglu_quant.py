@@ -48,6 +48,7 @@ from pallas_kernels import LOG2E, pow2_divisor, triton_params
 from pallas_kernels.fp8_matmul import FP8_DTYPE, quantize_rows
 
 MAX_CHUNK = 2048        # columns per tile (BF)
+MIN_PROGRAMS = 132      # row_loop keeps at least this many programs (the H200's SMs)
 LIVE_PER_THREAD = 64    # values of h a thread holds in the one-pass form (BM * F / threads)
 
 
@@ -72,8 +73,13 @@ class Tiles:
     flat: bool = False         # with one row per program, 1-D [BF] tiles instead of [1, BF]
     vec_amax: bool = False     # one-pass: the chunks' |h| maxed elementwise, then one
                                # reduction across the program (not one per chunk)
-    row_loop: int = 0          # one-pass + flat: R rows per program one after another, each
-                               # row's loads issued before the previous row's math (0: off)
+    row_loop: int = 0          # one-pass + flat: up to R rows per program one after another,
+                               # each row's loads issued before the previous row's math (0:
+                               # off; lowered while the grid would have < MIN_PROGRAMS)
+    fold_xs: bool = False      # fast math: the token's scale multiplies g only (SiLU needs
+                               # it); h / x_scale is what the codes and the amax see, and
+                               # h_scale takes the factor back (one multiply per value less)
+    evict_first: bool = False  # y's loads marked evict-first (read once; w_scale stays cached)
 
 
 # rows 1, 16 warps, one pass, fast_math. The ninth session's sweep (bench/swiglu_quant.py on
@@ -140,6 +146,15 @@ def block_rows(m: int, f: int, t: Tiles) -> int:
     return pow2_divisor(m, t.rows if t.two_pass else max(1, min(t.rows, max_live(t) // f)))
 
 
+def loop_rows(m: int, cap: int) -> int:
+    """Rows per program of the row loop: the largest power of two <= cap dividing M that
+    leaves at least MIN_PROGRAMS programs (1 if none does)."""
+    r = pow2_divisor(m, cap)
+    while r > 1 and m // r < MIN_PROGRAMS:
+        r //= 2
+    return r
+
+
 def supported(f: int, tiles: Tiles | None = None) -> bool:
     """The kernel takes F: a power-of-two chunk >= 16 divides it and, in the one-pass form,
     a row fits max_live(tiles) (default TILES)."""
@@ -160,23 +175,30 @@ def _sigmoid_asm(x):
     return out
 
 
-def _h_from(g, u, ws_ref, xs, c, f: int, bf: int, fast: bool = False, asm: bool = False):
+def _h_from(g, u, ws_ref, xs, c, f: int, bf: int, fast: bool = False, asm: bool = False,
+            fold_xs: bool = False):
     """h = silu(g) * u in f32 from columns [c*BF, (c+1)*BF) of gate and up as loaded
-    ([BM, BF] bf16 with xs [BM]; [BF] with xs a scalar)."""
+    ([BM, BF] bf16 with xs [BM]; [BF] with xs a scalar); h / xs with fold_xs."""
     flat = jnp.ndim(xs) == 0
     xb = xs if flat else xs[:, None]
     wg, wu = ws_ref[pl.ds(c * bf, bf)], ws_ref[pl.ds(f + c * bf, bf)]
     g = g.astype(jnp.float32) * xb * (wg if flat else wg[None, :])
-    u = u.astype(jnp.float32) * xb * (wu if flat else wu[None, :])
+    u = u.astype(jnp.float32) * (wu if flat else wu[None, :])
+    if not fold_xs:
+        u = u * xb
     if asm:
         return g * _sigmoid_asm(g) * u
     e = jnp.exp2(g * -LOG2E) if fast else jnp.exp(-g)
     return g / (1.0 + e) * u
 
 
-def _load_gu(y_ref, rows, c, f: int, bf: int):
+def _load_gu(y_ref, rows, c, f: int, bf: int, evict_first: bool = False):
     """Chunk c of the rows' gate and up, as stored (bf16)."""
-    return y_ref[rows, pl.ds(c * bf, bf)], y_ref[rows, pl.ds(f + c * bf, bf)]
+    idx = [(rows, pl.ds(c * bf, bf)), (rows, pl.ds(f + c * bf, bf))]
+    if not evict_first:
+        return tuple(y_ref[i] for i in idx)
+    from jax.experimental.pallas import triton as plt
+    return tuple(plt.load(y_ref.at[i], eviction_policy="evict_first") for i in idx)
 
 
 def _h_chunk(y_ref, ws_ref, rows, xs, c, f: int, bf: int, fast: bool = False,
@@ -198,7 +220,7 @@ def _store(q_ref, rows, c, bf, hc, scale, inv=None, clip: bool = True):
 def swiglu_quant_kernel(y_ref, xs_ref, ws_ref, q_ref, s_ref, *, f: int, bf: int, bm: int,
                         two_pass: bool, fast_math: bool = False, asm: bool = False,
                         clip: bool = True, flat: bool = False, vec_amax: bool = False,
-                        row_loop: int = 0):
+                        row_loop: int = 0, fold_xs: bool = False, evict_first: bool = False):
     flat = flat and bm == 1
     nc = f // bf
     rmax = (lambda v: jnp.max(v)) if flat else (lambda v: jnp.max(v, axis=1))
@@ -207,8 +229,11 @@ def swiglu_quant_kernel(y_ref, xs_ref, ws_ref, q_ref, s_ref, *, f: int, bf: int,
         scale = fm.amax_scale(amax)
         return scale, (jnp.where(amax > 0, fm.FP8_MAX / amax, 1.0) if fast_math else None)
 
+    fold_xs = fold_xs and fast_math
+
     def one_pass(rows, xs, loaded):   # h of the rows in registers; amax; the stores
-        h = [_h_from(*loaded[c], ws_ref, xs, c, f, bf, fast_math, asm) for c in range(nc)]
+        h = [_h_from(*loaded[c], ws_ref, xs, c, f, bf, fast_math, asm, fold_xs)
+             for c in range(nc)]
         if vec_amax:   # elementwise max over the chunks, one reduction across the program
             acc = jnp.abs(h[0])
             for hc in h[1:]:
@@ -219,13 +244,13 @@ def swiglu_quant_kernel(y_ref, xs_ref, ws_ref, q_ref, s_ref, *, f: int, bf: int,
         scale, inv = scales(amax)
         for c, hc in enumerate(h):
             _store(q_ref, rows, c, bf, hc, scale, inv, clip)
-        s_ref[rows] = scale
+        s_ref[rows] = jnp.where(amax > 0, scale * xs, 1.0) if fold_xs else scale
 
     if row_loop and flat:   # R rows one after another, the next row's loads issued first
         row0 = pl.program_id(0) * row_loop
 
         def load(r):
-            return [_load_gu(y_ref, r, c, f, bf) for c in range(nc)]
+            return [_load_gu(y_ref, r, c, f, bf, evict_first) for c in range(nc)]
 
         def body(i, loaded):
             nxt = load(jnp.minimum(row0 + i + 1, row0 + row_loop - 1))
@@ -251,7 +276,7 @@ def swiglu_quant_kernel(y_ref, xs_ref, ws_ref, q_ref, s_ref, *, f: int, bf: int,
         lax.fori_loop(0, nc, store_step, 0)
         s_ref[rows] = scale
     else:              # static chunks: h stays in registers, y read once
-        one_pass(rows, xs, [_load_gu(y_ref, rows, c, f, bf) for c in range(nc)])
+        one_pass(rows, xs, [_load_gu(y_ref, rows, c, f, bf, evict_first) for c in range(nc)])
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "tiles"))
@@ -269,14 +294,14 @@ def swiglu_quant(y, x_scale, w_scale, *, interpret: bool = False, tiles: Tiles |
     if not supported(f, t):
         return swiglu_quant_reference(y, x_scale, w_scale)
     bf, bm = chunk(f, t.chunk), block_rows(m, f, t)
-    row_loop = (pow2_divisor(m, t.row_loop)
+    row_loop = (loop_rows(m, t.row_loop)
                 if t.row_loop and t.flat and bm == 1 and not t.two_pass else 0)
     params = triton_params(interpret, t.num_warps, t.num_stages)
     h_q, h_scale = pl.pallas_call(
         functools.partial(swiglu_quant_kernel, f=f, bf=bf, bm=bm, two_pass=t.two_pass,
                           fast_math=t.fast_math or t.asm, asm=t.asm and not interpret,
                           clip=t.clip, flat=t.flat, vec_amax=t.vec_amax,
-                          row_loop=row_loop),
+                          row_loop=row_loop, fold_xs=t.fold_xs, evict_first=t.evict_first),
         out_shape=(jax.ShapeDtypeStruct((m, f), FP8_DTYPE),
                    jax.ShapeDtypeStruct((m,), jnp.float32)),
         grid=(m // (row_loop or bm),),
