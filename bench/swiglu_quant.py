@@ -83,7 +83,8 @@ def main(argv=None):
     variants = [sq.parse_tiles(v) for v in args.variants.split(";")] if args.variants else None
     result = new_result("swiglu_quant", args.git,
                         command=" ".join(["python -m bench.swiglu_quant"] + sys.argv[1:]),
-                        default_tiles=str(sq.TILES))
+                        default_tiles=str(sq.TILES), default_tiles_large=str(sq.TILES_LARGE),
+                        large_m=sq.LARGE_M)
     for pas in range(args.passes):
         for m in (int(v) for v in args.ms.split(",")):
             bench_m(m, args.f, args, result["rows"], pas, variants)

@@ -100,6 +100,17 @@ class Tiles:
 # Issuing all of a row's loads before its math did not help (history/
 # swiglu_quant_6709054.json).
 TILES = Tiles(num_warps=16, fast_math=True)
+# From LARGE_M rows (a mixed step's 2,048 tokens; a decode step's <= 512 rows stay on TILES):
+# sigmoid in PTX, the satfinite cast alone, 1-D row tiles, one amax reduction per row, the
+# token scale folded out of up, and 8 rows per program with the next row's loads in flight.
+# Twenty-second session, bench/results/swiglu_quant.json (one process; runs are listed
+# there), us at M = 2048: TILES 66.6-67.0, these 57.6-57.7 (2.54 TB/s); Nsight Compute:
+# 33.6M -> 18.8M warp instructions. At M = 384 in the decode step (y in L2 after its GEMM;
+# row_loop lowered to 2 rows, 192 programs) they lost: 0.48 -> 0.56 ms per step
+# (history/profile_b384_swiglu_*_e5cea1a.json).
+LARGE_M = 1024
+TILES_LARGE = Tiles(num_warps=16, asm=True, clip=False, flat=True, vec_amax=True,
+                    row_loop=8, fold_xs=True)
 
 
 def parse_tiles(text: str) -> Tiles:
@@ -119,6 +130,13 @@ def parse_tiles(text: str) -> Tiles:
 
 if os.environ.get("JAXINFER_SWIGLU_TILES"):
     TILES = parse_tiles(os.environ["JAXINFER_SWIGLU_TILES"])
+if os.environ.get("JAXINFER_SWIGLU_TILES_LARGE"):
+    TILES_LARGE = parse_tiles(os.environ["JAXINFER_SWIGLU_TILES_LARGE"])
+
+
+def tiles_for(m: int) -> Tiles:
+    """The default tiles for M rows: TILES_LARGE from LARGE_M rows, TILES below."""
+    return TILES_LARGE if m >= LARGE_M else TILES
 
 
 def max_live(t: Tiles) -> int:
@@ -157,10 +175,11 @@ def loop_rows(m: int, cap: int) -> int:
 
 def supported(f: int, tiles: Tiles | None = None) -> bool:
     """The kernel takes F: a power-of-two chunk >= 16 divides it and, in the one-pass form,
-    a row fits max_live(tiles) (default TILES)."""
-    t = tiles or TILES
-    return (chunk(f, t.chunk) is not None
-            and (t.two_pass or f <= max_live(t)))
+    a row fits max_live(tiles) (default: both TILES and TILES_LARGE)."""
+    if tiles is None:
+        return all(supported(f, t) for t in (TILES, TILES_LARGE))
+    return (chunk(f, tiles.chunk) is not None
+            and (tiles.two_pass or f <= max_live(tiles)))
 
 
 # sigmoid(x) = 1 / (1 + 2^(-x log2 e)) in four PTX instructions (0fBFB8AA3B = -log2 e)
@@ -283,19 +302,20 @@ def swiglu_quant_kernel(y_ref, xs_ref, ws_ref, q_ref, s_ref, *, f: int, bf: int,
 def swiglu_quant(y, x_scale, w_scale, *, interpret: bool = False, tiles: Tiles | None = None):
     """y [M, 2F] bf16 gate|up product (no scales), x_scale [M, 1] f32 (per token), w_scale
     [2F] f32 (per channel) -> (h_q e4m3 [M, F], h_scale f32 [M, 1]): see the module doc.
-    tiles: the kernel's blocks (default TILES; the bench compares others). Shapes the kernel
+    tiles: the kernel's blocks (default tiles_for(M); the bench compares others). Shapes the kernel
     does not take (`supported`) run the reference."""
     m, two_f = y.shape
     if two_f % 2 or x_scale.shape != (m, 1) or w_scale.shape != (two_f,):
         raise ValueError(f"swiglu_quant: want y [M, 2F], x_scale [M, 1], w_scale [2F]; got "
                          f"{y.shape}, {x_scale.shape}, {w_scale.shape}")
     f = two_f // 2
-    t = tiles or TILES
+    t = tiles or tiles_for(m)
     if not supported(f, t):
         return swiglu_quant_reference(y, x_scale, w_scale)
     bf, bm = chunk(f, t.chunk), block_rows(m, f, t)
-    row_loop = (loop_rows(m, t.row_loop)
-                if t.row_loop and t.flat and bm == 1 and not t.two_pass else 0)
+    # the row loop holds a second row's y in registers: only where that fits beside h
+    row_loop = (loop_rows(m, t.row_loop) if t.row_loop and t.flat and bm == 1
+                and not t.two_pass and 2 * f <= max_live(t) else 0)
     params = triton_params(interpret, t.num_warps, t.num_stages)
     h_q, h_scale = pl.pallas_call(
         functools.partial(swiglu_quant_kernel, f=f, bf=bf, bm=bm, two_pass=t.two_pass,

@@ -49,7 +49,13 @@ def test_kernel_matches_reference(m, f, zero_row):
     (6, 96, sq.Tiles(rows=4, two_pass=True)),                          # BM 2 divides M = 6
     (4, 64, sq.Tiles(rows=2, chunk=16, num_warps=1)),                  # one pass, 2 rows
     (4, 64, sq.Tiles(chunk=16, fast_math=True)),                       # exp2, 1 / scale
-    (8, 96, sq.Tiles(rows=2, chunk=32, fast_math=True, two_pass=True, num_warps=4))])
+    (8, 96, sq.Tiles(rows=2, chunk=32, fast_math=True, two_pass=True, num_warps=4)),
+    # TILES_LARGE's form: 1-D rows, one amax reduction, x_scale folded out, 4 rows in a loop
+    # (the PTX sigmoid runs on the GPU; interpret mode takes fast_math's jnp form)
+    (8, 64, sq.Tiles(chunk=16, asm=True, clip=False, flat=True, vec_amax=True, row_loop=4,
+                     fold_xs=True)),
+    (6, 96, sq.Tiles(chunk=32, flat=True, row_loop=2, evict_first=True)),   # exact math
+    (4, 64, sq.Tiles(rows=2, chunk=16, fast_math=True, vec_amax=True, fold_xs=True))])
 def test_other_tiles_match_reference(m, f, tiles):
     y, xs, ws = _inputs(np.random.default_rng(m + f), m, f, zero_row=1)
     assert sq.supported(f, tiles)
@@ -69,6 +75,14 @@ def test_tiles_and_fallback():
     q, s = sq.swiglu_quant(y, xs, ws, interpret=True)
     qr, sr = sq.swiglu_quant_reference(y, xs, ws)
     assert (q.astype(jnp.float32) == qr.astype(jnp.float32)).all() and (s == sr).all()
+
+
+def test_row_loop_and_default_tiles():
+    assert sq.loop_rows(2048, 8) == 8 and sq.loop_rows(2048, 16) == 8    # >= 132 programs
+    assert sq.loop_rows(384, 8) == 2 and sq.loop_rows(488, 8) == 2 and sq.loop_rows(100, 8) == 1
+    assert sq.tiles_for(sq.LARGE_M) == sq.TILES_LARGE
+    assert sq.tiles_for(sq.LARGE_M - 1) == sq.TILES
+    assert sq.supported(14336) and sq.supported(27648)      # Llama-3-8B, Qwen2.5-32B
 
 
 def test_rejects_bad_shapes():
@@ -110,6 +124,19 @@ def test_kernel_on_gpu_at_llama_shape():
     """Llama-3-8B's MLP middle at the throughput run's decode batch (F = 14336)."""
     y, xs, ws = _inputs(np.random.default_rng(7), 256, 14336, zero_row=3)
     _check(*sq.swiglu_quant(y, xs, ws), *sq.swiglu_quant_reference(y, xs, ws))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("f", [14336, 27648])
+def test_large_m_tiles_on_gpu(f):
+    """TILES_LARGE (PTX sigmoid, satfinite cast, row loop) at a mixed step's M; Qwen2.5-32B's
+    F is past the row loop's register budget and runs one row per program."""
+    m = sq.LARGE_M
+    assert sq.tiles_for(m) == sq.TILES_LARGE
+    y, xs, ws = _inputs(np.random.default_rng(f), m, f, zero_row=5)
+    q, s = sq.swiglu_quant(y, xs, ws)
+    _check(q, s, *sq.swiglu_quant_reference(y, xs, ws))
+    assert float(s[5, 0]) == 1.0
 
 
 def test_parse_tiles():
