@@ -29,7 +29,7 @@
 #             prefill row alone under other ragged blocks (bench.kernels PREFILL_VARIANTS)  ~1 min
 #   fp8tune   FP8 GEMV (M=1) tile variants on the four Llama-3-8B projection shapes          ~2 min
 #   swiglu    the fused SiLU * up + e4m3 kernel's block variants vs XLA's unfused route, M
-#             256/2048, F 14336, two passes; $OUT/swiglu_quant.json                         ~2 min
+#             384/488/2048, F 14336, two passes; $OUT/swiglu_quant.json                       ~2 min
 #   fp8       FP8 matmul: ours vs XLA bf16 vs XLA dequant, M 1..2048, four shapes, host clock
 #             and device time; $FP8_SHAPES (KxN,...) picks shapes: with device time two shapes
 #             took 6 min at 380263e (programs compiled twice), so run the four in two calls  ~7 min

@@ -1,7 +1,7 @@
 """The fused SiLU * up + per-token e4m3 kernel (pallas_kernels/swiglu_quant.py) under block
 variants, against XLA's unfused route, at the 8B MLP's F on the throughput run's M values.
 
-    python -m bench.swiglu_quant --out swiglu_quant.json [--ms 256,2048] [--passes 2]
+    python -m bench.swiglu_quant --out swiglu_quant.json [--ms 384,488,2048] [--passes 2]
 
 One process; each variant is timed as bench/fp8_matmul.py times ops (one jitted program over
 rotated input buffers so L2 does not hold the next one, median over samples). `TBps` counts
@@ -25,13 +25,17 @@ from pallas_kernels import swiglu_quant as sq
 T = sq.Tiles
 # The two-pass form's other blocks were slower everywhere (history/swiglu_quant_6ef3735.json
 # keeps them), and so were the one-pass form with every load issued first and with h
-# recomputed from y in registers (history/swiglu_quant_6709054.json); rerun them from those
-# commits' lists.
-VARIANTS = [T(), T(fast_math=True),
-            T(num_warps=16), T(fast_math=True, num_warps=16),
-            T(rows=2, num_warps=16), T(fast_math=True, rows=2, num_warps=16),
-            T(fast_math=True, num_warps=4), T(fast_math=True, chunk=1024),
-            T(two_pass=True, rows=2, num_warps=8, num_stages=2)]
+# recomputed from y in registers (history/swiglu_quant_6709054.json), rows 2, 4 warps and
+# 1,024-column chunks (history/swiglu_quant_d23b27f.json); rerun them from those commits'
+# lists. The list below steps from TILES to TILES_LARGE one change at a time.
+VARIANTS = [T(fast_math=True, num_warps=16),                     # TILES
+            T(fast_math=True, num_warps=16, clip=False),
+            T(asm=True, num_warps=16, clip=False, flat=True, vec_amax=True),
+            T(asm=True, num_warps=16, clip=False, flat=True, vec_amax=True, fold_xs=True),
+            T(asm=True, num_warps=16, clip=False, flat=True, vec_amax=True, row_loop=8),
+            sq.TILES_LARGE,
+            T(asm=True, num_warps=16, clip=False, flat=True, vec_amax=True, row_loop=8,
+              fold_xs=True, evict_first=True)]
 
 
 def xla_route(y, xs, ws):
@@ -73,7 +77,7 @@ def bench_m(m, f, args, rows, pas, variants=None):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_timing_args(p, shapes=False)
-    p.add_argument("--ms", default="256,2048", help="comma-separated token counts M")
+    p.add_argument("--ms", default="384,488,2048", help="comma-separated token counts M")
     p.add_argument("--f", type=int, default=14336, help="the MLP's F (Llama-3-8B: 14336)")
     p.add_argument("--passes", type=int, default=2)
     p.add_argument("--variants", default="",
