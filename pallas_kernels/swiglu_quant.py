@@ -82,12 +82,12 @@ class Tiles:
     evict_first: bool = False  # y's loads marked evict-first (read once; w_scale stays cached)
 
 
-# rows 1, 16 warps, one pass, fast_math. The ninth session's sweep (bench/swiglu_quant.py on
-# one H200 at F = 14336, history/swiglu_quant_6ef3735.json) liked rows 2 and 16 warps at
-# M = 256 and 16 warps at M = 2048 alone, but inside the 8B FP8 decode step (M = 256, y just
-# written by the GEMM, in L2) rows 2 / 16 warps lost to rows 1 / 8 warps (13.25 / 13.23 us
-# per layer against 12.72 / 12.48), so 8 warps stayed. The twentieth session
-# (bench/results/swiglu_quant.json, two passes, us at M = 512 / 2048): 8 warps 22.2-22.3 /
+# rows 1, 16 warps, one pass, fast_math, no clip. The ninth session's sweep
+# (bench/swiglu_quant.py on one H200 at F = 14336, history/swiglu_quant_6ef3735.json) liked
+# rows 2 and 16 warps at M = 256 and 16 warps at M = 2048 alone, but inside the 8B FP8
+# decode step (M = 256, y just written by the GEMM, in L2) rows 2 / 16 warps lost to rows
+# 1 / 8 warps (13.25 / 13.23 us per layer against 12.72 / 12.48), so 8 warps stayed. The
+# twentieth session (history/swiglu_quant_d23b27f.json, two passes, us at M = 512 / 2048): 8 warps 22.2-22.3 /
 # 81.9-82.4, fast_math 22.0-25.0 / 79.0-79.4, 16 warps 20.9-22.0 / 77.4-78.5, both 20.5-21.9
 # / 74.1-74.9; XLA's unfused route 28.2-28.9 / 106. In the 384-row decode step (profile
 # suite, one process each, one call; history/profile_b384_swiglu_*_f6910b6.json) the kernel
@@ -98,16 +98,22 @@ class Tiles:
 # 2 programs per SM (25% occupancy), 0.43-0.47 instructions issued per cycle per
 # scheduler, no eligible warp 53-57% of the cycles, DRAM 28-36% of peak: latency-bound.
 # Issuing all of a row's loads before its math did not help (history/
-# swiglu_quant_6709054.json).
-TILES = Tiles(num_warps=16, fast_math=True)
+# swiglu_quant_6709054.json). The twenty-second session dropped the clip (the cast saturates
+# by itself): in the 384-row decode step, two interleaved pairs, 0.468 / 0.471 -> 0.447 /
+# 0.442 ms per step (history/profile_b384_swiglu_{clip,noclip}*_025e997.json); alone
+# (bench/results/swiglu_quant.json) M = 384 / 488 / 2048: 15.6-16.8 / 18.9 / 66.3-66.9 ->
+# 15.0-16.7 / 18.0-18.1 / 63.1-63.8 us.
+TILES = Tiles(num_warps=16, fast_math=True, clip=False)
 # From LARGE_M rows (a mixed step's 2,048 tokens; a decode step's <= 512 rows stay on TILES):
 # sigmoid in PTX, the satfinite cast alone, 1-D row tiles, one amax reduction per row, the
 # token scale folded out of up, and 8 rows per program with the next row's loads in flight.
-# Twenty-second session, bench/results/swiglu_quant.json (one process; runs are listed
-# there), us at M = 2048: TILES 66.6-67.0, these 57.6-57.7 (2.54 TB/s); Nsight Compute:
-# 33.6M -> 18.8M warp instructions. At M = 384 in the decode step (y in L2 after its GEMM;
-# row_loop lowered to 2 rows, 192 programs) they lost: 0.48 -> 0.56 ms per step
-# (history/profile_b384_swiglu_*_e5cea1a.json).
+# Twenty-second session, us at M = 2048, two passes in one process: TILES (with the clip)
+# 66.3-66.9, these 56.6-58.8 (bench/results/swiglu_quant.json; 57.6-57.7 on another machine,
+# history/swiglu_variants_e5cea1a.json); Nsight Compute: 33.6M -> 18.8M warp instructions
+# executed (history/ncu_swiglu_sass_summary_e5cea1a.txt). In the offline throughput run, one
+# call: 16,269 -> 16,397 output tok/s, steps with a prefill chunk 40.75 -> 40.34 ms. At M =
+# 384 in the decode step (y in L2 after its GEMM; row_loop lowered to 2 rows, 192 programs)
+# they lost: 0.48 -> 0.56 ms per step (history/profile_b384_swiglu_*_e5cea1a.json).
 LARGE_M = 1024
 TILES_LARGE = Tiles(num_warps=16, asm=True, clip=False, flat=True, vec_amax=True,
                     row_loop=8, fold_xs=True)
