@@ -82,27 +82,25 @@ class Tiles:
     evict_first: bool = False  # y's loads marked evict-first (read once; w_scale stays cached)
 
 
-# rows 1, 16 warps, one pass, fast_math, no clip. The ninth session's sweep
-# (bench/swiglu_quant.py on one H200 at F = 14336, history/swiglu_quant_6ef3735.json) liked
-# rows 2 and 16 warps at M = 256 and 16 warps at M = 2048 alone, but inside the 8B FP8
-# decode step (M = 256, y just written by the GEMM, in L2) rows 2 / 16 warps lost to rows
-# 1 / 8 warps (13.25 / 13.23 us per layer against 12.72 / 12.48), so 8 warps stayed. The
-# twentieth session (history/swiglu_quant_d23b27f.json, two passes, us at M = 512 / 2048): 8 warps 22.2-22.3 /
-# 81.9-82.4, fast_math 22.0-25.0 / 79.0-79.4, 16 warps 20.9-22.0 / 77.4-78.5, both 20.5-21.9
-# / 74.1-74.9; XLA's unfused route 28.2-28.9 / 106. In the 384-row decode step (profile
-# suite, one process each, one call; history/profile_b384_swiglu_*_f6910b6.json) the kernel
-# took 0.729 / 0.739 ms per step with rows 1 / 8 warps, 0.722 with fast_math and 0.597 with
-# fast_math and 16 warps (-19%), so these.
-# Why the kernel stays far from the bandwidth (~1.7-1.9 TB/s), by Nsight Compute at M = 512
-# / 2048 with rows 1 / 8 warps (history/ncu_swiglu_m{512,2048}_6709054.txt): 103 registers,
-# 2 programs per SM (25% occupancy), 0.43-0.47 instructions issued per cycle per
-# scheduler, no eligible warp 53-57% of the cycles, DRAM 28-36% of peak: latency-bound.
-# Issuing all of a row's loads before its math did not help (history/
-# swiglu_quant_6709054.json). The twenty-second session dropped the clip (the cast saturates
-# by itself): in the 384-row decode step, two interleaved pairs, 0.468 / 0.471 -> 0.447 /
+# rows 1, 16 warps, one pass, fast_math, no clip. The ninth session's sweep (bench/swiglu_quant.py
+# on one H200 at F = 14336, history/swiglu_quant_6ef3735.json) liked rows 2 and 16 warps at M = 256
+# and 16 warps at M = 2048 alone, but inside the 8B FP8 decode step (M = 256, y just written by the
+# GEMM, in L2) rows 2 / 16 warps lost to rows 1 / 8 warps (13.25 / 13.23 us per layer against 12.72
+# / 12.48), so 8 warps stayed. The twentieth session (history/swiglu_quant_d23b27f.json, two passes,
+# us at M = 512 / 2048): 8 warps 22.2-22.3 / 81.9-82.4, fast_math 22.0-25.0 / 79.0-79.4, 16 warps
+# 20.9-22.0 / 77.4-78.5, both 20.5-21.9 / 74.1-74.9; XLA's unfused route 28.2-28.9 / 106. In the
+# 384-row decode step (profile suite, one process each, one call;
+# history/profile_b384_swiglu_*_f6910b6.json) the kernel took 0.729 / 0.739 ms per step with rows 1
+# / 8 warps, 0.722 with fast_math and 0.597 with fast_math and 16 warps (-19%), so these. Why the
+# kernel stays far from the bandwidth (~1.7-1.9 TB/s), by Nsight Compute at M = 512 / 2048 with rows
+# 1 / 8 warps (history/ncu_swiglu_m{512,2048}_6709054.txt): 103 registers, 2 programs per SM (25%
+# occupancy), 0.43-0.47 instructions issued per cycle per scheduler, no eligible warp 53-57% of the
+# cycles, DRAM 28-36% of peak: latency-bound. Issuing all of a row's loads before its math did not
+# help (history/swiglu_quant_6709054.json). The twenty-second session dropped the clip (the cast
+# saturates by itself): in the 384-row decode step, two interleaved pairs, 0.468 / 0.471 -> 0.447 /
 # 0.442 ms per step (history/profile_b384_swiglu_{clip,noclip}*_025e997.json); alone
-# (bench/results/swiglu_quant.json) M = 384 / 488 / 2048: 15.6-16.8 / 18.9 / 66.3-66.9 ->
-# 15.0-16.7 / 18.0-18.1 / 63.1-63.8 us.
+# (bench/results/swiglu_quant.json) M = 384 / 488 / 2048: 15.6-16.8 / 18.9 / 66.3-66.9 -> 15.0-16.7
+# / 18.0-18.1 / 63.1-63.8 us.
 TILES = Tiles(num_warps=16, fast_math=True, clip=False)
 # From LARGE_M rows (a mixed step's 2,048 tokens; a decode step's <= 512 rows stay on TILES):
 # sigmoid in PTX, the satfinite cast alone, 1-D row tiles, one amax reduction per row, the
