@@ -20,16 +20,27 @@ TILES.) Measured there: 12.4-12.6 us per layer, i.e. ~1.5 TB/s of the 18 MB it m
 while the step's other kernels lost 0.145 ms (~4.5 us per layer). The whole step: 12.93 /
 12.97 -> 12.87 / 12.91 ms. The block variants timed since are at TILES.
 
+From LARGE_M rows (a mixed step's chunk) TILES_LARGE runs a row loop instead: each program
+takes up to 8 rows one after another as 1-D tiles and loads the next row's y before this
+row's math, so loads are in flight while it computes (h and that row both in registers: F <=
+max_live / 2), with the sigmoid in four PTX instructions (`SIGMOID_PTX`), one amax
+reduction per row and the token scale applied to the gate only (`Tiles.fold_xs`).
+JAXINFER_SWIGLU_TILES / JAXINFER_SWIGLU_TILES_LARGE replace either set for an A/B
+(`parse_tiles`).
+
 Numerics: everything in f32 from the bf16 product on (XLA's route rounds g | u and h to
 bf16 between steps), then round to nearest e4m3 with scale = amax / 448, as
 fp8_matmul.quantize_rows. With `Tiles.fast_math` (the default) SiLU's exp(-g) is exp2(-g *
 log2 e) and the codes are h * (448 / amax), one reciprocal per row: a code can differ from
 the reference's by one e4m3 step where h sits on a rounding boundary, as the last bits of
 exp and division already could (tests/test_swiglu_quant.py allows that, in < 1% of codes).
+The PTX sigmoid (ex2.approx.ftz, rcp.approx.ftz: a few ulp, subnormals flushed) and the folded
+token scale move the same last bits; interpret mode runs fast_math's jnp form in its place,
+so only the GPU tests see the PTX.
 
 Backend: the Pallas Triton backend, like the other kernels here (pallas_kernels/
 paged_attention.py says why); the refs are whole arrays and every load and store is a
-[BM, BF] tile with BF a power of two dividing F (Triton's tiles are powers of two; F itself,
+[BM, BF] tile (a [BF] one with `Tiles.flat`) with BF a power of two dividing F (Triton's tiles are powers of two; F itself,
 14336 for Llama-3-8B, is not).
 """
 from __future__ import annotations
