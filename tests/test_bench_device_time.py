@@ -76,3 +76,26 @@ def test_ragged_prefill_probe_runs_and_checks_each_variant(tmp_path):
     assert all(r["max_abs_err"] < 2e-2 for r in res["rows"])
     assert "heavy_first=True" in res["rows"][1]["blocks"]
     assert res["command"].startswith("python -m bench.probes.ragged_prefill") and res["git"]
+
+
+def test_grid_barrier_probe_counts_every_arrival(tmp_path):
+    """bench/probes/grid_barrier.py on the CPU: one program (interpret mode runs programs one
+    after another, so more would only spin out) passes its barriers at once; the counter
+    holds one arrival per barrier and none is missed, with either way of spinning."""
+    import json
+
+    from bench.probes import grid_barrier as gb
+    cnt, missed = gb.barrier_run(1, 4, "volatile", interpret=True)
+    assert int(cnt[0]) == 4 and int(missed.sum()) == 0
+    out = tmp_path / "b.json"
+    gb.main(["--programs", "1,2", "--barriers", "0,3", "--spin", "atomic,volatile",
+             "--chain", "3", "--out", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    one = [r for r in rows if r["spin"] != "chain" and r["programs"] == 1]
+    assert [(r["spin"], r["barriers"], r["counter"], r["missed"]) for r in one] == [
+        ("atomic", 0, 0, 0), ("atomic", 3, 3, 0), ("volatile", 0, 0, 0), ("volatile", 3, 3, 0)]
+    # two programs in turn: the first spins out its barrier (counted as missed)
+    two = [r for r in rows if r["spin"] == "atomic" and r["programs"] == 2]
+    assert two[1]["counter"] == 6 and two[1]["missed"] >= 1
+    # the chain: 3 kernels of 1 and of 2 programs, every program's add counted
+    assert [(r["programs"], r["counter"]) for r in rows if r["spin"] == "chain"] == [(1, 3), (2, 6)]
