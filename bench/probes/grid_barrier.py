@@ -61,7 +61,7 @@ def _barrier_kernel(cnt_in, cnt_ref, miss_ref, *, barriers: int, programs: int, 
         target = (i + 1) * programs
 
         def waiting(c):
-            return jnp.any(c[0] < target) & (c[1] < spin_limit)
+            return (jnp.min(c[0]) < target) & (c[1] < spin_limit)
 
         v, _ = lax.while_loop(waiting, lambda c: (read(), c[1] + 1), (read(), 0))
         return missed + jnp.sum((v < target).astype(jnp.int32))
