@@ -40,8 +40,8 @@ so only the GPU tests see the PTX.
 
 Backend: the Pallas Triton backend, like the other kernels here (pallas_kernels/
 paged_attention.py says why); the refs are whole arrays and every load and store is a
-[BM, BF] tile (a [BF] one with `Tiles.flat`) with BF a power of two dividing F (Triton's tiles are powers of two; F itself,
-14336 for Llama-3-8B, is not).
+[BM, BF] tile (a [BF] one with `Tiles.flat`) with BF a power of two dividing F (Triton's
+tiles are powers of two; F itself, 14336 for Llama-3-8B, is not).
 """
 from __future__ import annotations
 
@@ -76,7 +76,7 @@ class Tiles:
                                # and the codes as h * (448 / amax), one reciprocal per row,
                                # instead of a division per value
     asm: bool = False          # sigmoid(g) in inline PTX: ex2.approx.ftz + rcp.approx.ftz
-                               # (both ~1 ulp; the GPU only, interpret mode takes fast_math's
+                               # (a few ulp; the GPU only, interpret mode takes fast_math's
                                # jnp form)
     clip: bool = True          # clip the codes to +-448 before the e4m3 cast; without, the
                                # cast itself saturates (sm_89+: cvt.rn.satfinite), and codes
@@ -113,7 +113,8 @@ class Tiles:
 # (bench/results/swiglu_quant.json) M = 384 / 488 / 2048: 15.6-16.8 / 18.9 / 66.3-66.9 -> 15.0-16.7
 # / 18.0-18.1 / 63.1-63.8 us.
 TILES = Tiles(num_warps=16, fast_math=True, clip=False)
-# From LARGE_M rows (a mixed step's 2,048 tokens; a decode step's <= 512 rows stay on TILES):
+# From LARGE_M rows (a mixed step's 2,048 tokens; a decode step's <= 512 rows stay on TILES)
+# where the row loop fits (tiles_for):
 # sigmoid in PTX, the satfinite cast alone, 1-D row tiles, one amax reduction per row, the
 # token scale folded out of up, and 8 rows per program with the next row's loads in flight.
 # Twenty-second session, us at M = 2048, two passes in one process: TILES (with the clip)
@@ -149,9 +150,12 @@ if os.environ.get("JAXINFER_SWIGLU_TILES_LARGE"):
     TILES_LARGE = parse_tiles(os.environ["JAXINFER_SWIGLU_TILES_LARGE"])
 
 
-def tiles_for(m: int) -> Tiles:
-    """The default tiles for M rows: TILES_LARGE from LARGE_M rows, TILES below."""
-    return TILES_LARGE if m >= LARGE_M else TILES
+def tiles_for(m: int, f: int) -> Tiles:
+    """The default tiles for M rows of F: TILES_LARGE from LARGE_M rows where its row loop
+    fits (2F <= max_live: Llama-3-8B's 14,336, not Qwen2.5-32B's 27,648; without the loop
+    its form measured slower than TILES, 77-81 against 66-67 us at M = 2048 in
+    bench/results/swiglu_quant.json), TILES otherwise."""
+    return TILES_LARGE if m >= LARGE_M and 2 * f <= max_live(TILES_LARGE) else TILES
 
 
 def max_live(t: Tiles) -> int:
@@ -317,14 +321,14 @@ def swiglu_quant_kernel(y_ref, xs_ref, ws_ref, q_ref, s_ref, *, f: int, bf: int,
 def swiglu_quant(y, x_scale, w_scale, *, interpret: bool = False, tiles: Tiles | None = None):
     """y [M, 2F] bf16 gate|up product (no scales), x_scale [M, 1] f32 (per token), w_scale
     [2F] f32 (per channel) -> (h_q e4m3 [M, F], h_scale f32 [M, 1]): see the module doc.
-    tiles: the kernel's blocks (default tiles_for(M); the bench compares others). Shapes the kernel
-    does not take (`supported`) run the reference."""
+    tiles: the kernel's blocks (default tiles_for(M, F); the bench compares others). Shapes
+    the kernel does not take (`supported`) run the reference."""
     m, two_f = y.shape
     if two_f % 2 or x_scale.shape != (m, 1) or w_scale.shape != (two_f,):
         raise ValueError(f"swiglu_quant: want y [M, 2F], x_scale [M, 1], w_scale [2F]; got "
                          f"{y.shape}, {x_scale.shape}, {w_scale.shape}")
     f = two_f // 2
-    t = tiles or tiles_for(m)
+    t = tiles or tiles_for(m, f)
     if not supported(f, t):
         return swiglu_quant_reference(y, x_scale, w_scale)
     bf, bm = chunk(f, t.chunk), block_rows(m, f, t)

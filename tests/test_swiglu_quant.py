@@ -80,8 +80,9 @@ def test_tiles_and_fallback():
 def test_row_loop_and_default_tiles():
     assert sq.loop_rows(2048, 8) == 8 and sq.loop_rows(2048, 16) == 8    # >= 132 programs
     assert sq.loop_rows(384, 8) == 2 and sq.loop_rows(488, 8) == 2 and sq.loop_rows(100, 8) == 1
-    assert sq.tiles_for(sq.LARGE_M) == sq.TILES_LARGE
-    assert sq.tiles_for(sq.LARGE_M - 1) == sq.TILES
+    assert sq.tiles_for(sq.LARGE_M, 14336) == sq.TILES_LARGE
+    assert sq.tiles_for(sq.LARGE_M - 1, 14336) == sq.TILES
+    assert sq.tiles_for(sq.LARGE_M, 27648) == sq.TILES        # no room for the row loop
     assert sq.supported(14336) and sq.supported(27648)      # Llama-3-8B, Qwen2.5-32B
 
 
@@ -127,14 +128,15 @@ def test_kernel_on_gpu_at_llama_shape():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("f", [14336, 27648])
-def test_large_m_tiles_on_gpu(f):
-    """TILES_LARGE (PTX sigmoid, satfinite cast, row loop) at a mixed step's M; Qwen2.5-32B's
-    F is past the row loop's register budget and runs one row per program."""
+@pytest.mark.parametrize("f,tiles", [(14336, None), (27648, None),
+                                     (27648, sq.TILES_LARGE)])
+def test_large_m_tiles_on_gpu(f, tiles):
+    """The default tiles at a mixed step's M: TILES_LARGE (PTX sigmoid, satfinite cast, row
+    loop) for Llama-3-8B, TILES for Qwen2.5-32B's F; and TILES_LARGE forced there, past the
+    row loop's register budget (one row per program)."""
     m = sq.LARGE_M
-    assert sq.tiles_for(m) == sq.TILES_LARGE
     y, xs, ws = _inputs(np.random.default_rng(f), m, f, zero_row=5)
-    q, s = sq.swiglu_quant(y, xs, ws)
+    q, s = sq.swiglu_quant(y, xs, ws, tiles=tiles)
     _check(q, s, *sq.swiglu_quant_reference(y, xs, ws))
     assert float(s[5, 0]) == 1.0
 
