@@ -28,8 +28,8 @@ T = sq.Tiles
 # recomputed from y in registers (history/swiglu_quant_6709054.json), rows 2, 4 warps and
 # 1,024-column chunks (history/swiglu_quant_d23b27f.json); rerun them from those commits'
 # lists. The list below steps from TILES to TILES_LARGE one change at a time.
-VARIANTS = [T(fast_math=True, num_warps=16),                     # TILES
-            T(fast_math=True, num_warps=16, clip=False),
+VARIANTS = [T(fast_math=True, num_warps=16),                 # TILES until the 22nd session
+            T(fast_math=True, num_warps=16, clip=False),     # TILES since
             T(asm=True, num_warps=16, clip=False, flat=True, vec_amax=True),
             T(asm=True, num_warps=16, clip=False, flat=True, vec_amax=True, fold_xs=True),
             T(asm=True, num_warps=16, clip=False, flat=True, vec_amax=True, row_loop=8),
