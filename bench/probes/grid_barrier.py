@@ -20,9 +20,8 @@ kernel boundary costs today (launch from XLA's command buffer, ramp, drain), per
 volatile load (`volatile`). A spin is bounded (SPIN_LIMIT reads); a barrier left that way
 is counted in `missed` (non-zero means some arrival was not seen, and the timing is void).
 Its first run on the H200 (7c3ba78, SPIN_LIMIT then 2^22, barriers 0,100,1000) timed G = 132
-at K = 0 (1.62 us) and then did not finish K = 100 within the call's 170 s: the barriers
-did not complete, or completed only by spinning out. Not yet explained: run it next with
-`--programs 2 --barriers 0,1` and read `counter` and `missed`. On the CPU (interpret mode:
+at K = 0 (1.62 us) and then did not finish K = 100 within the call's 170 s: its int32
+counter never counted (COUNTER says why); the f32 counter since has not run on the H200. On the CPU (interpret mode:
 programs run one after another) it runs one program, whose barriers pass at once.
 """
 from __future__ import annotations
@@ -45,6 +44,12 @@ from pallas_kernels import triton_params
 
 GPU = jax.default_backend() == "gpu"
 SPIN_LIMIT = 1 << 16      # counter reads before a spin gives up (interpret mode: 64)
+# The counter is f32 (exact to 2^24 arrivals): with jax 0.10-0.11 Pallas lowers an atomic add
+# of an int32 *tile* to Triton's `fadd` (its lowering tests the tile's type, not the element
+# type, for IntegerType), which adds 1's bit pattern as a float: the first H200 run's
+# arrivals were lost that way (the TTIR of the int32 version, lowered for CUDA on the CPU,
+# reads `tt.atomic_rmw fadd ... tensor<1xi32>`). Interpret mode adds integers correctly.
+COUNTER = jnp.float32
 
 
 def _barrier_kernel(cnt_in, cnt_ref, miss_ref, *, barriers: int, programs: int, spin: str,
@@ -56,12 +61,12 @@ def _barrier_kernel(cnt_in, cnt_ref, miss_ref, *, barriers: int, programs: int, 
 
     def read():
         if spin == "atomic":
-            return plt.atomic_add(cnt_ref, at, jnp.zeros((1,), jnp.int32))
+            return plt.atomic_add(cnt_ref, at, jnp.zeros((1,), jnp.float32))
         return plt.load(cnt_ref.at[at], volatile=True)
 
     def one(i, missed):
-        plt.atomic_add(cnt_ref, at, jnp.ones((1,), jnp.int32))
-        target = (i + 1) * programs
+        plt.atomic_add(cnt_ref, at, jnp.ones((1,), jnp.float32))
+        target = ((i + 1) * programs).astype(jnp.float32)
 
         def waiting(c):
             return (jnp.min(c[0]) < target) & (c[1] < spin_limit)
@@ -77,32 +82,32 @@ def _barrier_kernel(cnt_in, cnt_ref, miss_ref, *, barriers: int, programs: int, 
 def barrier_run(programs: int, barriers: int, spin: str = "atomic", interpret: bool = False,
                 spin_limit: int | None = None):
     """One kernel of `programs` programs passing `barriers` grid barriers -> (the counter's
-    final value [1], barriers missed per program [programs])."""
+    final value [1] f32, barriers missed per program [programs])."""
     return pl.pallas_call(
         functools.partial(_barrier_kernel, barriers=barriers, programs=programs, spin=spin,
                           spin_limit=spin_limit or (64 if interpret else SPIN_LIMIT)),
-        out_shape=(jax.ShapeDtypeStruct((1,), jnp.int32),
+        out_shape=(jax.ShapeDtypeStruct((1,), COUNTER),
                    jax.ShapeDtypeStruct((programs,), jnp.int32)),
         grid=(programs,),
         input_output_aliases={0: 0},
         interpret=interpret,
         name="grid_barrier",
         **triton_params(interpret, 1, 1),
-    )(jnp.zeros((1,), jnp.int32))
+    )(jnp.zeros((1,), COUNTER))
 
 
 def _add_kernel(cnt_in, cnt_ref):
     del cnt_in
     from jax.experimental.pallas import triton as plt
-    plt.atomic_add(cnt_ref, (pl.ds(0, 1),), jnp.ones((1,), jnp.int32))
+    plt.atomic_add(cnt_ref, (pl.ds(0, 1),), jnp.ones((1,), COUNTER))
 
 
 @functools.partial(jax.jit, static_argnames=("programs", "kernels", "interpret"))
 def chain_run(programs: int, kernels: int, interpret: bool = False):
     """`kernels` dependent kernels of `programs` programs, each adding 1 per program."""
-    cnt = jnp.zeros((1,), jnp.int32)
+    cnt = jnp.zeros((1,), COUNTER)
     for _ in range(kernels):
-        cnt = pl.pallas_call(_add_kernel, out_shape=jax.ShapeDtypeStruct((1,), jnp.int32),
+        cnt = pl.pallas_call(_add_kernel, out_shape=jax.ShapeDtypeStruct((1,), COUNTER),
                              grid=(programs,), input_output_aliases={0: 0},
                              interpret=interpret, name="grid_chain",
                              **triton_params(interpret, 1, 1))(cnt)
