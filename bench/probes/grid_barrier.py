@@ -47,9 +47,10 @@ GPU = jax.default_backend() == "gpu"
 SPIN_LIMIT = 1 << 16      # counter reads before a spin gives up (interpret mode: 64)
 # The counter is f32 (exact to 2^24 arrivals): with jax 0.10-0.11 Pallas lowers an atomic add
 # of an int32 *tile* to Triton's `fadd` (its lowering tests the tile's type, not the element
-# type, for IntegerType), which adds 1's bit pattern as a float: the first H200 run's
-# arrivals were lost that way (the TTIR of the int32 version, lowered for CUDA on the CPU,
-# reads `tt.atomic_rmw fadd ... tensor<1xi32>`). Interpret mode adds integers correctly.
+# type, for IntegerType), which adds 1's bit pattern as a float, a subnormal that the GPU's
+# f32 atomic add flushes to zero: the first H200 run's arrivals were lost that way (the TTIR
+# of the int32 version, lowered for CUDA on the CPU, reads `tt.atomic_rmw fadd ...
+# tensor<1xi32>`). Interpret mode adds integers correctly.
 COUNTER = jnp.float32
 
 
