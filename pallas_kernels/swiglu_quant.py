@@ -20,13 +20,13 @@ TILES.) Measured there: 12.4-12.6 us per layer, i.e. ~1.5 TB/s of the 18 MB it m
 while the step's other kernels lost 0.145 ms (~4.5 us per layer). The whole step: 12.93 /
 12.97 -> 12.87 / 12.91 ms. The block variants timed since are at TILES.
 
-From LARGE_M rows (a mixed step's chunk) TILES_LARGE runs a row loop instead: each program
-takes up to 8 rows one after another as 1-D tiles and loads the next row's y before this
-row's math, so loads are in flight while it computes (h and that row both in registers: F <=
-max_live / 2), with the sigmoid in four PTX instructions (`SIGMOID_PTX`), one amax
-reduction per row and the token scale applied to the gate only (`Tiles.fold_xs`).
-JAXINFER_SWIGLU_TILES / JAXINFER_SWIGLU_TILES_LARGE replace either set for an A/B
-(`parse_tiles`).
+From LARGE_M rows (a mixed step's chunk), where it fits (tiles_for), TILES_LARGE runs a row
+loop instead: each program takes up to 8 rows one after another as 1-D tiles and loads the
+next row's y before this row's math, so loads are in flight while it computes (h and that
+row both in registers: F <= max_live / 2), with the sigmoid in four PTX instructions
+(`SIGMOID_PTX`), one amax reduction per row and the token scale applied to the gate only
+(`Tiles.fold_xs`). JAXINFER_SWIGLU_TILES / JAXINFER_SWIGLU_TILES_LARGE replace either set
+for an A/B (`parse_tiles`).
 
 Numerics: everything in f32 from the bf16 product on (XLA's route rounds g | u and h to
 bf16 between steps), then round to nearest e4m3 with scale = amax / 448, as
@@ -78,9 +78,10 @@ class Tiles:
     asm: bool = False          # sigmoid(g) in inline PTX: ex2.approx.ftz + rcp.approx.ftz
                                # (a few ulp; the GPU only, interpret mode takes fast_math's
                                # jnp form)
-    clip: bool = True          # clip the codes to +-448 before the e4m3 cast; without, the
-                               # cast itself saturates (sm_89+: cvt.rn.satfinite), and codes
-                               # from the row's own amax never exceed 448 anyway
+    clip: bool = True          # clip the codes to +-448 before the e4m3 cast: a no-op, as
+                               # codes from the row's own amax are at most 448 up to one
+                               # rounding, which e4m3 rounds back to 448 (whether Triton's
+                               # cast would saturate was not checked)
     flat: bool = False         # with one row per program, 1-D [BF] tiles instead of [1, BF]
     vec_amax: bool = False     # one-pass: the chunks' |h| maxed elementwise, then one
                                # reduction across the program (not one per chunk)
@@ -107,15 +108,15 @@ class Tiles:
 # 1 / 8 warps (history/ncu_swiglu_m{512,2048}_6709054.txt): 103 registers, 2 programs per SM (25%
 # occupancy), 0.43-0.47 instructions issued per cycle per scheduler, no eligible warp 53-57% of the
 # cycles, DRAM 28-36% of peak: latency-bound. Issuing all of a row's loads before its math did not
-# help (history/swiglu_quant_6709054.json). The twenty-second session dropped the clip (the cast
-# saturates by itself): in the 384-row decode step, two interleaved pairs, 0.468 / 0.471 -> 0.447 /
+# help (history/swiglu_quant_6709054.json). The twenty-second session dropped the clip (a no-op:
+# Tiles.clip): in the 384-row decode step, two interleaved pairs, 0.468 / 0.471 -> 0.447 /
 # 0.442 ms per step (history/profile_b384_swiglu_{clip,noclip}*_025e997.json); alone
 # (bench/results/swiglu_quant.json) M = 384 / 488 / 2048: 15.6-16.8 / 18.9 / 66.3-66.9 -> 15.0-16.7
 # / 18.0-18.1 / 63.1-63.8 us.
 TILES = Tiles(num_warps=16, fast_math=True, clip=False)
 # From LARGE_M rows (a mixed step's 2,048 tokens; a decode step's <= 512 rows stay on TILES)
 # where the row loop fits (tiles_for):
-# sigmoid in PTX, the satfinite cast alone, 1-D row tiles, one amax reduction per row, the
+# sigmoid in PTX, no clip, 1-D row tiles, one amax reduction per row, the
 # token scale folded out of up, and 8 rows per program with the next row's loads in flight.
 # Twenty-second session, us at M = 2048, two passes in one process: TILES (with the clip)
 # 66.3-66.9, these 56.6-58.8 (bench/results/swiglu_quant.json; 57.6-57.7 on another machine,

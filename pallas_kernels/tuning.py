@@ -142,15 +142,20 @@ def _pow2_floor(n: int) -> int:
     return 1 << (max(n, 1).bit_length() - 1)
 
 
+def split_count(programs: int, max_tokens: int, min_split_tokens: int) -> int:
+    """Both kernels' split rule: the power of two that brings `programs` up to about
+    TARGET_PROGRAMS, but no more splits than leave min_split_tokens of max_tokens each."""
+    want = -(-TARGET_PROGRAMS // max(programs, 1))
+    return _pow2_floor(min(want, max(max_tokens // min_split_tokens, 1)))
+
+
 def decode_blocks(batch: int, kv_heads: int, max_tokens: int, page_size: int,
                   itemsize: int, head_dim: int) -> DecodeBlocks:
     tokens, warps, stages, fp8, *prefetch = DECODE_TABLE.get((itemsize, head_dim),
                                                              (32, 4, 2, "bfloat16"))
     tokens = max(tokens, page_size, 16)
-    programs = batch * kv_heads
-    want = -(-TARGET_PROGRAMS // programs)
-    most = max(max_tokens // MIN_SPLIT_TOKENS, 1)
-    return DecodeBlocks(tokens, _pow2_floor(min(want, most)), warps, stages, fp8, *prefetch)
+    splits = split_count(batch * kv_heads, max_tokens, MIN_SPLIT_TOKENS)
+    return DecodeBlocks(tokens, splits, warps, stages, fp8, *prefetch)
 
 
 def parse_ragged(text: str) -> tuple:
@@ -187,9 +192,8 @@ RAGGED_MIN_SPLIT_TOKENS = int(os.environ.get("JAXINFER_RAGGED_MIN_SPLIT_TOKENS",
 
 
 def ragged_splits(num_tokens: int, block_q: int, kv_heads: int, max_tokens: int) -> int:
-    programs = -(-num_tokens // block_q) * kv_heads
-    want = -(-TARGET_PROGRAMS // max(programs, 1))
-    return _pow2_floor(min(want, max(max_tokens // RAGGED_MIN_SPLIT_TOKENS, 1)))
+    return split_count(-(-num_tokens // block_q) * kv_heads, max_tokens,
+                       RAGGED_MIN_SPLIT_TOKENS)
 
 
 def ragged_blocks(itemsize: int, head_dim: int, page_size: int, num_tokens: int = 0,

@@ -131,7 +131,7 @@ def test_kernel_on_gpu_at_llama_shape():
 @pytest.mark.parametrize("f,tiles", [(14336, None), (27648, None),
                                      (27648, sq.TILES_LARGE)])
 def test_large_m_tiles_on_gpu(f, tiles):
-    """The default tiles at a mixed step's M: TILES_LARGE (PTX sigmoid, satfinite cast, row
+    """The default tiles at a mixed step's M: TILES_LARGE (PTX sigmoid, no clip, row
     loop) for Llama-3-8B, TILES for Qwen2.5-32B's F; and TILES_LARGE forced there, past the
     row loop's register budget (one row per program)."""
     m = sq.LARGE_M
