@@ -1,0 +1,196 @@
+"""Can a Mosaic GPU kernel stream FP8 weights faster than XLA at batch 1? A probe.
+
+The batch-1 FP8 decode step spends 2.25 ms of its 2.8 in GEMMs that move 8.0 GB, ~3.6 TB/s
+(bench/results/profile_b1_fp8.json), and the Pallas Triton GEMVs this repository tried never
+beat XLA's fused-dequant Triton GEMM (pallas_kernels/fp8_matmul.py, gemv.py). Every batch-1
+lever left (issue 4's 1.8x, issue 8's 430 tok/s, a persistent decode step) needs weights
+streamed near the 4.27 TB/s read ceiling from a kernel we own. Mosaic GPU is Hopper-native:
+TMA copies into shared memory, a multi-stage pipeline of them, wgmma.
+
+The kernel: y^T [N, T] = W [N, K] . x^T [K, T], W in e4m3 (the checkpoint's [out, in]
+layout, K contiguous: the wgmma A operand, its rows the output channels) and x^T in f16 with
+T (8 or 16) token columns, the padded batch-1 rows (wgmma's B operand, N = T). Each program
+owns `tile_m` output channels and one of `splits` K ranges; a pipeline of `stages` TMA copies
+streams [tile_m, tile_k] weight tiles and [tile_k, T] x tiles into shared memory; each step
+converts the weight tile to f16 in registers (cvt.rn.f16x2.e4m3x2) and issues a wgmma with
+the register A operand. The output is the f32 partial [splits, N, T], unscaled (the channel
+scale and the sum over splits are the caller's; here they are left out of the timing).
+
+    python -m bench.probes.mgpu_gemv [--shapes 4096x6144,...] [--configs "64,128,4,1;..."]
+        [--tokens 8] [--git SHA] [--out FILE]
+
+On the CPU the kernel runs in Mosaic GPU's interpret mode (jax 0.10.2 has it), which checks
+the indexing and the math against the reference on small shapes; only the H200 times it.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+
+from bench.common import new_result, save
+
+GPU = jax.default_backend() == "gpu"
+SHAPES = "4096x6144,4096x4096,4096x28672,14336x4096"     # K x N: the 8B projections
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    tile_m: int = 64       # output channels per program (a multiple of 64: wgmma's M)
+    tile_k: int = 128      # K per pipeline step (a multiple of 32 for e4m3 -> f16)
+    stages: int = 4        # TMA copies in flight (max_concurrent_steps)
+    splits: int = 1        # K ranges (f32 partials [splits, N, T])
+    a_smem: int = 0        # 1: the f16 weight tile goes back to shared memory for the wgmma
+                           # (interpret mode takes only that form; 0: the register operand)
+
+    @classmethod
+    def parse(cls, text: str) -> "Config":
+        return cls(*(int(v) for v in text.split(",")))
+
+
+def _transforms(plgpu, minor_elems: int, bits: int):
+    swizzle = plgpu.find_swizzle(minor_elems * bits)
+    return (plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle))
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "interpret"))
+def gemv_t(w, xt, *, cfg: Config = Config(), interpret: bool = False):
+    """w [N, K] e4m3, xt [K, T] f16 -> [splits, N, T] f32 (unscaled partial products)."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    n, k = w.shape
+    t = xt.shape[1]
+    if n % cfg.tile_m or k % (cfg.splits * cfg.tile_k):
+        raise ValueError(f"mgpu_gemv: {cfg} does not tile w [{n}, {k}]")
+    k_iters = k // cfg.splits // cfg.tile_k
+    w_tf = _transforms(plgpu, cfg.tile_k, 8)
+    x_tf = _transforms(plgpu, t, 16)
+
+    a_smem = cfg.a_smem or interpret
+    scratch = [plgpu.SMEM((cfg.tile_m, t), jnp.float32)]
+    if a_smem:
+        scratch.append(plgpu.SMEM((cfg.tile_m, cfg.tile_k), jnp.float16,
+                                  transforms=_transforms(plgpu, cfg.tile_k, 16)))
+
+    def body(w_gmem, x_gmem, o_gmem, o_smem, *a_ref):
+        mi, si = lax.axis_index("m"), lax.axis_index("s")
+
+        def acc_scope(acc_ref):
+            def step(_, w_smem, x_smem):
+                a = w_smem[...].astype(jnp.float16)
+                if a_smem:
+                    a_ref[0][...] = a
+                    plgpu.commit_smem()
+                    a = a_ref[0]
+                plgpu.wgmma(acc_ref, a, x_smem)
+                plgpu.wgmma_wait(0)
+
+            plgpu.emit_pipeline(
+                step, grid=(k_iters,),
+                in_specs=[plgpu.BlockSpec((cfg.tile_m, cfg.tile_k),
+                                          lambda kk: (mi, si * k_iters + kk), transforms=w_tf),
+                          plgpu.BlockSpec((cfg.tile_k, t),
+                                          lambda kk: (si * k_iters + kk, 0), transforms=x_tf)],
+                max_concurrent_steps=cfg.stages)(w_gmem, x_gmem)
+            o_smem[...] = acc_ref[...]
+
+        pl.run_scoped(acc_scope, plgpu.ACC((cfg.tile_m, t), jnp.float32))
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[si, pl.ds(mi * cfg.tile_m, cfg.tile_m)])
+        plgpu.wait_smem_to_gmem(0)
+
+    kw = {}
+    if interpret:
+        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+        kw["interpret"] = InterpretGPUParams()
+    return plgpu.kernel(
+        body, out_type=jax.ShapeDtypeStruct((cfg.splits, n, t), jnp.float32),
+        grid=(n // cfg.tile_m, cfg.splits), grid_names=("m", "s"),
+        scratch_types=scratch,
+        compiler_params=plgpu.CompilerParams(
+            lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        **kw)(w, xt)
+
+
+def reference(w, xt):
+    """The same product in f32: [N, T]."""
+    return jnp.dot(w.astype(jnp.float32), xt.astype(jnp.float32))
+
+
+def xla_dequant(x, w, scale):
+    """The model's current batch-1 route (fp8_matmul.fp8_linear at M <= 64, x padded to 8
+    rows): XLA's GEMM with the e4m3 -> bf16 convert fused, then the channel scale."""
+    y = lax.dot_general(x, w.astype(x.dtype), (((1,), (1,)), ((), ())),
+                        preferred_element_type=jnp.float32)
+    return (y * scale[None, :]).astype(x.dtype)
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shapes", default=SHAPES if GPU else "256x128",
+                   help="comma-separated KxN weight shapes")
+    p.add_argument("--configs", default="64,128,4,1;64,256,4,1;128,128,4,1;64,128,6,2",
+                   help="';'-separated tile_m,tile_k,stages,splits[,a_smem]")
+    p.add_argument("--tokens", type=int, default=16,
+                   help="T: padded token columns (16: the f16 x tile's rows need >= 32 bytes "
+                        "for a swizzle; XLA's route is timed at its own 8 rows)")
+    p.add_argument("--rotate", type=int, default=4, help="weights rotated per timing")
+    p.add_argument("--git", default=None)
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    from bench.fp8_matmul import time_per_op
+    from checkpoints.fp8 import quantize_linear
+
+    result = new_result("mgpu_gemv", args.git,
+                        command=" ".join(["python -m bench.probes.mgpu_gemv"] + sys.argv[1:]))
+    for shape in args.shapes.split(","):
+        k, n = (int(v) for v in shape.split("x"))
+        key = jax.random.PRNGKey(k + n)
+        ws = [quantize_linear(jax.random.normal(jax.random.fold_in(key, i), (k, n)) * 0.02)
+              for i in range(args.rotate if GPU else 1)]
+        x = jax.random.normal(key, (args.tokens, k), jnp.float32).astype(jnp.bfloat16)
+        xs = [x] * len(ws)
+        gb = n * k / 1e9
+        sec, dev, _ = time_per_op(xla_dequant, [x[:8]] * len(ws), ws, samples=5 if GPU else 1,
+                                  device=GPU)
+        row = {"impl": "xla_dequant", "K": k, "N": n, "T": 8,
+               "us": round(sec * 1e6, 2)}
+        if dev is not None:
+            row.update(us_device=round(dev * 1e6, 2), TBps=round(gb / dev / 1e3, 3))
+        result["rows"].append(row)
+        print(json.dumps(row), flush=True)
+        ref = np.asarray(reference(ws[0][0], x.astype(jnp.float16).T))
+        for text in args.configs.split(";"):
+            cfg = Config.parse(text)
+            row = {"impl": "mgpu", "K": k, "N": n, "T": args.tokens, **dataclasses.asdict(cfg)}
+            try:
+                fn = functools.partial(gemv_t, cfg=cfg, interpret=not GPU)
+                out = jax.block_until_ready(fn(ws[0][0], x.astype(jnp.float16).T))
+                got = np.asarray(out).sum(0)
+                row["rel_err"] = float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
+                if GPU:
+                    sec, dev, _ = time_per_op(lambda x, w, s: fn(w, x.astype(jnp.float16).T),
+                                              xs, ws, samples=5, device=True)
+                    row["us"] = round(sec * 1e6, 2)
+                    if dev is not None:
+                        row.update(us_device=round(dev * 1e6, 2),
+                                   TBps=round(gb / dev / 1e3, 3))
+            except Exception as e:     # a config the compiler refuses: recorded, sweep goes on
+                row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+            result["rows"].append(row)
+            print(json.dumps(row), flush=True)
+    if args.out:
+        save(result, args.out)
+    return result
+
+
+if __name__ == "__main__":
+    main()
