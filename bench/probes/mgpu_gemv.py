@@ -44,12 +44,17 @@ SHAPES = "4096x6144,4096x4096,4096x28672,14336x4096"     # K x N: the 8B project
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    tile_m: int = 64       # output channels per program (a multiple of 64: wgmma's M)
+    tile_m: int = 64       # output channels per work item (a multiple of 64: wgmma's M)
     tile_k: int = 128      # K per pipeline step (a multiple of 32 for e4m3 -> f16)
     stages: int = 4        # TMA copies in flight (max_concurrent_steps)
     splits: int = 1        # K ranges (f32 partials [splits, N, T])
+    # 0: one program per work item (a grid of N / tile_m x splits). c > 0: persistent, c
+    # programs per SM, each streaming its work items (strided over the list) through one
+    # pipeline, so only the first TMA copies of a program wait on memory latency.
+    per_sm: int = 0
     a_smem: int = 0        # 1: the f16 weight tile goes back to shared memory for the wgmma
                            # (interpret mode takes only that form; 0: the register operand)
+    x_kmajor: int = 0      # 1: x tiles [T, tile_k] (K contiguous; B transposed for the wgmma)
 
     @classmethod
     def parse(cls, text: str) -> "Config":
@@ -61,19 +66,27 @@ def _transforms(plgpu, minor_elems: int, bits: int):
     return (plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle))
 
 
+def num_sms() -> int:
+    return jax.devices()[0].core_count if GPU else 2
+
+
 @functools.partial(jax.jit, static_argnames=("cfg", "interpret"))
-def gemv_t(w, xt, *, cfg: Config = Config(), interpret: bool = False):
-    """w [N, K] e4m3, xt [K, T] f16 -> [splits, N, T] f32 (unscaled partial products)."""
+def gemv_t(w, x, *, cfg: Config = Config(), interpret: bool = False):
+    """w [N, K] e4m3, x [T, K] f16 -> [splits, N, T] f32 (unscaled partial products)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     n, k = w.shape
-    t = xt.shape[1]
+    t = x.shape[0]
     if n % cfg.tile_m or k % (cfg.splits * cfg.tile_k):
         raise ValueError(f"mgpu_gemv: {cfg} does not tile w [{n}, {k}]")
     k_iters = k // cfg.splits // cfg.tile_k
+    items = n // cfg.tile_m * cfg.splits
+    programs = min(items, num_sms() * cfg.per_sm) if cfg.per_sm else items
     w_tf = _transforms(plgpu, cfg.tile_k, 8)
-    x_tf = _transforms(plgpu, t, 16)
-
+    if cfg.x_kmajor:
+        x_block, x_tf = (t, cfg.tile_k), _transforms(plgpu, cfg.tile_k, 16)
+    else:
+        x, x_block, x_tf = x.T, (cfg.tile_k, t), _transforms(plgpu, t, 16)
     a_smem = cfg.a_smem or interpret
     scratch = [plgpu.SMEM((cfg.tile_m, t), jnp.float32)]
     if a_smem:
@@ -81,30 +94,79 @@ def gemv_t(w, xt, *, cfg: Config = Config(), interpret: bool = False):
                                   transforms=_transforms(plgpu, cfg.tile_k, 16)))
 
     def body(w_gmem, x_gmem, o_gmem, o_smem, *a_ref):
-        mi, si = lax.axis_index("m"), lax.axis_index("s")
+        pid = lax.axis_index("p")
+        mine = (items - pid + programs - 1) // programs     # work items pid, pid + P, ...
 
-        def acc_scope(acc_ref):
-            def step(_, w_smem, x_smem):
-                a = w_smem[...].astype(jnp.float16)
-                if a_smem:
-                    a_ref[0][...] = a
-                    plgpu.commit_smem()
-                    a = a_ref[0]
-                plgpu.wgmma(acc_ref, a, x_smem)
-                plgpu.wgmma_wait(0)
+        def item_of(g):                # pipeline step -> (m tile, split, k step)
+            item = pid + (g // k_iters) * programs
+            return item // cfg.splits, item % cfg.splits, g % k_iters
 
-            plgpu.emit_pipeline(
-                step, grid=(k_iters,),
-                in_specs=[plgpu.BlockSpec((cfg.tile_m, cfg.tile_k),
-                                          lambda kk: (mi, si * k_iters + kk), transforms=w_tf),
-                          plgpu.BlockSpec((cfg.tile_k, t),
-                                          lambda kk: (si * k_iters + kk, 0), transforms=x_tf)],
-                max_concurrent_steps=cfg.stages)(w_gmem, x_gmem)
-            o_smem[...] = acc_ref[...]
+        def w_index(g):
+            m, sp, kk = item_of(g)
+            return m, sp * k_iters + kk
 
-        pl.run_scoped(acc_scope, plgpu.ACC((cfg.tile_m, t), jnp.float32))
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[si, pl.ds(mi * cfg.tile_m, cfg.tile_m)])
+        def x_index(g):
+            _, sp, kk = item_of(g)
+            return (0, sp * k_iters + kk) if cfg.x_kmajor else (sp * k_iters + kk, 0)
+
+        def store(m, sp, value):
+            plgpu.wait_smem_to_gmem(0)
+            o_smem[...] = value
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[sp, pl.ds(m * cfg.tile_m, cfg.tile_m)])
+
+        def operands(w_smem, x_smem):
+            a = w_smem[...].astype(jnp.float16)
+            if a_smem:
+                a_ref[0][...] = a
+                plgpu.commit_smem()
+                a = a_ref[0]
+            if not cfg.x_kmajor:
+                return a, x_smem
+            # (interpret mode cannot read a transposed ref: it transposes the value)
+            return a, x_smem[...].T if interpret else plgpu.transpose_ref(x_smem, (1, 0))
+
+        pipeline = functools.partial(
+            plgpu.emit_pipeline, grid=(mine * k_iters,),
+            in_specs=[plgpu.BlockSpec((cfg.tile_m, cfg.tile_k), w_index, transforms=w_tf),
+                      plgpu.BlockSpec(x_block, x_index, transforms=x_tf)],
+            max_concurrent_steps=cfg.stages)
+
+        if interpret:
+            # Mosaic GPU's interpret mode (jax 0.10) takes neither an accumulator store nor a
+            # register wgmma operand: the same pipeline and indexing with a plain dot (the
+            # H200 run checks the wgmma form against the reference).
+            def step_i(idx, w_smem, x_smem, acc):
+                m, sp, kk = item_of(idx[0])
+                a, b = operands(w_smem, x_smem)
+                acc = jnp.where(kk == 0, 0.0, acc) + jnp.dot(
+                    a[...].astype(jnp.float32), b[...].astype(jnp.float32))
+
+                @pl.when(kk == k_iters - 1)
+                def _():
+                    store(m, sp, acc)
+                return acc
+
+            pipeline(step_i, init_carry=jnp.zeros((cfg.tile_m, t), jnp.float32))(w_gmem, x_gmem)
+        else:
+            def acc_scope(acc_ref):
+                def step(idx, w_smem, x_smem):
+                    m, sp, kk = item_of(idx[0])
+
+                    @pl.when(kk == 0)
+                    def _():
+                        acc_ref[...] = jnp.zeros((cfg.tile_m, t), jnp.float32)
+
+                    plgpu.wgmma(acc_ref, *operands(w_smem, x_smem))
+                    plgpu.wgmma_wait(0)
+
+                    @pl.when(kk == k_iters - 1)
+                    def _():
+                        store(m, sp, acc_ref[...])
+
+                pipeline(step)(w_gmem, x_gmem)
+
+            pl.run_scoped(acc_scope, plgpu.ACC((cfg.tile_m, t), jnp.float32))
         plgpu.wait_smem_to_gmem(0)
 
     kw = {}
@@ -113,16 +175,15 @@ def gemv_t(w, xt, *, cfg: Config = Config(), interpret: bool = False):
         kw["interpret"] = InterpretGPUParams()
     return plgpu.kernel(
         body, out_type=jax.ShapeDtypeStruct((cfg.splits, n, t), jnp.float32),
-        grid=(n // cfg.tile_m, cfg.splits), grid_names=("m", "s"),
-        scratch_types=scratch,
+        grid=(programs,), grid_names=("p",), scratch_types=scratch,
         compiler_params=plgpu.CompilerParams(
             lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-        **kw)(w, xt)
+        **kw)(w, x)
 
 
-def reference(w, xt):
+def reference(w, x):
     """The same product in f32: [N, T]."""
-    return jnp.dot(w.astype(jnp.float32), xt.astype(jnp.float32))
+    return jnp.dot(w.astype(jnp.float32), x.astype(jnp.float32).T)
 
 
 def xla_dequant(x, w, scale):
@@ -138,7 +199,7 @@ def main(argv=None) -> dict:
     p.add_argument("--shapes", default=SHAPES if GPU else "256x128",
                    help="comma-separated KxN weight shapes")
     p.add_argument("--configs", default="64,128,4,1;64,256,4,1;128,128,4,1;64,128,6,2",
-                   help="';'-separated tile_m,tile_k,stages,splits[,a_smem]")
+                   help="';'-separated tile_m,tile_k,stages,splits[,per_sm,a_smem,x_kmajor]")
     p.add_argument("--tokens", type=int, default=16,
                    help="T: padded token columns (16: the f16 x tile's rows need >= 32 bytes "
                         "for a swizzle; XLA's route is timed at its own 8 rows)")
@@ -167,17 +228,17 @@ def main(argv=None) -> dict:
             row.update(us_device=round(dev * 1e6, 2), TBps=round(gb / dev / 1e3, 3))
         result["rows"].append(row)
         print(json.dumps(row), flush=True)
-        ref = np.asarray(reference(ws[0][0], x.astype(jnp.float16).T))
+        ref = np.asarray(reference(ws[0][0], x.astype(jnp.float16)))
         for text in args.configs.split(";"):
             cfg = Config.parse(text)
             row = {"impl": "mgpu", "K": k, "N": n, "T": args.tokens, **dataclasses.asdict(cfg)}
             try:
                 fn = functools.partial(gemv_t, cfg=cfg, interpret=not GPU)
-                out = jax.block_until_ready(fn(ws[0][0], x.astype(jnp.float16).T))
+                out = jax.block_until_ready(fn(ws[0][0], x.astype(jnp.float16)))
                 got = np.asarray(out).sum(0)
                 row["rel_err"] = float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
                 if GPU:
-                    sec, dev, _ = time_per_op(lambda x, w, s: fn(w, x.astype(jnp.float16).T),
+                    sec, dev, _ = time_per_op(lambda x, w, s: fn(w, x.astype(jnp.float16)),
                                               xs, ws, samples=5, device=True)
                     row["us"] = round(sec * 1e6, 2)
                     if dev is not None:
