@@ -1,0 +1,249 @@
+"""The batch-1 FP8 MLP as one Mosaic GPU kernel, no grid-wide barrier: a probe.
+
+At batch 1 the decoder layer's MLP is four XLA kernels today (the gate/up GEMM, SiLU * up,
+the down GEMM split over K, the split's reduction with the residual add): ~52 us per layer
+on the H200 (bench/results/profile_b1_fp8.json), where its 176 MB of e4m3 weights take 41 us
+at 4.27 TB/s. bench/probes/mgpu_gemv.py measured the kernel boundaries' share: QKV, O and
+gate/up streamed as one [38912, 4096] matrix take 39.5 us against 49.5 us as three GEMMs.
+
+Here the MLP's dependency is cut by rows of F instead of a barrier: program p owns F-slice
+p (FS channels). It streams its FS gate rows and FS up rows of w_gu ([2F, E], e4m3) through a
+TMA pipeline into two wgmma accumulators [FS, T] over x^T ([E, T] f16, T = 16 padded token
+columns), applies the channel scales and forms h = SiLU(gate) * up for its slice in
+registers, puts h (f16) in shared memory, then streams its column slice of w_d ([E, F],
+e4m3: tiles [tile_e, FS]) in a second pipeline, each tile a wgmma with h as the B operand,
+scaled by the down projection's channel scales and reduce-added (TMA `cp.reduce.async.bulk`
+add, f32) into y [E, T], which comes in holding the residual (aliased): y = residual + MLP(x).
+No kernel of its own for SiLU * up, the split-K sum or the residual add.
+
+    python -m bench.probes.mgpu_mlp [--configs "128,256,256,3;..."] [--git SHA] [--out FILE]
+
+On the CPU it runs in Mosaic GPU's interpret mode at a small shape (the wgmma register
+operand is replaced there by a plain dot, mgpu_gemv.py says why, and the TMA reduction by a
+read, add and write); the H200 checks the real form against the reference and times it
+against XLA's route. Known gap: in interpret mode (jax 0.10.2) the result is right with one
+program (fs = F) and P times too large with P programs; not understood, the CPU default runs
+one program.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+
+from bench.common import new_result, save
+from bench.probes.mgpu_gemv import GPU, _transforms
+
+T = 16     # padded token columns (x^T's tiles need rows of >= 32 bytes for a swizzle)
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    fs: int = 128          # F channels per program (a multiple of 64)
+    tile_k: int = 256      # E per step of the gate/up pipeline
+    tile_e: int = 256      # down-projection output rows per step (a multiple of 64)
+    stages: int = 3        # TMA copies in flight per pipeline
+
+    @classmethod
+    def parse(cls, text: str) -> "Config":
+        return cls(*(int(v) for v in text.split(",")))
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "interpret"))
+def fused_mlp_t(xt, w_gu, s_gu, w_d, s_d, y0, *, cfg: Config = Config(),
+                interpret: bool = False):
+    """xt [E, T] f16, w_gu [2F, E] e4m3 (gate rows, then up rows), s_gu [2F] f32, w_d [E, F]
+    e4m3, s_d [E] f32, y0 [E, T] f32 -> y0 + (w_d' (SiLU(gate) * up))^T [E, T] f32."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    e, t = xt.shape
+    f = w_d.shape[1]
+    fs, tk, te = cfg.fs, cfg.tile_k, cfg.tile_e
+    if f % fs or e % tk or e % te or w_gu.shape != (2 * f, e) or t != T:
+        raise ValueError(f"mgpu_mlp: {cfg} does not tile E={e}, F={f}, T={t}")
+    programs, up0 = f // fs, f // fs        # up rows start at block F / FS of w_gu
+    w_tf = _transforms(plgpu, tk, 8)
+    d_tf = _transforms(plgpu, fs, 8)
+    x_tf = _transforms(plgpu, t, 16)
+    o_tf = _transforms(plgpu, t, 32)
+    row = plgpu.Layout.WGMMA.reduce(1)
+
+    def conv(ref):
+        return ref[...].astype(jnp.float16)
+
+    def mma(acc, a, b):
+        """acc + a @ b: wgmma on the GPU; a plain dot in interpret mode."""
+        if interpret:
+            return acc + jnp.dot(a.astype(jnp.float32), b[...].astype(jnp.float32))
+        return pl.run_state(lambda r: plgpu.wgmma(r, a, b))(plgpu.ACC.init(acc))
+
+    def zeros(shape):
+        z = jnp.zeros(shape, jnp.float32)
+        return z if interpret else plgpu.layout_cast(z, plgpu.Layout.WGMMA)
+
+    def load_row(ref):
+        return ref[...] if interpret else plgpu.load(ref, (), layout=row)
+
+    def body(*refs):
+        pl.run_scoped(functools.partial(program, *refs), plgpu.Barrier(num_barriers=2))
+
+    def program(x_gmem, wgu_gmem, sgu_gmem, wd_gmem, sd_gmem, y_in, y_gmem,
+                h_smem, o_smem, s_smem, bars):
+        del y_in     # aliased to y_gmem
+        p = pl.program_id(0)
+        plgpu.copy_gmem_to_smem(sgu_gmem.at[pl.ds(p * fs, fs)], s_smem.at[0], bars.at[0])
+        plgpu.copy_gmem_to_smem(sgu_gmem.at[pl.ds(f + p * fs, fs)], s_smem.at[1], bars.at[1])
+
+        def gate_up(_, g_smem, u_smem, x_smem, carry):
+            g, u = carry
+            return mma(g, conv(g_smem), x_smem), mma(u, conv(u_smem), x_smem)
+
+        g, u = plgpu.emit_pipeline(
+            gate_up, grid=(e // tk,), max_concurrent_steps=cfg.stages,
+            in_specs=[plgpu.BlockSpec((fs, tk), lambda k: (p, k), transforms=w_tf),
+                      plgpu.BlockSpec((fs, tk), lambda k: (up0 + p, k), transforms=w_tf),
+                      plgpu.BlockSpec((tk, t), lambda k: (k, 0), transforms=x_tf)],
+            init_carry=(zeros((fs, t)), zeros((fs, t))))(wgu_gmem, wgu_gmem, x_gmem)
+        plgpu.barrier_wait(bars.at[0])
+        plgpu.barrier_wait(bars.at[1])
+        g = g * lax.broadcast_in_dim(load_row(s_smem.at[0]), (fs, t), [0])
+        u = u * lax.broadcast_in_dim(load_row(s_smem.at[1]), (fs, t), [0])
+        h_smem[...] = (g * jax.nn.sigmoid(g) * u).astype(jnp.float16)
+        plgpu.commit_smem()
+
+        def down(idx, d_smem, sd_smem):
+            j = idx[0]
+            y = mma(zeros((te, t)), conv(d_smem), h_smem)
+            y = y * lax.broadcast_in_dim(load_row(sd_smem), (te, t), [0])
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            if interpret:
+                # no TMA reduction there: the programs run one after another, so a plain
+                # read, add and write stands in for it
+                o_smem[...] = y + y_gmem[pl.ds(j * te, te)]
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(o_smem, y_gmem.at[pl.ds(j * te, te)])
+                plgpu.wait_smem_to_gmem(0)
+                return
+            o_smem[...] = y
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_smem, y_gmem.at[pl.ds(j * te, te)], reduction_op="add")
+
+        plgpu.emit_pipeline(
+            down, grid=(e // te,), max_concurrent_steps=cfg.stages,
+            in_specs=[plgpu.BlockSpec((te, fs), lambda j: (j, p), transforms=d_tf),
+                      plgpu.BlockSpec((te,), lambda j: (j,))])(wd_gmem, sd_gmem)
+        plgpu.wait_smem_to_gmem(0)
+
+    gmem = pl.BlockSpec(memory_space=plgpu.GMEM)
+    kw = {}
+    if interpret:
+        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+        kw["interpret"] = InterpretGPUParams()
+    return pl.pallas_call(
+        body, out_shape=jax.ShapeDtypeStruct((e, t), jnp.float32), grid=(programs,),
+        in_specs=[gmem] * 6, out_specs=gmem, input_output_aliases={5: 0},
+        scratch_shapes=[plgpu.SMEM((fs, t), jnp.float16, transforms=x_tf),
+                        plgpu.SMEM((te, t), jnp.float32, transforms=o_tf),
+                        plgpu.SMEM((2, fs), jnp.float32)],
+        compiler_params=plgpu.CompilerParams(
+            lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        **kw)(xt, w_gu, s_gu, w_d, s_d, y0)
+
+
+def reference(x, w_gu, s_gu, w_d, s_d, resid):
+    """f32 math of the same MLP: x [T, E], resid [T, E] -> [T, E]."""
+    f = w_d.shape[1]
+    gu = jnp.dot(x.astype(jnp.float32), (w_gu.astype(jnp.float32) * s_gu[:, None]).T)
+    h = jax.nn.silu(gu[:, :f]) * gu[:, f:]
+    return resid + jnp.dot(h, (w_d.astype(jnp.float32) * s_d[:, None]).T)
+
+
+def xla_route(x, resid, w_gu, s_gu, w_d, s_d):
+    """The model's batch-1 route: fp8_matmul's fused-dequant GEMMs (x padded to 8 rows),
+    SiLU * up, the residual add; XLA fuses and splits them as it does in the decode step."""
+    f = w_d.shape[1]
+
+    def lin(v, w, s):
+        y = lax.dot_general(v, w.astype(v.dtype), (((1,), (1,)), ((), ())),
+                            preferred_element_type=jnp.float32)
+        return (y * s[None, :]).astype(v.dtype)
+
+    gu = lin(x, w_gu, s_gu)
+    return resid + lin(jax.nn.silu(gu[:, :f]) * gu[:, f:], w_d, s_d)
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shape", default="4096x14336" if GPU else "256x256", help="E x F")
+    p.add_argument("--configs", default="128,128,128,3;128,128,256,3;128,128,128,4;64,256,256,3;64,128,256,4"
+                   if GPU else "256,128,128,2", help="';'-separated fs,tile_k,tile_e,stages")
+    p.add_argument("--rotate", type=int, default=3, help="weight sets rotated per timing")
+    p.add_argument("--git", default=None)
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    from bench.fp8_matmul import time_per_op
+    from checkpoints.fp8 import quantize_linear
+
+    e, f = (int(v) for v in args.shape.split("x"))
+    result = new_result("mgpu_mlp", args.git,
+                        command=" ".join(["python -m bench.probes.mgpu_mlp"] + sys.argv[1:]))
+    key = jax.random.PRNGKey(0)
+    sets = []
+    for i in range(args.rotate if GPU else 1):
+        k1, k2 = jax.random.split(jax.random.fold_in(key, i))
+        sets.append((*quantize_linear(jax.random.normal(k1, (e, 2 * f)) * 0.02),
+                     *quantize_linear(jax.random.normal(k2, (f, e)) * 0.02)))
+    x = jax.random.normal(key, (8, e), jnp.float32).astype(jnp.bfloat16)
+    resid = jax.random.normal(jax.random.fold_in(key, 99), (8, e), jnp.bfloat16)
+    ref = np.asarray(reference(x.astype(jnp.float32), *sets[0], resid.astype(jnp.float32)))
+    gb = 3 * e * f / 1e9
+
+    sec, dev, y = time_per_op(lambda xr, *w: xla_route(xr[0], xr[1], *w),
+                              [(x, resid)] * len(sets), sets, samples=5 if GPU else 1,
+                              device=GPU)
+    row = {"impl": "xla_route", "E": e, "F": f, "us": round(sec * 1e6, 2),
+           "rel_err": float(np.linalg.norm(np.asarray(y, np.float32) - ref)
+                            / np.linalg.norm(ref))}
+    if dev is not None:
+        row.update(us_device=round(dev * 1e6, 2), TBps=round(gb / dev / 1e3, 3))
+    result["rows"].append(row)
+    print(json.dumps(row), flush=True)
+
+    def ours(xr, w_gu, s_gu, w_d, s_d, cfg):
+        xv, rv = xr
+        xt = jnp.pad(xv, ((0, T - xv.shape[0]), (0, 0))).astype(jnp.float16).T
+        y0 = jnp.pad(rv, ((0, T - rv.shape[0]), (0, 0))).astype(jnp.float32).T
+        out = fused_mlp_t(xt, w_gu, s_gu, w_d, s_d, y0, cfg=cfg, interpret=not GPU)
+        return out.T[:xv.shape[0]].astype(xv.dtype)
+
+    for text in args.configs.split(";"):
+        cfg = Config.parse(text)
+        row = {"impl": "mgpu_mlp", "E": e, "F": f, **dataclasses.asdict(cfg)}
+        try:
+            fn = functools.partial(ours, cfg=cfg)
+            sec, dev, y = time_per_op(fn, [(x, resid)] * len(sets), sets,
+                                      samples=5 if GPU else 1, device=GPU)
+            row["rel_err"] = float(np.linalg.norm(np.asarray(y, np.float32) - ref)
+                                   / np.linalg.norm(ref))
+            row["us"] = round(sec * 1e6, 2)
+            if dev is not None:
+                row.update(us_device=round(dev * 1e6, 2), TBps=round(gb / dev / 1e3, 3))
+        except Exception as ex:     # a config the compiler refuses: recorded, sweep goes on
+            row["error"] = f"{type(ex).__name__}: {str(ex)[:400]}"
+        result["rows"].append(row)
+        print(json.dumps(row), flush=True)
+    if args.out:
+        save(result, args.out)
+    return result
+
+
+if __name__ == "__main__":
+    main()
