@@ -63,6 +63,9 @@ def fused_mlp_t(xt, w_gu, s_gu, w_d, s_d, y0, *, cfg: Config = Config(),
     """xt [E, T] f16, w_gu [2F, E] e4m3 (gate rows, then up rows), s_gu [2F] f32, w_d [E, F]
     e4m3, s_d [E] f32, y0 [E, T] f32 -> y0 + (w_d' (SiLU(gate) * up))^T [E, T] f32."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
+    # pallas_call finds the Mosaic GPU lowering through a registry filled by this import
+    # (plgpu.kernel makes it itself; with jax 0.11 a bare pallas_call does not)
+    from jax._src.pallas.mosaic_gpu import pallas_call_registration  # noqa: F401
 
     e, t = xt.shape
     f = w_d.shape[1]
