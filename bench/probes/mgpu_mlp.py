@@ -63,10 +63,6 @@ def fused_mlp_t(xt, w_gu, s_gu, w_d, s_d, y0, *, cfg: Config = Config(),
     """xt [E, T] f16, w_gu [2F, E] e4m3 (gate rows, then up rows), s_gu [2F] f32, w_d [E, F]
     e4m3, s_d [E] f32, y0 [E, T] f32 -> y0 + (w_d' (SiLU(gate) * up))^T [E, T] f32."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
-    # pallas_call finds the Mosaic GPU lowering through a registry filled by this import
-    # (plgpu.kernel makes it itself; with jax 0.11 a bare pallas_call does not)
-    from jax._src.pallas.mosaic_gpu import pallas_call_registration  # noqa: F401
-
     e, t = xt.shape
     f = w_d.shape[1]
     fs, tk, te = cfg.fs, cfg.tile_k, cfg.tile_e
@@ -95,13 +91,9 @@ def fused_mlp_t(xt, w_gu, s_gu, w_d, s_d, y0, *, cfg: Config = Config(),
     def load_row(ref):
         return ref[...] if interpret else plgpu.load(ref, (), layout=row)
 
-    def body(*refs):
-        pl.run_scoped(functools.partial(program, *refs), plgpu.Barrier(num_barriers=2))
-
-    def program(x_gmem, wgu_gmem, sgu_gmem, wd_gmem, sd_gmem, y_in, y_gmem,
+    def program(x_gmem, wgu_gmem, sgu_gmem, wd_gmem, sd_gmem, y_gmem,
                 h_smem, o_smem, s_smem, bars):
-        del y_in     # aliased to y_gmem
-        p = pl.program_id(0)
+        p = pl.program_id(0) if interpret else lax.axis_index("p")
         plgpu.copy_gmem_to_smem(sgu_gmem.at[pl.ds(p * fs, fs)], s_smem.at[0], bars.at[0])
         plgpu.copy_gmem_to_smem(sgu_gmem.at[pl.ds(f + p * fs, fs)], s_smem.at[1], bars.at[1])
 
@@ -145,20 +137,40 @@ def fused_mlp_t(xt, w_gu, s_gu, w_d, s_d, y0, *, cfg: Config = Config(),
                       plgpu.BlockSpec((te,), lambda j: (j,))])(wd_gmem, sd_gmem)
         plgpu.wait_smem_to_gmem(0)
 
-    gmem = pl.BlockSpec(memory_space=plgpu.GMEM)
     kw = {}
     if interpret:
         from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
         kw["interpret"] = InterpretGPUParams()
-    return pl.pallas_call(
-        body, out_shape=jax.ShapeDtypeStruct((e, t), jnp.float32), grid=(programs,),
-        in_specs=[gmem] * 6, out_specs=gmem, input_output_aliases={5: 0},
-        scratch_shapes=[plgpu.SMEM((fs, t), jnp.float16, transforms=x_tf),
-                        plgpu.SMEM((te, t), jnp.float32, transforms=o_tf),
-                        plgpu.SMEM((2, fs), jnp.float32)],
-        compiler_params=plgpu.CompilerParams(
-            lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-        **kw)(xt, w_gu, s_gu, w_d, s_d, y0)
+    # y is a JAX Ref: the kernel adds into it in place (plgpu.kernel aliases a Ref argument
+    # in and out; neither its jax 0.10 nor its 0.11 form takes input_output_aliases, and a
+    # bare pallas_call has no Mosaic GPU lowering in 0.11)
+    scratch = [plgpu.SMEM((fs, t), jnp.float16, transforms=x_tf),
+               plgpu.SMEM((te, t), jnp.float32, transforms=o_tf),
+               plgpu.SMEM((2, fs), jnp.float32), plgpu.Barrier(num_barriers=2)]
+    params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup)
+    if interpret:
+        # jax 0.10's interpret mode takes no Ref argument, but pallas_call's aliasing
+        def body_i(*refs):
+            *refs, y_in, y_out = refs
+            del y_in
+            pl.run_scoped(functools.partial(program, *refs, y_out), *scratch)
+
+        gmem = pl.BlockSpec(memory_space=plgpu.GMEM)
+        return pl.pallas_call(
+            body_i, out_shape=jax.ShapeDtypeStruct((e, t), jnp.float32), grid=(programs,),
+            in_specs=[gmem] * 6, out_specs=gmem, input_output_aliases={5: 0},
+            compiler_params=params, **kw)(xt, w_gu, s_gu, w_d, s_d, y0)
+
+    def body(*refs):       # scratch through run_scoped, as plgpu.kernel does it
+        pl.run_scoped(functools.partial(program, *refs), *scratch)
+
+    # y is a JAX Ref that the kernel adds into in place (a Ref argument is aliased in and
+    # out). With jax 0.11 neither plgpu.kernel (its custom_vmap wrapper rejects a Ref) nor
+    # pallas_call (no Mosaic GPU lowering registered for it any more) would do.
+    y = jax.new_ref(y0)
+    pl.kernel(body, out_type=(), mesh=plgpu.Mesh(grid=(programs,), grid_names=("p",)),
+              compiler_params=params)(xt, w_gu, s_gu, w_d, s_d, y)
+    return y[...]
 
 
 def reference(x, w_gu, s_gu, w_d, s_d, resid):
