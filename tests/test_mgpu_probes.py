@@ -1,0 +1,63 @@
+"""The Mosaic GPU probes (bench/probes/mgpu_gemv.py, mgpu_mlp.py) in Mosaic GPU's interpret
+mode on the CPU: their work-item indexing and pipelines against plain-jnp references on fresh
+random e4m3 weights. The wgmma register operand and the TMA reduction are replaced there (the
+modules say how); the H200 runs check those forms (rel_err in their result files)."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from checkpoints.fp8 import quantize_linear
+
+pytestmark = pytest.mark.skipif(jax.default_backend() == "gpu",
+                                reason="interpret mode; the GPU forms run in the H200 probes")
+
+
+def _rel(a, b):
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+@pytest.mark.parametrize("tokens, cfg", [
+    (16, (64, 64, 2, 2, 0, 0, 0)),    # a grid of (N / 64) x 2 programs, x^T tiles N-major
+    (16, (64, 64, 3, 2, 1, 0, 0)),    # persistent: 2 programs stride over 8 work items
+    (8, (128, 64, 2, 1, 1, 0, 1)),    # 8 token columns, x tiles K-major, 128-row items
+])
+def test_gemv_matches_the_reference(tokens, cfg):
+    from bench.probes import mgpu_gemv as mg
+    k, n = 256, 256
+    key = jax.random.PRNGKey(sum(cfg) + tokens)
+    w_q, _ = quantize_linear(jax.random.normal(key, (k, n)) * 0.02)
+    x = jax.random.normal(jax.random.fold_in(key, 1), (tokens, k)).astype(jnp.float16)
+    c = mg.Config(*cfg)
+    out = mg.gemv_t(w_q, x, cfg=c, interpret=True)
+    assert out.shape == (c.splits, n, tokens)
+    assert _rel(out.sum(0), mg.reference(w_q, x)) < 1e-5
+
+
+def test_gemv_refuses_tiles_that_do_not_divide():
+    from bench.probes import mgpu_gemv as mg
+    w = jnp.zeros((192, 256), jnp.float8_e4m3fn)
+    with pytest.raises(ValueError, match="does not tile"):
+        mg.gemv_t(w, jnp.zeros((8, 256), jnp.float16), cfg=mg.Config(128, 64), interpret=True)
+
+
+def test_fused_mlp_matches_the_reference():
+    """One program (FS = F): y = residual + down(SiLU(gate) * up), channel scales applied.
+    With several programs interpret mode (jax 0.10.2) returns a result P times too large
+    (bench/probes/mgpu_mlp.py's doc); the H200 form is checked at 112 programs."""
+    from bench.probes import mgpu_mlp as mm
+    e, f = 256, 128
+    key = jax.random.PRNGKey(7)
+    k1, k2, k3, k4 = jax.random.split(key, 4)
+    w_gu, s_gu = quantize_linear(jax.random.normal(k1, (e, 2 * f)) * 0.05)
+    w_d, s_d = quantize_linear(jax.random.normal(k2, (f, e)) * 0.05)
+    x = jax.random.normal(k3, (mm.T, e)).astype(jnp.float16)
+    resid = jax.random.normal(k4, (mm.T, e), jnp.float32)
+    out = mm.fused_mlp_t(x.T, w_gu, s_gu, w_d, s_d, resid.T, cfg=mm.Config(f, 64, 128, 2),
+                         interpret=True)
+    ref = mm.reference(x.astype(jnp.float32), w_gu, s_gu, w_d, s_d, resid)
+    assert _rel(out.T - resid, ref - resid) < 5e-3    # h is rounded to f16 for the wgmma
+    with pytest.raises(ValueError, match="does not tile"):
+        mm.fused_mlp_t(x.T, w_gu, s_gu, w_d, s_d, resid.T, cfg=mm.Config(96, 64, 128, 2),
+                       interpret=True)
