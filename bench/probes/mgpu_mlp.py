@@ -27,9 +27,10 @@ one program.
 
 H200, jax 0.11.2 (bench/results/mgpu_mlp.json, ncu_mgpu_mlp.txt): correct (rel_err 0.0017
 against the f32 reference; XLA's route 0.0047) but slower: 63.5 us at its best (FS 128, 112
-programs) against XLA's 52.6. Nsight Compute: DRAM 62%, L2 81% (the reduce-adds of 16
-padded token columns, ~29 MB into a 256 KB y, and x re-read by every program), one 128-thread
-program per SM at 187 registers, 0.22 issued warps per scheduler. More stages, FS 64 (224
+programs) against XLA's 52.6. Nsight Compute: DRAM 62%, L2 81% (not attributed; the
+suspects: the reduce-adds of 16 padded token columns, ~29 MB into a 256 KB y, and x^T
+re-read by every program, ~15 MB), one 128-thread program per SM at 187 registers, 0.22
+issued warps per scheduler. More stages, FS 64 (224
 programs) or larger tiles did not help (64-91 us).
 """
 from __future__ import annotations
