@@ -1,7 +1,7 @@
 """The Mosaic GPU probes (bench/probes/mgpu_gemv.py, mgpu_mlp.py) in Mosaic GPU's interpret
 mode on the CPU: their work-item indexing and pipelines against plain-jnp references on fresh
-random e4m3 weights. The wgmma register operand and the TMA reduction are replaced there (the
-modules say how); the H200 runs check those forms (rel_err in their result files)."""
+random e4m3 weights. The wgmma register operand, transposed operands and the TMA reduction are replaced there
+(the modules say how); the H200 runs check those forms (rel_err in their result files)."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -42,22 +42,38 @@ def test_gemv_refuses_tiles_that_do_not_divide():
         mg.gemv_t(w, jnp.zeros((8, 256), jnp.float16), cfg=mg.Config(128, 64), interpret=True)
 
 
-def test_fused_mlp_matches_the_reference():
-    """One program (FS = F): y = residual + down(SiLU(gate) * up), channel scales applied.
-    With several programs interpret mode (jax 0.10.2) returns a result P times too large
-    (bench/probes/mgpu_mlp.py's doc); the H200 form is checked at 112 programs."""
+def _mlp_case(e=256, f=128):
     from bench.probes import mgpu_mlp as mm
-    e, f = 256, 128
-    key = jax.random.PRNGKey(7)
-    k1, k2, k3, k4 = jax.random.split(key, 4)
+    k1, k2, k3, k4 = jax.random.split(jax.random.PRNGKey(7), 4)
     w_gu, s_gu = quantize_linear(jax.random.normal(k1, (e, 2 * f)) * 0.05)
     w_d, s_d = quantize_linear(jax.random.normal(k2, (f, e)) * 0.05)
-    x = jax.random.normal(k3, (mm.T, e)).astype(jnp.float16)
-    resid = jax.random.normal(k4, (mm.T, e), jnp.float32)
-    out = mm.fused_mlp_t(x.T, w_gu, s_gu, w_d, s_d, resid.T, cfg=mm.Config(f, 64, 128, 2),
-                         interpret=True)
-    ref = mm.reference(x.astype(jnp.float32), w_gu, s_gu, w_d, s_d, resid)
-    assert _rel(out.T - resid, ref - resid) < 5e-3    # h is rounded to f16 for the wgmma
+    x = jax.random.normal(k3, (mm.R, e))
+    resid = jax.random.normal(k4, (mm.R, e), jnp.float32)
+    mlp = mm.reference(x, w_gu, s_gu, w_d, s_d, resid) - resid
+    return (w_gu, s_gu, w_d, s_d), x, resid, mlp
+
+
+def test_fused_mlp_matches_the_reference():
+    """Two programs (F-slices of 64): y = residual + down(SiLU(gate) * up), channel scales
+    applied, each program's down partial added into y."""
+    from bench.probes import mgpu_mlp as mm
+    w, x, resid, mlp = _mlp_case()
+    xt = jnp.pad(x, ((0, mm.T - mm.R), (0, 0))).astype(jnp.float16).T
+    y0 = jnp.pad(resid, ((0, mm.T - mm.R), (0, 0))).T
+    out = mm.fused_mlp_t(xt, *w, y0, cfg=mm.Config(64, 64, 128, 2), interpret=True)
+    assert _rel(out.T[:mm.R] - resid, mlp) < 5e-3    # x and h rounded to f16
     with pytest.raises(ValueError, match="does not tile"):
-        mm.fused_mlp_t(x.T, w_gu, s_gu, w_d, s_d, resid.T, cfg=mm.Config(96, 64, 128, 2),
-                       interpret=True)
+        mm.fused_mlp_t(xt, *w, y0, cfg=mm.Config(96, 64, 128, 2), interpret=True)
+
+
+def test_fused_mlp_w8a8_matches_the_reference():
+    """The FP8-activation form, two programs: x quantized per token, h per token and F-slice,
+    both to e4m3 (3 mantissa bits, ~3.6% rms each); an indexing error would be ~100%."""
+    from bench.probes import mgpu_mlp as mm
+    w, x, resid, mlp = _mlp_case()
+    sc = jnp.max(jnp.abs(x), axis=1) / 448.0
+    xq = jnp.zeros((64, x.shape[1]), jnp.float8_e4m3fn).at[:mm.R].set(
+        (x / sc[:, None]).astype(jnp.float8_e4m3fn))
+    xs = jnp.zeros((64,), jnp.float32).at[:mm.R].set(sc)
+    out = mm.fused_mlp_q(xq, xs, *w, resid, cfg=mm.Config(64, 64, 128, 2), interpret=True)
+    assert _rel(out - resid, mlp) < 0.08

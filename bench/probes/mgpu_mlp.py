@@ -21,9 +21,11 @@ No kernel of its own for SiLU * up, the split-K sum or the residual add.
 On the CPU it runs in Mosaic GPU's interpret mode at a small shape (the wgmma register
 operand is replaced there by a plain dot, mgpu_gemv.py says why, and the TMA reduction by a
 read, add and write); the H200 checks the real form against the reference and times it
-against XLA's route. Known gap: in interpret mode (jax 0.10.2) the result is right with one
-program (fs = F) and P times too large with P programs; not understood, the CPU default runs
-one program.
+against XLA's route.
+
+`fused_mlp_q` is the same kernel with FP8 activations (W8A8): no conversion at all, both
+wgmma operands e4m3 from shared memory, tokens on wgmma's M side so h comes out
+token-major and needs no transpose; only the R = 8 real rows are reduce-added.
 
 H200, jax 0.11.2 (bench/results/mgpu_mlp.json, ncu_mgpu_mlp.txt): correct (rel_err 0.0017
 against the f32 reference; XLA's route 0.0047) but slower: 63.5 us at its best (FS 128, 112
@@ -101,7 +103,7 @@ def fused_mlp_t(xt, w_gu, s_gu, w_d, s_d, y0, *, cfg: Config = Config(),
 
     def program(x_gmem, wgu_gmem, sgu_gmem, wd_gmem, sd_gmem, y_gmem,
                 h_smem, o_smem, s_smem, bars):
-        p = pl.program_id(0) if interpret else lax.axis_index("p")
+        p = lax.axis_index("p")
         plgpu.copy_gmem_to_smem(sgu_gmem.at[pl.ds(p * fs, fs)], s_smem.at[0], bars.at[0])
         plgpu.copy_gmem_to_smem(sgu_gmem.at[pl.ds(f + p * fs, fs)], s_smem.at[1], bars.at[1])
 
@@ -145,39 +147,147 @@ def fused_mlp_t(xt, w_gu, s_gu, w_d, s_d, y0, *, cfg: Config = Config(),
                       plgpu.BlockSpec((te,), lambda j: (j,))])(wd_gmem, sd_gmem)
         plgpu.wait_smem_to_gmem(0)
 
-    kw = {}
-    if interpret:
-        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
-        kw["interpret"] = InterpretGPUParams()
-    # y is a JAX Ref: the kernel adds into it in place (plgpu.kernel aliases a Ref argument
-    # in and out; neither its jax 0.10 nor its 0.11 form takes input_output_aliases, and a
-    # bare pallas_call has no Mosaic GPU lowering in 0.11)
     scratch = [plgpu.SMEM((fs, t), jnp.float16, transforms=x_tf),
                plgpu.SMEM((te, t), jnp.float32, transforms=o_tf),
                plgpu.SMEM((2, fs), jnp.float32), plgpu.Barrier(num_barriers=2)]
+    return _launch(program, scratch, programs, (xt, w_gu, s_gu, w_d, s_d), y0, interpret)
+
+
+R = 8      # output rows of the W8A8 form: the padded batch-1 rows (a TMA box of 8 rows)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "interpret"))
+def fused_mlp_q(xq, xs, w_gu, s_gu, w_d, s_d, y0, *, cfg: Config = Config(),
+                interpret: bool = False):
+    """The same MLP with FP8 activations (W8A8): no conversion in the kernel, both wgmma
+    operands e4m3 straight from shared memory. xq [64, E] e4m3 (x per token over its scale
+    xs [64] f32; rows past the real ones zero), w_gu [2F, E], s_gu [2F], w_d [E, F], s_d [E],
+    y0 [R, E] f32 -> y0 + MLP(x)[:R] [R, E] f32.
+
+    Tokens are wgmma's M side here (64 rows, the real ones first) and weights its N side (the
+    K-major B operand, as 8-bit wgmma wants it), so each program's h comes out [64, FS]: h is
+    quantized per token over its slice (one scale per token and program, taken back in the
+    down projection's epilogue) and is then the A operand of the down projection as it is.
+    The down partials [64, tile_e] are reduce-added for their first R rows only."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+    m, e = xq.shape
+    f = w_d.shape[1]
+    fs, tk, te = cfg.fs, cfg.tile_k, cfg.tile_e
+    if (m != 64 or f % fs or e % tk or e % te or w_gu.shape != (2 * f, e)
+            or y0.shape != (R, e)):
+        raise ValueError(f"mgpu_mlp: {cfg} does not tile E={e}, F={f}, M={m}")
+    programs, up0 = f // fs, f // fs
+    x_tf = _transforms(plgpu, tk, 8)
+    w_tf = _transforms(plgpu, tk, 8)
+    d_tf = _transforms(plgpu, fs, 8)
+    h_tf = _transforms(plgpu, fs, 8)
+    o_tf = _transforms(plgpu, te, 32)
+    rows, cols = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
+
+    def mma(acc, a, b_ref):
+        """acc + a @ b_ref^T (b_ref [N, K], K-major)."""
+        if interpret:
+            return acc + jnp.dot(a[...].astype(jnp.float32), b_ref[...].astype(jnp.float32).T)
+        return pl.run_state(lambda r: plgpu.wgmma(r, a, plgpu.transpose_ref(b_ref, (1, 0))))(
+            plgpu.ACC.init(acc))
+
+    def zeros(shape):
+        z = jnp.zeros(shape, jnp.float32)
+        return z if interpret else plgpu.layout_cast(z, plgpu.Layout.WGMMA)
+
+    def load(ref, layout):
+        return ref[...] if interpret else plgpu.load(ref, (), layout=layout)
+
+    def program(x_gmem, xs_gmem, wgu_gmem, sgu_gmem, wd_gmem, sd_gmem, y_gmem,
+                h_smem, o_smem, s_smem, xs_smem, bars):
+        p = lax.axis_index("p")
+        plgpu.copy_gmem_to_smem(sgu_gmem.at[pl.ds(p * fs, fs)], s_smem.at[0], bars.at[0])
+        plgpu.copy_gmem_to_smem(sgu_gmem.at[pl.ds(f + p * fs, fs)], s_smem.at[1], bars.at[1])
+        plgpu.copy_gmem_to_smem(xs_gmem, xs_smem, bars.at[2])
+
+        def gate_up(_, x_smem, g_smem, u_smem, carry):
+            g, u = carry
+            return mma(g, x_smem, g_smem), mma(u, x_smem, u_smem)
+
+        g, u = plgpu.emit_pipeline(
+            gate_up, grid=(e // tk,), max_concurrent_steps=cfg.stages,
+            in_specs=[plgpu.BlockSpec((m, tk), lambda k: (0, k), transforms=x_tf),
+                      plgpu.BlockSpec((fs, tk), lambda k: (p, k), transforms=w_tf),
+                      plgpu.BlockSpec((fs, tk), lambda k: (up0 + p, k), transforms=w_tf)],
+            init_carry=(zeros((m, fs)), zeros((m, fs))))(x_gmem, wgu_gmem, wgu_gmem)
+        for i in range(3):
+            plgpu.barrier_wait(bars.at[i])
+        x_scale = lax.broadcast_in_dim(load(xs_smem, rows), (m, fs), [0])
+        g = g * x_scale * lax.broadcast_in_dim(load(s_smem.at[0], cols), (m, fs), [1])
+        u = u * x_scale * lax.broadcast_in_dim(load(s_smem.at[1], cols), (m, fs), [1])
+        h = g * jax.nn.sigmoid(g) * u
+        h_scale = jnp.maximum(jnp.max(jnp.abs(h), axis=1), 1e-30) / 448.0     # [64]
+        h_smem[...] = (h / lax.broadcast_in_dim(h_scale, (m, fs), [0])).astype(w_d.dtype)
+        plgpu.commit_smem()
+
+        def down(idx, d_smem, sd_smem):
+            j = idx[0]
+            y = mma(zeros((m, te)), h_smem, d_smem)
+            y = (y * lax.broadcast_in_dim(h_scale, (m, te), [0])
+                 * lax.broadcast_in_dim(load(sd_smem, cols), (m, te), [1]))
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            dst = y_gmem.at[:, pl.ds(j * te, te)]
+            if interpret:     # no TMA reduction there (programs run one after another)
+                o_smem[...] = y
+                o_smem[pl.ds(0, R)] = o_smem[pl.ds(0, R)] + y_gmem[:, pl.ds(j * te, te)]
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, R)], dst)
+                plgpu.wait_smem_to_gmem(0)
+                return
+            o_smem[...] = y
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, R)], dst, reduction_op="add")
+
+        plgpu.emit_pipeline(
+            down, grid=(e // te,), max_concurrent_steps=cfg.stages,
+            in_specs=[plgpu.BlockSpec((te, fs), lambda j: (j, p), transforms=d_tf),
+                      plgpu.BlockSpec((te,), lambda j: (j,))])(wd_gmem, sd_gmem)
+        plgpu.wait_smem_to_gmem(0)
+
+    scratch = [plgpu.SMEM((m, fs), w_d.dtype, transforms=h_tf),
+               plgpu.SMEM((m, te), jnp.float32, transforms=o_tf),
+               plgpu.SMEM((2, fs), jnp.float32), plgpu.SMEM((m,), jnp.float32),
+               plgpu.Barrier(num_barriers=3)]
+    return _launch(program, scratch, programs, (xq, xs, w_gu, s_gu, w_d, s_d), y0, interpret)
+
+
+def _launch(program, scratch, programs, args, y0, interpret):
+    """Run `program(*args, y, *scratch)` on a grid of `programs`, y starting as y0 and added
+    into in place: a JAX Ref through pl.kernel on the GPU (jax 0.11: neither plgpu.kernel,
+    whose custom_vmap wrapper rejects a Ref, nor a bare pallas_call, which has no Mosaic GPU
+    lowering there, would do). 0.10's interpret mode takes no Ref argument (and its
+    pallas_call path gave every program program_id 0): there plgpu.kernel, program 0
+    copying y0 into the output first."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
     params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup)
     if interpret:
-        # jax 0.10's interpret mode takes no Ref argument, but pallas_call's aliasing
-        def body_i(*refs):
-            *refs, y_in, y_out = refs
-            del y_in
-            pl.run_scoped(functools.partial(program, *refs, y_out), *scratch)
+        # programs run one after another there: the first copies y0 into the output
+        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
 
-        gmem = pl.BlockSpec(memory_space=plgpu.GMEM)
-        return pl.pallas_call(
-            body_i, out_shape=jax.ShapeDtypeStruct((e, t), jnp.float32), grid=(programs,),
-            in_specs=[gmem] * 6, out_specs=gmem, input_output_aliases={5: 0},
-            compiler_params=params, **kw)(xt, w_gu, s_gu, w_d, s_d, y0)
+        def body_i(*refs):
+            *ins, y_in, y_out, scr = refs[:len(args) + 2] + (refs[len(args) + 2:],)
+
+            @pl.when(lax.axis_index("p") == 0)
+            def _():
+                y_out[...] = y_in[...]
+            program(*ins, y_out, *scr)
+
+        return plgpu.kernel(
+            body_i, out_type=jax.ShapeDtypeStruct(y0.shape, jnp.float32), grid=(programs,),
+            grid_names=("p",), scratch_types=scratch, compiler_params=params,
+            interpret=InterpretGPUParams())(*args, y0)
 
     def body(*refs):       # scratch through run_scoped, as plgpu.kernel does it
         pl.run_scoped(functools.partial(program, *refs), *scratch)
 
-    # y is a JAX Ref that the kernel adds into in place (a Ref argument is aliased in and
-    # out). With jax 0.11 neither plgpu.kernel (its custom_vmap wrapper rejects a Ref) nor
-    # pallas_call (no Mosaic GPU lowering registered for it any more) would do.
     y = jax.new_ref(y0)
     pl.kernel(body, out_type=(), mesh=plgpu.Mesh(grid=(programs,), grid_names=("p",)),
-              compiler_params=params)(xt, w_gu, s_gu, w_d, s_d, y)
+              compiler_params=params)(*args, y)
     return y[...]
 
 
@@ -207,8 +317,10 @@ def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", default="4096x14336" if GPU else "256x256", help="E x F")
     p.add_argument("--configs", default="128,128,128,3;128,128,256,3;128,128,128,4;64,256,256,3;64,128,256,4"
-                   if GPU else "256,128,128,2", help="';'-separated fs,tile_k,tile_e,stages")
+                   if GPU else "128,128,128,2", help="';'-separated fs,tile_k,tile_e,stages")
     p.add_argument("--rotate", type=int, default=3, help="weight sets rotated per timing")
+    p.add_argument("--forms", default="w8a16,w8a8",
+                   help="w8a16: fused_mlp_t (f16 activations); w8a8: fused_mlp_q")
     p.add_argument("--git", default=None)
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
@@ -247,22 +359,37 @@ def main(argv=None) -> dict:
         out = fused_mlp_t(xt, w_gu, s_gu, w_d, s_d, y0, cfg=cfg, interpret=not GPU)
         return out.T[:xv.shape[0]].astype(xv.dtype)
 
-    for text in args.configs.split(";"):
-        cfg = Config.parse(text)
-        row = {"impl": "mgpu_mlp", "E": e, "F": f, **dataclasses.asdict(cfg)}
-        try:
-            fn = functools.partial(ours, cfg=cfg)
-            sec, dev, y = time_per_op(fn, [(x, resid)] * len(sets), sets,
-                                      samples=5 if GPU else 1, device=GPU)
-            row["rel_err"] = float(np.linalg.norm(np.asarray(y, np.float32) - ref)
-                                   / np.linalg.norm(ref))
-            row["us"] = round(sec * 1e6, 2)
-            if dev is not None:
-                row.update(us_device=round(dev * 1e6, 2), TBps=round(gb / dev / 1e3, 3))
-        except Exception as ex:     # a config the compiler refuses: recorded, sweep goes on
-            row["error"] = f"{type(ex).__name__}: {str(ex)[:400]}"
-        result["rows"].append(row)
-        print(json.dumps(row), flush=True)
+    def ours_q(xr, w_gu, s_gu, w_d, s_d, cfg):
+        xv, rv = xr           # x quantized per token here (the model's norm_quant does it)
+        xf = xv.astype(jnp.float32)
+        sc = jnp.maximum(jnp.max(jnp.abs(xf), axis=1), 1e-30) / 448.0
+        xq = jnp.zeros((64, e), w_d.dtype).at[:xv.shape[0]].set(
+            (xf / sc[:, None]).astype(w_d.dtype))
+        xs = jnp.zeros((64,), jnp.float32).at[:xv.shape[0]].set(sc)
+        out = fused_mlp_q(xq, xs, w_gu, s_gu, w_d, s_d, rv.astype(jnp.float32), cfg=cfg,
+                          interpret=not GPU)
+        return out.astype(xv.dtype)
+
+    forms = args.forms.split(",")
+    for key, form, fn0 in (("w8a16", "mgpu_mlp", ours), ("w8a8", "mgpu_mlp_w8a8", ours_q)):
+        if key not in forms:
+            continue
+        for text in args.configs.split(";"):
+            cfg = Config.parse(text)
+            row = {"impl": form, "E": e, "F": f, **dataclasses.asdict(cfg)}
+            try:
+                fn = functools.partial(fn0, cfg=cfg)
+                sec, dev, y = time_per_op(fn, [(x, resid)] * len(sets), sets,
+                                          samples=5 if GPU else 1, device=GPU)
+                row["rel_err"] = float(np.linalg.norm(np.asarray(y, np.float32) - ref)
+                                       / np.linalg.norm(ref))
+                row["us"] = round(sec * 1e6, 2)
+                if dev is not None:
+                    row.update(us_device=round(dev * 1e6, 2), TBps=round(gb / dev / 1e3, 3))
+            except Exception as ex:     # a config the compiler refuses: recorded, sweep goes on
+                row["error"] = f"{type(ex).__name__}: {str(ex)[:400]}"
+            result["rows"].append(row)
+            print(json.dumps(row), flush=True)
     if args.out:
         save(result, args.out)
     return result
