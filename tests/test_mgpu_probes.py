@@ -77,3 +77,20 @@ def test_fused_mlp_w8a8_matches_the_reference():
     xs = jnp.zeros((64,), jnp.float32).at[:mm.R].set(sc)
     out = mm.fused_mlp_q(xq, xs, *w, resid, cfg=mm.Config(64, 64, 128, 2), interpret=True)
     assert _rel(out - resid, mlp) < 0.08
+
+
+def test_fused_mlp_blocked_down_weights():
+    """w_d blocked per F-slice ([F / FS, E, FS], mgpu_mlp.block_down): the same result as
+    the [E, F] layout, in both forms; a blocked w_d of the wrong slice width is refused."""
+    from bench.probes import mgpu_mlp as mm
+    (w_gu, s_gu, w_d, s_d), x, resid, mlp = _mlp_case()
+    xt = jnp.pad(x, ((0, mm.T - mm.R), (0, 0))).astype(jnp.float16).T
+    y0 = jnp.pad(resid, ((0, mm.T - mm.R), (0, 0))).T
+    cfg = mm.Config(64, 64, 128, 2, blocked=1)
+    wb = mm.block_down(w_d, 64)
+    assert wb.shape == (2, 256, 64) and bool(jnp.all(wb[1, :, 3] == w_d[:, 67]))
+    out = mm.fused_mlp_t(xt, w_gu, s_gu, wb, s_d, y0, cfg=cfg, interpret=True)
+    assert _rel(out.T[:mm.R] - resid, mlp) < 5e-3
+    with pytest.raises(ValueError, match="blocked w_d"):
+        mm.fused_mlp_t(xt, w_gu, s_gu, mm.block_down(w_d, 128), s_d, y0, cfg=cfg,
+                       interpret=True)

@@ -61,6 +61,9 @@ class Config:
     tile_k: int = 256      # E per step of the gate/up pipeline
     tile_e: int = 256      # down-projection output rows per step (a multiple of 64)
     stages: int = 3        # TMA copies in flight per pipeline
+    # 1: w_d comes blocked, [F / FS, E, FS] (block_down), so a program's down weights are
+    # one contiguous run instead of E rows of FS bytes 14 KB apart
+    blocked: int = 0
 
     @classmethod
     def parse(cls, text: str) -> "Config":
@@ -74,7 +77,7 @@ def fused_mlp_t(xt, w_gu, s_gu, w_d, s_d, y0, *, cfg: Config = Config(),
     e4m3, s_d [E] f32, y0 [E, T] f32 -> y0 + (w_d' (SiLU(gate) * up))^T [E, T] f32."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
     e, t = xt.shape
-    f = w_d.shape[1]
+    f = _down_f(w_d, cfg)
     fs, tk, te = cfg.fs, cfg.tile_k, cfg.tile_e
     if f % fs or e % tk or e % te or w_gu.shape != (2 * f, e) or t != T:
         raise ValueError(f"mgpu_mlp: {cfg} does not tile E={e}, F={f}, T={t}")
@@ -143,7 +146,7 @@ def fused_mlp_t(xt, w_gu, s_gu, w_d, s_d, y0, *, cfg: Config = Config(),
 
         plgpu.emit_pipeline(
             down, grid=(e // te,), max_concurrent_steps=cfg.stages,
-            in_specs=[plgpu.BlockSpec((te, fs), lambda j: (j, p), transforms=d_tf),
+            in_specs=[_down_spec(plgpu, cfg, p, d_tf),
                       plgpu.BlockSpec((te,), lambda j: (j,))])(wd_gmem, sd_gmem)
         plgpu.wait_smem_to_gmem(0)
 
@@ -151,6 +154,29 @@ def fused_mlp_t(xt, w_gu, s_gu, w_d, s_d, y0, *, cfg: Config = Config(),
                plgpu.SMEM((te, t), jnp.float32, transforms=o_tf),
                plgpu.SMEM((2, fs), jnp.float32), plgpu.Barrier(num_barriers=2)]
     return _launch(program, scratch, programs, (xt, w_gu, s_gu, w_d, s_d), y0, interpret)
+
+
+def _down_f(w_d, cfg: Config) -> int:
+    if cfg.blocked:
+        if w_d.ndim != 3 or w_d.shape[2] != cfg.fs:
+            raise ValueError(f"mgpu_mlp: blocked w_d must be [F / {cfg.fs}, E, {cfg.fs}], "
+                             f"got {w_d.shape}")
+        return w_d.shape[0] * w_d.shape[2]
+    return w_d.shape[1]
+
+
+def _down_spec(plgpu, cfg: Config, p, transforms):
+    """Program p's [tile_e, FS] down-weight tiles, step j."""
+    if cfg.blocked:
+        return plgpu.BlockSpec((None, cfg.tile_e, cfg.fs), lambda j: (p, j, 0),
+                               transforms=transforms)
+    return plgpu.BlockSpec((cfg.tile_e, cfg.fs), lambda j: (j, p), transforms=transforms)
+
+
+def block_down(w_d, fs: int):
+    """w_d [E, F] -> [F / fs, E, fs]: each F-slice's columns one contiguous block."""
+    e, f = w_d.shape
+    return w_d.reshape(e, f // fs, fs).transpose(1, 0, 2)
 
 
 R = 8      # output rows of the W8A8 form: the padded batch-1 rows (a TMA box of 8 rows)
@@ -171,7 +197,7 @@ def fused_mlp_q(xq, xs, w_gu, s_gu, w_d, s_d, y0, *, cfg: Config = Config(),
     The down partials [64, tile_e] are reduce-added for their first R rows only."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
     m, e = xq.shape
-    f = w_d.shape[1]
+    f = _down_f(w_d, cfg)
     fs, tk, te = cfg.fs, cfg.tile_k, cfg.tile_e
     if (m != 64 or f % fs or e % tk or e % te or w_gu.shape != (2 * f, e)
             or y0.shape != (R, e)):
@@ -245,7 +271,7 @@ def fused_mlp_q(xq, xs, w_gu, s_gu, w_d, s_d, y0, *, cfg: Config = Config(),
 
         plgpu.emit_pipeline(
             down, grid=(e // te,), max_concurrent_steps=cfg.stages,
-            in_specs=[plgpu.BlockSpec((te, fs), lambda j: (j, p), transforms=d_tf),
+            in_specs=[_down_spec(plgpu, cfg, p, d_tf),
                       plgpu.BlockSpec((te,), lambda j: (j,))])(wd_gmem, sd_gmem)
         plgpu.wait_smem_to_gmem(0)
 
@@ -379,7 +405,9 @@ def main(argv=None) -> dict:
             row = {"impl": form, "E": e, "F": f, **dataclasses.asdict(cfg)}
             try:
                 fn = functools.partial(fn0, cfg=cfg)
-                sec, dev, y = time_per_op(fn, [(x, resid)] * len(sets), sets,
+                ws = [(a, b, block_down(c, cfg.fs) if cfg.blocked else c, d)
+                      for a, b, c, d in sets]
+                sec, dev, y = time_per_op(fn, [(x, resid)] * len(ws), ws,
                                           samples=5 if GPU else 1, device=GPU)
                 row["rel_err"] = float(np.linalg.norm(np.asarray(y, np.float32) - ref)
                                        / np.linalg.norm(ref))
