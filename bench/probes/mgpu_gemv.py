@@ -64,6 +64,8 @@ class Config:
     a_smem: int = 0        # 1: the f16 weight tile goes back to shared memory for the wgmma
                            # (interpret mode takes only that form; 0: the register operand)
     x_kmajor: int = 0      # 1: x tiles [T, tile_k] (K contiguous; B transposed for the wgmma)
+    delay: int = 0         # wgmma groups left in flight at the end of a step (their shared
+                           # memory released that many steps later: BlockSpec.delay_release)
 
     @classmethod
     def parse(cls, text: str) -> "Config":
@@ -137,8 +139,10 @@ def gemv_t(w, x, *, cfg: Config = Config(), interpret: bool = False):
 
         pipeline = functools.partial(
             plgpu.emit_pipeline, grid=(mine * k_iters,),
-            in_specs=[plgpu.BlockSpec((cfg.tile_m, cfg.tile_k), w_index, transforms=w_tf),
-                      plgpu.BlockSpec(x_block, x_index, transforms=x_tf)],
+            in_specs=[plgpu.BlockSpec((cfg.tile_m, cfg.tile_k), w_index, transforms=w_tf,
+                                      delay_release=cfg.delay),
+                      plgpu.BlockSpec(x_block, x_index, transforms=x_tf,
+                                      delay_release=cfg.delay)],
             max_concurrent_steps=cfg.stages)
 
         if interpret:
@@ -167,7 +171,7 @@ def gemv_t(w, x, *, cfg: Config = Config(), interpret: bool = False):
                         acc_ref[...] = jnp.zeros((cfg.tile_m, t), jnp.float32)
 
                     plgpu.wgmma(acc_ref, *operands(w_smem, x_smem))
-                    plgpu.wgmma_wait(0)
+                    plgpu.wgmma_wait(cfg.delay)
 
                     @pl.when(kk == k_iters - 1)
                     def _():
@@ -208,7 +212,7 @@ def main(argv=None) -> dict:
     p.add_argument("--shapes", default=SHAPES if GPU else "256x128",
                    help="comma-separated KxN weight shapes")
     p.add_argument("--configs", default="64,128,4,1;64,256,4,1;128,128,4,1;64,128,6,2",
-                   help="';'-separated tile_m,tile_k,stages,splits[,per_sm,a_smem,x_kmajor]")
+                   help="';'-separated tile_m,tile_k,stages,splits[,per_sm,a_smem,x_kmajor,delay]")
     p.add_argument("--tokens", type=int, default=16,
                    help="T: padded token columns (16: the f16 x tile's rows need >= 32 bytes "
                         "for a swizzle; XLA's route is timed at its own 8 rows)")

@@ -64,6 +64,10 @@ class Config:
     # 1: w_d comes blocked, [F / FS, E, FS] (block_down), so a program's down weights are
     # one contiguous run instead of E rows of FS bytes 14 KB apart
     blocked: int = 0
+    # wgmma groups of the gate/up pipeline left in flight at the end of a step (2 per step;
+    # the tiles' shared memory released a step later): the f16 form's next conversion then
+    # overlaps this step's wgmmas (GPU only; interpret mode waits every step)
+    delay: int = 0
 
     @classmethod
     def parse(cls, text: str) -> "Config":
@@ -110,16 +114,35 @@ def fused_mlp_t(xt, w_gu, s_gu, w_d, s_d, y0, *, cfg: Config = Config(),
         plgpu.copy_gmem_to_smem(sgu_gmem.at[pl.ds(p * fs, fs)], s_smem.at[0], bars.at[0])
         plgpu.copy_gmem_to_smem(sgu_gmem.at[pl.ds(f + p * fs, fs)], s_smem.at[1], bars.at[1])
 
-        def gate_up(_, g_smem, u_smem, x_smem, carry):
-            g, u = carry
-            return mma(g, conv(g_smem), x_smem), mma(u, conv(u_smem), x_smem)
+        pipeline = functools.partial(
+            plgpu.emit_pipeline, grid=(e // tk,), max_concurrent_steps=cfg.stages,
+            in_specs=[plgpu.BlockSpec((fs, tk), lambda k: (p, k), transforms=w_tf,
+                                      delay_release=cfg.delay),
+                      plgpu.BlockSpec((fs, tk), lambda k: (up0 + p, k), transforms=w_tf,
+                                      delay_release=cfg.delay),
+                      plgpu.BlockSpec((tk, t), lambda k: (k, 0), transforms=x_tf,
+                                      delay_release=cfg.delay)])
+        if interpret:
+            def gate_up(_, g_smem, u_smem, x_smem, carry):
+                g, u = carry
+                return mma(g, conv(g_smem), x_smem), mma(u, conv(u_smem), x_smem)
 
-        g, u = plgpu.emit_pipeline(
-            gate_up, grid=(e // tk,), max_concurrent_steps=cfg.stages,
-            in_specs=[plgpu.BlockSpec((fs, tk), lambda k: (p, k), transforms=w_tf),
-                      plgpu.BlockSpec((fs, tk), lambda k: (up0 + p, k), transforms=w_tf),
-                      plgpu.BlockSpec((tk, t), lambda k: (k, 0), transforms=x_tf)],
-            init_carry=(zeros((fs, t)), zeros((fs, t))))(wgu_gmem, wgu_gmem, x_gmem)
+            g, u = pipeline(gate_up, init_carry=(zeros((fs, t)), zeros((fs, t))))(
+                wgu_gmem, wgu_gmem, x_gmem)
+        else:
+            def accs(g_acc, u_acc):
+                def gate_up(_, g_smem, u_smem, x_smem):
+                    plgpu.wgmma(g_acc, conv(g_smem), x_smem)
+                    plgpu.wgmma(u_acc, conv(u_smem), x_smem)
+                    plgpu.wgmma_wait(2 * cfg.delay)
+
+                g_acc[...] = zeros((fs, t))
+                u_acc[...] = zeros((fs, t))
+                pipeline(gate_up)(wgu_gmem, wgu_gmem, x_gmem)
+                return g_acc[...], u_acc[...]
+
+            g, u = pl.run_scoped(accs, plgpu.ACC((fs, t), jnp.float32),
+                                 plgpu.ACC((fs, t), jnp.float32))
         plgpu.barrier_wait(bars.at[0])
         plgpu.barrier_wait(bars.at[1])
         g = g * lax.broadcast_in_dim(load_row(s_smem.at[0]), (fs, t), [0])
