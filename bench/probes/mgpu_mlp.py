@@ -64,10 +64,6 @@ class Config:
     # 1: w_d comes blocked, [F / FS, E, FS] (block_down), so a program's down weights are
     # one contiguous run instead of E rows of FS bytes 14 KB apart
     blocked: int = 0
-    # wgmma groups of the gate/up pipeline left in flight at the end of a step (2 per step;
-    # the tiles' shared memory released a step later): the f16 form's next conversion then
-    # overlaps this step's wgmmas (GPU only; interpret mode waits every step)
-    delay: int = 0
 
     @classmethod
     def parse(cls, text: str) -> "Config":
@@ -116,12 +112,9 @@ def fused_mlp_t(xt, w_gu, s_gu, w_d, s_d, y0, *, cfg: Config = Config(),
 
         pipeline = functools.partial(
             plgpu.emit_pipeline, grid=(e // tk,), max_concurrent_steps=cfg.stages,
-            in_specs=[plgpu.BlockSpec((fs, tk), lambda k: (p, k), transforms=w_tf,
-                                      delay_release=cfg.delay),
-                      plgpu.BlockSpec((fs, tk), lambda k: (up0 + p, k), transforms=w_tf,
-                                      delay_release=cfg.delay),
-                      plgpu.BlockSpec((tk, t), lambda k: (k, 0), transforms=x_tf,
-                                      delay_release=cfg.delay)])
+            in_specs=[plgpu.BlockSpec((fs, tk), lambda k: (p, k), transforms=w_tf),
+                      plgpu.BlockSpec((fs, tk), lambda k: (up0 + p, k), transforms=w_tf),
+                      plgpu.BlockSpec((tk, t), lambda k: (k, 0), transforms=x_tf)])
         if interpret:
             def gate_up(_, g_smem, u_smem, x_smem, carry):
                 g, u = carry
@@ -134,7 +127,10 @@ def fused_mlp_t(xt, w_gu, s_gu, w_d, s_d, y0, *, cfg: Config = Config(),
                 def gate_up(_, g_smem, u_smem, x_smem):
                     plgpu.wgmma(g_acc, conv(g_smem), x_smem)
                     plgpu.wgmma(u_acc, conv(u_smem), x_smem)
-                    plgpu.wgmma_wait(2 * cfg.delay)
+                    # waiting here, every step: leaving this step's two wgmmas in flight
+                    # (wgmma_wait(2), the tiles released a step later) gave no gain and,
+                    # at 4 stages, wrong results (rel_err 0.027; H200, 1075a8e)
+                    plgpu.wgmma_wait(0)
 
                 g_acc[...] = zeros((fs, t))
                 u_acc[...] = zeros((fs, t))
