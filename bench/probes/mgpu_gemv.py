@@ -30,6 +30,8 @@ XLA's numbers include. Persistent programs (2 per SM) and splits 2-4 beat a plai
 token columns lose (x tiles twice the bytes). Long streams reach the same rate in both:
 4096x155648 (638 MB) 152.8 us = 4.17 TB/s against XLA's 153.9. The boundaries' price: QKV,
 O and gate/up as one 4096x38912 matrix take 39.5 us in XLA against 49.5 as three GEMMs.
+Leaving 1-2 wgmma groups in flight across steps (`delay`) changed nothing (32.2-32.6 us on
+gate/up; history/mgpu_gemv_delay_1075a8e.json).
 """
 from __future__ import annotations
 

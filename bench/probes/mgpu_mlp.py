@@ -27,13 +27,19 @@ against XLA's route.
 wgmma operands e4m3 from shared memory, tokens on wgmma's M side so h comes out
 token-major and needs no transpose; only the R = 8 real rows are reduce-added.
 
-H200, jax 0.11.2 (bench/results/mgpu_mlp.json, ncu_mgpu_mlp.txt): correct (rel_err 0.0017
-against the f32 reference; XLA's route 0.0047) but slower: 63.5 us at its best (FS 128, 112
-programs) against XLA's 52.6. Nsight Compute: DRAM 62%, L2 81% (not attributed; the
-suspects: the reduce-adds of 16 padded token columns, ~29 MB into a 256 KB y, and x^T
-re-read by every program, ~15 MB), one 128-thread program per SM at 187 registers, 0.22
-issued warps per scheduler. More stages, FS 64 (224
-programs) or larger tiles did not help (64-91 us).
+H200, jax 0.11.2 (bench/results/mgpu_mlp.json, mgpu_mlp_w8a8.json, ncu_mgpu_mlp.txt;
+more sweeps in history/mgpu_mlp_*): correct (rel_err 0.0017 against the f32 reference; XLA's
+route 0.0047; the W8A8 form 0.04, its activations' e4m3 rounding) but slower than XLA's 51-53
+us in every form tried: f16 activations 63.0-63.6 us at best (FS 128, 112 programs), W8A8
+64.3-67, w_d blocked per F-slice 63.3, FS 64 (224 programs, one or two per SM) 76-94, more
+stages or larger tiles 63-80. Nsight Compute (f16 form): DRAM 62%, L2 81%, one 128-thread
+program per SM at 187 registers, 0.22 issued warps per scheduler; of the stall samples
+(history/ncu_mgpu_mlp_sass_8225f1a.csv.gz) ~16% wait on the TMA barriers (data not there
+yet), ~16% on wgmma completion (WARPGROUP.DEPBAR, a wait after every step), ~31% on shared
+loads and e4m3 -> f16 converts (57% of the instructions). That the W8A8 form, with no
+conversion, is no faster says one warpgroup running the whole pipeline serially is the limit:
+the next form to try is warp-specialized (a TMA warpgroup and two compute warpgroups,
+`plgpu.emit_pipeline_warp_specialized`).
 """
 from __future__ import annotations
 
