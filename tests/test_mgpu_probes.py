@@ -94,3 +94,18 @@ def test_fused_mlp_blocked_down_weights():
     with pytest.raises(ValueError, match="blocked w_d"):
         mm.fused_mlp_t(xt, w_gu, s_gu, mm.block_down(w_d, 128), s_d, y0, cfg=cfg,
                        interpret=True)
+
+
+def test_fused_mlp_warp_specialized_matches_the_reference():
+    """fused_mlp_ws: two programs of three warpgroups (two computing half of each F-slice's
+    rows, one issuing the copies), the halves of h joined at a barrier."""
+    from bench.probes import mgpu_mlp as mm
+    (w_gu, s_gu, w_d, s_d), x, resid, mlp = _mlp_case(f=256)
+    xt = jnp.pad(x, ((0, mm.T - mm.R), (0, 0))).astype(jnp.float16).T
+    y0 = jnp.pad(resid, ((0, mm.T - mm.R), (0, 0))).T
+    out = mm.fused_mlp_ws(xt, w_gu, s_gu, w_d, s_d, y0, cfg=mm.Config(128, 64, 128, 2),
+                          interpret=True)
+    assert _rel(out.T[:mm.R] - resid, mlp) < 5e-3
+    with pytest.raises(ValueError, match="compute warpgroups"):
+        mm.fused_mlp_ws(xt, w_gu, s_gu, w_d, s_d, y0, cfg=mm.Config(64, 64, 128, 2),
+                        interpret=True)

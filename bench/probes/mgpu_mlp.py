@@ -307,15 +307,139 @@ def fused_mlp_q(xq, xs, w_gu, s_gu, w_d, s_d, y0, *, cfg: Config = Config(),
     return _launch(program, scratch, programs, (xq, xs, w_gu, s_gu, w_d, s_d), y0, interpret)
 
 
-def _launch(program, scratch, programs, args, y0, interpret):
+WS_WGS = 2    # compute warpgroups of the warp-specialized form (a third one issues the TMAs)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "interpret"))
+def fused_mlp_ws(xt, w_gu, s_gu, w_d, s_d, y0, *, cfg: Config = Config(),
+                 interpret: bool = False):
+    """fused_mlp_t's math (same arguments) with warp specialization: per program a memory
+    warpgroup streams the TMA copies of both phases while two compute warpgroups take half
+    of the F-slice's gate/up rows each (conversion and wgmma), form h for their rows, meet
+    at a barrier, and take half of each down tile's rows each."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+    e, t = xt.shape
+    f = _down_f(w_d, cfg)
+    fs, tk, te = cfg.fs, cfg.tile_k, cfg.tile_e
+    hf, he = fs // WS_WGS, te // WS_WGS
+    if (f % fs or e % tk or e % te or hf % 64 or he % 64 or w_gu.shape != (2 * f, e)
+            or t != T):
+        raise ValueError(f"mgpu_mlp: {cfg} does not tile E={e}, F={f}, T={t} with "
+                         f"{WS_WGS} compute warpgroups")
+    programs, up0 = f // fs, f // fs
+    w_tf = _transforms(plgpu, tk, 8)
+    d_tf = _transforms(plgpu, fs, 8)
+    x_tf = _transforms(plgpu, t, 16)
+    o_tf = _transforms(plgpu, t, 32)
+    row = plgpu.Layout.WGMMA.reduce(1)
+
+    def conv(ref):
+        return ref[...].astype(jnp.float16)
+
+    def zeros(shape):
+        z = jnp.zeros(shape, jnp.float32)
+        return z if interpret else plgpu.layout_cast(z, plgpu.Layout.WGMMA)
+
+    def load_row(ref):
+        return ref[...] if interpret else plgpu.load(ref, (), layout=row)
+
+    def program(x_gmem, wgu_gmem, sgu_gmem, wd_gmem, sd_gmem, y_gmem,
+                h_smem, o_smem, s_smem, bars, h_bar):
+        p, wg = lax.axis_index("p"), lax.axis_index("wg")
+        rows = pl.ds(wg * hf, hf)          # this compute warpgroup's gate/up rows
+
+        def ctx1(eval_pipeline):
+            for i, base in enumerate((0, f)):
+                plgpu.copy_gmem_to_smem(sgu_gmem.at[pl.ds(base + p * fs + wg * hf, hf)],
+                                        s_smem.at[wg, i], bars.at[2 * wg + i])
+            if interpret:
+                g, u = eval_pipeline((zeros((hf, t)), zeros((hf, t))))
+            else:
+                def accs(g_acc, u_acc):
+                    g_acc[...] = zeros((hf, t))
+                    u_acc[...] = zeros((hf, t))
+                    eval_pipeline((g_acc, u_acc))
+                    return g_acc[...], u_acc[...]
+                g, u = pl.run_scoped(accs, plgpu.ACC((hf, t), jnp.float32),
+                                     plgpu.ACC((hf, t), jnp.float32))
+            plgpu.barrier_wait(bars.at[2 * wg])
+            plgpu.barrier_wait(bars.at[2 * wg + 1])
+            g = g * lax.broadcast_in_dim(load_row(s_smem.at[wg, 0]), (hf, t), [0])
+            u = u * lax.broadcast_in_dim(load_row(s_smem.at[wg, 1]), (hf, t), [0])
+            h_smem[rows] = (g * jax.nn.sigmoid(g) * u).astype(jnp.float16)
+            plgpu.commit_smem()
+            plgpu.barrier_arrive(h_bar)        # both halves of h written before phase 2
+            plgpu.barrier_wait(h_bar)
+
+        def gate_up(_, g_smem, u_smem, x_smem, carry):
+            g, u = carry
+            if interpret:
+                xv = x_smem[...].astype(jnp.float32)
+                return (g + jnp.dot(g_smem[rows].astype(jnp.float32), xv),
+                        u + jnp.dot(u_smem[rows].astype(jnp.float32), xv))
+            plgpu.wgmma(g, conv(g_smem.at[rows]), x_smem)
+            plgpu.wgmma(u, conv(u_smem.at[rows]), x_smem)
+            plgpu.wgmma_wait(0)
+            return carry
+
+        def down(idx, d_smem, sd_smem):
+            j = idx[0]
+            drows = pl.ds(wg * he, he)
+            if interpret:
+                y = jnp.dot(d_smem[drows].astype(jnp.float32), h_smem[...].astype(jnp.float32))
+            else:
+                y = pl.run_state(lambda r: plgpu.wgmma(r, conv(d_smem.at[drows]), h_smem))(
+                    plgpu.ACC.init(zeros((he, t))))
+            y = y * lax.broadcast_in_dim(load_row(sd_smem.at[drows]), (he, t), [0])
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            dst = y_gmem.at[pl.ds(j * te + wg * he, he)]
+            if interpret:     # no TMA reduction there (programs run one after another)
+                o_smem[wg] = y + y_gmem[pl.ds(j * te + wg * he, he)]
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(o_smem.at[wg], dst)
+                plgpu.wait_smem_to_gmem(0)
+                return
+            o_smem[wg] = y
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_smem.at[wg], dst, reduction_op="add")
+
+        plgpu.emit_pipeline_warp_specialized(
+            gate_up, grid=(e // tk,), memory_registers=40, wg_axis="wg",
+            num_compute_wgs=WS_WGS, max_concurrent_steps=cfg.stages, compute_context=ctx1,
+            in_specs=[plgpu.BlockSpec((fs, tk), lambda k: (p, k), transforms=w_tf),
+                      plgpu.BlockSpec((fs, tk), lambda k: (up0 + p, k), transforms=w_tf),
+                      plgpu.BlockSpec((tk, t), lambda k: (k, 0), transforms=x_tf)],
+        )(wgu_gmem, wgu_gmem, x_gmem)
+        plgpu.emit_pipeline_warp_specialized(
+            down, grid=(e // te,), memory_registers=40, wg_axis="wg",
+            num_compute_wgs=WS_WGS, max_concurrent_steps=cfg.stages,
+            in_specs=[_down_spec(plgpu, cfg, p, d_tf), plgpu.BlockSpec((te,), lambda j: (j,))],
+        )(wd_gmem, sd_gmem)
+
+        @pl.when(wg < WS_WGS)
+        def _():
+            plgpu.wait_smem_to_gmem(0)
+
+    scratch = [plgpu.SMEM((fs, t), jnp.float16, transforms=x_tf),
+               plgpu.SMEM((WS_WGS, he, t), jnp.float32, transforms=o_tf),
+               plgpu.SMEM((WS_WGS, 2, hf), jnp.float32),
+               plgpu.Barrier(num_barriers=2 * WS_WGS),
+               plgpu.Barrier(num_arrivals=WS_WGS)]
+    return _launch(program, scratch, programs, (xt, w_gu, s_gu, w_d, s_d), y0, interpret,
+                   threads=WS_WGS + 1)
+
+
+def _launch(program, scratch, programs, args, y0, interpret, threads=None):
     """Run `program(*args, y, *scratch)` on a grid of `programs`, y starting as y0 and added
     into in place: a JAX Ref through pl.kernel on the GPU (jax 0.11: neither plgpu.kernel,
     whose custom_vmap wrapper rejects a Ref, nor a bare pallas_call, which has no Mosaic GPU
     lowering there, would do). 0.10's interpret mode takes no Ref argument (and its
     pallas_call path gave every program program_id 0): there plgpu.kernel, program 0
-    copying y0 into the output first."""
+    copying y0 into the output first. threads: warpgroups per program (axis "wg"; the
+    scratch is shared by them)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
     params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup)
+    mesh_kw = dict(num_threads=threads, thread_name="wg") if threads else {}
     if interpret:
         # programs run one after another there: the first copies y0 into the output
         from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
@@ -323,7 +447,11 @@ def _launch(program, scratch, programs, args, y0, interpret):
         def body_i(*refs):
             *ins, y_in, y_out, scr = refs[:len(args) + 2] + (refs[len(args) + 2:],)
 
-            @pl.when(lax.axis_index("p") == 0)
+            first = lax.axis_index("p") == 0
+            if threads:
+                first = first & (lax.axis_index("wg") == 0)
+
+            @pl.when(first)
             def _():
                 y_out[...] = y_in[...]
             program(*ins, y_out, *scr)
@@ -331,13 +459,14 @@ def _launch(program, scratch, programs, args, y0, interpret):
         return plgpu.kernel(
             body_i, out_type=jax.ShapeDtypeStruct(y0.shape, jnp.float32), grid=(programs,),
             grid_names=("p",), scratch_types=scratch, compiler_params=params,
-            interpret=InterpretGPUParams())(*args, y0)
+            interpret=InterpretGPUParams(), **mesh_kw)(*args, y0)
 
     def body(*refs):       # scratch through run_scoped, as plgpu.kernel does it
-        pl.run_scoped(functools.partial(program, *refs), *scratch)
+        pl.run_scoped(functools.partial(program, *refs), *scratch,
+                      collective_axes="wg" if threads else ())
 
     y = jax.new_ref(y0)
-    pl.kernel(body, out_type=(), mesh=plgpu.Mesh(grid=(programs,), grid_names=("p",)),
+    pl.kernel(body, out_type=(), mesh=plgpu.Mesh(grid=(programs,), grid_names=("p",), **mesh_kw),
               compiler_params=params)(*args, y)
     return y[...]
 
@@ -370,8 +499,9 @@ def main(argv=None) -> dict:
     p.add_argument("--configs", default="128,128,128,3;128,128,256,3;128,128,128,4;64,256,256,3;64,128,256,4"
                    if GPU else "128,128,128,2", help="';'-separated fs,tile_k,tile_e,stages")
     p.add_argument("--rotate", type=int, default=3, help="weight sets rotated per timing")
-    p.add_argument("--forms", default="w8a16,w8a8",
-                   help="w8a16: fused_mlp_t (f16 activations); w8a8: fused_mlp_q")
+    p.add_argument("--forms", default="w8a16,w8a8,ws",
+                   help="w8a16: fused_mlp_t (f16 activations); w8a8: fused_mlp_q; ws: "
+                        "fused_mlp_ws (warp-specialized, f16 activations)")
     p.add_argument("--git", default=None)
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
@@ -410,6 +540,13 @@ def main(argv=None) -> dict:
         out = fused_mlp_t(xt, w_gu, s_gu, w_d, s_d, y0, cfg=cfg, interpret=not GPU)
         return out.T[:xv.shape[0]].astype(xv.dtype)
 
+    def ours_ws(xr, w_gu, s_gu, w_d, s_d, cfg):
+        xv, rv = xr
+        xt = jnp.pad(xv, ((0, T - xv.shape[0]), (0, 0))).astype(jnp.float16).T
+        y0 = jnp.pad(rv, ((0, T - rv.shape[0]), (0, 0))).astype(jnp.float32).T
+        out = fused_mlp_ws(xt, w_gu, s_gu, w_d, s_d, y0, cfg=cfg, interpret=not GPU)
+        return out.T[:xv.shape[0]].astype(xv.dtype)
+
     def ours_q(xr, w_gu, s_gu, w_d, s_d, cfg):
         xv, rv = xr           # x quantized per token here (the model's norm_quant does it)
         xf = xv.astype(jnp.float32)
@@ -422,7 +559,8 @@ def main(argv=None) -> dict:
         return out.astype(xv.dtype)
 
     forms = args.forms.split(",")
-    for key, form, fn0 in (("w8a16", "mgpu_mlp", ours), ("w8a8", "mgpu_mlp_w8a8", ours_q)):
+    for key, form, fn0 in (("w8a16", "mgpu_mlp", ours), ("w8a8", "mgpu_mlp_w8a8", ours_q),
+                           ("ws", "mgpu_mlp_ws", ours_ws)):
         if key not in forms:
             continue
         for text in args.configs.split(";"):
