@@ -233,7 +233,9 @@ def fused_mlp_q(xq, xs, w_gu, s_gu, w_d, s_d, y0, *, cfg: Config = Config(),
     w_tf = _transforms(plgpu, tk, 8)
     d_tf = _transforms(plgpu, fs, 8)
     h_tf = _transforms(plgpu, fs, 8)
-    o_tf = _transforms(plgpu, te, 32)
+    # tiled (8-row tiles) for the TMA unless fewer than 8 rows go out: row slices of a
+    # tiled buffer must be whole tiles (the H200 refused a 1-row slice)
+    o_tf = _transforms(plgpu, te, 32) if r % 8 == 0 else ()
     rows, cols = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
 
     def mma(acc, a, b_ref):
