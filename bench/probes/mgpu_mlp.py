@@ -31,7 +31,7 @@ H200, jax 0.11.2 (bench/results/mgpu_mlp.json, mgpu_mlp_w8a8.json, mgpu_mlp_ws.j
 ncu_mgpu_mlp.txt; more sweeps in history/mgpu_mlp_*): correct (rel_err 0.0017 against the f32
 reference; XLA's route 0.0047; the W8A8 forms 0.04, their activations' e4m3 rounding) but
 slower than XLA's 51-53 us in every form tried, all within 62-67 us at their best (FS 128,
-112 programs): f16 activations 63.0-63.6, W8A8 63.7-67, W8A8 reduce-adding only the real row
+112 programs): f16 activations 63.0-63.6, W8A8 63.7-67.7, W8A8 reduce-adding only the real row
 (1.8 MB of reductions instead of 29) 62.6, w_d blocked per F-slice 63.3, warp-specialized
 (a TMA warpgroup, two compute warpgroups) 62.0; FS 64 (224 programs) 76-94, FS 256 (56
 programs, warp-specialized) 67, more stages or other tiles 63-80. Ruled out as the limit,
