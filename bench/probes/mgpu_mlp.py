@@ -25,14 +25,15 @@ against XLA's route.
 
 `fused_mlp_q` is the same kernel with FP8 activations (W8A8): no conversion at all, both
 wgmma operands e4m3 from shared memory, tokens on wgmma's M side so h comes out
-token-major and needs no transpose; only the R = 8 real rows are reduce-added.
+token-major and needs no transpose; only the rows of y0 (the real tokens: R = 8 padded
+rows, or one) are reduce-added.
 
 H200, jax 0.11.2 (bench/results/mgpu_mlp.json, mgpu_mlp_w8a8.json, mgpu_mlp_ws.json,
 ncu_mgpu_mlp.txt; more sweeps in history/mgpu_mlp_*): correct (rel_err 0.0017 against the f32
 reference; XLA's route 0.0047; the W8A8 forms 0.04, their activations' e4m3 rounding) but
-slower than XLA's 51-53 us in every form tried, all within 62-67 us at their best (FS 128,
+slower than XLA's 51-53 us in every form tried, all within 62-68 us at their best (FS 128,
 112 programs): f16 activations 63.0-63.6, W8A8 63.7-67.7, W8A8 reduce-adding only the real row
-(1.8 MB of reductions instead of 29) 62.6, w_d blocked per F-slice 63.3, warp-specialized
+(1.8 MB of reductions instead of 14.7 with 8 rows) 62.6, w_d blocked per F-slice 63.3, warp-specialized
 (a TMA warpgroup, two compute warpgroups) 62.0; FS 64 (224 programs) 76-94, FS 256 (56
 programs, warp-specialized) 67, more stages or other tiles 63-80. Ruled out as the limit,
 then: the e4m3 conversions, the reduce-add traffic, the down weights' DRAM layout and one
