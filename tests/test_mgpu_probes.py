@@ -1,7 +1,8 @@
 """The Mosaic GPU probes (bench/probes/mgpu_gemv.py, mgpu_mlp.py) in Mosaic GPU's interpret
 mode on the CPU: their work-item indexing and pipelines against plain-jnp references on fresh
-random e4m3 weights. The wgmma register operand, transposed operands and the TMA reduction are replaced there
-(the modules say how); the H200 runs check those forms (rel_err in their result files)."""
+random e4m3 weights. The wgmma register operand, transposed operands and the TMA reduction
+are replaced there (the modules say how); the H200 runs check those forms (rel_err in their
+result files)."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -100,7 +101,7 @@ def test_fused_mlp_warp_specialized_matches_the_reference():
     """fused_mlp_ws: two programs of three warpgroups (two computing half of each F-slice's
     rows, one issuing the copies), the halves of h joined at a barrier."""
     from bench.probes import mgpu_mlp as mm
-    (w_gu, s_gu, w_d, s_d), x, resid, mlp = _mlp_case(f=256)
+    (w_gu, s_gu, w_d, s_d), x, resid, mlp = _mlp_case(e=128, f=256)
     xt = jnp.pad(x, ((0, mm.T - mm.R), (0, 0))).astype(jnp.float16).T
     y0 = jnp.pad(resid, ((0, mm.T - mm.R), (0, 0))).T
     out = mm.fused_mlp_ws(xt, w_gu, s_gu, w_d, s_d, y0, cfg=mm.Config(128, 64, 128, 2),
@@ -109,3 +110,25 @@ def test_fused_mlp_warp_specialized_matches_the_reference():
     with pytest.raises(ValueError, match="compute warpgroups"):
         mm.fused_mlp_ws(xt, w_gu, s_gu, w_d, s_d, y0, cfg=mm.Config(64, 64, 128, 2),
                         interpret=True)
+
+
+def test_probe_mains_write_their_rows(tmp_path):
+    """The probes' command lines end to end on the CPU (host clock only): every row correct
+    and no config refused at the small shapes."""
+    import json
+
+    from bench.probes import mgpu_gemv as mg
+    from bench.probes import mgpu_mlp as mm
+    mg.main(["--shapes", "256x128", "--tokens", "8", "--configs", "64,64,2,1,1,0,1",
+             "--out", str(tmp_path / "g.json")])
+    mm.main(["--shape", "128x256", "--forms", "w8a16,w8a8,w8a8r1", "--configs", "128,64,128,2",
+             "--out", str(tmp_path / "m.json")])
+    g = json.loads((tmp_path / "g.json").read_text())["rows"]
+    m = json.loads((tmp_path / "m.json").read_text())["rows"]
+    assert [r["impl"] for r in g] == ["xla_dequant", "mgpu"]
+    assert [r["impl"] for r in m] == ["xla_route", "mgpu_mlp", "mgpu_mlp_w8a8",
+                                      "mgpu_mlp_w8a8_r1"]
+    for r in g + m:        # (the GEMV probe times its own kernel on the GPU only)
+        assert "error" not in r and (r["impl"] == "mgpu" or r["us"] > 0), r
+    assert g[1]["rel_err"] < 1e-5 and m[1]["rel_err"] < 5e-3
+    assert all(r["rel_err"] < 0.01 for r in m[2:])   # relative to y, residual included

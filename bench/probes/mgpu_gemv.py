@@ -196,6 +196,15 @@ def gemv_t(w, x, *, cfg: Config = Config(), interpret: bool = False):
         **kw)(w, x)
 
 
+def timed(row: dict, sec: float, dev: float | None, gb: float) -> dict:
+    """row with the host clock (us) and, where the profiler gave one, the device time
+    (us_device) and its rate over gb gigabytes (TBps)."""
+    row["us"] = round(sec * 1e6, 2)
+    if dev is not None:
+        row.update(us_device=round(dev * 1e6, 2), TBps=round(gb / dev / 1e3, 3))
+    return row
+
+
 def reference(w, x):
     """The same product in f32: [N, T]."""
     return jnp.dot(w.astype(jnp.float32), x.astype(jnp.float32).T)
@@ -237,10 +246,7 @@ def main(argv=None) -> dict:
         gb = n * k / 1e9
         sec, dev, _ = time_per_op(xla_dequant, [x[:8]] * len(ws), ws, samples=5 if GPU else 1,
                                   device=GPU)
-        row = {"impl": "xla_dequant", "K": k, "N": n, "T": 8,
-               "us": round(sec * 1e6, 2)}
-        if dev is not None:
-            row.update(us_device=round(dev * 1e6, 2), TBps=round(gb / dev / 1e3, 3))
+        row = timed({"impl": "xla_dequant", "K": k, "N": n, "T": 8}, sec, dev, gb)
         result["rows"].append(row)
         print(json.dumps(row), flush=True)
         ref = np.asarray(reference(ws[0][0], x.astype(jnp.float16)))
@@ -255,10 +261,7 @@ def main(argv=None) -> dict:
                 if GPU:
                     sec, dev, _ = time_per_op(lambda x, w, s: fn(w, x.astype(jnp.float16)),
                                               xs, ws, samples=5, device=True)
-                    row["us"] = round(sec * 1e6, 2)
-                    if dev is not None:
-                        row.update(us_device=round(dev * 1e6, 2),
-                                   TBps=round(gb / dev / 1e3, 3))
+                    timed(row, sec, dev, gb)
             except Exception as e:     # a config the compiler refuses: recorded, sweep goes on
                 row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
             result["rows"].append(row)

@@ -62,7 +62,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from bench.common import new_result, save
-from bench.probes.mgpu_gemv import GPU, _transforms
+from bench.probes.mgpu_gemv import GPU, _transforms, timed
 
 T = 16     # padded token columns (x^T's tiles need rows of >= 32 bytes for a swizzle)
 
@@ -82,26 +82,50 @@ class Config:
         return cls(*(int(v) for v in text.split(",")))
 
 
+def _zeros(shape, interpret: bool):
+    """f32 zeros in the WGMMA layout (a plain array in interpret mode)."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+    z = jnp.zeros(shape, jnp.float32)
+    return z if interpret else plgpu.layout_cast(z, plgpu.Layout.WGMMA)
+
+
+def _load(ref, layout, interpret: bool):
+    """A shared-memory vector in `layout` (for row or column broadcasts)."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+    return ref[...] if interpret else plgpu.load(ref, (), layout=layout)
+
+
+def _f16(ref):
+    return ref[...].astype(jnp.float16)
+
+
+def _t_geometry(xt, w_gu, w_d, cfg: Config, wgs: int = 1):
+    """Shapes and shared-memory transforms of the f16-activation forms (fused_mlp_t with
+    wgs = 1, fused_mlp_ws with its compute warpgroups): (e, t, f, programs, w_tf, d_tf,
+    x_tf, o_tf); rejects what does not tile."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+    e, t = xt.shape
+    f = _down_f(w_d, cfg)
+    fs, tk, te = cfg.fs, cfg.tile_k, cfg.tile_e
+    if (f % fs or e % tk or e % te or (fs // wgs) % 64 or (te // wgs) % 64
+            or w_gu.shape != (2 * f, e) or t != T):
+        raise ValueError(f"mgpu_mlp: {cfg} does not tile E={e}, F={f}, T={t} with {wgs} "
+                         "compute warpgroups")
+    return (e, t, f, f // fs, _transforms(plgpu, tk, 8), _transforms(plgpu, fs, 8),
+            _transforms(plgpu, t, 16), _transforms(plgpu, t, 32))
+
+
 @functools.partial(jax.jit, static_argnames=("cfg", "interpret"))
 def fused_mlp_t(xt, w_gu, s_gu, w_d, s_d, y0, *, cfg: Config = Config(),
                 interpret: bool = False):
     """xt [E, T] f16, w_gu [2F, E] e4m3 (gate rows, then up rows), s_gu [2F] f32, w_d [E, F]
     e4m3, s_d [E] f32, y0 [E, T] f32 -> y0 + (w_d' (SiLU(gate) * up))^T [E, T] f32."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
-    e, t = xt.shape
-    f = _down_f(w_d, cfg)
+    e, t, f, programs, w_tf, d_tf, x_tf, o_tf = _t_geometry(xt, w_gu, w_d, cfg)
     fs, tk, te = cfg.fs, cfg.tile_k, cfg.tile_e
-    if f % fs or e % tk or e % te or w_gu.shape != (2 * f, e) or t != T:
-        raise ValueError(f"mgpu_mlp: {cfg} does not tile E={e}, F={f}, T={t}")
-    programs, up0 = f // fs, f // fs        # up rows start at block F / FS of w_gu
-    w_tf = _transforms(plgpu, tk, 8)
-    d_tf = _transforms(plgpu, fs, 8)
-    x_tf = _transforms(plgpu, t, 16)
-    o_tf = _transforms(plgpu, t, 32)
+    up0 = programs            # the up rows start at block F / FS of w_gu
     row = plgpu.Layout.WGMMA.reduce(1)
-
-    def conv(ref):
-        return ref[...].astype(jnp.float16)
+    conv = _f16
 
     def mma(acc, a, b):
         """acc + a @ b: wgmma on the GPU; a plain dot in interpret mode."""
@@ -110,11 +134,10 @@ def fused_mlp_t(xt, w_gu, s_gu, w_d, s_d, y0, *, cfg: Config = Config(),
         return pl.run_state(lambda r: plgpu.wgmma(r, a, b))(plgpu.ACC.init(acc))
 
     def zeros(shape):
-        z = jnp.zeros(shape, jnp.float32)
-        return z if interpret else plgpu.layout_cast(z, plgpu.Layout.WGMMA)
+        return _zeros(shape, interpret)
 
     def load_row(ref):
-        return ref[...] if interpret else plgpu.load(ref, (), layout=row)
+        return _load(ref, row, interpret)
 
     def program(x_gmem, wgu_gmem, sgu_gmem, wd_gmem, sd_gmem, y_gmem,
                 h_smem, o_smem, s_smem, bars):
@@ -252,11 +275,10 @@ def fused_mlp_q(xq, xs, w_gu, s_gu, w_d, s_d, y0, *, cfg: Config = Config(),
             plgpu.ACC.init(acc))
 
     def zeros(shape):
-        z = jnp.zeros(shape, jnp.float32)
-        return z if interpret else plgpu.layout_cast(z, plgpu.Layout.WGMMA)
+        return _zeros(shape, interpret)
 
     def load(ref, layout):
-        return ref[...] if interpret else plgpu.load(ref, (), layout=layout)
+        return _load(ref, layout, interpret)
 
     def program(x_gmem, xs_gmem, wgu_gmem, sgu_gmem, wd_gmem, sd_gmem, y_gmem,
                 h_smem, o_smem, s_smem, xs_smem, bars):
@@ -327,30 +349,18 @@ def fused_mlp_ws(xt, w_gu, s_gu, w_d, s_d, y0, *, cfg: Config = Config(),
     of the F-slice's gate/up rows each (conversion and wgmma), form h for their rows, meet
     at a barrier, and take half of each down tile's rows each."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
-    e, t = xt.shape
-    f = _down_f(w_d, cfg)
+    e, t, f, programs, w_tf, d_tf, x_tf, o_tf = _t_geometry(xt, w_gu, w_d, cfg, WS_WGS)
     fs, tk, te = cfg.fs, cfg.tile_k, cfg.tile_e
     hf, he = fs // WS_WGS, te // WS_WGS
-    if (f % fs or e % tk or e % te or hf % 64 or he % 64 or w_gu.shape != (2 * f, e)
-            or t != T):
-        raise ValueError(f"mgpu_mlp: {cfg} does not tile E={e}, F={f}, T={t} with "
-                         f"{WS_WGS} compute warpgroups")
-    programs, up0 = f // fs, f // fs
-    w_tf = _transforms(plgpu, tk, 8)
-    d_tf = _transforms(plgpu, fs, 8)
-    x_tf = _transforms(plgpu, t, 16)
-    o_tf = _transforms(plgpu, t, 32)
+    up0 = programs
     row = plgpu.Layout.WGMMA.reduce(1)
-
-    def conv(ref):
-        return ref[...].astype(jnp.float16)
+    conv = _f16
 
     def zeros(shape):
-        z = jnp.zeros(shape, jnp.float32)
-        return z if interpret else plgpu.layout_cast(z, plgpu.Layout.WGMMA)
+        return _zeros(shape, interpret)
 
     def load_row(ref):
-        return ref[...] if interpret else plgpu.load(ref, (), layout=row)
+        return _load(ref, row, interpret)
 
     def program(x_gmem, wgu_gmem, sgu_gmem, wd_gmem, sd_gmem, y_gmem,
                 h_smem, o_smem, s_smem, bars, h_bar):
@@ -535,11 +545,9 @@ def main(argv=None) -> dict:
     sec, dev, y = time_per_op(lambda xr, *w: xla_route(xr[0], xr[1], *w),
                               [(x, resid)] * len(sets), sets, samples=5 if GPU else 1,
                               device=GPU)
-    row = {"impl": "xla_route", "E": e, "F": f, "us": round(sec * 1e6, 2),
-           "rel_err": float(np.linalg.norm(np.asarray(y, np.float32) - ref)
-                            / np.linalg.norm(ref))}
-    if dev is not None:
-        row.update(us_device=round(dev * 1e6, 2), TBps=round(gb / dev / 1e3, 3))
+    row = timed({"impl": "xla_route", "E": e, "F": f,
+                 "rel_err": float(np.linalg.norm(np.asarray(y, np.float32) - ref)
+                                  / np.linalg.norm(ref))}, sec, dev, gb)
     result["rows"].append(row)
     print(json.dumps(row), flush=True)
 
@@ -592,9 +600,7 @@ def main(argv=None) -> dict:
                 n = 1 if key == "w8a8r1" else len(ref)      # rows the form computes
                 row["rel_err"] = float(np.linalg.norm(np.asarray(y, np.float32)[:n] - ref[:n])
                                        / np.linalg.norm(ref[:n]))
-                row["us"] = round(sec * 1e6, 2)
-                if dev is not None:
-                    row.update(us_device=round(dev * 1e6, 2), TBps=round(gb / dev / 1e3, 3))
+                timed(row, sec, dev, gb)
             except Exception as ex:     # a config the compiler refuses: recorded, sweep goes on
                 row["error"] = f"{type(ex).__name__}: {str(ex)[:400]}"
             result["rows"].append(row)
