@@ -16,7 +16,8 @@ scaled by the down projection's channel scales and reduce-added (TMA `cp.reduce.
 add, f32) into y [E, T], which comes in holding the residual (aliased): y = residual + MLP(x).
 No kernel of its own for SiLU * up, the split-K sum or the residual add.
 
-    python -m bench.probes.mgpu_mlp [--configs "128,256,256,3;..."] [--git SHA] [--out FILE]
+    python -m bench.probes.mgpu_mlp [--forms w8a16,w8a8,ws,w8a8r1]
+        [--configs "fs,tile_k,tile_e,stages[,blocked];..."] [--git SHA] [--out FILE]
 
 On the CPU it runs in Mosaic GPU's interpret mode at a small shape (the wgmma register
 operand is replaced there by a plain dot, mgpu_gemv.py says why, and the TMA reduction by a
@@ -26,16 +27,18 @@ against XLA's route.
 `fused_mlp_q` is the same kernel with FP8 activations (W8A8): no conversion at all, both
 wgmma operands e4m3 from shared memory, tokens on wgmma's M side so h comes out
 token-major and needs no transpose; only the rows of y0 (the real tokens: R = 8 padded
-rows, or one) are reduce-added.
+rows, or one) are reduce-added. `fused_mlp_ws` is the f16 form warp-specialized: a
+warpgroup issues every TMA copy of both phases, two compute warpgroups split each slice's
+rows and join their halves of h at a barrier.
 
 H200, jax 0.11.2 (bench/results/mgpu_mlp.json, mgpu_mlp_w8a8.json, mgpu_mlp_ws.json,
 ncu_mgpu_mlp.txt; more sweeps in history/mgpu_mlp_*): correct (rel_err 0.0017 against the f32
 reference; XLA's route 0.0047; the W8A8 forms 0.04, their activations' e4m3 rounding) but
 slower than XLA's 51-53 us in every form tried, all within 62-68 us at their best (FS 128,
-112 programs): f16 activations 63.0-63.6, W8A8 63.7-67.7, W8A8 reduce-adding only the real row
-(1.8 MB of reductions instead of 14.7 with 8 rows) 62.6, w_d blocked per F-slice 63.3, warp-specialized
-(a TMA warpgroup, two compute warpgroups) 62.0; FS 64 (224 programs) 76-94, FS 256 (56
-programs, warp-specialized) 67, more stages or other tiles 63-80. Ruled out as the limit,
+112 programs): f16 activations 63.0-63.6, W8A8 63.7-67.7, W8A8 reduce-adding only the
+real row (1.8 MB of reductions instead of 14.7 with 8 rows) 62.6, w_d blocked per F-slice
+63.3, warp-specialized (a TMA warpgroup, two compute warpgroups) 62.0; FS 64 (224 programs)
+76-94, FS 256 (56 programs, warp-specialized) 67, more stages or other tiles 63-80. Ruled out as the limit,
 then: the e4m3 conversions, the reduce-add traffic, the down weights' DRAM layout and one
 warpgroup doing all the work. Nsight Compute (f16 form): DRAM 62%, L2 81%, one 128-thread
 program per SM; of the stall samples (history/ncu_mgpu_mlp_sass_8225f1a.csv.gz) ~16% wait
