@@ -39,8 +39,8 @@ slower than XLA's 51-53 us in every form tried, all within 62-68 us at their bes
 real row (1.8 MB of reductions instead of 14.7 with 8 rows) 62.6, w_d blocked per F-slice
 63.3, warp-specialized (a TMA warpgroup, two compute warpgroups) 62.0; FS 64 (224 programs)
 76-94, FS 256 (56 programs, warp-specialized) 67, more stages or other tiles 63-80. Ruled
-out as the limit, then: the e4m3 conversions, the reduce-add traffic, the down weights' DRAM layout and one
-warpgroup doing all the work. Nsight Compute (f16 form): DRAM 62%, L2 81%, one 128-thread
+out as the limit, then: the e4m3 conversions, the reduce-add traffic, the down weights'
+DRAM layout and one warpgroup doing all the work. Nsight Compute (f16 form): DRAM 62%, L2 81%, one 128-thread
 program per SM; of the stall samples (history/ncu_mgpu_mlp_sass_8225f1a.csv.gz) ~16% wait
 for TMA data (the mbarrier try-wait), ~16% for wgmma completion, ~31% on shared loads and
 converts. What fits the numbers: each phase runs at about the standalone GEMV's rate
@@ -519,7 +519,8 @@ def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", default="4096x14336" if GPU else "256x256", help="E x F")
     p.add_argument("--configs", default="128,128,128,3;128,128,256,3;128,128,128,4;"
-                   "64,256,256,3;64,128,256,4" if GPU else "128,128,128,2", help="';'-separated fs,tile_k,tile_e,stages")
+                   "64,256,256,3;64,128,256,4" if GPU else "128,128,128,2",
+                   help="';'-separated fs,tile_k,tile_e,stages[,blocked]")
     p.add_argument("--rotate", type=int, default=3, help="weight sets rotated per timing")
     p.add_argument("--forms", default="w8a16,w8a8,ws",
                    help="w8a16: fused_mlp_t (f16 activations); w8a8: fused_mlp_q; ws: "
