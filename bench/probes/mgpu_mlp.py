@@ -32,23 +32,24 @@ warpgroup issues every TMA copy of both phases, two compute warpgroups split eac
 rows and join their halves of h at a barrier.
 
 H200, jax 0.11.2 (bench/results/mgpu_mlp.json, mgpu_mlp_w8a8.json, mgpu_mlp_ws.json,
-ncu_mgpu_mlp.txt; more sweeps in history/mgpu_mlp_*): correct (rel_err 0.0017 against the f32
-reference; XLA's route 0.0047; the W8A8 forms 0.04, their activations' e4m3 rounding) but
-slower than XLA's 51-53 us in every form tried, all within 62-68 us at their best (FS 128,
-112 programs): f16 activations 63.0-63.6, W8A8 63.7-67.7, W8A8 reduce-adding only the
+ncu_mgpu_mlp.txt; more sweeps in history/mgpu_mlp_*): correct (rel_err 0.0017 against the
+f32 reference; XLA's route 0.0047; the W8A8 forms 0.04, their activations' e4m3 rounding)
+but slower than XLA's 51-53 us in every form tried, all within 62-68 us at their best (FS
+128, 112 programs): f16 activations 63.0-63.6, W8A8 63.7-67.7, W8A8 reduce-adding only the
 real row (1.8 MB of reductions instead of 14.7 with 8 rows) 62.6, w_d blocked per F-slice
 63.3, warp-specialized (a TMA warpgroup, two compute warpgroups) 62.0; FS 64 (224 programs)
 76-94, FS 256 (56 programs, warp-specialized) 67, more stages or other tiles 63-80. Ruled
-out as the limit, then: the e4m3 conversions, the reduce-add traffic, the down weights'
-DRAM layout and one warpgroup doing all the work. Nsight Compute (f16 form): DRAM 62%, L2 81%, one 128-thread
-program per SM; of the stall samples (history/ncu_mgpu_mlp_sass_8225f1a.csv.gz) ~16% wait
-for TMA data (the mbarrier try-wait), ~16% for wgmma completion, ~31% on shared loads and
-converts. What fits the numbers: each phase runs at about the standalone GEMV's rate
-(mgpu_gemv.py: gate/up 32 us, down 18 us on 132 SMs) scaled to the 112 SMs an F-slicing of
-F = 14,336 into 64-row wgmma units can keep busy (224 units over 132 SMs: the busiest SM
-does 2), plus a pipeline ramp per phase. An MLP kernel that wins needs both phases at the
-read ceiling on every SM: finer F units (the W8A8 form's N side can go to 8-32 channels,
-at the price of more x reads) or the gate/up and down weights in one stream.
+out as the limit, then: the e4m3 conversions, the reduce-add traffic, the down weights' DRAM
+layout and one warpgroup doing all the work. Nsight Compute (f16 form): DRAM 62%, L2 81%,
+one 128-thread program per SM; of the stall samples
+(history/ncu_mgpu_mlp_sass_8225f1a.csv.gz) ~16% wait for TMA data (the mbarrier try-wait),
+~16% for wgmma completion, ~31% on shared loads and converts. What fits the numbers: each
+phase runs at about the standalone GEMV's rate (mgpu_gemv.py: gate/up 32 us, down 18 us on
+132 SMs) scaled to the 112 SMs an F-slicing of F = 14,336 into 64-row wgmma units can keep
+busy (224 units over 132 SMs: the busiest SM does 2), plus a pipeline ramp per phase. An MLP
+kernel that wins needs both phases at the read ceiling on every SM: finer F units (the W8A8
+form's N side can go to 8-32 channels, at the price of more x reads) or the gate/up and down
+weights in one stream.
 """
 from __future__ import annotations
 
