@@ -21,12 +21,12 @@ def _rel(a, b):
 
 @pytest.mark.parametrize("tokens, cfg", [
     (16, (64, 64, 2, 2, 0, 0, 0)),    # a grid of (N / 64) x 2 programs, x^T tiles N-major
-    (16, (64, 64, 3, 2, 1, 0, 0)),    # persistent: 2 programs stride over 8 work items
+    (16, (64, 32, 3, 2, 1, 0, 0)),    # persistent: 2 programs stride over 8 work items
     (8, (128, 64, 2, 1, 1, 0, 1)),    # 8 token columns, x tiles K-major, 128-row items
 ])
 def test_gemv_matches_the_reference(tokens, cfg):
     from bench.probes import mgpu_gemv as mg
-    k, n = 256, 256
+    k, n = 128, 256
     key = jax.random.PRNGKey(sum(cfg) + tokens)
     w_q, _ = quantize_linear(jax.random.normal(key, (k, n)) * 0.02)
     x = jax.random.normal(jax.random.fold_in(key, 1), (tokens, k)).astype(jnp.float16)
@@ -119,15 +119,14 @@ def test_probe_mains_write_their_rows(tmp_path):
 
     from bench.probes import mgpu_gemv as mg
     from bench.probes import mgpu_mlp as mm
-    mg.main(["--shapes", "256x128", "--tokens", "8", "--configs", "64,64,2,1,1,0,1",
+    mg.main(["--shapes", "128x128", "--tokens", "8", "--configs", "64,64,2,1,1,0,1",
              "--out", str(tmp_path / "g.json")])
-    mm.main(["--shape", "128x256", "--forms", "w8a16,w8a8,w8a8r1", "--configs", "128,64,128,2",
+    mm.main(["--shape", "128x128", "--forms", "w8a16,w8a8r1", "--configs", "128,64,128,2",
              "--out", str(tmp_path / "m.json")])
     g = json.loads((tmp_path / "g.json").read_text())["rows"]
     m = json.loads((tmp_path / "m.json").read_text())["rows"]
     assert [r["impl"] for r in g] == ["xla_dequant", "mgpu"]
-    assert [r["impl"] for r in m] == ["xla_route", "mgpu_mlp", "mgpu_mlp_w8a8",
-                                      "mgpu_mlp_w8a8_r1"]
+    assert [r["impl"] for r in m] == ["xla_route", "mgpu_mlp", "mgpu_mlp_w8a8_r1"]
     for r in g + m:        # (the GEMV probe times its own kernel on the GPU only)
         assert "error" not in r and (r["impl"] == "mgpu" or r["us"] > 0), r
     assert g[1]["rel_err"] < 1e-5 and m[1]["rel_err"] < 5e-3
