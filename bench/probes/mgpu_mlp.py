@@ -456,9 +456,10 @@ def _launch(program, scratch, programs, args, y0, interpret, threads=None):
     """Run `program(*args, y, *scratch)` on a grid of `programs`, y starting as y0 and added
     into in place: a JAX Ref through pl.kernel on the GPU (jax 0.11: neither plgpu.kernel,
     whose custom_vmap wrapper rejects a Ref, nor a bare pallas_call, which has no Mosaic GPU
-    lowering there, would do). 0.10's interpret mode takes no Ref argument (and its
-    pallas_call path gave every program program_id 0): there plgpu.kernel, program 0
-    copying y0 into the output first. threads: warpgroups per program (axis "wg"; the
+    lowering there, would do). 0.10's interpret mode takes no Ref argument, and under its
+    pallas_call the result came out P times too large with P programs (as if every program
+    were program 0; not checked further): there plgpu.kernel, program 0 copying y0 into the
+    output first. threads: warpgroups per program (axis "wg"; the
     scratch is shared by them)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
     params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup)
