@@ -43,13 +43,13 @@ out as the limit, then: the e4m3 conversions, the reduce-add traffic, the down w
 layout and one warpgroup doing all the work. Nsight Compute (f16 form): DRAM 62%, L2 81%,
 one 128-thread program per SM; of the stall samples
 (history/ncu_mgpu_mlp_sass_8225f1a.csv.gz) ~16% wait for TMA data (the mbarrier try-wait),
-~16% for wgmma completion, ~31% on shared loads and converts. What fits the numbers: each
-phase runs at about the standalone GEMV's rate (mgpu_gemv.py: gate/up 32 us, down 18 us on
-132 SMs) scaled to the 112 SMs an F-slicing of F = 14,336 into 64-row wgmma units can keep
-busy (224 units over 132 SMs: the busiest SM does 2), plus a pipeline ramp per phase. An MLP
-kernel that wins needs both phases at the read ceiling on every SM: finer F units (the W8A8
-form's N side can go to 8-32 channels, at the price of more x reads) or the gate/up and down
-weights in one stream.
+~16% for wgmma completion, ~31% on shared loads and converts. Nor is the SM count: at F =
+16,896 (132 programs, one per SM; history/mgpu_mlp_f16896_8ce4ca1.json) the f16 and
+warp-specialized forms took 69.5-71.4 us against XLA's 62.5, so the kernel's aggregate rate
+stays at 2.6-3.0 TB/s with 56, 112 or 132 programs, where XLA's route reads the same weights
+at 3.3-3.4 TB/s and the standalone GEMV at 3.6. The limit is not identified. A kernel that wins
+has to reach the GEMV's rate in both phases first; the gate/up and down weights in one
+stream (the warp-specialized pipeline's pipeline_state chaining) is untried.
 """
 from __future__ import annotations
 
