@@ -47,9 +47,13 @@ one 128-thread program per SM; of the stall samples
 16,896 (132 programs, one per SM; history/mgpu_mlp_f16896_8ce4ca1.json) the f16 and
 warp-specialized forms took 69.5-71.4 us against XLA's 62.5, so the kernel's aggregate rate
 stays at 2.6-3.0 TB/s with 56, 112 or 132 programs, where XLA's route reads the same weights
-at 3.3-3.4 TB/s and the standalone GEMV at 3.6. The limit is not identified. A kernel that wins
-has to reach the GEMV's rate in both phases first; the gate/up and down weights in one
-stream (the warp-specialized pipeline's pipeline_state chaining) is untried.
+at 3.3-3.4 TB/s and the standalone GEMV at 3.6. Nsight Compute side by side with the GEMV
+(history/ncu_mem_mgpu_{gemv,mlp}_31c9189.txt): GEMV DRAM 78%, L2 79% busy, 8% L2 hits; this
+kernel DRAM 62%, L2 80%, 18.5% hits. Leading hypothesis, untested: the L2 limits both near
+80%, and this kernel spends part of it on traffic that hits there (x re-read by every
+program, the reduce-adds). Next: x read once per program and one-row reductions together;
+then the gate/up and down weights in one stream (the warp-specialized pipeline's
+pipeline_state chaining).
 """
 from __future__ import annotations
 
