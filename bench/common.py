@@ -52,11 +52,17 @@ def new_result(suite: str, git: str | None = None, **extra) -> dict:
             **({"env": env} if env else {}), **extra, "rows": []}
 
 
+def emit_row(result: dict, row: dict) -> dict:
+    """Append one row to result and echo it as a JSON line."""
+    result["rows"].append(row)
+    print(json.dumps(row), flush=True)
+    return row
+
+
 def save(result: dict, path: str | Path, rows: list[dict] = ()) -> None:
     """Append rows (echoed as JSON lines) and rewrite the file atomically."""
-    result["rows"] += list(rows)
     for r in rows:
-        print(json.dumps(r), flush=True)
+        emit_row(result, r)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(path.suffix + ".tmp")

@@ -1,4 +1,4 @@
-"""The Mosaic GPU probes (bench/probes/mgpu_gemv.py, mgpu_mlp.py) in Mosaic GPU's interpret
+"""The Mosaic GPU probes (bench/probes/mgpu_*.py) in Mosaic GPU's interpret
 mode on the CPU: their work-item indexing and pipelines against plain-jnp references on fresh
 random e4m3 weights. The wgmma register operand, transposed operands and the TMA reduction
 are replaced there (the modules say how); the H200 runs check those forms (rel_err in their
@@ -45,11 +45,12 @@ def test_gemv_refuses_tiles_that_do_not_divide():
 
 def _mlp_case(e=256, f=128):
     from bench.probes import mgpu_mlp as mm
+    from bench.probes.mgpu_mlp_w8a8 import R
     k1, k2, k3, k4 = jax.random.split(jax.random.PRNGKey(7), 4)
     w_gu, s_gu = quantize_linear(jax.random.normal(k1, (e, 2 * f)) * 0.05)
     w_d, s_d = quantize_linear(jax.random.normal(k2, (f, e)) * 0.05)
-    x = jax.random.normal(k3, (mm.R, e))
-    resid = jax.random.normal(k4, (mm.R, e), jnp.float32)
+    x = jax.random.normal(k3, (R, e))
+    resid = jax.random.normal(k4, (R, e), jnp.float32)
     mlp = mm.reference(x, w_gu, s_gu, w_d, s_d, resid) - resid
     return (w_gu, s_gu, w_d, s_d), x, resid, mlp
 
@@ -59,10 +60,9 @@ def test_fused_mlp_matches_the_reference():
     applied, each program's down partial added into y."""
     from bench.probes import mgpu_mlp as mm
     w, x, resid, mlp = _mlp_case()
-    xt = jnp.pad(x, ((0, mm.T - mm.R), (0, 0))).astype(jnp.float16).T
-    y0 = jnp.pad(resid, ((0, mm.T - mm.R), (0, 0))).T
+    xt, y0 = mm.pad_t(x, resid)
     out = mm.fused_mlp_t(xt, *w, y0, cfg=mm.Config(64, 64, 128, 2), interpret=True)
-    assert _rel(out.T[:mm.R] - resid, mlp) < 5e-3    # x and h rounded to f16
+    assert _rel(out.T[:len(x)] - resid, mlp) < 5e-3    # x and h rounded to f16
     with pytest.raises(ValueError, match="does not tile"):
         mm.fused_mlp_t(xt, *w, y0, cfg=mm.Config(96, 64, 128, 2), interpret=True)
 
@@ -71,12 +71,10 @@ def test_fused_mlp_w8a8_matches_the_reference():
     """The FP8-activation form, two programs: x quantized per token, h per token and F-slice,
     both to e4m3 (3 mantissa bits, ~3.6% rms each); an indexing error would be ~100%."""
     from bench.probes import mgpu_mlp as mm
+    from bench.probes.mgpu_mlp_w8a8 import fused_mlp_q, quantize_tokens
     w, x, resid, mlp = _mlp_case()
-    sc = jnp.max(jnp.abs(x), axis=1) / 448.0
-    xq = jnp.zeros((64, x.shape[1]), jnp.float8_e4m3fn).at[:mm.R].set(
-        (x / sc[:, None]).astype(jnp.float8_e4m3fn))
-    xs = jnp.zeros((64,), jnp.float32).at[:mm.R].set(sc)
-    out = mm.fused_mlp_q(xq, xs, *w, resid, cfg=mm.Config(64, 64, 128, 2), interpret=True)
+    out = fused_mlp_q(*quantize_tokens(x), *w, resid, cfg=mm.Config(64, 64, 128, 2),
+                      interpret=True)
     assert _rel(out - resid, mlp) < 0.08
 
 
@@ -85,13 +83,12 @@ def test_fused_mlp_blocked_down_weights():
     the [E, F] layout, in both forms; a blocked w_d of the wrong slice width is refused."""
     from bench.probes import mgpu_mlp as mm
     (w_gu, s_gu, w_d, s_d), x, resid, mlp = _mlp_case()
-    xt = jnp.pad(x, ((0, mm.T - mm.R), (0, 0))).astype(jnp.float16).T
-    y0 = jnp.pad(resid, ((0, mm.T - mm.R), (0, 0))).T
+    xt, y0 = mm.pad_t(x, resid)
     cfg = mm.Config(64, 64, 128, 2, blocked=1)
     wb = mm.block_down(w_d, 64)
     assert wb.shape == (2, 256, 64) and bool(jnp.all(wb[1, :, 3] == w_d[:, 67]))
     out = mm.fused_mlp_t(xt, w_gu, s_gu, wb, s_d, y0, cfg=cfg, interpret=True)
-    assert _rel(out.T[:mm.R] - resid, mlp) < 5e-3
+    assert _rel(out.T[:len(x)] - resid, mlp) < 5e-3
     with pytest.raises(ValueError, match="blocked w_d"):
         mm.fused_mlp_t(xt, w_gu, s_gu, mm.block_down(w_d, 128), s_d, y0, cfg=cfg,
                        interpret=True)
@@ -101,14 +98,14 @@ def test_fused_mlp_warp_specialized_matches_the_reference():
     """fused_mlp_ws: two programs of three warpgroups (two computing half of each F-slice's
     rows, one issuing the copies), the halves of h joined at a barrier."""
     from bench.probes import mgpu_mlp as mm
+    from bench.probes.mgpu_mlp_ws import fused_mlp_ws
     (w_gu, s_gu, w_d, s_d), x, resid, mlp = _mlp_case(e=128, f=256)
-    xt = jnp.pad(x, ((0, mm.T - mm.R), (0, 0))).astype(jnp.float16).T
-    y0 = jnp.pad(resid, ((0, mm.T - mm.R), (0, 0))).T
-    out = mm.fused_mlp_ws(xt, w_gu, s_gu, w_d, s_d, y0, cfg=mm.Config(128, 64, 128, 2),
+    xt, y0 = mm.pad_t(x, resid)
+    out = fused_mlp_ws(xt, w_gu, s_gu, w_d, s_d, y0, cfg=mm.Config(128, 64, 128, 2),
                           interpret=True)
-    assert _rel(out.T[:mm.R] - resid, mlp) < 5e-3
+    assert _rel(out.T[:len(x)] - resid, mlp) < 5e-3
     with pytest.raises(ValueError, match="compute warpgroups"):
-        mm.fused_mlp_ws(xt, w_gu, s_gu, w_d, s_d, y0, cfg=mm.Config(64, 64, 128, 2),
+        fused_mlp_ws(xt, w_gu, s_gu, w_d, s_d, y0, cfg=mm.Config(64, 64, 128, 2),
                         interpret=True)
 
 

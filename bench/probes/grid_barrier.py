@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import statistics
 import sys
 import time
@@ -42,7 +41,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from bench.common import new_result, save
+from bench.common import emit_row, new_result, save
 from bench.profile import device_seconds
 from pallas_kernels import triton_params
 
@@ -162,8 +161,7 @@ def main(argv=None) -> dict:
                         base = row["us"]
                     elif base is not None:
                         row["us_per_barrier"] = round((row["us"] - base) / k, 3)
-                result["rows"].append(row)
-                print(json.dumps(row), flush=True)
+                emit_row(result, row)
     for g in (int(v) for v in args.programs.split(",")) if args.chain else ():
         cnt = chain_run(g, args.chain, interpret=not GPU)
         row = {"spin": "chain", "programs": g, "kernels": args.chain, "counter": int(cnt[0])}
@@ -171,8 +169,7 @@ def main(argv=None) -> dict:
             one, many = (_host_us(lambda k=k: chain_run(g, k)) for k in (1, args.chain))
             row.update(us_1=round(one, 2), us=round(many, 2),
                        us_per_kernel=round((many - one) / (args.chain - 1), 3))
-        result["rows"].append(row)
-        print(json.dumps(row), flush=True)
+        emit_row(result, row)
     if args.out:
         save(result, args.out)
     return result

@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import json
 import sys
 
 import jax
@@ -47,9 +46,9 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
-from bench.common import new_result, save
+from bench.common import emit_row, new_result, save
+from bench.probes.mgpu_util import GPU, num_sms, transforms, try_config, with_times
 
-GPU = jax.default_backend() == "gpu"
 SHAPES = "4096x6144,4096x4096,4096x28672,14336x4096"     # K x N: the 8B projections
 
 
@@ -74,15 +73,6 @@ class Config:
         return cls(*(int(v) for v in text.split(",")))
 
 
-def _transforms(plgpu, minor_elems: int, bits: int):
-    swizzle = plgpu.find_swizzle(minor_elems * bits)
-    return (plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle))
-
-
-def num_sms() -> int:
-    return jax.devices()[0].core_count if GPU else 2
-
-
 @functools.partial(jax.jit, static_argnames=("cfg", "interpret"))
 def gemv_t(w, x, *, cfg: Config = Config(), interpret: bool = False):
     """w [N, K] e4m3, x [T, K] f16 -> [splits, N, T] f32 (unscaled partial products)."""
@@ -95,16 +85,16 @@ def gemv_t(w, x, *, cfg: Config = Config(), interpret: bool = False):
     k_iters = k // cfg.splits // cfg.tile_k
     items = n // cfg.tile_m * cfg.splits
     programs = min(items, num_sms() * cfg.per_sm) if cfg.per_sm else items
-    w_tf = _transforms(plgpu, cfg.tile_k, 8)
+    w_tf = transforms(plgpu, cfg.tile_k, 8)
     if cfg.x_kmajor:
-        x_block, x_tf = (t, cfg.tile_k), _transforms(plgpu, cfg.tile_k, 16)
+        x_block, x_tf = (t, cfg.tile_k), transforms(plgpu, cfg.tile_k, 16)
     else:
-        x, x_block, x_tf = x.T, (cfg.tile_k, t), _transforms(plgpu, t, 16)
+        x, x_block, x_tf = x.T, (cfg.tile_k, t), transforms(plgpu, t, 16)
     a_smem = cfg.a_smem or interpret
     scratch = [plgpu.SMEM((cfg.tile_m, t), jnp.float32)]
     if a_smem:
         scratch.append(plgpu.SMEM((cfg.tile_m, cfg.tile_k), jnp.float16,
-                                  transforms=_transforms(plgpu, cfg.tile_k, 16)))
+                                  transforms=transforms(plgpu, cfg.tile_k, 16)))
 
     def body(w_gmem, x_gmem, o_gmem, o_smem, *a_ref):
         pid = lax.axis_index("p")
@@ -196,26 +186,9 @@ def gemv_t(w, x, *, cfg: Config = Config(), interpret: bool = False):
         **kw)(w, x)
 
 
-def timed(row: dict, sec: float, dev: float | None, gb: float) -> dict:
-    """row with the host clock (us) and, where the profiler gave one, the device time
-    (us_device) and its rate over gb gigabytes (TBps)."""
-    row["us"] = round(sec * 1e6, 2)
-    if dev is not None:
-        row.update(us_device=round(dev * 1e6, 2), TBps=round(gb / dev / 1e3, 3))
-    return row
-
-
 def reference(w, x):
     """The same product in f32: [N, T]."""
     return jnp.dot(w.astype(jnp.float32), x.astype(jnp.float32).T)
-
-
-def xla_dequant(x, w, scale):
-    """The model's current batch-1 route (fp8_matmul.fp8_linear at M <= 64, x padded to 8
-    rows): XLA's GEMM with the e4m3 -> bf16 convert fused, then the channel scale."""
-    y = lax.dot_general(x, w.astype(x.dtype), (((1,), (1,)), ((), ())),
-                        preferred_element_type=jnp.float32)
-    return (y * scale[None, :]).astype(x.dtype)
 
 
 def main(argv=None) -> dict:
@@ -233,6 +206,9 @@ def main(argv=None) -> dict:
     args = p.parse_args(argv)
     from bench.fp8_matmul import time_per_op
     from checkpoints.fp8 import quantize_linear
+    # the model's batch-1 route (fp8_linear at M <= 64, x padded to 8 rows): XLA's GEMM
+    # with the e4m3 -> bf16 convert fused, then the channel scale
+    from pallas_kernels.fp8_matmul import xla_dequant_matmul
 
     result = new_result("mgpu_gemv", args.git,
                         command=" ".join(["python -m bench.probes.mgpu_gemv"] + sys.argv[1:]))
@@ -244,28 +220,26 @@ def main(argv=None) -> dict:
         x = jax.random.normal(key, (args.tokens, k), jnp.float32).astype(jnp.bfloat16)
         xs = [x] * len(ws)
         gb = n * k / 1e9
-        sec, dev, _ = time_per_op(xla_dequant, [x[:8]] * len(ws), ws, samples=5 if GPU else 1,
-                                  device=GPU)
-        row = timed({"impl": "xla_dequant", "K": k, "N": n, "T": 8}, sec, dev, gb)
-        result["rows"].append(row)
-        print(json.dumps(row), flush=True)
+        sec, dev, _ = time_per_op(xla_dequant_matmul, [x[:8]] * len(ws), ws,
+                                  samples=5 if GPU else 1, device=GPU)
+        emit_row(result, with_times({"impl": "xla_dequant", "K": k, "N": n, "T": 8}, sec, dev,
+                                    gb))
         ref = np.asarray(reference(ws[0][0], x.astype(jnp.float16)))
         for text in args.configs.split(";"):
             cfg = Config.parse(text)
-            row = {"impl": "mgpu", "K": k, "N": n, "T": args.tokens, **dataclasses.asdict(cfg)}
-            try:
-                fn = functools.partial(gemv_t, cfg=cfg, interpret=not GPU)
+            fn = functools.partial(gemv_t, cfg=cfg, interpret=not GPU)
+
+            def measure(row):
                 out = jax.block_until_ready(fn(ws[0][0], x.astype(jnp.float16)))
                 got = np.asarray(out).sum(0)
                 row["rel_err"] = float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
                 if GPU:
                     sec, dev, _ = time_per_op(lambda x, w, s: fn(w, x.astype(jnp.float16)),
                                               xs, ws, samples=5, device=True)
-                    timed(row, sec, dev, gb)
-            except Exception as e:     # a config the compiler refuses: recorded, sweep goes on
-                row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
-            result["rows"].append(row)
-            print(json.dumps(row), flush=True)
+                    with_times(row, sec, dev, gb)
+
+            emit_row(result, try_config({"impl": "mgpu", "K": k, "N": n, "T": args.tokens,
+                                         **dataclasses.asdict(cfg)}, measure))
     if args.out:
         save(result, args.out)
     return result

@@ -20,16 +20,14 @@ No kernel of its own for SiLU * up, the split-K sum or the residual add.
         [--configs "fs,tile_k,tile_e,stages[,blocked];..."] [--git SHA] [--out FILE]
 
 On the CPU it runs in Mosaic GPU's interpret mode at a small shape (the wgmma register
-operand is replaced there by a plain dot, mgpu_gemv.py says why, and the TMA reduction by a
+operand is replaced there by a plain dot, mgpu_util.py says why, and the TMA reduction by a
 read, add and write); the H200 checks the real form against the reference and times it
 against XLA's route.
 
-`fused_mlp_q` is the same kernel with FP8 activations (W8A8): no conversion at all, both
-wgmma operands e4m3 from shared memory, tokens on wgmma's M side so h comes out
-token-major and needs no transpose; only the rows of y0 (the real tokens: R = 8 padded
-rows, or one) are reduce-added. `fused_mlp_ws` is the f16 form warp-specialized: a
-warpgroup issues every TMA copy of both phases, two compute warpgroups split each slice's
-rows and join their halves of h at a barrier.
+Two variants of the kernel live beside it, timed by this module's sweep (`--forms`):
+mgpu_mlp_w8a8.py (FP8 activations, no conversion) and mgpu_mlp_ws.py (warp-specialized).
+The Mosaic GPU plumbing they share (the in-place launch, interpret-mode stand-ins) is in
+mgpu_util.py.
 
 H200, jax 0.11.2 (bench/results/mgpu_mlp.json, mgpu_mlp_w8a8.json, mgpu_mlp_ws.json,
 ncu_mgpu_mlp.txt; more sweeps in history/mgpu_mlp_*): correct (rel_err 0.0017 against the
@@ -60,7 +58,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import json
 import sys
 
 import jax
@@ -69,8 +66,9 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
-from bench.common import new_result, save
-from bench.probes.mgpu_gemv import GPU, _transforms, timed
+from bench.common import emit_row, new_result, save
+from bench.probes.mgpu_util import (GPU, f16, launch_into, load_vec, transforms, try_config,
+                                   with_times, zeros_wgmma)
 
 T = 16     # padded token columns (x^T's tiles need rows of >= 32 bytes for a swizzle)
 
@@ -90,37 +88,20 @@ class Config:
         return cls(*(int(v) for v in text.split(",")))
 
 
-def _zeros(shape, interpret: bool):
-    """f32 zeros in the WGMMA layout (a plain array in interpret mode)."""
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-    z = jnp.zeros(shape, jnp.float32)
-    return z if interpret else plgpu.layout_cast(z, plgpu.Layout.WGMMA)
-
-
-def _load(ref, layout, interpret: bool):
-    """A shared-memory vector in `layout` (for row or column broadcasts)."""
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-    return ref[...] if interpret else plgpu.load(ref, (), layout=layout)
-
-
-def _f16(ref):
-    return ref[...].astype(jnp.float16)
-
-
-def _t_geometry(xt, w_gu, w_d, cfg: Config, wgs: int = 1):
+def t_geometry(xt, w_gu, w_d, cfg: Config, wgs: int = 1):
     """Shapes and shared-memory transforms of the f16-activation forms (fused_mlp_t with
     wgs = 1, fused_mlp_ws with its compute warpgroups): (e, t, f, programs, w_tf, d_tf,
     x_tf, o_tf); rejects what does not tile."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
     e, t = xt.shape
-    f = _down_f(w_d, cfg)
+    f = down_f(w_d, cfg)
     fs, tk, te = cfg.fs, cfg.tile_k, cfg.tile_e
     if (f % fs or e % tk or e % te or (fs // wgs) % 64 or (te // wgs) % 64
             or w_gu.shape != (2 * f, e) or t != T):
         raise ValueError(f"mgpu_mlp: {cfg} does not tile E={e}, F={f}, T={t} with {wgs} "
                          "compute warpgroups")
-    return (e, t, f, f // fs, _transforms(plgpu, tk, 8), _transforms(plgpu, fs, 8),
-            _transforms(plgpu, t, 16), _transforms(plgpu, t, 32))
+    return (e, t, f, f // fs, transforms(plgpu, tk, 8), transforms(plgpu, fs, 8),
+            transforms(plgpu, t, 16), transforms(plgpu, t, 32))
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "interpret"))
@@ -129,11 +110,11 @@ def fused_mlp_t(xt, w_gu, s_gu, w_d, s_d, y0, *, cfg: Config = Config(),
     """xt [E, T] f16, w_gu [2F, E] e4m3 (gate rows, then up rows), s_gu [2F] f32, w_d [E, F]
     e4m3, s_d [E] f32, y0 [E, T] f32 -> y0 + (w_d' (SiLU(gate) * up))^T [E, T] f32."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
-    e, t, f, programs, w_tf, d_tf, x_tf, o_tf = _t_geometry(xt, w_gu, w_d, cfg)
+    e, t, f, programs, w_tf, d_tf, x_tf, o_tf = t_geometry(xt, w_gu, w_d, cfg)
     fs, tk, te = cfg.fs, cfg.tile_k, cfg.tile_e
     up0 = programs            # the up rows start at block F / FS of w_gu
     row = plgpu.Layout.WGMMA.reduce(1)
-    conv = _f16
+    conv = f16
 
     def mma(acc, a, b):
         """acc + a @ b: wgmma on the GPU; a plain dot in interpret mode."""
@@ -142,10 +123,10 @@ def fused_mlp_t(xt, w_gu, s_gu, w_d, s_d, y0, *, cfg: Config = Config(),
         return pl.run_state(lambda r: plgpu.wgmma(r, a, b))(plgpu.ACC.init(acc))
 
     def zeros(shape):
-        return _zeros(shape, interpret)
+        return zeros_wgmma(shape, interpret)
 
     def load_row(ref):
-        return _load(ref, row, interpret)
+        return load_vec(ref, row, interpret)
 
     def program(x_gmem, wgu_gmem, sgu_gmem, wd_gmem, sd_gmem, y_gmem,
                 h_smem, o_smem, s_smem, bars):
@@ -206,19 +187,16 @@ def fused_mlp_t(xt, w_gu, s_gu, w_d, s_d, y0, *, cfg: Config = Config(),
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(o_smem, y_gmem.at[pl.ds(j * te, te)], reduction_op="add")
 
-        plgpu.emit_pipeline(
-            down, grid=(e // te,), max_concurrent_steps=cfg.stages,
-            in_specs=[_down_spec(plgpu, cfg, p, d_tf),
-                      plgpu.BlockSpec((te,), lambda j: (j,))])(wd_gmem, sd_gmem)
+        down_pipeline(plgpu, down, cfg, p, d_tf, e)(wd_gmem, sd_gmem)
         plgpu.wait_smem_to_gmem(0)
 
     scratch = [plgpu.SMEM((fs, t), jnp.float16, transforms=x_tf),
                plgpu.SMEM((te, t), jnp.float32, transforms=o_tf),
                plgpu.SMEM((2, fs), jnp.float32), plgpu.Barrier(num_barriers=2)]
-    return _launch(program, scratch, programs, (xt, w_gu, s_gu, w_d, s_d), y0, interpret)
+    return launch_into(program, scratch, programs, (xt, w_gu, s_gu, w_d, s_d), y0, interpret)
 
 
-def _down_f(w_d, cfg: Config) -> int:
+def down_f(w_d, cfg: Config) -> int:
     if cfg.blocked:
         if w_d.ndim != 3 or w_d.shape[2] != cfg.fs:
             raise ValueError(f"mgpu_mlp: blocked w_d must be [F / {cfg.fs}, E, {cfg.fs}], "
@@ -227,276 +205,32 @@ def _down_f(w_d, cfg: Config) -> int:
     return w_d.shape[1]
 
 
-def _down_spec(plgpu, cfg: Config, p, transforms):
-    """Program p's [tile_e, FS] down-weight tiles, step j."""
+def down_spec(plgpu, cfg: Config, p, tf):
+    """Program p's [tile_e, FS] down-weight tiles, step j (tf: their smem transforms)."""
     if cfg.blocked:
-        return plgpu.BlockSpec((None, cfg.tile_e, cfg.fs), lambda j: (p, j, 0),
-                               transforms=transforms)
-    return plgpu.BlockSpec((cfg.tile_e, cfg.fs), lambda j: (j, p), transforms=transforms)
+        return plgpu.BlockSpec((None, cfg.tile_e, cfg.fs), lambda j: (p, j, 0), transforms=tf)
+    return plgpu.BlockSpec((cfg.tile_e, cfg.fs), lambda j: (j, p), transforms=tf)
+
+
+def down_pipeline(plgpu, body, cfg: Config, p, tf, e: int):
+    """Program p's pipeline over its down-weight tiles and their channel scales:
+    body(idx, d_smem [tile_e, FS], sd_smem [tile_e])."""
+    te = cfg.tile_e
+    return plgpu.emit_pipeline(
+        body, grid=(e // te,), max_concurrent_steps=cfg.stages,
+        in_specs=[down_spec(plgpu, cfg, p, tf), plgpu.BlockSpec((te,), lambda j: (j,))])
+
+
+def pad_t(x, resid):
+    """x, resid [R, E] -> the f16 forms' inputs: x^T [E, T] f16 and y0 [E, T] f32, padded."""
+    pad = ((0, T - x.shape[0]), (0, 0))
+    return jnp.pad(x, pad).astype(jnp.float16).T, jnp.pad(resid, pad).astype(jnp.float32).T
 
 
 def block_down(w_d, fs: int):
     """w_d [E, F] -> [F / fs, E, fs]: each F-slice's columns one contiguous block."""
     e, f = w_d.shape
     return w_d.reshape(e, f // fs, fs).transpose(1, 0, 2)
-
-
-R = 8      # output rows of the W8A8 form: the padded batch-1 rows (a TMA box of 8 rows)
-
-
-@functools.partial(jax.jit, static_argnames=("cfg", "interpret"))
-def fused_mlp_q(xq, xs, w_gu, s_gu, w_d, s_d, y0, *, cfg: Config = Config(),
-                interpret: bool = False):
-    """The same MLP with FP8 activations (W8A8): no conversion in the kernel, both wgmma
-    operands e4m3 straight from shared memory. xq [64, E] e4m3 (x per token over its scale
-    xs [64] f32; rows past the real ones zero), w_gu [2F, E], s_gu [2F], w_d [E, F], s_d [E],
-    y0 [r, E] f32 (r <= 64: the rows reduce-added, the real tokens) -> y0 + MLP(x)[:r].
-
-    Tokens are wgmma's M side here (64 rows, the real ones first) and weights its N side (the
-    K-major B operand, as 8-bit wgmma wants it), so each program's h comes out [64, FS]: h is
-    quantized per token over its slice (one scale per token and program, taken back in the
-    down projection's epilogue) and is then the A operand of the down projection as it is.
-    The down partials [64, tile_e] are reduce-added for their first r rows only."""
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-    m, e = xq.shape
-    r = y0.shape[0]          # rows reduce-added: the real tokens (R = 8 padded, or fewer)
-    f = _down_f(w_d, cfg)
-    fs, tk, te = cfg.fs, cfg.tile_k, cfg.tile_e
-    if (m != 64 or f % fs or e % tk or e % te or w_gu.shape != (2 * f, e)
-            or y0.shape[1] != e or y0.shape[0] > m):
-        raise ValueError(f"mgpu_mlp: {cfg} does not tile E={e}, F={f}, M={m}")
-    programs, up0 = f // fs, f // fs
-    x_tf = _transforms(plgpu, tk, 8)
-    w_tf = _transforms(plgpu, tk, 8)
-    d_tf = _transforms(plgpu, fs, 8)
-    h_tf = _transforms(plgpu, fs, 8)
-    # tiled (8-row tiles) for the TMA unless fewer than 8 rows go out: row slices of a
-    # tiled buffer must be whole tiles (the H200 refused a 1-row slice)
-    o_tf = _transforms(plgpu, te, 32) if r % 8 == 0 else ()
-    rows, cols = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
-
-    def mma(acc, a, b_ref):
-        """acc + a @ b_ref^T (b_ref [N, K], K-major)."""
-        if interpret:
-            return acc + jnp.dot(a[...].astype(jnp.float32), b_ref[...].astype(jnp.float32).T)
-        return pl.run_state(lambda r: plgpu.wgmma(r, a, plgpu.transpose_ref(b_ref, (1, 0))))(
-            plgpu.ACC.init(acc))
-
-    def zeros(shape):
-        return _zeros(shape, interpret)
-
-    def load(ref, layout):
-        return _load(ref, layout, interpret)
-
-    def program(x_gmem, xs_gmem, wgu_gmem, sgu_gmem, wd_gmem, sd_gmem, y_gmem,
-                h_smem, o_smem, s_smem, xs_smem, bars):
-        p = lax.axis_index("p")
-        plgpu.copy_gmem_to_smem(sgu_gmem.at[pl.ds(p * fs, fs)], s_smem.at[0], bars.at[0])
-        plgpu.copy_gmem_to_smem(sgu_gmem.at[pl.ds(f + p * fs, fs)], s_smem.at[1], bars.at[1])
-        plgpu.copy_gmem_to_smem(xs_gmem, xs_smem, bars.at[2])
-
-        def gate_up(_, x_smem, g_smem, u_smem, carry):
-            g, u = carry
-            return mma(g, x_smem, g_smem), mma(u, x_smem, u_smem)
-
-        g, u = plgpu.emit_pipeline(
-            gate_up, grid=(e // tk,), max_concurrent_steps=cfg.stages,
-            in_specs=[plgpu.BlockSpec((m, tk), lambda k: (0, k), transforms=x_tf),
-                      plgpu.BlockSpec((fs, tk), lambda k: (p, k), transforms=w_tf),
-                      plgpu.BlockSpec((fs, tk), lambda k: (up0 + p, k), transforms=w_tf)],
-            init_carry=(zeros((m, fs)), zeros((m, fs))))(x_gmem, wgu_gmem, wgu_gmem)
-        for i in range(3):
-            plgpu.barrier_wait(bars.at[i])
-        x_scale = lax.broadcast_in_dim(load(xs_smem, rows), (m, fs), [0])
-        g = g * x_scale * lax.broadcast_in_dim(load(s_smem.at[0], cols), (m, fs), [1])
-        u = u * x_scale * lax.broadcast_in_dim(load(s_smem.at[1], cols), (m, fs), [1])
-        h = g * jax.nn.sigmoid(g) * u
-        h_scale = jnp.maximum(jnp.max(jnp.abs(h), axis=1), 1e-30) / 448.0     # [64]
-        h_smem[...] = (h / lax.broadcast_in_dim(h_scale, (m, fs), [0])).astype(w_d.dtype)
-        plgpu.commit_smem()
-
-        def down(idx, d_smem, sd_smem):
-            j = idx[0]
-            y = mma(zeros((m, te)), h_smem, d_smem)
-            y = (y * lax.broadcast_in_dim(h_scale, (m, te), [0])
-                 * lax.broadcast_in_dim(load(sd_smem, cols), (m, te), [1]))
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-            dst = y_gmem.at[:, pl.ds(j * te, te)]
-            if interpret:     # no TMA reduction there (programs run one after another)
-                o_smem[...] = y
-                o_smem[pl.ds(0, r)] = o_smem[pl.ds(0, r)] + y_gmem[:, pl.ds(j * te, te)]
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, r)], dst)
-                plgpu.wait_smem_to_gmem(0)
-                return
-            o_smem[...] = y
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, r)], dst, reduction_op="add")
-
-        plgpu.emit_pipeline(
-            down, grid=(e // te,), max_concurrent_steps=cfg.stages,
-            in_specs=[_down_spec(plgpu, cfg, p, d_tf),
-                      plgpu.BlockSpec((te,), lambda j: (j,))])(wd_gmem, sd_gmem)
-        plgpu.wait_smem_to_gmem(0)
-
-    scratch = [plgpu.SMEM((m, fs), w_d.dtype, transforms=h_tf),
-               plgpu.SMEM((m, te), jnp.float32, transforms=o_tf),
-               plgpu.SMEM((2, fs), jnp.float32), plgpu.SMEM((m,), jnp.float32),
-               plgpu.Barrier(num_barriers=3)]
-    return _launch(program, scratch, programs, (xq, xs, w_gu, s_gu, w_d, s_d), y0, interpret)
-
-
-WS_WGS = 2    # compute warpgroups of the warp-specialized form (a third one issues the TMAs)
-
-
-@functools.partial(jax.jit, static_argnames=("cfg", "interpret"))
-def fused_mlp_ws(xt, w_gu, s_gu, w_d, s_d, y0, *, cfg: Config = Config(),
-                 interpret: bool = False):
-    """fused_mlp_t's math (same arguments) with warp specialization: per program a memory
-    warpgroup streams the TMA copies of both phases while two compute warpgroups take half
-    of the F-slice's gate/up rows each (conversion and wgmma), form h for their rows, meet
-    at a barrier, and take half of each down tile's rows each."""
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-    e, t, f, programs, w_tf, d_tf, x_tf, o_tf = _t_geometry(xt, w_gu, w_d, cfg, WS_WGS)
-    fs, tk, te = cfg.fs, cfg.tile_k, cfg.tile_e
-    hf, he = fs // WS_WGS, te // WS_WGS
-    up0 = programs
-    row = plgpu.Layout.WGMMA.reduce(1)
-    conv = _f16
-
-    def zeros(shape):
-        return _zeros(shape, interpret)
-
-    def load_row(ref):
-        return _load(ref, row, interpret)
-
-    def program(x_gmem, wgu_gmem, sgu_gmem, wd_gmem, sd_gmem, y_gmem,
-                h_smem, o_smem, s_smem, bars, h_bar):
-        p, wg = lax.axis_index("p"), lax.axis_index("wg")
-        rows = pl.ds(wg * hf, hf)          # this compute warpgroup's gate/up rows
-
-        def ctx1(eval_pipeline):
-            for i, base in enumerate((0, f)):
-                plgpu.copy_gmem_to_smem(sgu_gmem.at[pl.ds(base + p * fs + wg * hf, hf)],
-                                        s_smem.at[wg, i], bars.at[2 * wg + i])
-            if interpret:
-                g, u = eval_pipeline((zeros((hf, t)), zeros((hf, t))))
-            else:
-                def accs(g_acc, u_acc):
-                    g_acc[...] = zeros((hf, t))
-                    u_acc[...] = zeros((hf, t))
-                    eval_pipeline((g_acc, u_acc))
-                    return g_acc[...], u_acc[...]
-                g, u = pl.run_scoped(accs, plgpu.ACC((hf, t), jnp.float32),
-                                     plgpu.ACC((hf, t), jnp.float32))
-            plgpu.barrier_wait(bars.at[2 * wg])
-            plgpu.barrier_wait(bars.at[2 * wg + 1])
-            g = g * lax.broadcast_in_dim(load_row(s_smem.at[wg, 0]), (hf, t), [0])
-            u = u * lax.broadcast_in_dim(load_row(s_smem.at[wg, 1]), (hf, t), [0])
-            h_smem[rows] = (g * jax.nn.sigmoid(g) * u).astype(jnp.float16)
-            plgpu.commit_smem()
-            plgpu.barrier_arrive(h_bar)        # both halves of h written before phase 2
-            plgpu.barrier_wait(h_bar)
-
-        def gate_up(_, g_smem, u_smem, x_smem, carry):
-            g, u = carry
-            if interpret:
-                xv = x_smem[...].astype(jnp.float32)
-                return (g + jnp.dot(g_smem[rows].astype(jnp.float32), xv),
-                        u + jnp.dot(u_smem[rows].astype(jnp.float32), xv))
-            plgpu.wgmma(g, conv(g_smem.at[rows]), x_smem)
-            plgpu.wgmma(u, conv(u_smem.at[rows]), x_smem)
-            plgpu.wgmma_wait(0)
-            return carry
-
-        def down(idx, d_smem, sd_smem):
-            j = idx[0]
-            drows = pl.ds(wg * he, he)
-            if interpret:
-                y = jnp.dot(d_smem[drows].astype(jnp.float32), h_smem[...].astype(jnp.float32))
-            else:
-                y = pl.run_state(lambda r: plgpu.wgmma(r, conv(d_smem.at[drows]), h_smem))(
-                    plgpu.ACC.init(zeros((he, t))))
-            y = y * lax.broadcast_in_dim(load_row(sd_smem.at[drows]), (he, t), [0])
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-            dst = y_gmem.at[pl.ds(j * te + wg * he, he)]
-            if interpret:     # no TMA reduction there (programs run one after another)
-                o_smem[wg] = y + y_gmem[pl.ds(j * te + wg * he, he)]
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(o_smem.at[wg], dst)
-                plgpu.wait_smem_to_gmem(0)
-                return
-            o_smem[wg] = y
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(o_smem.at[wg], dst, reduction_op="add")
-
-        plgpu.emit_pipeline_warp_specialized(
-            gate_up, grid=(e // tk,), memory_registers=40, wg_axis="wg",
-            num_compute_wgs=WS_WGS, max_concurrent_steps=cfg.stages, compute_context=ctx1,
-            in_specs=[plgpu.BlockSpec((fs, tk), lambda k: (p, k), transforms=w_tf),
-                      plgpu.BlockSpec((fs, tk), lambda k: (up0 + p, k), transforms=w_tf),
-                      plgpu.BlockSpec((tk, t), lambda k: (k, 0), transforms=x_tf)],
-        )(wgu_gmem, wgu_gmem, x_gmem)
-        plgpu.emit_pipeline_warp_specialized(
-            down, grid=(e // te,), memory_registers=40, wg_axis="wg",
-            num_compute_wgs=WS_WGS, max_concurrent_steps=cfg.stages,
-            in_specs=[_down_spec(plgpu, cfg, p, d_tf), plgpu.BlockSpec((te,), lambda j: (j,))],
-        )(wd_gmem, sd_gmem)
-
-        @pl.when(wg < WS_WGS)
-        def _():
-            plgpu.wait_smem_to_gmem(0)
-
-    scratch = [plgpu.SMEM((fs, t), jnp.float16, transforms=x_tf),
-               plgpu.SMEM((WS_WGS, he, t), jnp.float32, transforms=o_tf),
-               plgpu.SMEM((WS_WGS, 2, hf), jnp.float32),
-               plgpu.Barrier(num_barriers=2 * WS_WGS),
-               plgpu.Barrier(num_arrivals=WS_WGS)]
-    return _launch(program, scratch, programs, (xt, w_gu, s_gu, w_d, s_d), y0, interpret,
-                   threads=WS_WGS + 1)
-
-
-def _launch(program, scratch, programs, args, y0, interpret, threads=None):
-    """Run `program(*args, y, *scratch)` on a grid of `programs`, y starting as y0 and added
-    into in place: a JAX Ref through pl.kernel on the GPU (jax 0.11: neither plgpu.kernel,
-    whose custom_vmap wrapper rejects a Ref, nor a bare pallas_call, which has no Mosaic GPU
-    lowering there, would do). 0.10's interpret mode takes no Ref argument, and under its
-    pallas_call the result came out P times too large with P programs (as if every program
-    were program 0; not checked further): there plgpu.kernel, program 0 copying y0 into the
-    output first. threads: warpgroups per program (axis "wg"; the
-    scratch is shared by them)."""
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-    params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup)
-    mesh_kw = dict(num_threads=threads, thread_name="wg") if threads else {}
-    if interpret:
-        # programs run one after another there: the first copies y0 into the output
-        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
-
-        def body_i(*refs):
-            *ins, y_in, y_out, scr = refs[:len(args) + 2] + (refs[len(args) + 2:],)
-
-            first = lax.axis_index("p") == 0
-            if threads:
-                first = first & (lax.axis_index("wg") == 0)
-
-            @pl.when(first)
-            def _():
-                y_out[...] = y_in[...]
-            program(*ins, y_out, *scr)
-
-        return plgpu.kernel(
-            body_i, out_type=jax.ShapeDtypeStruct(y0.shape, jnp.float32), grid=(programs,),
-            grid_names=("p",), scratch_types=scratch, compiler_params=params,
-            interpret=InterpretGPUParams(), **mesh_kw)(*args, y0)
-
-    def body(*refs):       # scratch through run_scoped, as plgpu.kernel does it
-        pl.run_scoped(functools.partial(program, *refs), *scratch,
-                      collective_axes="wg" if threads else ())
-
-    y = jax.new_ref(y0)
-    pl.kernel(body, out_type=(), mesh=plgpu.Mesh(grid=(programs,), grid_names=("p",), **mesh_kw),
-              compiler_params=params)(*args, y)
-    return y[...]
 
 
 def reference(x, w_gu, s_gu, w_d, s_d, resid):
@@ -510,15 +244,10 @@ def reference(x, w_gu, s_gu, w_d, s_d, resid):
 def xla_route(x, resid, w_gu, s_gu, w_d, s_d):
     """The model's batch-1 route: fp8_matmul's fused-dequant GEMMs (x padded to 8 rows),
     SiLU * up, the residual add; XLA fuses and splits them as it does in the decode step."""
+    from pallas_kernels.fp8_matmul import xla_dequant_matmul
     f = w_d.shape[1]
-
-    def lin(v, w, s):
-        y = lax.dot_general(v, w.astype(v.dtype), (((1,), (1,)), ((), ())),
-                            preferred_element_type=jnp.float32)
-        return (y * s[None, :]).astype(v.dtype)
-
-    gu = lin(x, w_gu, s_gu)
-    return resid + lin(jax.nn.silu(gu[:, :f]) * gu[:, f:], w_d, s_d)
+    gu = xla_dequant_matmul(x, w_gu, s_gu)
+    return resid + xla_dequant_matmul(jax.nn.silu(gu[:, :f]) * gu[:, f:], w_d, s_d)
 
 
 def main(argv=None) -> dict:
@@ -555,35 +284,25 @@ def main(argv=None) -> dict:
     sec, dev, y = time_per_op(lambda xr, *w: xla_route(xr[0], xr[1], *w),
                               [(x, resid)] * len(sets), sets, samples=5 if GPU else 1,
                               device=GPU)
-    row = timed({"impl": "xla_route", "E": e, "F": f,
-                 "rel_err": float(np.linalg.norm(np.asarray(y, np.float32) - ref)
-                                  / np.linalg.norm(ref))}, sec, dev, gb)
-    result["rows"].append(row)
-    print(json.dumps(row), flush=True)
+    emit_row(result, with_times({"impl": "xla_route", "E": e, "F": f,
+                                 "rel_err": float(np.linalg.norm(np.asarray(y, np.float32) - ref)
+                                                  / np.linalg.norm(ref))}, sec, dev, gb))
 
-    def ours(xr, w_gu, s_gu, w_d, s_d, cfg):
-        xv, rv = xr
-        xt = jnp.pad(xv, ((0, T - xv.shape[0]), (0, 0))).astype(jnp.float16).T
-        y0 = jnp.pad(rv, ((0, T - rv.shape[0]), (0, 0))).astype(jnp.float32).T
-        out = fused_mlp_t(xt, w_gu, s_gu, w_d, s_d, y0, cfg=cfg, interpret=not GPU)
-        return out.T[:xv.shape[0]].astype(xv.dtype)
+    from bench.probes.mgpu_mlp_w8a8 import fused_mlp_q, quantize_tokens
+    from bench.probes.mgpu_mlp_ws import fused_mlp_ws
 
-    def ours_ws(xr, w_gu, s_gu, w_d, s_d, cfg):
-        xv, rv = xr
-        xt = jnp.pad(xv, ((0, T - xv.shape[0]), (0, 0))).astype(jnp.float16).T
-        y0 = jnp.pad(rv, ((0, T - rv.shape[0]), (0, 0))).astype(jnp.float32).T
-        out = fused_mlp_ws(xt, w_gu, s_gu, w_d, s_d, y0, cfg=cfg, interpret=not GPU)
-        return out.T[:xv.shape[0]].astype(xv.dtype)
+    def f16_form(kernel):
+        def run(xr, w_gu, s_gu, w_d, s_d, cfg):
+            xv, rv = xr
+            xt, y0 = pad_t(xv, rv)
+            out = kernel(xt, w_gu, s_gu, w_d, s_d, y0, cfg=cfg, interpret=not GPU)
+            return out.T[:xv.shape[0]].astype(xv.dtype)
+        return run
 
     def ours_q(xr, w_gu, s_gu, w_d, s_d, cfg):
         xv, rv = xr           # x quantized per token here (the model's norm_quant does it)
-        xf = xv.astype(jnp.float32)
-        sc = jnp.maximum(jnp.max(jnp.abs(xf), axis=1), 1e-30) / 448.0
-        xq = jnp.zeros((64, e), w_d.dtype).at[:xv.shape[0]].set(
-            (xf / sc[:, None]).astype(w_d.dtype))
-        xs = jnp.zeros((64,), jnp.float32).at[:xv.shape[0]].set(sc)
-        out = fused_mlp_q(xq, xs, w_gu, s_gu, w_d, s_d, rv.astype(jnp.float32), cfg=cfg,
-                          interpret=not GPU)
+        out = fused_mlp_q(*quantize_tokens(xv), w_gu, s_gu, w_d, s_d, rv.astype(jnp.float32),
+                          cfg=cfg, interpret=not GPU)
         return out.astype(xv.dtype)
 
     def ours_q1(xr, w_gu, s_gu, w_d, s_d, cfg):
@@ -594,15 +313,16 @@ def main(argv=None) -> dict:
         return jnp.concatenate([y1, rv[1:]])
 
     forms = args.forms.split(",")
-    for key, form, fn0 in (("w8a16", "mgpu_mlp", ours), ("w8a8", "mgpu_mlp_w8a8", ours_q),
-                           ("ws", "mgpu_mlp_ws", ours_ws), ("w8a8r1", "mgpu_mlp_w8a8_r1", ours_q1)):
+    for key, form, fn0 in (("w8a16", "mgpu_mlp", f16_form(fused_mlp_t)),
+                           ("w8a8", "mgpu_mlp_w8a8", ours_q),
+                           ("ws", "mgpu_mlp_ws", f16_form(fused_mlp_ws)),
+                           ("w8a8r1", "mgpu_mlp_w8a8_r1", ours_q1)):
         if key not in forms:
             continue
         for text in args.configs.split(";"):
             cfg = Config.parse(text)
-            row = {"impl": form, "E": e, "F": f, **dataclasses.asdict(cfg)}
-            try:
-                fn = functools.partial(fn0, cfg=cfg)
+
+            def measure(row, fn=functools.partial(fn0, cfg=cfg), key=key, cfg=cfg):
                 ws = [(a, b, block_down(c, cfg.fs) if cfg.blocked else c, d)
                       for a, b, c, d in sets]
                 sec, dev, y = time_per_op(fn, [(x, resid)] * len(ws), ws,
@@ -610,11 +330,10 @@ def main(argv=None) -> dict:
                 n = 1 if key == "w8a8r1" else len(ref)      # rows the form computes
                 row["rel_err"] = float(np.linalg.norm(np.asarray(y, np.float32)[:n] - ref[:n])
                                        / np.linalg.norm(ref[:n]))
-                timed(row, sec, dev, gb)
-            except Exception as ex:     # a config the compiler refuses: recorded, sweep goes on
-                row["error"] = f"{type(ex).__name__}: {str(ex)[:400]}"
-            result["rows"].append(row)
-            print(json.dumps(row), flush=True)
+                with_times(row, sec, dev, gb)
+
+            emit_row(result, try_config({"impl": form, "E": e, "F": f,
+                                         **dataclasses.asdict(cfg)}, measure))
     if args.out:
         save(result, args.out)
     return result
