@@ -65,6 +65,21 @@ def test_fused_mlp_matches_the_reference():
     assert _rel(out.T[:len(x)] - resid, mlp) < 5e-3    # x and h rounded to f16
     with pytest.raises(ValueError, match="does not tile"):
         mm.fused_mlp_t(xt, *w, y0, cfg=mm.Config(96, 64, 128, 2), interpret=True)
+    # two output slots in flight (64-row down tiles: 4 steps, both slots reused)
+    out = mm.fused_mlp_t(xt, *w, y0, cfg=mm.Config(64, 64, 64, 2, obufs=2), interpret=True)
+    assert _rel(out.T[:len(x)] - resid, mlp) < 5e-3
+
+
+def test_fused_mlp_timing_splits_run_one_phase():
+    """phases=1: the gate/up phase alone (y stays the residual); phases=2: the down phase
+    alone over h = 0 (y stays the residual too)."""
+    from bench.probes import mgpu_mlp as mm
+    w, x, resid, _ = _mlp_case()
+    xt, y0 = mm.pad_t(x, resid)
+    for phases in (1, 2):
+        out = mm.fused_mlp_t(xt, *w, y0, cfg=mm.Config(64, 64, 128, 2, phases=phases),
+                             interpret=True)
+        np.testing.assert_allclose(np.asarray(out), np.asarray(y0), rtol=0, atol=1e-6)
 
 
 def test_fused_mlp_w8a8_matches_the_reference():

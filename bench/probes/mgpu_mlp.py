@@ -17,7 +17,8 @@ add, f32) into y [E, T], which comes in holding the residual (aliased): y = resi
 No kernel of its own for SiLU * up, the split-K sum or the residual add.
 
     python -m bench.probes.mgpu_mlp [--forms w8a16,w8a8,ws,w8a8r1]
-        [--configs "fs,tile_k,tile_e,stages[,blocked];..."] [--git SHA] [--out FILE]
+        [--configs "fs,tile_k,tile_e,stages[,blocked,phases,obufs];..."] [--git SHA]
+        [--out FILE]
 
 On the CPU it runs in Mosaic GPU's interpret mode at a small shape (the wgmma register
 operand is replaced there by a plain dot, mgpu_util.py says why, and the TMA reduction by a
@@ -82,6 +83,10 @@ class Config:
     # 1: w_d comes blocked, [F / FS, E, FS] (block_down), so a program's down weights are
     # one contiguous run instead of E rows of FS bytes 14 KB apart
     blocked: int = 0
+    # timing splits of fused_mlp_t (wrong results on purpose): 1 runs only the gate/up
+    # phase (h formed, no down projection), 2 only the down phase (h = 0)
+    phases: int = 0
+    obufs: int = 1         # fused_mlp_t's output tiles in flight (o_smem slots)
 
     @classmethod
     def parse(cls, text: str) -> "Config":
@@ -139,7 +144,9 @@ def fused_mlp_t(xt, w_gu, s_gu, w_d, s_d, y0, *, cfg: Config = Config(),
             in_specs=[plgpu.BlockSpec((fs, tk), lambda k: (p, k), transforms=w_tf),
                       plgpu.BlockSpec((fs, tk), lambda k: (up0 + p, k), transforms=w_tf),
                       plgpu.BlockSpec((tk, t), lambda k: (k, 0), transforms=x_tf)])
-        if interpret:
+        if cfg.phases == 2:
+            g = u = zeros((fs, t))
+        elif interpret:
             def gate_up(_, g_smem, u_smem, x_smem, carry):
                 g, u = carry
                 return mma(g, conv(g_smem), x_smem), mma(u, conv(u_smem), x_smem)
@@ -174,24 +181,27 @@ def fused_mlp_t(xt, w_gu, s_gu, w_d, s_d, y0, *, cfg: Config = Config(),
             j = idx[0]
             y = mma(zeros((te, t)), conv(d_smem), h_smem)
             y = y * lax.broadcast_in_dim(load_row(sd_smem), (te, t), [0])
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            # the slot this step writes was last read by the reduction obufs steps back
+            plgpu.wait_smem_to_gmem(cfg.obufs - 1, wait_read_only=True)
+            o = o_smem.at[j % cfg.obufs]
             if interpret:
                 # no TMA reduction there: the programs run one after another, so a plain
                 # read, add and write stands in for it
-                o_smem[...] = y + y_gmem[pl.ds(j * te, te)]
+                o[...] = y + y_gmem[pl.ds(j * te, te)]
                 plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(o_smem, y_gmem.at[pl.ds(j * te, te)])
+                plgpu.copy_smem_to_gmem(o, y_gmem.at[pl.ds(j * te, te)])
                 plgpu.wait_smem_to_gmem(0)
                 return
-            o_smem[...] = y
+            o[...] = y
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(o_smem, y_gmem.at[pl.ds(j * te, te)], reduction_op="add")
+            plgpu.copy_smem_to_gmem(o, y_gmem.at[pl.ds(j * te, te)], reduction_op="add")
 
-        down_pipeline(plgpu, down, cfg, p, d_tf, e)(wd_gmem, sd_gmem)
+        if cfg.phases != 1:
+            down_pipeline(plgpu, down, cfg, p, d_tf, e)(wd_gmem, sd_gmem)
         plgpu.wait_smem_to_gmem(0)
 
     scratch = [plgpu.SMEM((fs, t), jnp.float16, transforms=x_tf),
-               plgpu.SMEM((te, t), jnp.float32, transforms=o_tf),
+               plgpu.SMEM((cfg.obufs, te, t), jnp.float32, transforms=o_tf),
                plgpu.SMEM((2, fs), jnp.float32), plgpu.Barrier(num_barriers=2)]
     return launch_into(program, scratch, programs, (xt, w_gu, s_gu, w_d, s_d), y0, interpret)
 
@@ -255,7 +265,7 @@ def main(argv=None) -> dict:
     p.add_argument("--shape", default="4096x14336" if GPU else "256x256", help="E x F")
     p.add_argument("--configs", default="128,128,128,3;128,128,256,3;128,128,128,4;"
                    "64,256,256,3;64,128,256,4" if GPU else "128,128,128,2",
-                   help="';'-separated fs,tile_k,tile_e,stages[,blocked]")
+                   help="';'-separated fs,tile_k,tile_e,stages[,blocked,phases,obufs]")
     p.add_argument("--rotate", type=int, default=3, help="weight sets rotated per timing")
     p.add_argument("--forms", default="w8a16,w8a8,ws",
                    help="w8a16: fused_mlp_t (f16 activations); w8a8: fused_mlp_q; ws: "
