@@ -17,7 +17,7 @@ add, f32) into y [E, T], which comes in holding the residual (aliased): y = resi
 No kernel of its own for SiLU * up, the split-K sum or the residual add.
 
     python -m bench.probes.mgpu_mlp [--forms w8a16,w8a8,ws,w8a8r1]
-        [--configs "fs,tile_k,tile_e,stages[,blocked,phases,obufs];..."] [--git SHA]
+        [--configs "fs,tile_k,tile_e,stages[,blocked,down_only,obufs,rotate];..."] [--git SHA]
         [--out FILE]
 
 On the CPU it runs in Mosaic GPU's interpret mode at a small shape (the wgmma register
@@ -83,10 +83,14 @@ class Config:
     # 1: w_d comes blocked, [F / FS, E, FS] (block_down), so a program's down weights are
     # one contiguous run instead of E rows of FS bytes 14 KB apart
     blocked: int = 0
-    # timing splits of fused_mlp_t (wrong results on purpose): 1 runs only the gate/up
-    # phase (h formed, no down projection), 2 only the down phase (h = 0)
-    phases: int = 0
+    # 1: fused_mlp_t runs its down phase alone, over h = 0 (a timing split; y comes back
+    # as the residual). The gate/up phase alone cannot be timed so: with nothing leaving
+    # the kernel, the H200 ran it in 0.9 us (7a25e6a)
+    down_only: int = 0
     obufs: int = 1         # fused_mlp_t's output tiles in flight (o_smem slots)
+    # 1: program p walks its down tiles from tile p (mod E / tile_e) instead of 0, so the
+    # programs' reduce-adds land on different rows of y at a time (down_order)
+    rotate: int = 0
 
     @classmethod
     def parse(cls, text: str) -> "Config":
@@ -144,7 +148,7 @@ def fused_mlp_t(xt, w_gu, s_gu, w_d, s_d, y0, *, cfg: Config = Config(),
             in_specs=[plgpu.BlockSpec((fs, tk), lambda k: (p, k), transforms=w_tf),
                       plgpu.BlockSpec((fs, tk), lambda k: (up0 + p, k), transforms=w_tf),
                       plgpu.BlockSpec((tk, t), lambda k: (k, 0), transforms=x_tf)])
-        if cfg.phases == 2:
+        if cfg.down_only:
             g = u = zeros((fs, t))
         elif interpret:
             def gate_up(_, g_smem, u_smem, x_smem, carry):
@@ -196,8 +200,7 @@ def fused_mlp_t(xt, w_gu, s_gu, w_d, s_d, y0, *, cfg: Config = Config(),
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(o, y_gmem.at[pl.ds(j * te, te)], reduction_op="add")
 
-        if cfg.phases != 1:
-            down_pipeline(plgpu, down, cfg, p, d_tf, e)(wd_gmem, sd_gmem)
+        down_pipeline(plgpu, down, cfg, p, d_tf, e)(wd_gmem, sd_gmem)
         plgpu.wait_smem_to_gmem(0)
 
     scratch = [plgpu.SMEM((fs, t), jnp.float16, transforms=x_tf),
@@ -215,20 +218,32 @@ def down_f(w_d, cfg: Config) -> int:
     return w_d.shape[1]
 
 
-def down_spec(plgpu, cfg: Config, p, tf):
+def down_order(cfg: Config, p, e: int):
+    """Program p's step j -> the down tile (rows j * tile_e ... of y) it handles. Without
+    `rotate` every program walks the tiles 0, 1, ... in step with the others, so all of
+    them reduce-add into the same rows of y at the same time."""
+    n = e // cfg.tile_e
+    return (lambda j: lax.rem(j + p, n)) if cfg.rotate else (lambda j: j)
+
+
+def down_spec(plgpu, cfg: Config, p, tf, order=lambda j: j):
     """Program p's [tile_e, FS] down-weight tiles, step j (tf: their smem transforms)."""
     if cfg.blocked:
-        return plgpu.BlockSpec((None, cfg.tile_e, cfg.fs), lambda j: (p, j, 0), transforms=tf)
-    return plgpu.BlockSpec((cfg.tile_e, cfg.fs), lambda j: (j, p), transforms=tf)
+        return plgpu.BlockSpec((None, cfg.tile_e, cfg.fs), lambda j: (p, order(j), 0),
+                               transforms=tf)
+    return plgpu.BlockSpec((cfg.tile_e, cfg.fs), lambda j: (order(j), p), transforms=tf)
 
 
 def down_pipeline(plgpu, body, cfg: Config, p, tf, e: int):
     """Program p's pipeline over its down-weight tiles and their channel scales:
-    body(idx, d_smem [tile_e, FS], sd_smem [tile_e])."""
+    body(idx, d_smem [tile_e, FS], sd_smem [tile_e]), idx[0] the tile (down_order)."""
     te = cfg.tile_e
+    order = down_order(cfg, p, e)
     return plgpu.emit_pipeline(
-        body, grid=(e // te,), max_concurrent_steps=cfg.stages,
-        in_specs=[down_spec(plgpu, cfg, p, tf), plgpu.BlockSpec((te,), lambda j: (j,))])
+        lambda idx, *refs: body((order(idx[0]),), *refs), grid=(e // te,),
+        max_concurrent_steps=cfg.stages,
+        in_specs=[down_spec(plgpu, cfg, p, tf, order),
+                  plgpu.BlockSpec((te,), lambda j: (order(j),))])
 
 
 def pad_t(x, resid):
@@ -265,7 +280,7 @@ def main(argv=None) -> dict:
     p.add_argument("--shape", default="4096x14336" if GPU else "256x256", help="E x F")
     p.add_argument("--configs", default="128,128,128,3;128,128,256,3;128,128,128,4;"
                    "64,256,256,3;64,128,256,4" if GPU else "128,128,128,2",
-                   help="';'-separated fs,tile_k,tile_e,stages[,blocked,phases,obufs]")
+                   help="';'-separated fs,tile_k,tile_e,stages[,blocked,down_only,obufs,rotate]")
     p.add_argument("--rotate", type=int, default=3, help="weight sets rotated per timing")
     p.add_argument("--forms", default="w8a16,w8a8,ws",
                    help="w8a16: fused_mlp_t (f16 activations); w8a8: fused_mlp_q; ws: "

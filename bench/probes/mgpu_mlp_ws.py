@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from bench.probes.mgpu_mlp import Config, down_spec, t_geometry
+from bench.probes.mgpu_mlp import Config, down_order, down_spec, t_geometry
 from bench.probes.mgpu_util import f16, launch_into, load_vec, zeros_wgmma
 
 WS_WGS = 2    # compute warpgroups of the warp-specialized form (a third one issues the TMAs)
@@ -83,8 +83,10 @@ def fused_mlp_ws(xt, w_gu, s_gu, w_d, s_d, y0, *, cfg: Config = Config(),
             plgpu.wgmma_wait(0)
             return carry
 
+        order = down_order(cfg, p, e)
+
         def down(idx, d_smem, sd_smem):
-            j = idx[0]
+            j = order(idx[0])
             drows = pl.ds(wg * he, he)
             if interpret:
                 y = jnp.dot(d_smem[drows].astype(jnp.float32), h_smem[...].astype(jnp.float32))
@@ -114,7 +116,8 @@ def fused_mlp_ws(xt, w_gu, s_gu, w_d, s_d, y0, *, cfg: Config = Config(),
         plgpu.emit_pipeline_warp_specialized(
             down, grid=(e // te,), memory_registers=40, wg_axis="wg",
             num_compute_wgs=WS_WGS, max_concurrent_steps=cfg.stages,
-            in_specs=[down_spec(plgpu, cfg, p, d_tf), plgpu.BlockSpec((te,), lambda j: (j,))],
+            in_specs=[down_spec(plgpu, cfg, p, d_tf, order),
+                      plgpu.BlockSpec((te,), lambda j: (order(j),))],
         )(wd_gmem, sd_gmem)
 
         @pl.when(wg < WS_WGS)
