@@ -70,8 +70,8 @@ def test_fused_mlp_matches_the_reference():
     assert _rel(out.T[:len(x)] - resid, mlp) < 5e-3
 
 
-def test_fused_mlp_down_only_and_rotated_down_tiles():
-    """down_only: the down phase alone over h = 0, y stays the residual. rotate: each
+def test_fused_mlp_down_only_and_staggered_down_tiles():
+    """down_only: the down phase alone over h = 0, y stays the residual. stagger: each
     program walks its down tiles from its own start (a permutation of the same work), in
     the f16 and warp-specialized forms."""
     from bench.probes import mgpu_mlp as mm
@@ -81,13 +81,13 @@ def test_fused_mlp_down_only_and_rotated_down_tiles():
     out = mm.fused_mlp_t(xt, *w, y0, cfg=mm.Config(64, 64, 128, 2, down_only=1),
                          interpret=True)
     np.testing.assert_allclose(np.asarray(out), np.asarray(y0), rtol=0, atol=1e-6)
-    out = mm.fused_mlp_t(xt, *w, y0, cfg=mm.Config(64, 64, 64, 2, rotate=1), interpret=True)
+    out = mm.fused_mlp_t(xt, *w, y0, cfg=mm.Config(64, 64, 64, 2, stagger=1), interpret=True)
     assert _rel(out.T[:len(x)] - resid, mlp) < 5e-3
-    order = mm.down_order(mm.Config(64, 64, 64, rotate=1), 3, 256)
+    order = mm.down_order(mm.Config(64, 64, 64, stagger=1), 3, 256)
     assert [int(order(j)) for j in range(4)] == [3, 0, 1, 2]
     (w_gu, s_gu, w_d, s_d), x, resid, mlp = _mlp_case(e=256, f=256)
     xt, y0 = mm.pad_t(x, resid)
-    out = fused_mlp_ws(xt, w_gu, s_gu, w_d, s_d, y0, cfg=mm.Config(128, 64, 128, 2, rotate=1),
+    out = fused_mlp_ws(xt, w_gu, s_gu, w_d, s_d, y0, cfg=mm.Config(128, 64, 128, 2, stagger=1),
                        interpret=True)
     assert _rel(out.T[:len(x)] - resid, mlp) < 5e-3
 

@@ -17,7 +17,7 @@ add, f32) into y [E, T], which comes in holding the residual (aliased): y = resi
 No kernel of its own for SiLU * up, the split-K sum or the residual add.
 
     python -m bench.probes.mgpu_mlp [--forms w8a16,w8a8,ws,w8a8r1]
-        [--configs "fs,tile_k,tile_e,stages[,blocked,down_only,obufs,rotate];..."] [--git SHA]
+        [--configs "fs,tile_k,tile_e,stages[,blocked,down_only,obufs,stagger];..."] [--git SHA]
         [--out FILE]
 
 On the CPU it runs in Mosaic GPU's interpret mode at a small shape (the wgmma register
@@ -90,7 +90,7 @@ class Config:
     obufs: int = 1         # fused_mlp_t's output tiles in flight (o_smem slots)
     # 1: program p walks its down tiles from tile p (mod E / tile_e) instead of 0, so the
     # programs' reduce-adds land on different rows of y at a time (down_order)
-    rotate: int = 0
+    stagger: int = 0
 
     @classmethod
     def parse(cls, text: str) -> "Config":
@@ -220,10 +220,10 @@ def down_f(w_d, cfg: Config) -> int:
 
 def down_order(cfg: Config, p, e: int):
     """Program p's step j -> the down tile (rows j * tile_e ... of y) it handles. Without
-    `rotate` every program walks the tiles 0, 1, ... in step with the others, so all of
+    `stagger` every program walks the tiles 0, 1, ... in step with the others, so all of
     them reduce-add into the same rows of y at the same time."""
     n = e // cfg.tile_e
-    return (lambda j: lax.rem(j + p, n)) if cfg.rotate else (lambda j: j)
+    return (lambda j: lax.rem(j + p, n)) if cfg.stagger else (lambda j: j)
 
 
 def down_spec(plgpu, cfg: Config, p, tf, order=lambda j: j):
@@ -280,7 +280,7 @@ def main(argv=None) -> dict:
     p.add_argument("--shape", default="4096x14336" if GPU else "256x256", help="E x F")
     p.add_argument("--configs", default="128,128,128,3;128,128,256,3;128,128,128,4;"
                    "64,256,256,3;64,128,256,4" if GPU else "128,128,128,2",
-                   help="';'-separated fs,tile_k,tile_e,stages[,blocked,down_only,obufs,rotate]")
+                   help="';'-separated fs,tile_k,tile_e,stages[,blocked,down_only,obufs,stagger]")
     p.add_argument("--rotate", type=int, default=3, help="weight sets rotated per timing")
     p.add_argument("--forms", default="w8a16,w8a8,ws",
                    help="w8a16: fused_mlp_t (f16 activations); w8a8: fused_mlp_q; ws: "
