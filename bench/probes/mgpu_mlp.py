@@ -17,8 +17,8 @@ add, f32) into y [E, T], which comes in holding the residual (aliased): y = resi
 No kernel of its own for SiLU * up, the split-K sum or the residual add.
 
     python -m bench.probes.mgpu_mlp [--forms w8a16,w8a8,ws,w8a8r1]
-        [--configs "fs,tile_k,tile_e,stages[,blocked,down_only,obufs,stagger];..."] [--git SHA]
-        [--out FILE]
+        [--configs "fs,tile_k,tile_e,stages[,blocked,down_only,obufs,stagger,plain_store];..."]
+        [--git SHA] [--out FILE]
 
 On the CPU it runs in Mosaic GPU's interpret mode at a small shape (the wgmma register
 operand is replaced there by a plain dot, mgpu_util.py says why, and the TMA reduction by a
@@ -91,6 +91,9 @@ class Config:
     # 1: program p walks its down tiles from tile p (mod E / tile_e) instead of 0, so the
     # programs' reduce-adds land on different rows of y at a time (down_order)
     stagger: int = 0
+    # 1: fused_mlp_t stores its down partials instead of reduce-adding them (a timing
+    # split: wrong results; the reduction's price)
+    plain_store: int = 0
 
     @classmethod
     def parse(cls, text: str) -> "Config":
@@ -198,7 +201,8 @@ def fused_mlp_t(xt, w_gu, s_gu, w_d, s_d, y0, *, cfg: Config = Config(),
                 return
             o[...] = y
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(o, y_gmem.at[pl.ds(j * te, te)], reduction_op="add")
+            plgpu.copy_smem_to_gmem(o, y_gmem.at[pl.ds(j * te, te)],
+                                    reduction_op=None if cfg.plain_store else "add")
 
         down_pipeline(plgpu, down, cfg, p, d_tf, e)(wd_gmem, sd_gmem)
         plgpu.wait_smem_to_gmem(0)
@@ -280,7 +284,8 @@ def main(argv=None) -> dict:
     p.add_argument("--shape", default="4096x14336" if GPU else "256x256", help="E x F")
     p.add_argument("--configs", default="128,128,128,3;128,128,256,3;128,128,128,4;"
                    "64,256,256,3;64,128,256,4" if GPU else "128,128,128,2",
-                   help="';'-separated fs,tile_k,tile_e,stages[,blocked,down_only,obufs,stagger]")
+                   help="';'-separated fs,tile_k,tile_e,stages"
+                        "[,blocked,down_only,obufs,stagger,plain_store]")
     p.add_argument("--rotate", type=int, default=3, help="weight sets rotated per timing")
     p.add_argument("--forms", default="w8a16,w8a8,ws",
                    help="w8a16: fused_mlp_t (f16 activations); w8a8: fused_mlp_q; ws: "
