@@ -83,6 +83,10 @@ def test_fused_mlp_down_only_and_staggered_down_tiles():
     np.testing.assert_allclose(np.asarray(out), np.asarray(y0), rtol=0, atol=1e-6)
     out = mm.fused_mlp_t(xt, *w, y0, cfg=mm.Config(64, 64, 64, 2, stagger=1), interpret=True)
     assert _rel(out.T[:len(x)] - resid, mlp) < 5e-3
+    # only the first 4 token columns reduce-added: those rows right, the others unchanged
+    out = mm.fused_mlp_t(xt, *w, y0, cfg=mm.Config(64, 64, 64, 2, out_cols=4), interpret=True)
+    assert _rel(out.T[:4] - resid[:4], mlp[:4]) < 5e-3
+    np.testing.assert_allclose(np.asarray(out[:, 4:]), np.asarray(y0[:, 4:]), rtol=0, atol=0)
     order = mm.down_order(mm.Config(64, 64, 64, stagger=1), 3, 256)
     assert [int(order(j)) for j in range(4)] == [3, 0, 1, 2]
     (w_gu, s_gu, w_d, s_d), x, resid, mlp = _mlp_case(e=256, f=256)

@@ -17,8 +17,8 @@ add, f32) into y [E, T], which comes in holding the residual (aliased): y = resi
 No kernel of its own for SiLU * up, the split-K sum or the residual add.
 
     python -m bench.probes.mgpu_mlp [--forms w8a16,w8a8,ws,w8a8r1]
-        [--configs "fs,tile_k,tile_e,stages[,blocked,down_only,obufs,stagger,plain_store];..."]
-        [--git SHA] [--out FILE]
+        [--configs "fs,tile_k,tile_e,stages[,blocked,down_only,obufs,stagger,plain_store,
+                    out_cols];..."] [--git SHA] [--out FILE]
 
 On the CPU it runs in Mosaic GPU's interpret mode at a small shape (the wgmma register
 operand is replaced there by a plain dot, mgpu_util.py says why, and the TMA reduction by a
@@ -94,6 +94,10 @@ class Config:
     # 1: fused_mlp_t stores its down partials instead of reduce-adding them (a timing
     # split: wrong results; the reduction's price)
     plain_store: int = 0
+    # c > 0: fused_mlp_t reduce-adds only the first c token columns of y (from an untiled
+    # output buffer; TMA boxes need >= 16 bytes, so c >= 4): at batch 1 the rest are
+    # padding, and the 16-column partials are half of the down phase's L2 traffic
+    out_cols: int = 0
 
     @classmethod
     def parse(cls, text: str) -> "Config":
@@ -191,24 +195,28 @@ def fused_mlp_t(xt, w_gu, s_gu, w_d, s_d, y0, *, cfg: Config = Config(),
             # the slot this step writes was last read by the reduction obufs steps back
             plgpu.wait_smem_to_gmem(cfg.obufs - 1, wait_read_only=True)
             o = o_smem.at[j % cfg.obufs]
+            cols = pl.ds(0, cfg.out_cols or t)
+            dst = y_gmem.at[pl.ds(j * te, te), cols]
             if interpret:
                 # no TMA reduction there: the programs run one after another, so a plain
                 # read, add and write stands in for it
-                o[...] = y + y_gmem[pl.ds(j * te, te)]
+                o[...] = y
+                o[:, cols] = o[:, cols] + y_gmem[pl.ds(j * te, te), cols]
                 plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(o, y_gmem.at[pl.ds(j * te, te)])
+                plgpu.copy_smem_to_gmem(o.at[:, cols], dst)
                 plgpu.wait_smem_to_gmem(0)
                 return
             o[...] = y
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(o, y_gmem.at[pl.ds(j * te, te)],
+            plgpu.copy_smem_to_gmem(o.at[:, cols], dst,
                                     reduction_op=None if cfg.plain_store else "add")
 
         down_pipeline(plgpu, down, cfg, p, d_tf, e)(wd_gmem, sd_gmem)
         plgpu.wait_smem_to_gmem(0)
 
     scratch = [plgpu.SMEM((fs, t), jnp.float16, transforms=x_tf),
-               plgpu.SMEM((cfg.obufs, te, t), jnp.float32, transforms=o_tf),
+               plgpu.SMEM((cfg.obufs, te, t), jnp.float32,
+                          transforms=() if cfg.out_cols else o_tf),
                plgpu.SMEM((2, fs), jnp.float32), plgpu.Barrier(num_barriers=2)]
     return launch_into(program, scratch, programs, (xt, w_gu, s_gu, w_d, s_d), y0, interpret)
 
@@ -285,7 +293,7 @@ def main(argv=None) -> dict:
     p.add_argument("--configs", default="128,128,128,3;128,128,256,3;128,128,128,4;"
                    "64,256,256,3;64,128,256,4" if GPU else "128,128,128,2",
                    help="';'-separated fs,tile_k,tile_e,stages"
-                        "[,blocked,down_only,obufs,stagger,plain_store]")
+                        "[,blocked,down_only,obufs,stagger,plain_store,out_cols]")
     p.add_argument("--rotate", type=int, default=3, help="weight sets rotated per timing")
     p.add_argument("--forms", default="w8a16,w8a8,ws",
                    help="w8a16: fused_mlp_t (f16 activations); w8a8: fused_mlp_q; ws: "
@@ -357,7 +365,8 @@ def main(argv=None) -> dict:
                       for a, b, c, d in sets]
                 sec, dev, y = time_per_op(fn, [(x, resid)] * len(ws), ws,
                                           samples=5 if GPU else 1, device=GPU)
-                n = 1 if key == "w8a8r1" else len(ref)      # rows the form computes
+                # rows the form computes
+                n = 1 if key == "w8a8r1" else min(cfg.out_cols or len(ref), len(ref))
                 row["rel_err"] = float(np.linalg.norm(np.asarray(y, np.float32)[:n] - ref[:n])
                                        / np.linalg.norm(ref[:n]))
                 with_times(row, sec, dev, gb)
