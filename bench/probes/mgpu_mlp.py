@@ -145,7 +145,7 @@ def fused_mlp_t(xt, w_gu, s_gu, w_d, s_d, y0, *, cfg: Config = Config(),
         return load_vec(ref, row, interpret)
 
     def program(x_gmem, wgu_gmem, sgu_gmem, wd_gmem, sd_gmem, y_gmem,
-                h_smem, o_smem, s_smem, bars):
+                h_smem, o_smem, s_smem, bars, *oc_ref):
         p = lax.axis_index("p")
         plgpu.copy_gmem_to_smem(sgu_gmem.at[pl.ds(p * fs, fs)], s_smem.at[0], bars.at[0])
         plgpu.copy_gmem_to_smem(sgu_gmem.at[pl.ds(f + p * fs, fs)], s_smem.at[1], bars.at[1])
@@ -195,6 +195,7 @@ def fused_mlp_t(xt, w_gu, s_gu, w_d, s_d, y0, *, cfg: Config = Config(),
             # the slot this step writes was last read by the reduction obufs steps back
             plgpu.wait_smem_to_gmem(cfg.obufs - 1, wait_read_only=True)
             o = o_smem.at[j % cfg.obufs]
+            oc = oc_ref[0].at[j % cfg.obufs] if cfg.out_cols else None
             cols = pl.ds(0, cfg.out_cols or t)
             dst = y_gmem.at[pl.ds(j * te, te), cols]
             if interpret:
@@ -207,8 +208,11 @@ def fused_mlp_t(xt, w_gu, s_gu, w_d, s_d, y0, *, cfg: Config = Config(),
                 plgpu.wait_smem_to_gmem(0)
                 return
             o[...] = y
+            if cfg.out_cols:       # TMA wants a contiguous source: the columns repacked
+                oc[...] = o[:, cols]
+                o = oc
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(o.at[:, cols], dst,
+            plgpu.copy_smem_to_gmem(o if cfg.out_cols else o.at[:, cols], dst,
                                     reduction_op=None if cfg.plain_store else "add")
 
         down_pipeline(plgpu, down, cfg, p, d_tf, e)(wd_gmem, sd_gmem)
@@ -218,6 +222,8 @@ def fused_mlp_t(xt, w_gu, s_gu, w_d, s_d, y0, *, cfg: Config = Config(),
                plgpu.SMEM((cfg.obufs, te, t), jnp.float32,
                           transforms=() if cfg.out_cols else o_tf),
                plgpu.SMEM((2, fs), jnp.float32), plgpu.Barrier(num_barriers=2)]
+    if cfg.out_cols:
+        scratch.append(plgpu.SMEM((cfg.obufs, te, cfg.out_cols), jnp.float32))
     return launch_into(program, scratch, programs, (xt, w_gu, s_gu, w_d, s_d), y0, interpret)
 
 
