@@ -48,11 +48,27 @@ warp-specialized forms took 69.5-71.4 us against XLA's 62.5, so the kernel's agg
 stays at 2.6-3.0 TB/s with 56, 112 or 132 programs, where XLA's route reads the same weights
 at 3.3-3.4 TB/s and the standalone GEMV at 3.6. Nsight Compute side by side with the GEMV
 (history/ncu_mem_mgpu_{gemv,mlp}_31c9189.txt): GEMV DRAM 78%, L2 79% busy, 8% L2 hits; this
-kernel DRAM 62%, L2 80%, 18.5% hits. Leading hypothesis, untested: the L2 limits both near
-80%, and this kernel spends part of it on traffic that hits there (x re-read by every
-program, the reduce-adds). Next: x read once per program and one-row reductions together;
-then the gate/up and down weights in one stream (the warp-specialized pipeline's
-pipeline_state chaining).
+kernel DRAM 62%, L2 80%, 18.5% hits.
+
+Taken apart (twenty-fourth session; bench/results/mgpu_mlp_outcols.json, history/mgpu_mlp_
+{obufs,rotate,down,store,outcols}_*.json, history/ncu_mgpu_mlp_*_efd1b5d.txt), FS 128, tile_e
+256, 3 stages: the gate/up phase is fine and the down phase is the loss. The down phase
+alone (`down_only`, h = 0) takes 29.6-34.4 us for its 58.7 MB (~2 TB/s), where XLA's down
+GEMM and its reduction take 18.7; the whole kernel minus it, ~30 us for 117 MB of gate/up
+weights (~3.9 TB/s), is as fast as the standalone GEMV. In the down phase: every program
+walking the tiles of y in step (all 112 reduce-adding the same rows at once) cost ~4 us
+(`stagger`: down alone 33.9 -> 29.9, whole 63.6 -> 59.9); the reductions themselves ~2.5 us
+(`plain_store`, wrong results by design: 29.9 -> 27.4); reduce-adding 4 token columns of 16
+(`out_cols`, the rest padding at batch 1) ~3 us (whole 58.8 -> 55.7, correct); output slots
+in flight (`obufs`), stages 3-6 and tiles of 64-256 rows nothing (smaller tiles slower).
+Nsight Compute, down phase alone with plain stores: 24.5 us, DRAM 52%, L2 76% busy with 36%
+hits, one 128-thread program per SM (187 registers), no eligible warp 78% of cycles; the
+whole kernel (staggered): DRAM 66%, L2 84%, 20% hits. So the 16-column f32 partials were
+part of the L2 load (the hypothesis of the twenty-third session, in that form), but with
+them cut to 4 columns the down phase still streams at ~2.2 TB/s: best 55.7 us against
+XLA's 51.6 in the same call. Not explained: why a program's [tile_e, FS] down tiles (rows of
+FS bytes, E rows apart; blocked contiguous made no difference) arrive at half the gate/up
+phase's rate per SM with as many bytes in flight.
 """
 from __future__ import annotations
 
