@@ -89,6 +89,17 @@ def test_fused_mlp_down_only_and_staggered_down_tiles():
     np.testing.assert_allclose(np.asarray(out[:, 4:]), np.asarray(y0[:, 4:]), rtol=0, atol=0)
     order = mm.down_order(mm.Config(64, 64, 64, stagger=1), 3, 256)
     assert [int(order(j)) for j in range(4)] == [3, 0, 1, 2]
+    order = mm.down_order(mm.Config(64, 64, 64, stagger=1, group=2), 1, 256)
+    assert [int(order(j)) for j in range(4)] == [2, 3, 0, 1]
+    # tiles stored two at a time, staggered by groups, with and without the column repack
+    for cols in (0, 4):
+        out = mm.fused_mlp_t(xt, *w, y0, interpret=True,
+                             cfg=mm.Config(64, 64, 64, 2, stagger=1, out_cols=cols, group=2))
+        assert _rel(out.T[:len(x)][:cols or 8] - resid[:cols or 8], mlp[:cols or 8]) < 5e-3
+    with pytest.raises(ValueError, match="does not tile"):
+        mm.fused_mlp_t(xt, *w, y0, cfg=mm.Config(64, 64, 128, 2, group=4), interpret=True)
+    with pytest.raises(ValueError, match="GPU timing split"):
+        mm.fused_mlp_t(xt, *w, y0, cfg=mm.Config(64, 64, 64, 2, no_epi=1), interpret=True)
     (w_gu, s_gu, w_d, s_d), x, resid, mlp = _mlp_case(e=256, f=256)
     xt, y0 = mm.pad_t(x, resid)
     out = fused_mlp_ws(xt, w_gu, s_gu, w_d, s_d, y0, cfg=mm.Config(128, 64, 128, 2, stagger=1),

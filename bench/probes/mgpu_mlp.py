@@ -18,7 +18,7 @@ No kernel of its own for SiLU * up, the split-K sum or the residual add.
 
     python -m bench.probes.mgpu_mlp [--forms w8a16,w8a8,ws,w8a8r1]
         [--configs "fs,tile_k,tile_e,stages[,blocked,down_only,obufs,stagger,plain_store,
-                    out_cols];..."] [--git SHA] [--out FILE]
+                    out_cols,group,no_epi];..."] [--git SHA] [--out FILE]
 
 On the CPU it runs in Mosaic GPU's interpret mode at a small shape (the wgmma register
 operand is replaced there by a plain dot, mgpu_util.py says why, and the TMA reduction by a
@@ -114,6 +114,13 @@ class Config:
     # output buffer; TMA boxes need >= 16 bytes, so c >= 4): at batch 1 the rest are
     # padding, and the 16-column partials are half of the down phase's L2 traffic
     out_cols: int = 0
+    # g > 1: fused_mlp_t stores its down partials every g steps (g tiles of y, one TMA):
+    # the fence, the wait on the last store and the TMA issue paid once per g tiles
+    group: int = 1
+    # 1: fused_mlp_t's down steps only accumulate (all tiles into one accumulator, stored
+    # once at the end: wrong results, the GPU only): a timing split without any per-step
+    # epilogue (scale, shared-memory store, fence, TMA)
+    no_epi: int = 0
 
     @classmethod
     def parse(cls, text: str) -> "Config":
@@ -128,7 +135,7 @@ def t_geometry(xt, w_gu, w_d, cfg: Config, wgs: int = 1):
     e, t = xt.shape
     f = down_f(w_d, cfg)
     fs, tk, te = cfg.fs, cfg.tile_k, cfg.tile_e
-    if (f % fs or e % tk or e % te or (fs // wgs) % 64 or (te // wgs) % 64
+    if (f % fs or e % tk or e % (te * cfg.group) or (fs // wgs) % 64 or (te // wgs) % 64
             or w_gu.shape != (2 * f, e) or t != T):
         raise ValueError(f"mgpu_mlp: {cfg} does not tile E={e}, F={f}, T={t} with {wgs} "
                          "compute warpgroups")
@@ -204,42 +211,73 @@ def fused_mlp_t(xt, w_gu, s_gu, w_d, s_d, y0, *, cfg: Config = Config(),
         h_smem[...] = (g * jax.nn.sigmoid(g) * u).astype(jnp.float16)
         plgpu.commit_smem()
 
+        gr = cfg.group
+        cols = pl.ds(0, cfg.out_cols or t)
+
         def down(idx, d_smem, sd_smem):
-            j = idx[0]
+            j = idx[0]                   # the tile; tiles j // gr * gr ... go out together
+            i, slot = j % gr, j // gr % cfg.obufs
             y = mma(zeros((te, t)), conv(d_smem), h_smem)
             y = y * lax.broadcast_in_dim(load_row(sd_smem), (te, t), [0])
-            # the slot this step writes was last read by the reduction obufs steps back
-            plgpu.wait_smem_to_gmem(cfg.obufs - 1, wait_read_only=True)
-            o = o_smem.at[j % cfg.obufs]
-            oc = oc_ref[0].at[j % cfg.obufs] if cfg.out_cols else None
-            cols = pl.ds(0, cfg.out_cols or t)
-            dst = y_gmem.at[pl.ds(j * te, te), cols]
+            rows = pl.ds(j // gr * gr * te, gr * te)        # the group's rows of y
             if interpret:
                 # no TMA reduction there: the programs run one after another, so a plain
                 # read, add and write stands in for it
+                o = o_smem.at[slot, pl.ds(0, te)]
                 o[...] = y
                 o[:, cols] = o[:, cols] + y_gmem[pl.ds(j * te, te), cols]
                 plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(o.at[:, cols], dst)
+                plgpu.copy_smem_to_gmem(o.at[:, cols], y_gmem.at[pl.ds(j * te, te), cols])
                 plgpu.wait_smem_to_gmem(0)
                 return
-            o[...] = y
-            if cfg.out_cols:       # TMA wants a contiguous source: the columns repacked
-                oc[...] = o[:, cols]
-                o = oc
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(o if cfg.out_cols else o.at[:, cols], dst,
-                                    reduction_op=None if cfg.plain_store else "add")
 
-        down_pipeline(plgpu, down, cfg, p, d_tf, e)(wd_gmem, sd_gmem)
+            # the slot this group writes was last read by the reduction obufs groups back
+            @pl.when(i == 0)
+            def _():
+                plgpu.wait_smem_to_gmem(cfg.obufs - 1, wait_read_only=True)
+
+            if cfg.out_cols:       # TMA wants a contiguous source: the columns repacked
+                o_smem[slot] = y
+                oc_ref[0][slot, pl.ds(i * te, te)] = o_smem[slot, :, cols]
+                src = oc_ref[0].at[slot]
+            else:
+                o_smem[slot, pl.ds(i * te, te)] = y
+                src = o_smem.at[slot]
+
+            @pl.when(i == gr - 1)
+            def _():
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(src, y_gmem.at[rows, cols],
+                                        reduction_op=None if cfg.plain_store else "add")
+
+        if cfg.no_epi:
+            if interpret:
+                raise ValueError("mgpu_mlp: no_epi is a GPU timing split")
+
+            def acc_only(acc):
+                acc[...] = zeros((te, t))
+
+                def down_acc(idx, d_smem, sd_smem):
+                    plgpu.wgmma(acc, conv(d_smem), h_smem)
+                    plgpu.wgmma_wait(0)
+
+                down_pipeline(plgpu, down_acc, cfg, p, d_tf, e)(wd_gmem, sd_gmem)
+                o_smem[0, pl.ds(0, te)] = acc[...]
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(o_smem.at[0, pl.ds(0, te)], y_gmem.at[pl.ds(0, te)],
+                                        reduction_op="add")
+
+            pl.run_scoped(acc_only, plgpu.ACC((te, t), jnp.float32))
+        else:
+            down_pipeline(plgpu, down, cfg, p, d_tf, e)(wd_gmem, sd_gmem)
         plgpu.wait_smem_to_gmem(0)
 
     scratch = [plgpu.SMEM((fs, t), jnp.float16, transforms=x_tf),
-               plgpu.SMEM((cfg.obufs, te, t), jnp.float32,
-                          transforms=() if cfg.out_cols else o_tf),
+               plgpu.SMEM((cfg.obufs, te if cfg.out_cols else cfg.group * te, t),
+                          jnp.float32, transforms=() if cfg.out_cols else o_tf),
                plgpu.SMEM((2, fs), jnp.float32), plgpu.Barrier(num_barriers=2)]
     if cfg.out_cols:
-        scratch.append(plgpu.SMEM((cfg.obufs, te, cfg.out_cols), jnp.float32))
+        scratch.append(plgpu.SMEM((cfg.obufs, cfg.group * te, cfg.out_cols), jnp.float32))
     return launch_into(program, scratch, programs, (xt, w_gu, s_gu, w_d, s_d), y0, interpret)
 
 
@@ -255,9 +293,13 @@ def down_f(w_d, cfg: Config) -> int:
 def down_order(cfg: Config, p, e: int):
     """Program p's step j -> the down tile (rows j * tile_e ... of y) it handles. Without
     `stagger` every program walks the tiles 0, 1, ... in step with the others, so all of
-    them reduce-add into the same rows of y at the same time."""
-    n = e // cfg.tile_e
-    return (lambda j: lax.rem(j + p, n)) if cfg.stagger else (lambda j: j)
+    them reduce-add into the same rows of y at the same time. Staggered, the programs start
+    at different groups of `group` tiles, each group's tiles in order."""
+    gr = cfg.group
+    n = e // cfg.tile_e // gr
+    if not cfg.stagger:
+        return lambda j: j
+    return lambda j: lax.rem(j // gr + p, n) * gr + j % gr
 
 
 def down_spec(plgpu, cfg: Config, p, tf, order=lambda j: j):
@@ -315,7 +357,8 @@ def main(argv=None) -> dict:
     p.add_argument("--configs", default="128,128,128,3;128,128,256,3;128,128,128,4;"
                    "64,256,256,3;64,128,256,4" if GPU else "128,128,128,2",
                    help="';'-separated fs,tile_k,tile_e,stages"
-                        "[,blocked,down_only,obufs,stagger,plain_store,out_cols]")
+                        "[,blocked,down_only,obufs,stagger,plain_store,out_cols,group,"
+                        "no_epi]")
     p.add_argument("--rotate", type=int, default=3, help="weight sets rotated per timing")
     p.add_argument("--forms", default="w8a16,w8a8,ws",
                    help="w8a16: fused_mlp_t (f16 activations); w8a8: fused_mlp_q; ws: "
