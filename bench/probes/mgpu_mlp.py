@@ -66,9 +66,14 @@ hits, one 128-thread program per SM (187 registers), no eligible warp 78% of cyc
 whole kernel (staggered): DRAM 66%, L2 84%, 20% hits. So the 16-column f32 partials were
 part of the L2 load (the hypothesis of the twenty-third session, in that form), but with
 them cut to 4 columns the down phase still streams at ~2.2 TB/s: best 55.7 us against
-XLA's 51.6 in the same call. Not explained: why a program's [tile_e, FS] down tiles (rows of
-FS bytes, E rows apart; blocked contiguous made no difference) arrive at half the gate/up
-phase's rate per SM with as many bytes in flight.
+XLA's 51.6 in the same call. With no per-step epilogue at all (`no_epi`: every down tile
+accumulated into one accumulator and stored once, wrong results by design) the down phase
+alone still takes 23.0-23.3 us (blocked weights or not, 128- or 256-row tiles) and the whole
+kernel 52.9 against XLA's 52.6 (history/mgpu_mlp_{group,blocked}_5b67a47.json): the
+epilogue costs ~3.5 us, the rest is the down loop's streaming itself, ~22 GB/s per SM
+against ~33 in the gate/up phase with as many bytes in flight. Storing 4 tiles per TMA
+(`group`) was slower (61.4 against 58.8; with `out_cols` refused: a TMA box takes <= 256
+rows). Not explained; even a free epilogue would only tie XLA.
 """
 from __future__ import annotations
 
