@@ -124,7 +124,8 @@ class Config:
     group: int = 1
     # 1: fused_mlp_t's down steps only accumulate (all tiles into one accumulator, stored
     # once at the end: wrong results, the GPU only): a timing split without any per-step
-    # epilogue (scale, shared-memory store, fence, TMA)
+    # epilogue (scale, shared-memory store, fence, TMA). 2: the same with each step's tile
+    # loaded as two [tile_e / 2, FS] halves (two TMA streams, as the gate/up phase has)
     no_epi: int = 0
 
     @classmethod
@@ -272,7 +273,35 @@ def fused_mlp_t(xt, w_gu, s_gu, w_d, s_d, y0, *, cfg: Config = Config(),
                 plgpu.copy_smem_to_gmem(o_smem.at[0, pl.ds(0, te)], y_gmem.at[pl.ds(0, te)],
                                         reduction_op="add")
 
-            pl.run_scoped(acc_only, plgpu.ACC((te, t), jnp.float32))
+            def two_streams(a0, a1):
+                half, order = te // 2, down_order(cfg, p, e)
+                a0[...] = zeros((half, t))
+                a1[...] = zeros((half, t))
+
+                def down_acc(idx, d0_smem, d1_smem):
+                    plgpu.wgmma(a0, conv(d0_smem), h_smem)
+                    plgpu.wgmma(a1, conv(d1_smem), h_smem)
+                    plgpu.wgmma_wait(0)
+
+                plgpu.emit_pipeline(
+                    down_acc, grid=(e // te,), max_concurrent_steps=cfg.stages,
+                    in_specs=[plgpu.BlockSpec((half, fs), lambda j: (2 * order(j), p),
+                                              transforms=d_tf),
+                              plgpu.BlockSpec((half, fs), lambda j: (2 * order(j) + 1, p),
+                                              transforms=d_tf)])(wd_gmem, wd_gmem)
+                o_smem[0, pl.ds(0, half)] = a0[...] + a1[...]
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(o_smem.at[0, pl.ds(0, half)],
+                                        y_gmem.at[pl.ds(0, half)], reduction_op="add")
+
+            if cfg.no_epi == 2:
+                if cfg.blocked or (te // 2) % 64:
+                    raise ValueError(f"mgpu_mlp: no_epi 2 takes [E, F] down weights and "
+                                     f"tile_e a multiple of 128, not {cfg}")
+                pl.run_scoped(two_streams, plgpu.ACC((te // 2, t), jnp.float32),
+                              plgpu.ACC((te // 2, t), jnp.float32))
+            else:
+                pl.run_scoped(acc_only, plgpu.ACC((te, t), jnp.float32))
         else:
             down_pipeline(plgpu, down, cfg, p, d_tf, e)(wd_gmem, sd_gmem)
         plgpu.wait_smem_to_gmem(0)
