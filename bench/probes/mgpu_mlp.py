@@ -73,7 +73,9 @@ kernel 52.9 against XLA's 52.6 (history/mgpu_mlp_{group,blocked}_5b67a47.json): 
 epilogue costs ~3.5 us, the rest is the down loop's streaming itself, ~22 GB/s per SM
 against ~33 in the gate/up phase with as many bytes in flight. Storing 4 tiles per TMA
 (`group`) was slower (61.4 against 58.8; with `out_cols` refused: a TMA box takes <= 256
-rows). Not explained; even a free epilogue would only tie XLA.
+rows). Nor is it one TMA stream per step against the gate/up phase's two: each down tile
+loaded as two halves (`no_epi` 2) took 22.5 us against 23.0 (history/mgpu_mlp_streams_
+7bc3872.json). Not explained; even a free epilogue would only tie XLA.
 """
 from __future__ import annotations
 
