@@ -21,9 +21,109 @@ if not ON_GPU and "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
 
+# Torch (Hugging Face transformers in tests/test_hf_parity.py and test_checkpoints.py) runs its
+# CPU ops on OpenMP threads that by default spin while they wait for work. With three xdist
+# workers on two cores the spinning takes the cores from the other workers: HF's greedy
+# continuation of one prompt took 75 s (75 s of CPU) beside two busy processes, against 5 s
+# with PASSIVE (idle threads sleep), and test_hf_parity.py ~280 s of the whole suite's run
+# against ~60 s alone. The threads and the split of the work are the same, so the results
+# are too (SmolLM2's logits bitwise equal under both policies); alone, passive waits cost
+# ~1 s per greedy prompt. Set before torch is imported; workers and children inherit it.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 
 def pytest_sessionfinish(session, exitstatus):
     """The process that made the cache directory removes it (under pytest-xdist the
     controller makes it before its workers start, and they inherit it)."""
     if _OWN_CACHE:
         shutil.rmtree(_OWN_CACHE, ignore_errors=True)
+
+
+# Longest files first. Under `-n 3 --dist loadfile` each file is one unit of work, handed out
+# in queue order, and xdist's own queue order is by number of tests: the three-test FP8
+# quality file (~220 s alone, three times the next longest) came among the last units and
+# the run ended with it alone on a worker, the other two idle. Listed here: the files of
+# ~30 s and more alone on 2 cores (seconds measured alone with a fresh compilation cache;
+# within ~10% from run to run), longest first; every other file follows in xdist's order
+# (most tests first). Only the order in which files start changes: each file's tests run in
+# their own order, on one worker, as before.
+LONGEST_FIRST = (
+    "test_fp8_quality.py",              # ~220 s
+    "test_tensor_parallel.py",          # ~70 s (one child process)
+    "test_engine.py",                   # ~65 s
+    "test_paged_attention.py",          # ~65 s
+    "test_hf_parity.py",                # ~60 s
+    "test_ragged_paged_attention.py",   # ~50 s
+    "test_serve_lifecycle.py",          # ~50 s
+    "test_model.py",                    # ~45 s
+    "test_async_scheduling.py",         # ~45 s
+    "test_bench.py",                    # ~40 s
+    "test_checkpoints.py",              # ~35 s
+    "test_kv_write.py",                 # ~33 s
+    "test_batch_generate.py",           # ~32 s
+    "test_fp8_matmul.py",               # ~31 s
+    "test_convert.py",                  # ~31 s
+)
+
+
+def pytest_configure(config):
+    """The xdist controller keeps the workers' collection order (see
+    pytest_collection_modifyitems) instead of re-sorting the files by number of tests: xdist's
+    --no-loadscope-reorder. Processes that run tests share the embedded GGUF's parse."""
+    if getattr(config.option, "dist", "no") != "no" and not hasattr(config, "workerinput"):
+        if config.option.dist in ("loadfile", "loadscope") and hasattr(
+                config.option, "loadscopereorder"):
+            config.option.loadscopereorder = False
+        return
+    _share_the_embedded_gguf_parse()
+
+
+def _share_the_embedded_gguf_parse():
+    """Every reader of the embedded SmolLM2 GGUF (a read-only file in site-packages) in a test
+    process gets one shared gguf.GGUFReader: the gguf package parses the file's ~100k
+    tokenizer strings one field at a time, 3-5 s on the CPU per parse, and the same file is
+    parsed again by every load: ours (checkpoints.gguf_loader.open_gguf) and transformers'
+    (test_hf_parity.py alone parsed it 4 times, test_fp8_quality.py 5). Only the parse is
+    shared: every load still builds its config, dequantized weights and tokenizer from the
+    reader as before; the reader's arrays are read-only memory maps, so no load can change
+    what the next one reads. Every other file (temporary GGUFs, missing or corrupt ones) gets
+    a reader of its own as before; servers and CLI runs in child processes parse their own."""
+    import threading
+    from pathlib import Path
+
+    import gguf
+
+    from checkpoints import default_gguf_path
+
+    try:
+        embedded = default_gguf_path().resolve()
+    except Exception:      # the package is not installed: nothing to share
+        return
+    reader_class, lock, parsed = gguf.GGUFReader, threading.Lock(), []
+
+    def shared_reader(path, mode="r"):
+        if mode != "r" or Path(path).resolve() != embedded:
+            return reader_class(path, mode)
+        with lock:
+            if not parsed:
+                parsed.append(reader_class(path, mode))
+            return parsed[0]
+
+    gguf.GGUFReader = shared_reader
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """Under xdist, each worker orders the collected files: LONGEST_FIRST, then the rest by
+    number of tests (xdist's own rule), ties in collection order. A stable sort by file:
+    the order of the tests within a file is unchanged. Single-process runs are left alone."""
+    if not hasattr(config, "workerinput"):
+        return
+
+    def file_of(item):
+        return item.nodeid.split("::", 1)[0]
+
+    counts = {}
+    for item in items:
+        counts[file_of(item)] = counts.get(file_of(item), 0) + 1
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: (rank.get(item.path.name, len(rank)), -counts[file_of(item)]))

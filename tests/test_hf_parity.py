@@ -6,8 +6,6 @@ of prefill and decode, with pages of 4 tokens so every sequence crosses many pag
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
-import transformers
 
 from checkpoints import default_gguf_path, load_checkpoint
 from jaxinfer import LLM, SamplingParams
@@ -28,6 +26,9 @@ PAGE_SIZE = 4
 
 @pytest.fixture(scope="module")
 def hf():
+    import torch          # here, not at the top: every xdist worker imports each test file
+    import transformers   # to collect it, and only the one running this file needs them
+
     path = default_gguf_path()
     model = transformers.AutoModelForCausalLM.from_pretrained(
         path.parent, gguf_file=path.name, torch_dtype=torch.float32)
