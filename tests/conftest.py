@@ -58,6 +58,7 @@ LONGEST_FIRST = (
     "test_model.py",                    # ~45 s
     "test_async_scheduling.py",         # ~45 s
     "test_bench.py",                    # ~40 s
+    "test_mgpu_probes.py",              # ~35 s
     "test_checkpoints.py",              # ~35 s
     "test_kv_write.py",                 # ~33 s
     "test_batch_generate.py",           # ~32 s
