@@ -1,3 +1,4 @@
+import collections
 import os
 import shutil
 import tempfile
@@ -119,12 +120,6 @@ def pytest_collection_modifyitems(session, config, items):
     the order of the tests within a file is unchanged. Single-process runs are left alone."""
     if not hasattr(config, "workerinput"):
         return
-
-    def file_of(item):
-        return item.nodeid.split("::", 1)[0]
-
-    counts = {}
-    for item in items:
-        counts[file_of(item)] = counts.get(file_of(item), 0) + 1
+    counts = collections.Counter(item.path for item in items)
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: (rank.get(item.path.name, len(rank)), -counts[file_of(item)]))
+    items.sort(key=lambda item: (rank.get(item.path.name, len(rank)), -counts[item.path]))

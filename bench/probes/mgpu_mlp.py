@@ -56,7 +56,8 @@ Taken apart (twenty-fourth session; bench/results/mgpu_mlp_outcols.json, history
 256, 3 stages: the gate/up phase is fine and the down phase is the loss. The down phase
 alone (`down_only`, h = 0) takes 29.6-34.4 us for its 58.7 MB (~2 TB/s), where XLA's down
 GEMM and its reduction take 18.7; the whole kernel minus it, ~30 us for 117 MB of gate/up
-weights (~3.9 TB/s), is as fast as the standalone GEMV. In the down phase: every program
+weights (~3.9 TB/s, by the difference, not timed alone), is no slower than the standalone
+GEMV on that shape (3.6 TB/s in the same call). In the down phase: every program
 walking the tiles of y in step (all 112 reduce-adding the same rows at once) cost ~4 us
 (`stagger`: down alone 33.9 -> 29.9, whole 63.6 -> 59.9); the reductions themselves ~2.5 us
 (`plain_store`, wrong results by design: 29.9 -> 27.4); reduce-adding 4 token columns of 16
@@ -258,48 +259,39 @@ def fused_mlp_t(xt, w_gu, s_gu, w_d, s_d, y0, *, cfg: Config = Config(),
             if interpret:
                 raise ValueError("mgpu_mlp: no_epi is a GPU timing split")
 
-            def acc_only(acc):
-                acc[...] = zeros((te, t))
+            def acc_only(*accs):       # no_epi accumulators, one per part of a tile
+                parts = len(accs)
+                rows = te // parts
+                for acc in accs:
+                    acc[...] = zeros((rows, t))
 
-                def down_acc(idx, d_smem, sd_smem):
-                    plgpu.wgmma(acc, conv(d_smem), h_smem)
+                def down_acc(idx, *tiles):  # (one part: the scale tile comes last, unused)
+                    for acc, d_smem in zip(accs, tiles):
+                        plgpu.wgmma(acc, conv(d_smem), h_smem)
                     plgpu.wgmma_wait(0)
 
-                down_pipeline(plgpu, down_acc, cfg, p, d_tf, e)(wd_gmem, sd_gmem)
-                o_smem[0, pl.ds(0, te)] = acc[...]
+                if parts == 1:
+                    down_pipeline(plgpu, down_acc, cfg, p, d_tf, e)(wd_gmem, sd_gmem)
+                else:
+                    order = down_order(cfg, p, e)
+                    plgpu.emit_pipeline(
+                        down_acc, grid=(e // te,), max_concurrent_steps=cfg.stages,
+                        in_specs=[plgpu.BlockSpec(
+                            (rows, fs), lambda j, q=q: (parts * order(j) + q, p),
+                            transforms=d_tf) for q in range(parts)])(*[wd_gmem] * parts)
+                total = accs[0][...]
+                for acc in accs[1:]:
+                    total = total + acc[...]
+                o_smem[0, pl.ds(0, rows)] = total
                 plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(o_smem.at[0, pl.ds(0, te)], y_gmem.at[pl.ds(0, te)],
+                plgpu.copy_smem_to_gmem(o_smem.at[0, pl.ds(0, rows)], y_gmem.at[pl.ds(0, rows)],
                                         reduction_op="add")
 
-            def two_streams(a0, a1):
-                half, order = te // 2, down_order(cfg, p, e)
-                a0[...] = zeros((half, t))
-                a1[...] = zeros((half, t))
-
-                def down_acc(idx, d0_smem, d1_smem):
-                    plgpu.wgmma(a0, conv(d0_smem), h_smem)
-                    plgpu.wgmma(a1, conv(d1_smem), h_smem)
-                    plgpu.wgmma_wait(0)
-
-                plgpu.emit_pipeline(
-                    down_acc, grid=(e // te,), max_concurrent_steps=cfg.stages,
-                    in_specs=[plgpu.BlockSpec((half, fs), lambda j: (2 * order(j), p),
-                                              transforms=d_tf),
-                              plgpu.BlockSpec((half, fs), lambda j: (2 * order(j) + 1, p),
-                                              transforms=d_tf)])(wd_gmem, wd_gmem)
-                o_smem[0, pl.ds(0, half)] = a0[...] + a1[...]
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(o_smem.at[0, pl.ds(0, half)],
-                                        y_gmem.at[pl.ds(0, half)], reduction_op="add")
-
-            if cfg.no_epi == 2:
-                if cfg.blocked or (te // 2) % 64:
-                    raise ValueError(f"mgpu_mlp: no_epi 2 takes [E, F] down weights and "
-                                     f"tile_e a multiple of 128, not {cfg}")
-                pl.run_scoped(two_streams, plgpu.ACC((te // 2, t), jnp.float32),
-                              plgpu.ACC((te // 2, t), jnp.float32))
-            else:
-                pl.run_scoped(acc_only, plgpu.ACC((te, t), jnp.float32))
+            if cfg.no_epi > 2 or cfg.no_epi == 2 and (cfg.blocked or (te // 2) % 64):
+                raise ValueError(f"mgpu_mlp: no_epi is 1, or 2 with [E, F] down weights and "
+                                 f"tile_e a multiple of 128, not {cfg}")
+            pl.run_scoped(acc_only, *[plgpu.ACC((te // cfg.no_epi, t), jnp.float32)]
+                          * cfg.no_epi)
         else:
             down_pipeline(plgpu, down, cfg, p, d_tf, e)(wd_gmem, sd_gmem)
         plgpu.wait_smem_to_gmem(0)

@@ -1,4 +1,4 @@
-"""What the Mosaic GPU probes (mgpu_gemv.py, mgpu_mlp.py, mgpu_mlp_w8a8.py) share: shared-
+"""What the Mosaic GPU probes (mgpu_gemv.py, the mgpu_mlp*.py forms and their sweep) share: shared-
 memory transforms, the launch of a kernel that adds into an output in place, the stand-ins
 that let jax 0.10's interpret mode run their kernels on the CPU, and the sweep rows.
 
