@@ -1,0 +1,109 @@
+"""What the FP8 decode kernel's per-token K/V scales cost: a timing bound, not a kernel.
+
+FP8 KV carries one f32 scale per (layer, kv head, page slot) for K and for V (3% of the bytes
+at head dim 128) and the kernel loads them, multiplies the logits by K's and weighs p by V's
+(with the f16 path's range lift) every block. A cache with one static scale per (layer, kv
+head) would fold both into constants (K's into the logit scale, V's into the output). This
+probe times the tuned FP8 decode kernel as it is against the same kernel traced with its scale
+refs dropped (`pallas_kernels.paged_attention.kernel_refs` patched to hand the kernel None for
+them: no scale loads, no scale math; the results are then wrong by design, so no error is
+reported for that variant), and bf16 KV for the ratio issue 3 asks about. Device time
+(bench.profile.device_seconds) over R disjoint page tables (bench.kernels.make_case), the
+variants interleaved over rounds, the median kept.
+
+    OUT=dir python -m bench.probes.kv_scales [--shapes 64x2048,32x4096] [--rounds 5]
+        [--git SHA]
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+
+import jax
+
+from bench.common import git_sha
+from bench.kernels import bytes_moved, decode_with, make_case, tuned_blocks
+from bench.profile import device_seconds
+from pallas_kernels import attention_block, paged_attention
+
+GPU = jax.default_backend() == "gpu"
+
+
+def _no_scales(refs, fp8: bool):
+    q_ref, k_ref, v_ref, _, _, rest = attention_block.kernel_refs(refs, fp8)
+    return q_ref, k_ref, v_ref, None, None, rest
+
+
+def compiled(batch: int, context: int, fp8: bool, case, drop_scales: bool):
+    """The tuned decode kernel for the case, compiled; with drop_scales traced without its
+    scale refs. Caches are cleared around it so the other variant is traced afresh."""
+    jax.clear_caches()
+    paged_attention.kernel_refs = _no_scales if drop_scales else attention_block.kernel_refs
+    try:
+        q, k, v, (ks, vs), tables, lens = case
+        fn = decode_with(tuned_blocks(batch, context, fp8), interpret=not GPU)
+        return jax.jit(fn).lower(q, k, v, ks, vs, tables[0], lens).compile()
+    finally:
+        paged_attention.kernel_refs = attention_block.kernel_refs
+        jax.clear_caches()
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shapes", default="64x2048,32x4096,256x2048,1x32768",
+                    help="BxS,... (Hq 32, Hkv 8, D 128, page 16)")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--out", default=None, help="JSON file (default $OUT/kv_scales.json)")
+    ap.add_argument("--git", default=None, help="git sha to record (default: HEAD)")
+    args = ap.parse_args(argv)
+    rows = []
+    for shape in args.shapes.split(","):
+        batch, context = map(int, shape.split("x"))
+        cases = {fp8: make_case(batch, context, fp8, jax.random.PRNGKey(0)) for fp8 in
+                 (True, False)}
+        variants = {"fp8": (True, False), "fp8_no_scales": (True, True), "bf16": (False, False)}
+        fns = {name: compiled(batch, context, fp8, cases[fp8], drop)
+               for name, (fp8, drop) in variants.items()}
+        if not GPU:   # a smoke run: every variant compiles and runs once
+            for name, fn in fns.items():
+                q, k, v, (ks, vs), tables, lens = cases[variants[name][0]]
+                jax.block_until_ready(fn(q, k, v, ks, vs, tables[0], lens))
+                print(f"{shape} {name}: ran", flush=True)
+            continue
+        samples = {name: [] for name in fns}
+        for _ in range(args.rounds):
+            for name, fn in fns.items():
+                q, k, v, (ks, vs), tables, lens = cases[variants[name][0]]
+                calls = tables.shape[0]
+                sec = device_seconds(lambda fn=fn: [fn(q, k, v, ks, vs, tables[r], lens)
+                                                    for r in range(calls)], calls)
+                samples[name].append(sec * 1e6)
+        med = {name: statistics.median(s) for name, s in samples.items()}
+        for name, us in med.items():
+            fp8 = variants[name][0]
+            rows.append(dict(batch=batch, context=context, variant=name,
+                             us_device=round(us, 1),
+                             us_rounds=[round(x, 1) for x in samples[name]],
+                             TBps=round(bytes_moved(batch, context, fp8) / us / 1e6, 3),
+                             bf16_over_this=round(med["bf16"] / us, 3)))
+            print(rows[-1], flush=True)
+    if GPU:
+        out = args.out or os.path.join(os.environ.get("OUT", "."), "kv_scales.json")
+        with open(out, "w") as f:
+            json.dump({"probe": "kv_scales", "device": jax.devices()[0].device_kind,
+                       "jax": jax.__version__, "git": git_sha(args.git),
+                       "date": datetime.date.today().isoformat(),
+                       "command": "python -m bench.probes.kv_scales " + " ".join(
+                           sys.argv[1:] if argv is None else argv),
+                       "note": "fp8_no_scales is a timing bound (scales ignored: wrong "
+                               "results by design); TBps counts the FP8 bytes with scales "
+                               "for both FP8 variants",
+                       "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
