@@ -93,13 +93,12 @@ def _share_the_embedded_gguf_parse():
     import threading
     from pathlib import Path
 
-    import gguf
-
     from checkpoints import default_gguf_path
 
     try:
+        import gguf        # not on the GPU machine, whose gpu-marked tests need no GGUF
         embedded = default_gguf_path().resolve()
-    except Exception:      # the package is not installed: nothing to share
+    except Exception:      # the package or the model is not installed: nothing to share
         return
     reader_class, lock, parsed = gguf.GGUFReader, threading.Lock(), []
 
