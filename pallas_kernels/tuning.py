@@ -149,30 +149,12 @@ def split_count(programs: int, max_tokens: int, min_split_tokens: int) -> int:
     return _pow2_floor(min(want, max(max_tokens // min_split_tokens, 1)))
 
 
-# Grids of at least this many programs are not split, per shape class (others: from
-# TARGET_PROGRAMS, where split_count gives 1 anyway). The FP8 (1, 128) entry runs 2 programs
-# per SM (109 KB of shared memory each), so a grid of about one program per SM already fills
-# the GPU in one wave, and splitting it into two waves of half-length programs plus the
-# combine costs more. H200, `bench.kernels --tune` (twenty-fifth session, two passes, device
-# us, 1 vs 2 splits): B=20 S=4096 (160 programs) 66.3 / 66.2 vs 73.3 / 73.5, B=24 67.3 / 67.4
-# vs 75.7 / 74.9, B=28 70.0 / 69.0 vs 77.0 / 77.7, B=32 74.3 / 73.6 vs 80.6 / 81.1; S=1024
-# B=20 22.6 / 22.5 vs 26.6 / 26.8, B=32 25.4 / 25.6 vs 32.1 / 32.2; B=32 S=16384 268.0 /
-# 267.9 vs 272.5 / 272.3; B=17 (136 programs) 65.9 / 66.3 vs 65.5 / 65.7 (a tie); at 128
-# programs (B=16 S=8192) splitting wins, 75.5 / 75.4 vs 95.4 / 95.4. bf16 (4 programs per
-# SM) keeps the rule: B=32 S=4096 129.8 / 129.2 with 2 splits vs 133.8 / 134.4.
-# JAXINFER_FP8_NO_SPLIT_PROGRAMS overrides the FP8 value at import (A/B runs; TARGET_PROGRAMS
-# gives the rule as it was).
-NO_SPLIT_PROGRAMS = {(1, 128): int(os.environ.get("JAXINFER_FP8_NO_SPLIT_PROGRAMS", "136"))}
-
-
 def decode_blocks(batch: int, kv_heads: int, max_tokens: int, page_size: int,
                   itemsize: int, head_dim: int) -> DecodeBlocks:
     tokens, warps, stages, fp8, *prefetch = DECODE_TABLE.get((itemsize, head_dim),
                                                              (32, 4, 2, "bfloat16"))
     tokens = max(tokens, page_size, 16)
-    programs = batch * kv_heads
-    splits = (1 if programs >= NO_SPLIT_PROGRAMS.get((itemsize, head_dim), TARGET_PROGRAMS)
-              else split_count(programs, max_tokens, MIN_SPLIT_TOKENS))
+    splits = split_count(batch * kv_heads, max_tokens, MIN_SPLIT_TOKENS)
     return DecodeBlocks(tokens, splits, warps, stages, fp8, *prefetch)
 
 

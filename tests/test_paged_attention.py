@@ -328,28 +328,6 @@ def test_combine_kernel_matches_reference(splits, rows, batch, live):
     np.testing.assert_array_equal(got[~mask], 0.0)
 
 
-def test_decode_split_rule():
-    """FP8 at head dim 128 (2 programs per SM) leaves grids of >= NO_SPLIT_PROGRAMS unsplit
-    where bf16 splits them up to ~TARGET_PROGRAMS; smaller grids split by the same rule in
-    both; every class leaves grids of >= TARGET_PROGRAMS unsplit."""
-    from pallas_kernels import tuning
-    fp8_min = tuning.NO_SPLIT_PROGRAMS[(1, 128)]
-
-    def splits(batch, itemsize, head_dim=128, kv_heads=8, context=4096):
-        return tuning.decode_blocks(batch, kv_heads, context, 16, itemsize,
-                                    head_dim).num_splits
-
-    assert fp8_min < tuning.TARGET_PROGRAMS
-    b = -(-fp8_min // 8)                       # the smallest batch of >= fp8_min programs
-    assert splits(b, 1) == 1 and splits(32, 1) == 1
-    assert splits(b, 2) == 2 and splits(32, 2) == 2
-    assert splits(b - 1, 1) == splits(b - 1, 2) == 2     # under one program per SM: split
-    assert splits(b, 1, head_dim=64) == 2     # other FP8 classes keep the rule
-    assert splits(1, 1) == splits(1, 2) == 32            # batch 1: the rule, up to ~264
-    for itemsize in (1, 2):
-        assert splits(33, itemsize) == 1       # 264 programs
-
-
 def test_longest_first_window_setting():
     from pallas_kernels import paged_attention as pa
     assert pa._window("265,2048") == (265, 2048)
