@@ -99,3 +99,45 @@ def test_grid_barrier_probe_counts_every_arrival(tmp_path):
     assert two[1]["counter"] == 6 and two[1]["missed"] >= 1
     # the chain: 3 kernels of 1 and of 2 programs, every program's add counted
     assert [(r["programs"], r["counter"]) for r in rows if r["spin"] == "chain"] == [(1, 3), (2, 6)]
+
+
+def test_cudnn_prefill_route_matches_the_reference():
+    """bench/probes/cudnn_prefill.py's two-part route (chunk against its cached prefix, chunk
+    against itself causally, merged by log-sum-exp) on the CPU with XLA's attention: a row
+    with a prefix, one without, and rows padded past their chunks, FP8 and bf16 KV."""
+    import jax.numpy as jnp
+
+    from bench.probes import cudnn_prefill as cp
+    from bench.probes.ragged_prefill import make_case
+    from pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference
+    for fp8 in (True, False):
+        q, (k, v, ks, vs), md, _ = make_case(((21, 7), (0, 12), (5, 1)), fp8,
+                                             jax.random.PRNGKey(2))
+        out = cp.cudnn_route(q, k, v, ks, vs, md, rows=3, width=16,
+                             prefix_width=md.page_table.shape[1] * cp.PAGE,
+                             implementation="xla", sm_scale=cp.D ** -0.5)
+        ref = ragged_paged_attention_reference(q, k, v, 0, md, ks, vs, sm_scale=cp.D ** -0.5)
+        err = jnp.max(jnp.abs(out.astype(jnp.float32) - ref.astype(jnp.float32)))
+        assert out.shape == q.shape and float(err) < 2e-2, (fp8, float(err))
+
+
+def test_kv_scales_probe_drops_only_the_scales():
+    """bench/probes/kv_scales.py: the kernel traced as it is matches the reference; traced
+    with its scale refs dropped it computes without the scales (the reference over a cache
+    whose scales are all 1), so the bound times the kernel minus the scale work only."""
+    import jax.numpy as jnp
+
+    from bench.kernels import make_case
+    from bench.probes import kv_scales
+    from pallas_kernels.paged_attention import paged_attention_reference
+    q, k, v, (ks, vs), tables, lens = make_case(2, 64, True, jax.random.PRNGKey(3))
+    case = (q, k, v, (ks, vs), tables, lens)
+    got = {drop: kv_scales.compiled(2, 64, True, case, drop)(q, k, v, ks, vs, tables[0], lens)
+           for drop in (False, True)}
+    ones = jnp.ones_like(ks)
+    for drop, scales in ((False, (ks, vs)), (True, (ones, ones))):
+        ref = paged_attention_reference(q, k, v, 0, lens, tables[0], *scales,
+                                         sm_scale=128 ** -0.5)
+        rel = jnp.linalg.norm((got[drop] - ref).astype(jnp.float32)) / jnp.linalg.norm(
+            ref.astype(jnp.float32))
+        assert float(rel) < 1e-2, (drop, float(rel))
