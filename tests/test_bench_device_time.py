@@ -141,3 +141,22 @@ def test_kv_scales_probe_drops_only_the_scales():
         rel = jnp.linalg.norm((got[drop] - ref).astype(jnp.float32)) / jnp.linalg.norm(
             ref.astype(jnp.float32))
         assert float(rel) < 1e-2, (drop, float(rel))
+
+
+def test_write_probe_records_the_command_and_extra_keys(tmp_path, monkeypatch):
+    """bench.probes.write_probe: the command from main's argv (or the process's), `--git`
+    kept as given, extra keys before the rows."""
+    import json
+    import sys
+
+    from bench.probes import write_probe
+    out = tmp_path / "p.json"
+    write_probe(str(out), "kv_scales", "abc123", ["--rounds", "2"], [{"x": 1}], note="n")
+    res = json.loads(out.read_text())
+    assert res["command"] == "python -m bench.probes.kv_scales --rounds 2"
+    assert (res["git"], res["note"], res["rows"]) == ("abc123", "n", [{"x": 1}])
+    assert list(res)[-1] == "rows" and res["date"] and res["jax"]
+    monkeypatch.setattr(sys, "argv", ["kv_scales.py", "--shapes", "1x64"])
+    write_probe(str(out), "kv_scales", None, None, [])
+    res = json.loads(out.read_text())
+    assert res["command"] == "python -m bench.probes.kv_scales --shapes 1x64" and res["git"]

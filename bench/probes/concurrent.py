@@ -17,14 +17,13 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 
 import jax
 import jax.numpy as jnp
 
-from bench.common import git_sha
 from bench.kernels import impls, make_case, tuned_blocks
+from bench.probes import write_probe
 from pallas_kernels import fp8_matmul as fm
 
 
@@ -76,12 +75,7 @@ def main(argv=None) -> None:
            "overlap_us": round((ta + tb - tab) * 1e6, 1)}
     print(json.dumps(row), flush=True)
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"probe": "concurrent", "device": jax.devices()[0].device_kind,
-                       "jax": jax.__version__, "git": git_sha(args.git),
-                       "command": "python -m bench.probes.concurrent " + " ".join(
-                           sys.argv[1:] if argv is None else argv),
-                       "rows": [row]}, f, indent=1)
+        write_probe(args.out, "concurrent", args.git, argv, [row])
 
 
 if __name__ == "__main__":

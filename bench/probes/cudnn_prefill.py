@@ -27,17 +27,14 @@ reference with implementation="xla" on small cases (no timing).
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
 import statistics
-import sys
 
 import jax
 import jax.numpy as jnp
 
-from bench.common import git_sha
 from bench.kernels import D, HQ, PAGE
+from bench.probes import write_probe
 from bench.probes.ragged_prefill import CASES, blocks_of, make_case
 from bench.profile import device_events, device_seconds, summarize, trace_events
 from pallas_kernels.ragged_paged_attention import (ragged_paged_attention_blocks,
@@ -153,14 +150,8 @@ def main(argv=None) -> None:
                                           for t in top}))
                 print(rows[-1], flush=True)
     if GPU:
-        out = args.out or os.path.join(os.environ.get("OUT", "."), "cudnn_prefill.json")
-        with open(out, "w") as f:
-            json.dump({"probe": "cudnn_prefill", "device": jax.devices()[0].device_kind,
-                       "jax": jax.__version__, "git": git_sha(args.git),
-                       "date": datetime.date.today().isoformat(),
-                       "command": "python -m bench.probes.cudnn_prefill " + " ".join(
-                           sys.argv[1:] if argv is None else argv),
-                       "rows": rows}, f, indent=1)
+        write_probe(args.out or os.path.join(os.environ.get("OUT", "."), "cudnn_prefill.json"),
+                    "cudnn_prefill", args.git, argv, rows)
 
 
 if __name__ == "__main__":

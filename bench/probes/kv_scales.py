@@ -17,16 +17,13 @@ variants interleaved over rounds, the median kept.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
 import statistics
-import sys
 
 import jax
 
-from bench.common import git_sha
 from bench.kernels import bytes_moved, decode_with, make_case, tuned_blocks
+from bench.probes import write_probe
 from bench.profile import device_seconds
 from pallas_kernels import attention_block, paged_attention
 
@@ -92,17 +89,10 @@ def main(argv=None) -> None:
                              bf16_over_this=round(med["bf16"] / us, 3)))
             print(rows[-1], flush=True)
     if GPU:
-        out = args.out or os.path.join(os.environ.get("OUT", "."), "kv_scales.json")
-        with open(out, "w") as f:
-            json.dump({"probe": "kv_scales", "device": jax.devices()[0].device_kind,
-                       "jax": jax.__version__, "git": git_sha(args.git),
-                       "date": datetime.date.today().isoformat(),
-                       "command": "python -m bench.probes.kv_scales " + " ".join(
-                           sys.argv[1:] if argv is None else argv),
-                       "note": "fp8_no_scales is a timing bound (scales ignored: wrong "
-                               "results by design); TBps counts the FP8 bytes with scales "
-                               "for both FP8 variants",
-                       "rows": rows}, f, indent=1)
+        write_probe(args.out or os.path.join(os.environ.get("OUT", "."), "kv_scales.json"),
+                    "kv_scales", args.git, argv, rows,
+                    note="fp8_no_scales is a timing bound (scales ignored: wrong results by "
+                         "design); TBps counts the FP8 bytes with scales for both FP8 variants")
 
 
 if __name__ == "__main__":

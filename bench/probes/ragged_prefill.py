@@ -30,18 +30,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
-import json
 import os
 import statistics
-import sys
 
 import jax
 import jax.numpy as jnp
 
-from bench.common import git_sha
 from bench.kernels import D, HKV, HQ, PAGE
 from bench.mixed_attention import make_chunks
+from bench.probes import write_probe
 from bench.profile import device_seconds
 from pallas_kernels import tuning
 from pallas_kernels.ragged_paged_attention import (ragged_paged_attention_blocks,
@@ -130,14 +127,8 @@ def main(argv=None) -> None:
                                  tflops=round(flops / us / 1e6, 1) if us else None))
                 print(rows[-1], flush=True)
     if not args.once:
-        out = args.out or os.path.join(os.environ.get("OUT", "."), "ragged_prefill.json")
-        with open(out, "w") as f:
-            json.dump({"probe": "ragged_prefill", "device": jax.devices()[0].device_kind,
-                       "jax": jax.__version__, "git": git_sha(args.git),
-                       "date": datetime.date.today().isoformat(),
-                       "command": "python -m bench.probes.ragged_prefill " + " ".join(
-                           sys.argv[1:] if argv is None else argv),
-                       "rows": rows}, f, indent=1)
+        write_probe(args.out or os.path.join(os.environ.get("OUT", "."), "ragged_prefill.json"),
+                    "ragged_prefill", args.git, argv, rows)
 
 
 if __name__ == "__main__":
