@@ -8,6 +8,7 @@ import sys
 import jax
 
 from bench.common import git_sha
+from bench.profile import device_seconds
 
 
 def write_probe(path: str, probe: str, git: str | None, argv, rows: list[dict],
@@ -21,3 +22,17 @@ def write_probe(path: str, probe: str, git: str | None, argv, rows: list[dict],
                    "date": datetime.date.today().isoformat(),
                    "command": " ".join([f"python -m bench.probes.{probe}", *args]),
                    **extra, "rows": rows}, f, indent=1)
+
+
+def interleaved_us(runs: dict, rounds: int) -> dict[str, list[float]]:
+    """runs: name -> (run, calls), run() dispatching `calls` calls and returning their
+    outputs. Device us per call of each (bench.profile.device_seconds), the names taken in
+    turn within each of `rounds` rounds, so drifts of the machine touch them alike; the
+    lists stay empty off the GPU."""
+    samples = {name: [] for name in runs}
+    for _ in range(rounds):
+        for name, (run, calls) in runs.items():
+            sec = device_seconds(run, calls)
+            if sec is not None:
+                samples[name].append(sec * 1e6)
+    return samples

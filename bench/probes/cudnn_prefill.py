@@ -34,9 +34,9 @@ import jax
 import jax.numpy as jnp
 
 from bench.kernels import D, HQ, PAGE
-from bench.probes import write_probe
+from bench.probes import interleaved_us, write_probe
 from bench.probes.ragged_prefill import CASES, blocks_of, make_case
-from bench.profile import device_events, device_seconds, summarize, trace_events
+from bench.profile import device_events, summarize, trace_events
 from pallas_kernels.ragged_paged_attention import (ragged_paged_attention_blocks,
                                                    ragged_paged_attention_reference)
 
@@ -130,12 +130,9 @@ def main(argv=None) -> None:
             print(f"{kv} {case}: max_abs_err {err}", flush=True)
             if not GPU:
                 continue
-            samples = {t: [] for t in fns}
-            for _ in range(args.rounds):
-                for name, fn in fns.items():
-                    sec = device_seconds(lambda fn=fn: [fn(q, md, k, v, ks, vs)
-                                                        for _ in range(args.calls)], args.calls)
-                    samples[name].append(sec * 1e6)
+            samples = interleaved_us(
+                {t: (lambda fn=fn: [fn(q, md, k, v, ks, vs) for _ in range(args.calls)],
+                     args.calls) for t, fn in fns.items()}, args.rounds)
             for name, fn in fns.items():
                 ev = device_events(trace_events(lambda fn=fn: jax.block_until_ready(
                     [fn(q, md, k, v, ks, vs) for _ in range(args.calls)])))

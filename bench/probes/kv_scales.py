@@ -23,8 +23,7 @@ import statistics
 import jax
 
 from bench.kernels import bytes_moved, decode_with, make_case, tuned_blocks
-from bench.probes import write_probe
-from bench.profile import device_seconds
+from bench.probes import interleaved_us, write_probe
 from pallas_kernels import attention_block, paged_attention
 
 GPU = jax.default_backend() == "gpu"
@@ -71,14 +70,13 @@ def main(argv=None) -> None:
                 jax.block_until_ready(fn(q, k, v, ks, vs, tables[0], lens))
                 print(f"{shape} {name}: ran", flush=True)
             continue
-        samples = {name: [] for name in fns}
-        for _ in range(args.rounds):
-            for name, fn in fns.items():
-                q, k, v, (ks, vs), tables, lens = cases[variants[name][0]]
-                calls = tables.shape[0]
-                sec = device_seconds(lambda fn=fn: [fn(q, k, v, ks, vs, tables[r], lens)
-                                                    for r in range(calls)], calls)
-                samples[name].append(sec * 1e6)
+        def run(name):
+            q, k, v, (ks, vs), tables, lens = cases[variants[name][0]]
+            fn, calls = fns[name], tables.shape[0]
+            return (lambda: [fn(q, k, v, ks, vs, tables[r], lens) for r in range(calls)],
+                    calls)
+
+        samples = interleaved_us({name: run(name) for name in fns}, args.rounds)
         med = {name: statistics.median(s) for name, s in samples.items()}
         for name, us in med.items():
             fp8 = variants[name][0]

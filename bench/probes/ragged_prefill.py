@@ -38,8 +38,7 @@ import jax.numpy as jnp
 
 from bench.kernels import D, HKV, HQ, PAGE
 from bench.mixed_attention import make_chunks
-from bench.probes import write_probe
-from bench.profile import device_seconds
+from bench.probes import interleaved_us, write_probe
 from pallas_kernels import tuning
 from pallas_kernels.ragged_paged_attention import (ragged_paged_attention_blocks,
                                                    ragged_paged_attention_reference)
@@ -110,13 +109,9 @@ def main(argv=None) -> None:
                         jax.block_until_ready(fn(q, md, k, v, ks, vs))
                     print(f"{kv} {case} {text}: 3 calls", flush=True)
                 continue
-            samples = {t: [] for t in fns}
-            for _ in range(args.rounds):
-                for text, fn in fns.items():
-                    sec = device_seconds(lambda fn=fn: [fn(q, md, k, v, ks, vs)
-                                                        for _ in range(args.calls)], args.calls)
-                    if sec is not None:
-                        samples[text].append(sec * 1e6)
+            samples = interleaved_us(
+                {t: (lambda fn=fn: [fn(q, md, k, v, ks, vs) for _ in range(args.calls)],
+                     args.calls) for t, fn in fns.items()}, args.rounds)
             for text in fns:
                 us = statistics.median(samples[text]) if samples[text] else None
                 rows.append(dict(kv_dtype=kv, case=case, tokens=int(q.shape[0]),
