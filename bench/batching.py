@@ -129,8 +129,8 @@ def engine_config(args, workload, max_batch: int, dtype: str) -> EngineConfig:
         page_size=args.page_size, num_pages=pool_pages(workload, max_batch, args.page_size),
         max_model_len=max(len(p) + o for p, o in workload) + 1, max_num_seqs=max_batch,
         max_num_batched_tokens=args.max_num_batched_tokens, dtype=dtype, weights=args.weights,
-        kv_dtype=args.kv_dtype, attention_impl=args.attention, enable_prefix_caching=False,
-        async_scheduling=not args.no_async_scheduling)
+        kv_dtype=args.kv_dtype, kv_scales=args.kv_scales, attention_impl=args.attention,
+        enable_prefix_caching=False, async_scheduling=not args.no_async_scheduling)
 
 
 def replay(cfg: EngineConfig, group) -> list[tuple[int, int, int]]:
@@ -196,6 +196,8 @@ def add_engine_flags(ap: argparse.ArgumentParser, *, model: str, weights: str,
                     help="compute dtype (default: bfloat16 on GPU, float32 on CPU)")
     ap.add_argument("--weights", choices=("bf16", "fp8"), default=weights)
     ap.add_argument("--kv-dtype", choices=("auto", "bf16", "fp8"), default=kv_dtype)
+    ap.add_argument("--kv-scales", choices=("static", "token"), default="static",
+                    help="FP8 KV scales: one per layer and kv head (calibrated) or per token")
     ap.add_argument("--attention", choices=("auto", "reference", "pallas"), default="auto")
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048,
                     help="token budget per step (decode rows + prefill chunks)")

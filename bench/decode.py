@@ -62,8 +62,10 @@ def weight_bytes(params, cfg, batch: int) -> int:
 
 
 def kv_bytes_per_token(cfg, kv) -> int:
-    """K and V of one token over all layers (+ the FP8 per-token-head scales)."""
-    per_head = cfg.head_dim * kv.dtype.itemsize + (4 if kv.is_fp8 else 0)
+    """K and V of one token over all layers (+ FP8 per-token-head scales, if the pool has
+    them)."""
+    per_head = cfg.head_dim * kv.dtype.itemsize + (4 if kv.is_fp8 and not kv.static_scales
+                                                   else 0)
     return cfg.num_layers * 2 * cfg.num_kv_heads * per_head
 
 
@@ -88,6 +90,8 @@ def measure_case(runner, cfg, model: str, batch: int, context: int, ceil: dict,
     floor = max(byte_floor, flops / (ceil["gemm_TFLOPs"] * 1e12))
     return {"model": model, "weights": weights_name(runner.engine),
             "kv_dtype": dtype_name(runner.kv.dtype), "batch": batch, "context": context,
+            **({"kv_scales": "static" if runner.kv.static_scales else "token"}
+               if runner.kv.is_fp8 else {}),
             "unroll_layers": runner.engine.unroll_layers,
             "step_ms": round(synced * 1e3, 4), "step_ms_device": round(device * 1e3, 4),
             "dispatch_ms": round(dispatch * 1e3, 4),

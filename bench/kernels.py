@@ -4,10 +4,11 @@ bf16 and FP8 KV, plus the cost of writing the step's new K/V (jaxinfer.kv_cache.
 
     python -m bench.kernels --out bench/results/paged_attention.json [--tune] [--git SHA]
 
-FP8 KV has two kernel rows: `jaxinfer` (the tuned blocks: FP8 read as u16 byte pairs) and
-`jaxinfer_f16widen` (the same blocks with e4m3 tiles widened to f16, the earlier path); every
-FP8 row of either carries `vs_bf16_kv` (jaxinfer on bf16 KV of the same shape, same run /
-this). The check of the FP8 choice alone, ~2-3 minutes on an H200:
+FP8 KV rows carry `kv_scales`: `static` (one scale per kv head, the engine's default; the
+`jaxinfer` row) or `token` (one per token and kv head: every impl, and
+`jaxinfer_f16widen`, the tuned blocks with e4m3 tiles widened to f16, the earlier path).
+`jaxinfer` is the tuned blocks, FP8 read as u16 byte pairs; every FP8 jaxinfer row carries
+`vs_bf16_kv` (jaxinfer on bf16 KV of the same shape, same run / this). The check of the FP8 choice alone, ~2-3 minutes on an H200:
 
     python -m bench.kernels --batches 1,64 --contexts 2048,8192,32768 \
         --impls jaxinfer,jaxinfer_f16widen --no-write-kv --out /tmp/paged_attention_fp8.json
@@ -20,7 +21,7 @@ GPU each row also has `us_device`: the same calls run under the profiler, the du
 all their device kernels and copies summed per op (BENCH.md's device-side timing). The host
 clock also counts the device's idle time between launches, which a kernel inside the model's
 step (replayed from a command buffer) mostly does not pay; the targets are read on
-`us_device`, and both stay in the file. Bytes counted: K/V (+ FP8 scales) of every
+`us_device`, and both stay in the file. Bytes counted: K/V (+ per-token FP8 scales) of every
 sequence's live tokens, q and the output. `--tune` only times candidate
 block sizes (for FP8 also the compute dtypes; page-table prefetch on/off) on the target shapes
 and prints them (the winners go into pallas_kernels/tuning.py by hand). `--mixed` adds one
@@ -73,9 +74,11 @@ def timed(fn, args, reps: int = 15, min_s: float = 2e-3) -> float:
     return statistics.median(samples)
 
 
-def make_case(batch: int, context: int, fp8: bool, key, page: int = PAGE):
+def make_case(batch: int, context: int, fp8: bool, key, page: int = PAGE,
+              static: bool = False):
     """One [1, K, P, S, D] cache (S = `page` tokens per page) and R disjoint random page
-    tables [R, B, context / page]."""
+    tables [R, B, context / page]; FP8 scales per token ([1, K, P, S]) or, `static`, per kv
+    head ([1, K])."""
     pps = context // page
     per_set = batch * context * HKV * D * (1 if fp8 else 2) * 2
     rot = max(2, min(64, math.ceil(TOUCH_BYTES / per_set)))
@@ -85,20 +88,22 @@ def make_case(batch: int, context: int, fp8: bool, key, page: int = PAGE):
     dt = FP8_DTYPE if fp8 else jnp.bfloat16
     k = jax.random.normal(ks[0], shape, jnp.bfloat16).astype(dt)
     v = jax.random.normal(ks[1], shape, jnp.bfloat16).astype(dt)
-    scales = [jax.random.uniform(s, shape[:-1], jnp.float32, 0.5, 1.5) / 16 for s in ks[2:4]]
+    scale_shape = shape[:2] if static else shape[:-1]
+    scales = [jax.random.uniform(s, scale_shape, jnp.float32, 0.5, 1.5) / 16 for s in ks[2:4]]
     tables = (1 + jax.random.permutation(ks[4], pages - 1)).reshape(rot, batch, pps)
     q = jax.random.normal(ks[5], (batch, HQ, D), jnp.bfloat16)
     lens = jnp.full((batch,), context, jnp.int32)
     return q, k, v, (scales if fp8 else [None, None]), tables.astype(jnp.int32), lens
 
 
-def kv_bytes(tokens: int, fp8: bool) -> int:
-    """K and V bytes (with FP8's f32 scales) of `tokens` context tokens over the kv heads."""
-    return tokens * HKV * (D * (1 if fp8 else 2) + (4 if fp8 else 0)) * 2
+def kv_bytes(tokens: int, fp8: bool, static: bool = False) -> int:
+    """K and V bytes (with FP8's per-token f32 scales unless `static`) of `tokens` context
+    tokens over the kv heads."""
+    return tokens * HKV * (D * (1 if fp8 else 2) + (4 if fp8 and not static else 0)) * 2
 
 
-def bytes_moved(batch: int, context: int, fp8: bool) -> int:
-    return kv_bytes(batch * context, fp8) + 2 * batch * HQ * D * 2
+def bytes_moved(batch: int, context: int, fp8: bool, static: bool = False) -> int:
+    return kv_bytes(batch * context, fp8, static) + 2 * batch * HQ * D * 2
 
 
 def timing(wall: float, device: float | None, nbytes: int) -> dict:
@@ -170,18 +175,26 @@ def time_impl(fn, case, reps: int = 3) -> tuple[float, float | None]:
     return wall, device
 
 
-def bench_attention(batch, context, fp8, key, names, bf16_kv=None) -> list[dict]:
+STATIC_IMPLS = ("jaxinfer",)   # timed on static FP8 scales too (the engine's default form)
+
+
+def bench_attention(batch, context, fp8, key, names, bf16_kv=None,
+                    static: bool = False) -> list[dict]:
     """Rows for the impls in `names`, each timed by the host clock (`us`, `TBps`) and, on the
     GPU, by the profiler's device time (`us_device`, `TBps_device`); ratios of either kind
     (vs_bundled, vs_bundled_device). FP8 jaxinfer rows get vs_bf16_kv(_device) from bf16_kv,
-    the bf16-KV jaxinfer row of the same shape (this run)."""
-    case = make_case(batch, context, fp8, key)
-    nbytes = bytes_moved(batch, context, fp8)
+    the bf16-KV jaxinfer row of the same shape (this run). FP8 rows say their scales'
+    form (`kv_scales`: token, or static: only STATIC_IMPLS run)."""
+    case = make_case(batch, context, fp8, key, static=static)
+    nbytes = bytes_moved(batch, context, fp8, static)
     blocks = tuned_blocks(batch, context, fp8)
     rows, times = [], {}
     base = {"kv_dtype": "fp8" if fp8 else "bf16", "batch": batch, "context": context}
+    if fp8:
+        base["kv_scales"] = "static" if static else "token"
     for name, fn in impls(fp8, blocks).items():
-        if name not in names or (name == "xla_reference" and batch * context > MAX_REF_TOKENS):
+        if (name not in names or (static and name not in STATIC_IMPLS)
+                or (name == "xla_reference" and batch * context > MAX_REF_TOKENS)):
             continue
         try:
             times[name] = dict(zip(("", "_device"), time_impl(fn, case)))
@@ -336,8 +349,9 @@ def main(argv=None) -> None:
                 continue
             rows = bench_attention(batch, context, False, key, args.impls)
             bf16 = next((r for r in rows if r["impl"] == "jaxinfer" and "us" in r), None)
-            save(result, args.out, rows + bench_attention(batch, context, True, key,
-                                                          args.impls, bf16))
+            for static in (True, False):
+                rows += bench_attention(batch, context, True, key, args.impls, bf16, static)
+            save(result, args.out, rows)
     for batch in [] if args.no_write_kv else args.batches:
         for fp8 in (False, True):
             save(result, args.out, [bench_write_kv(batch, fp8, key)])

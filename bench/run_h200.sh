@@ -51,7 +51,8 @@
 #   throughput  offline throughput, Llama-3-8B FP8 weights + FP8 KV, $NUM_REQUESTS (1000)
 #             requests of 1000 in / 1000 out, max $THR_SEQS (512) seqs and $THR_TOKENS
 #             (2048) tokens per step; a partial row if
-#             the 300 s limit comes first; THR_PROFILE=FIRST:COUNT profiles those steps      ~5 min
+#             the 300 s limit comes first; THR_PROFILE=FIRST:COUNT profiles those steps;
+#             THR_KV_SCALES=token runs per-token FP8 KV scales (default: static)            ~5 min
 #
 # Each suite writes its JSON (and a .log) into $OUT and rewrites the JSON after every row, so
 # a suite cut short by its limit keeps what it measured. Memory is not preallocated: suites
@@ -167,6 +168,7 @@ for stage in "$@"; do
         --input-len 1000 --output-len 1000 --num-requests "${NUM_REQUESTS:-1000}" \
         --max-num-seqs "${THR_SEQS:-512}" --max-num-batched-tokens "${THR_TOKENS:-2048}" \
         --time-limit-s $((lim - lim / 10)) --git "$GIT" \
+        ${THR_KV_SCALES:+--kv-scales "$THR_KV_SCALES"} \
         ${THR_PROFILE:+--profile-steps "$THR_PROFILE"} --out "$OUT/throughput.json" ;;
     cmdbuf)
       for mode in ${CMDBUF_MODES:-ALWAYS_UPDATE SKIP_TEMP SKIP_PROFILED}; do

@@ -316,6 +316,7 @@ def main(argv=None) -> dict:
         result = json.loads(Path(args.out).read_text())
     row = {"model": args.model, "weights": weights_name(ecfg),
            "kv_dtype": dtype_name(kv_dtype_for(ecfg)), "dtype": dtype,
+           **({"kv_scales": ecfg.kv_scales} if ecfg.kv_dtype == "fp8" else {}),
            "input_len": args.input_len, "output_len": args.output_len,
            "num_requests": args.num_requests}
     with ClockMonitor() as clocks:

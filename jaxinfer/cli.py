@@ -25,6 +25,10 @@ def add_engine_args(p: argparse.ArgumentParser):
                    help="linear weight format: as loaded, or FP8 e4m3 with per-channel scales")
     g.add_argument("--kv-dtype", choices=("auto", "bf16", "fp8"), default="auto",
                    help="KV cache dtype (auto = compute dtype)")
+    g.add_argument("--kv-scales", choices=("static", "token"), default="static",
+                   help="FP8 KV scales: static, one per layer and kv head calibrated at "
+                        "start-up (faster attention), or one per token and kv head (nothing "
+                        "to calibrate, no saturation)")
     g.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
     g.add_argument("--max-model-len", type=int, default=2048,
                    help="longest sequence (prompt + output) served")
@@ -56,7 +60,7 @@ def engine_config_from_args(args):
     return EngineConfig(
         page_size=args.page_size, num_pages=args.num_pages, max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        dtype=dtype, weights=args.weights, kv_dtype=args.kv_dtype,
+        dtype=dtype, weights=args.weights, kv_dtype=args.kv_dtype, kv_scales=args.kv_scales,
         attention_impl=args.attention, enable_prefix_caching=not args.no_prefix_caching,
         tensor_parallel=args.tensor_parallel,
         unroll_layers={"auto": None, "scan": False, "unroll": True}[args.layer_loop],

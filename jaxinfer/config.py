@@ -158,6 +158,7 @@ def standard_config(name: str) -> ModelConfig:
 DTYPES = ("float32", "bfloat16")
 WEIGHT_FORMATS = ("bf16", "fp8")
 KV_DTYPES = ("auto", "bf16", "fp8")
+KV_SCALES = ("static", "token")
 ATTENTION_IMPLS = ("auto", "reference", "pallas")
 
 
@@ -174,6 +175,9 @@ class EngineConfig:
     dtype: str = "float32"        # activations / compute dtype (the CLI picks bfloat16 on a GPU)
     weights: str = "bf16"         # linear weights: "bf16" (= dtype) or "fp8" (e4m3, per-channel scales)
     kv_dtype: str = "auto"        # "auto" (= dtype), "bf16", "fp8"
+    # FP8 KV scales (kv_cache.py): "static", one per layer and kv head, calibrated when the
+    # runner starts (kv_calibration.py); "token", one per token and kv head. bf16 KV: unused.
+    kv_scales: str = "static"
     attention_impl: str = "auto"  # "auto": Pallas on GPU, plain-jnp reference elsewhere
     enable_prefix_caching: bool = True
     tensor_parallel: int = 1
@@ -201,6 +205,8 @@ class EngineConfig:
         check(self.weights in WEIGHT_FORMATS,
               f"weights must be one of {WEIGHT_FORMATS}, got {self.weights!r}")
         check(self.kv_dtype in KV_DTYPES, f"kv_dtype must be one of {KV_DTYPES}, got {self.kv_dtype!r}")
+        check(self.kv_scales in KV_SCALES,
+              f"kv_scales must be one of {KV_SCALES}, got {self.kv_scales!r}")
         check(self.attention_impl in ATTENTION_IMPLS,
               f"attention_impl must be one of {ATTENTION_IMPLS}, got {self.attention_impl!r}")
         check(self.tensor_parallel >= 1, f"tensor_parallel must be >= 1, got {self.tensor_parallel}")

@@ -213,9 +213,11 @@ def kv_dtype_for(engine: EngineConfig):
 
 
 def kv_page_bytes(cfg: ModelConfig, engine: EngineConfig) -> int:
-    """One page's bytes over all layers: K and V, and with FP8 KV their f32 scales."""
+    """One page's bytes over all layers: K and V, and with per-token FP8 scales those (f32;
+    static ones are [L, K] for the whole pool)."""
     dtype = jnp.dtype(kv_dtype_for(engine))
-    per_slot = cfg.head_dim * dtype.itemsize + (4 if dtype == FP8_DTYPE else 0)
+    token_scales = dtype == FP8_DTYPE and engine.kv_scales == "token"
+    per_slot = cfg.head_dim * dtype.itemsize + (4 if token_scales else 0)
     return 2 * cfg.num_layers * cfg.num_kv_heads * engine.page_size * per_slot
 
 
@@ -240,15 +242,16 @@ def pool_oom_as_config_error(cfg: ModelConfig, engine: EngineConfig, where: str)
             f"max_num_batched_tokens. XLA said: {str(e).splitlines()[0][:200]}") from e
 
 
-def allocate_kv(cfg: ModelConfig, engine: EngineConfig, layout: TPLayout
+def allocate_kv(cfg: ModelConfig, engine: EngineConfig, layout: TPLayout, scales=None
                 ) -> KVCache | KVLayers:
     """The engine's page pool: KVLayers for the unrolled decoder (engine.unroll_layers
     resolved), one KVCache of all layers for the scanned one (kv_cache.py says why); on a
-    mesh each device allocates only its own kv heads."""
+    mesh each device allocates only its own kv heads. scales: static FP8 scales (k, v) [L, K]
+    (kv_calibration.py), or None."""
     form = KVLayers if engine.unroll_layers else KVCache
     alloc = functools.partial(form.allocate, cfg.num_layers, cfg.num_kv_heads,
                               engine.total_pages, engine.page_size, cfg.head_dim,
-                              kv_dtype_for(engine))
+                              kv_dtype_for(engine), scales=scales)
     if layout.mesh is None:
         return alloc()
     return jax.jit(alloc, out_shardings=layout.named(kv_spec(layout)))()
@@ -271,11 +274,12 @@ class ModelRunner:
             raise ConfigError(f"the params were built for another tensor-parallel layout than "
                               f"tensor_parallel={engine.tensor_parallel}: build them with "
                               f"params.build_model(..., layout=sharding.make_layout(cfg, tp))")
+        kv_sharding = None if self.layout.mesh is None else self.layout.named(kv_spec(self.layout))
+        self.kv_scales = self._calibrate_kv(graphdef, kv_sharding)
         with pool_oom_as_config_error(cfg, engine, "allocating the KV cache"):
-            self.kv = allocate_kv(cfg, self.engine, self.layout)
+            self.kv = allocate_kv(cfg, self.engine, self.layout, self.kv_scales)
         self._rng = jax.random.key(engine.seed)
         self._num_steps = 0
-        kv_sharding = None if self.layout.mesh is None else self.layout.named(kv_spec(self.layout))
         self._step_fn = jax.jit(functools.partial(_packed_step, graphdef, self.attn_impl,
                                                   self._treedef, kv_sharding=kv_sharding),
                                 donate_argnums=(1, 2), static_argnames=("spec",))
@@ -283,6 +287,23 @@ class ModelRunner:
         self._logits_fn = jax.jit(functools.partial(_all_logits, graphdef, self.attn_impl,
                                                     kv_sharding=kv_sharding),
                                   donate_argnums=(1,))
+
+    def _calibrate_kv(self, graphdef, kv_sharding):
+        """Static FP8 KV scales (k, v) [L, K] from a calibration forward (kv_calibration.py),
+        or None when the pool is not FP8 with static scales."""
+        engine = self.engine
+        if kv_dtype_for(engine) != FP8_DTYPE or engine.kv_scales != "static":
+            return None
+        from jaxinfer import kv_calibration
+
+        def allocate(pages):   # unquantized, in the activations' dtype, laid out as the pool
+            return allocate_kv(self.cfg, engine.replace(kv_dtype="auto", num_pages=pages),
+                               self.layout)
+
+        forward = kv_calibration.model_forward(graphdef, self.attn_impl, self.params,
+                                               kv_sharding)
+        return kv_calibration.calibrate(forward, allocate, self.cfg.vocab_size,
+                                        engine.page_size)
 
     def step(self, inp: StepInput | PackedInput) -> sampling.SampleOutput:
         """Run one step; returns the sampled tokens etc. as numpy (the one device->host sync)."""

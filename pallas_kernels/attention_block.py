@@ -2,13 +2,16 @@
 ragged: pallas_kernels/ragged_paged_attention.py): one online-softmax step over `block_tokens`
 KV rows gathered through the page table, the q preparation, the cache views and the checks.
 
-Cache layout (jaxinfer/kv_cache.py): k, v [L, K, P, S, D]; FP8 e4m3 KV carries one f32 scale
-per page slot and kv head, k_scale/v_scale [L, K, P, S] (a token's K row is q8 * scale), so
-a token is quantized alone when written. The kernels view the cache as rows [L*K*P*S, D]
-(cache_views) and read the layer's pages in place.
-FP8 KV: only the FP8 bytes and scales are read; K/V are widened in registers to the dtype
-`blocks.fp8_compute` names (pallas_kernels/tuning.py); scales are applied in f32 (K's per
-logit column after the dot, V's per p column before it).
+Cache layout (jaxinfer/kv_cache.py): k, v [L, K, P, S, D]; FP8 e4m3 KV carries f32 scales,
+k_scale/v_scale, either one per page slot and kv head, [L, K, P, S] (a token's K row is q8 *
+scale, so a token is quantized alone when written), or static, one per layer and kv head,
+[L, K]. The kernels view the cache as rows [L*K*P*S, D] (cache_views) and read the layer's
+pages in place.
+FP8 KV: only the FP8 bytes (and per-token scales) are read; K/V are widened in registers to
+the dtype `blocks.fp8_compute` names (pallas_kernels/tuning.py). Per-token scales are applied
+in f32 inside the block step (K's per logit column after the dot, V's per p column before
+it); static ones once per program (static_factors: K's joins the logit scale, V's multiplies
+the accumulator at the end), so the block step is the bf16 one plus the widening.
 - "bfloat16": q and p * v_scale in bf16. Per-token work (widening, softmax bookkeeping), not
   bytes, bounds it: 184 us at B=64 S=2048 (Hq 32, Hkv 8, D 128, page 16) vs 180 us bf16 KV.
 - "float16" (the decode choice at head dim 64): every e4m3 value (3 mantissa bits, 2^-9..448)
@@ -92,6 +95,25 @@ def prepare_q(q, cdt, qk_scale: float):
     norm = jnp.where(amax > 0, amax, 1.0)
     out = tuple((x / norm[:, None]).astype(cdt) for x in qf)
     return (out if isinstance(q, tuple) else out[0]), (norm * qk_scale)[:, None]
+
+
+def static_factors(ks_ref, vs_ref, static: bool, layer, kv_head, num_kv_heads: int):
+    """-> (ks_ref, vs_ref, k factor, v factor) for a program of one kv head. Per-token scales
+    (static False): the refs as they are, no factors. Static scales ([L*K] refs): the head's
+    two scales read once, the refs None (attend_block then does no scale work); the caller
+    multiplies its logit scale by the K factor and its accumulator by the V factor (scale_acc;
+    p v is linear in V, and the split combine in the accumulators)."""
+    if not static:
+        return ks_ref, vs_ref, None, None
+    i = layer * num_kv_heads + kv_head
+    return None, None, ks_ref[i], vs_ref[i]
+
+
+def scale_acc(acc, factor):
+    """acc [M, D] (or the (even, odd) tuple of f16pairs) times factor (None: as it is)."""
+    if factor is None:
+        return acc
+    return tuple(a * factor for a in acc) if isinstance(acc, tuple) else acc * factor
 
 
 def kv_rows(layer, kv_head, pages, slots, num_kv_heads: int, num_pages: int, page_size: int):
@@ -292,9 +314,10 @@ def validate(q, k_pages, v_pages, k_scale, v_scale, interpret: bool, block_token
         raise ConfigError(f"q heads {q.shape[1]} must be a multiple of kv heads {kv_heads} "
                           f"and head dims must match ({q.shape[2]} vs {head_dim})")
     fp8 = k_pages.dtype == FP8_DTYPE
-    if fp8 and (k_scale is None or v_scale is None
-                or k_scale.shape != k_pages.shape[:-1] or v_scale.shape != k_scale.shape):
-        raise ConfigError("FP8 KV pages need k_scale and v_scale of shape [L, K, P, S]")
+    if fp8 and (k_scale is None or v_scale is None or v_scale.shape != k_scale.shape
+                or k_scale.shape not in (k_pages.shape[:-1], k_pages.shape[:2])):
+        raise ConfigError("FP8 KV pages need k_scale and v_scale of one shape: [L, K, P, S] "
+                          "(per token) or [L, K] (static)")
     pow2 = all(x & (x - 1) == 0 for x in (page_size, head_dim))
     if not interpret and not pow2:
         raise ConfigError(f"page size {page_size} and head dim {head_dim} must be powers of "
@@ -306,7 +329,8 @@ def validate(q, k_pages, v_pages, k_scale, v_scale, interpret: bool, block_token
 
 
 def cache_views(k_pages, v_pages, k_scale, v_scale, pairs: bool = False):
-    """Flatten the cache to rows ([L*K*P*S, D]; scales [L*K*P*S]): free reshapes in XLA.
+    """Flatten the cache to rows ([L*K*P*S, D]; scales [L*K*P*S], static ones [L*K]): free
+    reshapes in XLA.
     With pairs, FP8 K/V as u16 rows [L*K*P*S, D/2] of byte pairs (a bitcast)."""
     d = k_pages.shape[-1]
     if pairs:

@@ -41,20 +41,27 @@ Backend: Pallas Triton, as the attention kernels (pallas_kernels/paged_attention
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from jaxinfer.kv_cache import KVCache, fp8_scale, write_kv as write_kv_reference
+from jaxinfer.kv_cache import FP8_MAX, KVCache, fp8_scale, write_kv as write_kv_reference
 from pallas_kernels import pow2_ceil, triton_params
 
 
-def _store(c_ref, s_ref, rows, parts, cols, fp8: bool):
+def _store(c_ref, s_ref, rows, parts, cols, fp8: bool, static=None):
     """Rows `rows` of the cache view c_ref get `parts` ([K', d] f32 pieces of each row at
-    column slices `cols`); FP8: quantized with one scale per row over all its pieces."""
-    if fp8:
+    column slices `cols`); FP8: quantized with one scale per row over all its pieces, stored
+    into s_ref, or with `static` [K'] (the rows' heads' static scales) saturated at +-448
+    (kv_cache.quantize_static) and no scale stored."""
+    if static is not None:
+        for x, c in zip(parts, cols):
+            y = jnp.clip(x / static[:, None], -FP8_MAX, FP8_MAX)
+            c_ref[rows, c] = y.astype(c_ref.dtype)
+    elif fp8:
         amax = functools.reduce(jnp.maximum, [jnp.max(jnp.maximum(x, -x), axis=1)
                                               for x in parts])
         scale = fp8_scale(amax)
@@ -66,13 +73,28 @@ def _store(c_ref, s_ref, rows, parts, cols, fp8: bool):
             c_ref[rows, c] = x.astype(c_ref.dtype)
 
 
-def _kernel(layer_ref, slot_ref, k_ref, v_ref, kc_in, vc_in, *refs, kv_heads: int,
-            heads_p2: int, num_pages: int, page_size: int, fp8: bool):
-    del kc_in, vc_in     # aliased to the outputs below
-    if fp8:
-        _ks_in, _vs_in, kc_ref, vc_ref, ks_ref, vs_ref = refs
-    else:
-        kc_ref, vc_ref = refs
+def _cache_refs(refs, fp8: bool, static: bool):
+    """The kernels' refs from the K/V caches on -> (static k/v scale refs or None, the
+    outputs: k cache, v cache, per-token k/v scale refs or None). Static scales are inputs
+    ([L*K]) before the caches; per-token ones are caches aliased in and out like K/V."""
+    ksi, vsi, refs = (refs[0], refs[1], refs[2:]) if static else (None, None, refs)
+    refs = refs[2:]                                # the K/V caches in, aliased to outputs
+    if fp8 and not static:
+        return ksi, vsi, (refs[2], refs[3], refs[4], refs[5])     # past the scales in
+    return ksi, vsi, (refs[0], refs[1], None, None)
+
+
+def _static_scales(ksi, vsi, layer, heads, kv_heads: int):
+    """The static K and V scales [K'] of `heads` at `layer` (None, None without them)."""
+    if ksi is None:
+        return None, None
+    idx = layer * kv_heads + heads
+    return ksi[idx], vsi[idx]
+
+
+def _kernel(layer_ref, slot_ref, k_ref, v_ref, *refs, kv_heads: int, heads_p2: int,
+            num_pages: int, page_size: int, fp8: bool, static: bool):
+    ksi, vsi, (kc_ref, vc_ref, ks_ref, vs_ref) = _cache_refs(refs, fp8, static)
     t = pl.program_id(0)
     slot = slot_ref[t]
 
@@ -83,11 +105,10 @@ def _kernel(layer_ref, slot_ref, k_ref, v_ref, kc_in, vc_in, *refs, kv_heads: in
         src = t * kv_heads + heads                                        # rows of k/v [T*K, D]
         page, within = slot // page_size, slot % page_size
         rows = ((layer_ref[0] * kv_heads + heads) * num_pages + page) * page_size + within
+        k_static, v_static = _static_scales(ksi, vsi, layer_ref[0], heads, kv_heads)
         whole = pl.ds(0, k_ref.shape[1])
-        _store(kc_ref, ks_ref if fp8 else None, rows, [k_ref[src].astype(jnp.float32)],
-               [whole], fp8)
-        _store(vc_ref, vs_ref if fp8 else None, rows, [v_ref[src].astype(jnp.float32)],
-               [whole], fp8)
+        _store(kc_ref, ks_ref, rows, [k_ref[src].astype(jnp.float32)], [whole], fp8, k_static)
+        _store(vc_ref, vs_ref, rows, [v_ref[src].astype(jnp.float32)], [whole], fp8, v_static)
 
 
 @functools.partial(jax.jit, static_argnames=("interpret",))
@@ -101,26 +122,42 @@ def write_kv(cache: KVCache, layer, k, v, slot_mapping, *, interpret: bool = Fal
     if k.shape != (t, kv_heads, head_dim) or v.shape != k.shape or slot_mapping.shape != (t,):
         raise ValueError(f"write_kv: want k, v [T, {kv_heads}, {head_dim}] and slot_mapping "
                          f"[T]; got {k.shape}, {v.shape}, {slot_mapping.shape}")
-    fp8 = cache.is_fp8
-    views = [cache.k.reshape(-1, head_dim), cache.v.reshape(-1, head_dim)]
-    if fp8:
-        views += [cache.k_scale.reshape(-1), cache.v_scale.reshape(-1)]
+    static, views = _views(cache)
     kernel = functools.partial(_kernel, kv_heads=kv_heads,
                                heads_p2=pow2_ceil(kv_heads),
-                               num_pages=num_pages, page_size=page_size, fp8=fp8)
+                               num_pages=num_pages, page_size=page_size, fp8=cache.is_fp8,
+                               static=bool(static))
     params = triton_params(interpret, num_warps=1, num_stages=1)
+    first = 4 + len(static)             # the first cache view's operand index
     outs = pl.pallas_call(
         kernel, grid=(t,),
         out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in views],
-        input_output_aliases={4 + i: i for i in range(len(views))},
+        input_output_aliases={first + i: i for i in range(len(views))},
         interpret=interpret, name="jaxinfer_kv_write", **params,
     )(jnp.asarray(layer, jnp.int32).reshape(1), slot_mapping.astype(jnp.int32),
-      k.reshape(t * kv_heads, head_dim), v.reshape(t * kv_heads, head_dim), *views)
+      k.reshape(t * kv_heads, head_dim), v.reshape(t * kv_heads, head_dim), *static, *views)
+    return _cache_from(cache, outs)
+
+
+def _views(cache: KVCache):
+    """(static scale operands [L*K] (or none), the cache arrays the kernels write, as rows:
+    K/V [L*K*P*S, D] and per-token scales [L*K*P*S])."""
+    d = cache.k.shape[-1]
+    views = [cache.k.reshape(-1, d), cache.v.reshape(-1, d)]
+    if cache.static_scales:
+        return [cache.k_scale.reshape(-1), cache.v_scale.reshape(-1)], views
+    if cache.is_fp8:
+        views += [cache.k_scale.reshape(-1), cache.v_scale.reshape(-1)]
+    return [], views
+
+
+def _cache_from(cache: KVCache, outs) -> KVCache:
+    """The cache after a kernel wrote `outs` (_views' arrays, updated)."""
     shape = cache.k.shape
-    if fp8:
-        return KVCache(outs[0].reshape(shape), outs[1].reshape(shape),
-                       outs[2].reshape(shape[:-1]), outs[3].reshape(shape[:-1]))
-    return KVCache(outs[0].reshape(shape), outs[1].reshape(shape))
+    k, v = outs[0].reshape(shape), outs[1].reshape(shape)
+    if len(outs) == 4:
+        return KVCache(k, v, outs[2].reshape(shape[:-1]), outs[3].reshape(shape[:-1]))
+    return dataclasses.replace(cache, k=k, v=v)
 
 
 def supported(cache: KVCache) -> bool:
@@ -134,15 +171,13 @@ ROPE_WARPS = 4   # a program rotates all H q heads of its token
 
 def _rope_kernel(layer_ref, slot_ref, qkv_ref, cos_ref, sin_ref, *refs, num_heads: int,
                  q_p2: int, kv_heads: int, kv_p2: int, num_pages: int, page_size: int,
-                 half: int, fp8: bool, bias: bool, scaled: bool):
+                 half: int, fp8: bool, static: bool, bias: bool, scaled: bool):
     xs_ref, ws_ref, refs = (refs[0], refs[1], refs[2:]) if scaled else (None, None, refs)
     b_ref, refs = (refs[0], refs[1:]) if bias else (None, refs)
-    refs = refs[2:]      # past the K/V caches in, aliased to the outputs below
-    if fp8:
-        _ks_in, _vs_in, q_ref, kc_ref, vc_ref, ks_ref, vs_ref = refs
-    else:
-        q_ref, kc_ref, vc_ref = refs
-        ks_ref = vs_ref = None
+    n_in = 2 + (2 if static else 0) + (2 if fp8 and not static else 0)  # caches (+ scales)
+    q_ref = refs[n_in]
+    ksi, vsi, (kc_ref, vc_ref, ks_ref, vs_ref) = _cache_refs(
+        refs[:n_in] + refs[n_in + 1:], fp8, static)
     t = pl.program_id(0)
     width = num_heads + 2 * kv_heads              # rows of qkv [T * width, D] per token
     lo, hi = pl.ds(0, half), pl.ds(half, half)
@@ -174,9 +209,10 @@ def _rope_kernel(layer_ref, slot_ref, qkv_ref, cos_ref, sin_ref, *refs, num_head
         heads = jnp.minimum(jnp.arange(kv_p2, dtype=jnp.int32), kv_heads - 1)
         page, within = slot // page_size, slot % page_size
         rows = ((layer_ref[0] * kv_heads + heads) * num_pages + page) * page_size + within
-        _store(kc_ref, ks_ref, rows, rotated(num_heads + heads), [lo, hi], fp8)
+        k_static, v_static = _static_scales(ksi, vsi, layer_ref[0], heads, kv_heads)
+        _store(kc_ref, ks_ref, rows, rotated(num_heads + heads), [lo, hi], fp8, k_static)
         _store(vc_ref, vs_ref, rows, [row(num_heads + kv_heads + heads, pl.ds(0, 2 * half))],
-               [pl.ds(0, 2 * half)], fp8)
+               [pl.ds(0, 2 * half)], fp8, v_static)
 
 
 def _split_qkv(qkv, num_heads: int, kv_heads: int, head_dim: int):
@@ -227,17 +263,16 @@ def rope_write_kv(cache: KVCache, layer, qkv, cos, sin, slot_mapping, *, num_hea
                          f"{cos.shape}, {sin.shape}, {slot_mapping.shape}, "
                          f"{None if bias is None else bias.shape}, "
                          f"{None if scales is None else [x.shape for x in scales]}")
-    fp8 = cache.is_fp8
-    views = [cache.k.reshape(-1, head_dim), cache.v.reshape(-1, head_dim)]
-    if fp8:
-        views += [cache.k_scale.reshape(-1), cache.v_scale.reshape(-1)]
+    static, views = _views(cache)
     kernel = functools.partial(_rope_kernel, num_heads=num_heads, q_p2=pow2_ceil(num_heads),
                                kv_heads=kv_heads, kv_p2=pow2_ceil(kv_heads), num_pages=num_pages,
-                               page_size=page_size, half=half, fp8=fp8, bias=bias is not None,
+                               page_size=page_size, half=half, fp8=cache.is_fp8,
+                               static=bool(static), bias=bias is not None,
                                scaled=scales is not None)
     extra = [] if scales is None else [scales[0].reshape(-1).astype(jnp.float32),
                                        scales[1].reshape(-1, head_dim).astype(jnp.float32)]
     extra += [] if bias is None else [bias.astype(qkv.dtype).reshape(-1, head_dim)]
+    extra += static
     q_out = jax.ShapeDtypeStruct((t * num_heads, head_dim), qkv.dtype)
     first = 5 + len(extra)              # the first cache view's operand index
     outs = pl.pallas_call(
@@ -249,9 +284,4 @@ def rope_write_kv(cache: KVCache, layer, qkv, cos, sin, slot_mapping, *, num_hea
     )(jnp.asarray(layer, jnp.int32).reshape(1), slot_mapping.astype(jnp.int32),
       qkv.reshape(-1, head_dim), cos.astype(jnp.float32), sin.astype(jnp.float32), *extra,
       *views)
-    q, outs = outs[0].reshape(t, num_heads, head_dim), outs[1:]
-    shape = cache.k.shape
-    if fp8:
-        return KVCache(outs[0].reshape(shape), outs[1].reshape(shape),
-                       outs[2].reshape(shape[:-1]), outs[3].reshape(shape[:-1])), q
-    return KVCache(outs[0].reshape(shape), outs[1].reshape(shape)), q
+    return _cache_from(cache, outs[1:]), outs[0].reshape(t, num_heads, head_dim)

@@ -1,8 +1,8 @@
 """Paged flash-decode attention: one query token per sequence over the paged KV cache.
 
-Cache layout (jaxinfer/kv_cache.py): k, v [L, K, P, S, D]; FP8 e4m3 KV carries one f32 scale
-per page slot and kv head, k_scale/v_scale [L, K, P, S] (a token's K row is q8 * scale), so
-a token is quantized alone when written. The layer index is a traced scalar: the kernel
+Cache layout (jaxinfer/kv_cache.py): k, v [L, K, P, S, D]; FP8 e4m3 KV carries f32 scales,
+one per page slot and kv head, k_scale/v_scale [L, K, P, S] (a token's K row is q8 * scale),
+or static, one per layer and kv head, [L, K] (applied once per program). The layer index is a traced scalar: the kernel
 reads the layer's pages in place, no slice of the cache is ever copied.
 
 Kernel: grid (B, K, splits), or (K, B, 1) with the rows longest first (LONGEST_FIRST_PROGRAMS,
@@ -44,12 +44,13 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from jaxinfer.errors import ConfigError
-from jaxinfer.kv_cache import FP8_DTYPE
+from jaxinfer.kv_cache import FP8_DTYPE, is_static
 from pallas_kernels import LOG2E, pow2_ceil, triton_params, tuning
 from pallas_kernels.attention_block import (MIN_ROWS, attend_block, block_pages,
                                             cache_views, compute_dtype, empty_carry,
                                             kernel_refs, kv_rows, load_q, paged_loop,
-                                            prepare_q, store_rows, uses_pairs, validate)
+                                            prepare_q, scale_acc, static_factors,
+                                            store_rows, uses_pairs, validate)
 
 # Unsplit grids of LONGEST_FIRST_PROGRAMS[0]..[1] programs (one per row and kv head) run the
 # rows longest first. Programs start in grid order as SM slots free up, so with rows of
@@ -94,24 +95,29 @@ MASKED_LOADS_MIN_PROGRAMS = int(os.environ.get("JAXINFER_MASKED_LOADS", "2048"))
 def _decode_kernel(layer_ref, lens_ref, table_ref, order_ref, *refs, groups: int,
                    rows_q: int, pages_per_seq: int, split_tokens: int, blk,
                    num_kv_heads: int, num_pages: int, page_size: int, num_heads: int,
-                   head_dim: int, batch: int, qk_scale: float, fp8: bool, cdt, pairs: bool,
-                   longest_first: bool, masked_loads: bool, interpret: bool):
+                   head_dim: int, batch: int, qk_scale: float, fp8: bool, static: bool,
+                   cdt, pairs: bool, longest_first: bool, masked_loads: bool,
+                   interpret: bool):
     # with pairs, q and the accumulator are (even, odd) halves (load_q, store_rows)
     q_ref, k_ref, v_ref, ks_ref, vs_ref, outs = kernel_refs(refs, fp8)
     if longest_first:   # grid (K, B, 1): a row's kv heads side by side, rows by rank
         h, b, s = pl.program_id(0), order_ref[pl.program_id(1)], pl.program_id(2)
     else:
         b, h, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    layer = layer_ref[0]
+    ks_ref, vs_ref, k_factor, v_factor = static_factors(ks_ref, vs_ref, static, layer, h,
+                                                        num_kv_heads)
     heads = h * groups + jnp.minimum(jnp.arange(rows_q, dtype=jnp.int32), groups - 1)
     q, logit_scale = prepare_q(load_q(q_ref, b * num_heads + heads, pairs, head_dim), cdt,
                                qk_scale)
+    if k_factor is not None:
+        logit_scale = logit_scale * k_factor
     seq_len = jnp.minimum(lens_ref[b], pages_per_seq * page_size)
     start = s * split_tokens
     n = jnp.clip(seq_len - start, 0, split_tokens)
     bk = blk.block_tokens
     tok = jnp.arange(bk, dtype=jnp.int32)
     page_off, slots = tok // page_size, tok % page_size
-    layer = layer_ref[0]
 
     def read_pages(i):
         return block_pages(table_ref, b, start + i * bk, page_off, pages_per_seq, page_size)
@@ -127,6 +133,7 @@ def _decode_kernel(layer_ref, lens_ref, table_ref, order_ref, *refs, groups: int
 
     m, l, acc = paged_loop(read_pages, body, empty_carry(rows_q, head_dim, pairs), n // bk,
                            pl.cdiv(n, bk), blk.prefetch_table)
+    acc = scale_acc(acc, v_factor)
     if len(outs) == 1:
         inv = 1.0 / jnp.where(l > 0, l, 1.0)[:, None]
         out = tuple(a * inv for a in acc) if pairs else acc * inv
@@ -260,6 +267,7 @@ def _paged_attention_blocks(q, k_pages, v_pages, layer, seq_lens, page_table, k_
         split_tokens=split_tokens, blk=blocks, num_kv_heads=kv_heads, num_pages=num_pages,
         page_size=page_size, num_heads=num_heads, head_dim=head_dim, batch=batch,
         qk_scale=float(sm_scale) * LOG2E, fp8=k_pages.dtype == FP8_DTYPE,
+        static=k_scale is not None and is_static(k_scale),
         cdt=compute_dtype(k_pages.dtype, blocks.fp8_compute), pairs=pairs,
         longest_first=longest_first, masked_loads=masked_loads, interpret=interpret)
     heads_rows = batch * num_heads
@@ -289,9 +297,9 @@ def paged_attention(q, k_pages, v_pages, layer, seq_lens, page_table, k_scale=No
                     ) -> jax.Array:
     """Decode attention. q [B, H, D]; k/v pages [L, K, P, S, D]; layer int32 scalar (may be
     traced); seq_lens [B] (0 = padded row, outputs zeros); page_table [B, pages_per_seq];
-    k_scale/v_scale [L, K, P, S] f32 for FP8 pages; rows (static): only the first `rows` rows
-    are real, the rest padding (their seq_lens 0; module doc). longest_first (static): the
-    rows in grid order (False), longest first (True; unsplit grids only) or, None, longest
+    k_scale/v_scale [L, K, P, S] (per token) or [L, K] (static) f32 for FP8 pages; rows
+    (static): only the first `rows` rows are real, the rest padding (their seq_lens 0;
+    module doc). longest_first (static): the rows in grid order (False), longest first (True; unsplit grids only) or, None, longest
     first within LONGEST_FIRST_PROGRAMS (the model: its layers' sorts of the same lengths
     are one in the compiled step, XLA's CSE). Returns [B, H, D] in q.dtype.
     Block sizes come from pallas_kernels/tuning.py; shapes and dtypes are static (a new one
@@ -309,7 +317,9 @@ def gather_kv(k_pages, v_pages, layer, page_table, k_scale=None, v_scale=None):
     """Dense f32 K/V of the given rows' pages: page_table [N, pages] -> [N, K, pages*S, D]."""
     def one(pages, scale):
         x = jnp.take(pages[layer], page_table, axis=1).astype(jnp.float32)  # [K, N, p, S, D]
-        if scale is not None:
+        if scale is not None and is_static(scale):
+            x = x * scale[layer][:, None, None, None, None]
+        elif scale is not None:
             x = x * jnp.take(scale[layer], page_table, axis=1)[..., None]
         x = jnp.moveaxis(x, 1, 0)
         return x.reshape(*x.shape[:2], -1, x.shape[-1])

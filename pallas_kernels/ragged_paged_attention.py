@@ -47,12 +47,13 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jaxinfer.errors import ConfigError
-from jaxinfer.kv_cache import FP8_DTYPE
+from jaxinfer.kv_cache import FP8_DTYPE, is_static
 from pallas_kernels import LOG2E, pow2_ceil, triton_params, tuning
 from pallas_kernels.attention_block import (MIN_ROWS, attend_block, block_pages,
                                             cache_views, compute_dtype, empty_carry,
                                             kernel_refs, kv_rows, load_q, paged_loop,
-                                            prepare_q, store_rows, uses_pairs, validate)
+                                            prepare_q, scale_acc, static_factors,
+                                            store_rows, uses_pairs, validate)
 from pallas_kernels.paged_attention import combine_call, gather_kv, paged_attention
 
 
@@ -83,8 +84,8 @@ def work_list(query_start, num_tokens: int, block_q: int, skip_single: bool = Fa
 def _ragged_kernel(layer_ref, row_ref, blk_ref, qstart_ref, pos_ref, table_ref, *refs,
                    groups: int, groups_p2: int, rows_q: int, pages_per_seq: int, blk,
                    num_kv_heads: int, num_pages: int, page_size: int, num_heads: int,
-                   head_dim: int, num_tokens: int, qk_scale: float, fp8: bool, cdt,
-                   pairs: bool, interpret: bool):
+                   head_dim: int, num_tokens: int, qk_scale: float, fp8: bool, static: bool,
+                   cdt, pairs: bool, interpret: bool):
     q_ref, k_ref, v_ref, ks_ref, vs_ref, rest = kernel_refs(refs, fp8)
     splits = blk.num_splits
     o_ref = rest[1] if splits == 1 else None    # past the aliased zeros; else the partials
@@ -101,12 +102,16 @@ def _ragged_kernel(layer_ref, row_ref, blk_ref, qstart_ref, pos_ref, table_ref, 
         heads = h * groups + jnp.minimum(r % groups_p2, groups - 1)
         q, logit_scale = prepare_q(load_q(q_ref, tokens * num_heads + heads, pairs, head_dim),
                                    cdt, qk_scale)
+        layer = layer_ref[0]
+        ksr, vsr, k_factor, v_factor = static_factors(ks_ref, vs_ref, static, layer, h,
+                                                      num_kv_heads)
+        if k_factor is not None:
+            logit_scale = logit_scale * k_factor
         pos = jnp.minimum(pos_ref[tokens], pages_per_seq * page_size - 1)  # [M]
         lo, hi = jnp.min(pos) + 1, jnp.max(pos) + 1
         bk = blk.block_tokens
         tok = jnp.arange(bk, dtype=jnp.int32)
         page_off, slots = tok // page_size, tok % page_size
-        layer = layer_ref[0]
 
         def read_pages(j):
             return block_pages(table_ref, b, j * bk, page_off, pages_per_seq, page_size)
@@ -114,10 +119,10 @@ def _ragged_kernel(layer_ref, row_ref, blk_ref, qstart_ref, pos_ref, table_ref, 
         def body(j, pages, state, masked):
             rows = kv_rows(layer, h, pages, slots, num_kv_heads, num_pages, page_size)
             if not masked:
-                return attend_block(q, k_ref, v_ref, ks_ref, vs_ref, rows, state,
+                return attend_block(q, k_ref, v_ref, ksr, vsr, rows, state,
                                     logit_scale=logit_scale, interpret=interpret)
             t = j * bk + tok
-            return attend_block(q, k_ref, v_ref, ks_ref, vs_ref, rows, state,
+            return attend_block(q, k_ref, v_ref, ksr, vsr, rows, state,
                                 logit_scale=logit_scale, logit_mask=t[None, :] <= pos[:, None],
                                 kv_valid=t < hi, interpret=interpret)
 
@@ -125,6 +130,7 @@ def _ragged_kernel(layer_ref, row_ref, blk_ref, qstart_ref, pos_ref, table_ref, 
         if splits == 1:
             _, l, acc = paged_loop(read_pages, body, empty_carry(rows_q, head_dim, pairs),
                                    n_full, n_all, blk.prefetch_table)
+            acc = scale_acc(acc, v_factor)
             out = tuple(a / l[:, None] for a in acc) if pairs else acc / l[:, None]
             store_rows(o_ref, tokens * num_heads + heads, out, head_dim)
             return
@@ -136,6 +142,7 @@ def _ragged_kernel(layer_ref, row_ref, blk_ref, qstart_ref, pos_ref, table_ref, 
         m, l, acc = paged_loop(read_pages, body, empty_carry(rows_q, head_dim, pairs),
                                jnp.clip(n_full, first, last), last, blk.prefetch_table,
                                start=first)
+        acc = scale_acc(acc, v_factor)
         acc_ref, m_ref, l_ref = rest
         flat = (s * num_tokens + tokens) * num_heads + heads
         store_rows(acc_ref, flat, acc, head_dim)
@@ -172,6 +179,7 @@ def ragged_paged_attention_blocks(q, k_pages, v_pages, layer, md, k_scale=None, 
         blk=blocks, num_kv_heads=kv_heads, num_pages=num_pages, page_size=page_size,
         num_heads=num_heads, head_dim=head_dim, num_tokens=num_tokens,
         qk_scale=float(sm_scale) * LOG2E, fp8=k_pages.dtype == FP8_DTYPE,
+        static=k_scale is not None and is_static(k_scale),
         cdt=compute_dtype(k_pages.dtype, blocks.fp8_compute), pairs=pairs,
         interpret=interpret)
     q2d = q.reshape(-1, head_dim)
@@ -212,7 +220,7 @@ def ragged_paged_attention(q, k_pages, v_pages, layer, md, k_scale=None, v_scale
                            sm_scale: float, interpret: bool = False) -> jax.Array:
     """Attention of T new tokens over the paged cache. q [T, H, D]; md: AttentionMetadata
     (positions, query_start, page_table, seq_lens used); k/v pages [L, K, P, S, D], FP8 with
-    k_scale/v_scale [L, K, P, S]. Returns [T, H, D] in q.dtype; padding tokens output 0.
+    k_scale/v_scale [L, K, P, S] or (static) [L, K]. Returns [T, H, D] in q.dtype; padding tokens output 0.
 
     Rows with exactly one new token (the decode rows of a mixed step) go through the decode
     kernel (pallas_kernels/paged_attention.py: 16-row tiles where the ragged kernel's are

@@ -110,13 +110,15 @@ def test_abort_frees_pages():
     assert alloc.num_free == alloc.num_usable
 
 
-@pytest.mark.parametrize("kv_dtype", ["auto", "fp8"])
-def test_pallas_attention_in_the_engine_matches_reference(alone_outputs, kv_dtype):
+@pytest.mark.parametrize("kv_dtype,kv_scales", [("auto", "static"), ("fp8", "static"),
+                                               ("fp8", "token")])
+def test_pallas_attention_in_the_engine_matches_reference(alone_outputs, kv_dtype, kv_scales):
     """The Pallas kernels (interpret mode here) wired through ops.py, inside the scanned
-    model, agree with the jnp reference path token for token."""
+    model, agree with the jnp reference path token for token (FP8 KV: both scale forms)."""
     prompts, alone = alone_outputs
+    kv = dict(kv_dtype=kv_dtype, kv_scales=kv_scales)
     ref = alone if kv_dtype == "auto" else [o.token_ids for o in run_staggered(
-        tiny_engine(kv_dtype=kv_dtype), prompts[:3], [GREEDY] * 3, [0, 0, 1])]
-    engine = tiny_engine(attention_impl="pallas", kv_dtype=kv_dtype)
+        tiny_engine(**kv), prompts[:3], [GREEDY] * 3, [0, 0, 1])]
+    engine = tiny_engine(attention_impl="pallas", **kv)
     outs = run_staggered(engine, prompts[:3], [GREEDY] * 3, [0, 0, 1])
     assert [o.token_ids for o in outs] == ref[:3]

@@ -1,10 +1,12 @@
 """The K/V write kernel (pallas_kernels/kv_write.py) against XLA's scatter
 (jaxinfer/kv_cache.py's write_kv): interpret mode on the CPU; the gpu-marked cases run the
 Triton kernel and check that the cache is updated in place (no copy in the compiled HLO)."""
+import dataclasses
 import re
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -15,11 +17,24 @@ from pallas_kernels import kv_write as kw
 ON_GPU = jax.default_backend() == "gpu"
 
 
+STATIC = "fp8_static"   # FP8 KV with static per-(layer, kv head) scales
+
+
 def _case(rng, kv_heads, head_dim, dtype, tokens, layers=2, pages=12, page_size=16):
-    cache = KVCache.allocate(layers, kv_heads, pages, page_size, head_dim, dtype)
+    """A cache with stale contents, new K/V and slots. STATIC: FP8 with static scales small
+    enough that some of the new K values (|k| up to ~100) saturate at +-448 codes."""
+    scales = None
+    if dtype == STATIC:
+        dtype = FP8_DTYPE
+        scales = tuple(rng.uniform(0.01, 0.05, (layers, kv_heads)) for _ in range(2))
+    cache = KVCache.allocate(layers, kv_heads, pages, page_size, head_dim, dtype, scales)
     # stale contents, so a write that lands in the wrong place or misses one shows
-    cache = jax.tree_util.tree_map(
-        lambda x: jnp.asarray(rng.uniform(-2, 2, x.shape), jnp.float32).astype(x.dtype), cache)
+    def stale(x):
+        return jnp.asarray(rng.uniform(-2, 2, x.shape), jnp.float32).astype(x.dtype)
+    cache = dataclasses.replace(
+        cache, k=stale(cache.k), v=stale(cache.v),
+        **({} if scales is not None or cache.k_scale is None else
+           dict(k_scale=stale(cache.k_scale), v_scale=stale(cache.v_scale))))
     k = jnp.asarray(rng.standard_normal((tokens, kv_heads, head_dim))
                     * rng.uniform(0.01, 30, (tokens, kv_heads, 1)), jnp.bfloat16)
     v = jnp.asarray(rng.standard_normal((tokens, kv_heads, head_dim)), jnp.bfloat16)
@@ -41,7 +56,7 @@ def _equal(a: KVCache, b: KVCache, exact: bool):
 
 @pytest.mark.parametrize("kv_heads,head_dim,dtype,tokens", [
     (8, 128, FP8_DTYPE, 7), (3, 64, FP8_DTYPE, 5), (3, 64, jnp.bfloat16, 6),
-    (4, 32, jnp.float32, 4), (1, 16, FP8_DTYPE, 3)])
+    (4, 32, jnp.float32, 4), (1, 16, FP8_DTYPE, 3), (8, 128, STATIC, 6), (3, 64, STATIC, 5)])
 def test_kernel_matches_scatter(kv_heads, head_dim, dtype, tokens):
     rng = np.random.default_rng(kv_heads * 100 + head_dim + tokens)
     cache, k, v, slots = _case(rng, kv_heads, head_dim, dtype, tokens)
@@ -49,6 +64,23 @@ def test_kernel_matches_scatter(kv_heads, head_dim, dtype, tokens):
         want = write_kv(cache, jnp.int32(layer), k, v, slots)
         got = kw.write_kv(cache, jnp.int32(layer), k, v, slots, interpret=not ON_GPU)
         _equal(got, want, exact=not ON_GPU)
+        if dtype == STATIC:   # the scales stay; values past them saturate (not NaN)
+            np.testing.assert_array_equal(np.asarray(got.k_scale), np.asarray(cache.k_scale))
+            codes = np.abs(np.asarray(got.k[layer].astype(jnp.float32)))
+            assert np.isfinite(codes).all() and (codes == 448).any()
+
+
+def test_static_quantization_matches_numpy():
+    """The reference write's static codes: round(x / scale) in e4m3, clipped at +-448."""
+    rng = np.random.default_rng(5)
+    cache, k, v, slots = _case(rng, 3, 64, STATIC, 6)
+    got = write_kv(cache, jnp.int32(1), k, v, slots)
+    s = np.asarray(cache.k_scale)[1]
+    for t in np.flatnonzero(np.asarray(slots) >= 0):
+        page, slot = divmod(int(slots[t]), 16)
+        want = np.clip(np.asarray(k[t], np.float32) / s[:, None], -448, 448)
+        want = want.astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
+        np.testing.assert_array_equal(np.asarray(got.k[1, :, page, slot], np.float32), want)
 
 
 def test_ops_route_and_errors():
@@ -62,7 +94,7 @@ def test_ops_route_and_errors():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [FP8_DTYPE, jnp.bfloat16])
+@pytest.mark.parametrize("dtype", [FP8_DTYPE, jnp.bfloat16, STATIC])
 def test_gpu_8b_shape_in_place(dtype):
     """Llama-3-8B's kv heads at the throughput run's 256 decode rows; inside a jit that owns
     the (donated) cache the kernel's aliased outputs must not cost a copy of the cache."""
@@ -93,7 +125,8 @@ def _rope_case(rng, num_heads, kv_heads, head_dim, dtype, tokens):
     (32, 8, 128, FP8_DTYPE, 7, False), (32, 8, 128, jnp.bfloat16, 5, False),
     (9, 3, 64, jnp.bfloat16, 6, False), (9, 3, 64, FP8_DTYPE, 4, False),
     (4, 4, 32, jnp.float32, 3, False), (40, 8, 128, FP8_DTYPE, 5, True),
-    (9, 3, 64, jnp.bfloat16, 4, True)])
+    (9, 3, 64, jnp.bfloat16, 4, True), (32, 8, 128, STATIC, 5, False),
+    (9, 3, 64, STATIC, 4, True)])
 def test_rope_kernel_matches_reference(num_heads, kv_heads, head_dim, dtype, tokens, bias):
     """RoPE + K/V write in one kernel against model.apply_rope + XLA's scatter: the cache
     (codes, scales, untouched slots) and the rotated q; padding tokens (slot -1) write
@@ -115,7 +148,7 @@ def test_rope_kernel_matches_reference(num_heads, kv_heads, head_dim, dtype, tok
 
 
 @pytest.mark.parametrize("num_heads,kv_heads,head_dim,dtype,bias", [
-    (32, 8, 128, FP8_DTYPE, False), (9, 3, 64, jnp.bfloat16, True)])
+    (32, 8, 128, FP8_DTYPE, False), (9, 3, 64, jnp.bfloat16, True), (32, 8, 128, STATIC, True)])
 def test_rope_kernel_applies_product_scales(num_heads, kv_heads, head_dim, dtype, bias):
     """An unscaled FP8 tensor-core product with its per-token and per-channel scales (the
     fused FP8 layer's QKV): the kernel applies them (and the bias after them) as

@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 
 from jaxinfer.errors import ConfigError
-from jaxinfer.kv_cache import FP8_DTYPE, quantize_fp8
+from jaxinfer.kv_cache import FP8_DTYPE, quantize_fp8, quantize_static
 from pallas_kernels.paged_attention import (paged_attention, paged_attention_blocks,
                                             paged_attention_reference)
 from pallas_kernels.tuning import DecodeBlocks
@@ -54,13 +54,26 @@ def row_rel_err(out, ref):
 
 
 def make_cache(rng, page_size, head_dim, kv_dtype, num_pages):
-    """Random K/V pages [L, K, P, S, D] (+ per-token-head scales for FP8) and the bf16
-    originals the FP8 pages were quantized from."""
+    """Random K/V pages [L, K, P, S, D] (+ per-token-head scales for "fp8"; for "fp8s"
+    static per (layer, kv head) ones, each head with its own K and V magnitudes and the
+    scale its amax / 448) and the bf16 originals the FP8 pages were quantized from."""
     shape = (LAYERS, KV_HEADS, num_pages, page_size, head_dim)
-    k = jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
-    v = jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
+    static = kv_dtype == "fp8s"
+    heads = shape[:2] + (1, 1, 1)
+    k_mag = 10.0 ** rng.uniform(-1, 0.5, heads) if static else 1.0
+    v_mag = 10.0 ** rng.uniform(-2, 2, heads) if static else 1.0
+    k = jnp.asarray(rng.standard_normal(shape) * k_mag, jnp.bfloat16)
+    v = jnp.asarray(rng.standard_normal(shape) * v_mag, jnp.bfloat16)
     if kv_dtype == "fp8":
         (kq, ks), (vq, vs) = quantize_fp8(k), quantize_fp8(v)
+        return (kq, vq, ks, vs), (k, v)
+    if static:
+        def quant(x):     # kv_cache.quantize_static per (layer, kv head)
+            scale = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=(2, 3, 4)) / 448
+            codes = [jnp.moveaxis(quantize_static(jnp.moveaxis(x[i], 0, -2), scale[i]), -2, 0)
+                     for i in range(LAYERS)]
+            return jnp.stack(codes), scale
+        (kq, ks), (vq, vs) = quant(k), quant(v)
         return (kq, vq, ks, vs), (k, v)
     dt = jnp.float32 if kv_dtype == "f32" else jnp.bfloat16
     return (k.astype(dt), v.astype(dt), None, None), (k, v)
@@ -130,6 +143,8 @@ GRID = [
     (32, 8, 128, "fp8", 32, 1, HF, 1), (16, 3, 64, "bf16", 16, 2, BF, 0),
     (8, 4, 64, "f32", 16, 2, BF, 1), (8, 4, 128, "fp8", 32, 2, PR, 1),
     (16, 8, 64, "fp8", 16, 1, PR, 0), (32, 1, 128, "fp8", 64, 3, PR, 1),
+    (16, 4, 128, "fp8s", 32, 2, PR, 1), (8, 8, 64, "fp8s", 16, 1, HF, 0),
+    (32, 1, 128, "fp8s", 64, 3, BF, 1),
 ]
 
 

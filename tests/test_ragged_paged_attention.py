@@ -56,6 +56,8 @@ GRID = [
     (8, 8, 128, "fp8", 16, 16, [20, 2], 24, HF, 2),
     (32, 1, 64, "bf16", 16, 64, [33, 1], 40, BF, 3),
     (16, 4, 128, "fp8", 8, 32, [9, 1, 14], 28, PR, 3),
+    (8, 4, 64, "fp8s", 4, 16, [5, 1, 9], 16, HF, 1),      # static FP8 scales
+    (16, 4, 128, "fp8s", 8, 32, [9, 1, 14], 28, PR, 3),
 ]
 
 
@@ -100,13 +102,14 @@ def test_split_kernel_matches_reference(page_size, groups, head_dim, kv_dtype, b
 
 
 @pytest.mark.parametrize("interpret", MODES)
-def test_public_entry_splits_long_context(interpret, monkeypatch):
+@pytest.mark.parametrize("kv_dtype", ["fp8", "fp8s"])
+def test_public_entry_splits_long_context(kv_dtype, interpret, monkeypatch):
     """The split rule on a small grid over a long context (RAGGED_MIN_SPLIT_TOKENS lowered):
     the public entry splits the chunk's rows, sends the decode rows to the decode kernel and
-    zeroes the padding tokens, matching the reference."""
+    zeroes the padding tokens, matching the reference (per-token and static FP8 scales)."""
     monkeypatch.setattr(tuning, "RAGGED_MIN_SPLIT_TOKENS", 16)
     q_lens = [1, 6, 0, 5]
-    q, (k, v, ks, vs), md = make_ragged(40, 16, 4, 128, "fp8", q_lens, 16)
+    q, (k, v, ks, vs), md = make_ragged(40, 16, 4, 128, kv_dtype, q_lens, 16)
     blocks = tuning.ragged_blocks(1, 128, 16, 16, k.shape[1], md.page_table.shape[1] * 16)
     assert blocks.num_splits > 1
     args = (q, k, v, jnp.int32(1), md, ks, vs)

@@ -1,4 +1,4 @@
-"""What the FP8 decode kernel's per-token K/V scales cost: a timing bound, not a kernel.
+"""What the FP8 decode kernel's per-token K/V scales cost: a timing bound, and the static form.
 
 FP8 KV carries one f32 scale per (layer, kv head, page slot) for K and for V (3% of the bytes
 at head dim 128) and the kernel loads them, multiplies the logits by K's and weighs p by V's
@@ -7,7 +7,9 @@ head) would fold both into constants (K's into the logit scale, V's into the out
 probe times the tuned FP8 decode kernel as it is against the same kernel traced with its scale
 refs dropped (`pallas_kernels.paged_attention.kernel_refs` patched to hand the kernel None for
 them: no scale loads, no scale math; the results are then wrong by design, so no error is
-reported for that variant), and bf16 KV for the ratio issue 3 asks about. Device time
+reported for that variant), the kernel on a cache with static scales (`fp8_static`, one per
+kv head: the engine's default since it was built, which should time as the bound), and bf16
+KV for the ratio issue 3 asks about. Device time
 (bench.profile.device_seconds) over R disjoint page tables (bench.kernels.make_case), the
 variants interleaved over rounds, the median kept.
 
@@ -59,11 +61,13 @@ def main(argv=None) -> None:
     rows = []
     for shape in args.shapes.split(","):
         batch, context = map(int, shape.split("x"))
-        cases = {fp8: make_case(batch, context, fp8, jax.random.PRNGKey(0)) for fp8 in
-                 (True, False)}
-        variants = {"fp8": (True, False), "fp8_no_scales": (True, True), "bf16": (False, False)}
-        fns = {name: compiled(batch, context, fp8, cases[fp8], drop)
-               for name, (fp8, drop) in variants.items()}
+        cases = {kind: make_case(batch, context, kind != "bf16", jax.random.PRNGKey(0),
+                                 static=kind == "static")
+                 for kind in ("token", "static", "bf16")}
+        variants = {"fp8": ("token", False), "fp8_no_scales": ("token", True),
+                    "fp8_static": ("static", False), "bf16": ("bf16", False)}
+        fns = {name: compiled(batch, context, kind != "bf16", cases[kind], drop)
+               for name, (kind, drop) in variants.items()}
         if not GPU:   # a smoke run: every variant compiles and runs once
             for name, fn in fns.items():
                 q, k, v, (ks, vs), tables, lens = cases[variants[name][0]]
@@ -79,18 +83,20 @@ def main(argv=None) -> None:
         samples = interleaved_us({name: run(name) for name in fns}, args.rounds)
         med = {name: statistics.median(s) for name, s in samples.items()}
         for name, us in med.items():
-            fp8 = variants[name][0]
+            kind = variants[name][0]
+            nbytes = bytes_moved(batch, context, kind != "bf16", kind == "static")
             rows.append(dict(batch=batch, context=context, variant=name,
                              us_device=round(us, 1),
                              us_rounds=[round(x, 1) for x in samples[name]],
-                             TBps=round(bytes_moved(batch, context, fp8) / us / 1e6, 3),
+                             TBps=round(nbytes / us / 1e6, 3),
                              bf16_over_this=round(med["bf16"] / us, 3)))
             print(rows[-1], flush=True)
     if GPU:
         write_probe(args.out or os.path.join(os.environ.get("OUT", "."), "kv_scales.json"),
                     "kv_scales", args.git, argv, rows,
                     note="fp8_no_scales is a timing bound (scales ignored: wrong results by "
-                         "design); TBps counts the FP8 bytes with scales for both FP8 variants")
+                         "design); TBps counts the FP8 bytes with per-token scales for fp8 "
+                         "and fp8_no_scales, without for fp8_static")
 
 
 if __name__ == "__main__":

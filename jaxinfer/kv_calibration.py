@@ -1,0 +1,81 @@
+"""Static FP8 KV scales (EngineConfig.kv_scales = "static"): one scale per layer and kv head for
+K and one for V, calibrated when the runner starts (kv_cache.py says what the kernels gain).
+
+Calibration: one forward of CALIBRATION_TOKENS pseudo-random token ids (a fixed seed, so the
+same weights give the same scales at every start) through the model itself, with an
+unquantized cache in the activations' dtype and the runner's attention; each layer's and kv
+head's amax of the K (after RoPE, as the cache holds it) and V written there, times HEADROOM,
+is mapped to e4m3's 448. Values past it saturate at +-448 (kv_cache.quantize_static).
+
+Why random ids and a headroom of 4 (CPU, SmolLM2 bf16, 512 calibration tokens against the
+4,096 tokens of pydoc_data text tests/test_fp8_quality.py scores): the text's per-head amax
+exceeded the random ids' by at most 1.64x for K and 2.08x for V (median 1.11x / 1.22x);
+standard-library docstrings (checkpoints/calibrate.py's text) did only a little better, 1.34x
+/ 1.55x, and need a tokenizer the runner does not have. RoPE can also lift an element of a
+rotating pair up to the pair's norm (up to sqrt 2) at positions the calibration did not reach.
+Headroom costs e4m3 (a float: 3 mantissa bits at any magnitude in its normal range) nothing
+but the bottom of that range: elements under ~1.4e-4 of the head's amax (2^-6 codes at this
+scale) go subnormal and lose mantissa bits, and they weigh next to nothing in q.k or p.v.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxinfer.kv_cache import FP8_MAX, KVCache, KVLayers, single_sequence_metadata
+
+CALIBRATION_TOKENS = 512
+HEADROOM = 4.0
+SEED = 0
+
+
+def calibration_ids(vocab_size: int, n: int = CALIBRATION_TOKENS) -> np.ndarray:
+    """The calibration forward's token ids: n pseudo-random ids, the same every call."""
+    return np.random.default_rng(SEED).integers(0, vocab_size, n).astype(np.int32)
+
+
+def head_amax(kv: KVCache | KVLayers) -> tuple[jax.Array, jax.Array]:
+    """Each layer's and kv head's largest |K| and |V| in the cache: ([L, K], [L, K]) f32."""
+    caches = kv.layers if isinstance(kv, KVLayers) else (kv,)
+
+    def amax(x):
+        return jnp.max(jnp.abs(x.astype(jnp.float32)), axis=(2, 3, 4))
+
+    return (jnp.concatenate([amax(c.k) for c in caches]),
+            jnp.concatenate([amax(c.v) for c in caches]))
+
+
+def scales_from_amax(amax) -> np.ndarray:
+    """Static scales from calibrated amax: amax x HEADROOM maps to 448 (a zero amax, a head
+    that wrote only zeros, gets a tiny positive scale, so its codes are zeros)."""
+    return (np.maximum(np.asarray(amax, np.float32) * HEADROOM, 1e-12) / FP8_MAX
+            ).astype(np.float32)
+
+
+def calibrate(forward, allocate, vocab_size: int, page_size: int
+              ) -> tuple[np.ndarray, np.ndarray]:
+    """(k_scale, v_scale) [L, K] f32. forward(kv, tokens, md) -> the cache after the model
+    wrote the tokens' K/V; allocate(num_pages) -> an empty unquantized cache of that many
+    pages (page 0 reserved, as the pool's), laid out as the model wants it."""
+    ids = calibration_ids(vocab_size)
+    pages = -(-len(ids) // page_size)
+    md = single_sequence_metadata(np.arange(len(ids)), np.arange(1, pages + 1), page_size,
+                                  pages)
+    kv = forward(allocate(pages + 1), jnp.asarray(ids), md)
+    k_amax, v_amax = jax.device_get(head_amax(kv))
+    return scales_from_amax(k_amax), scales_from_amax(v_amax)
+
+
+def model_forward(graphdef, attn_impl: str, params, kv_sharding=None):
+    """A forward(kv, tokens, md) -> kv for calibrate(): the model's own step without logits
+    (jitted; the cache is donated)."""
+    from jaxinfer.runner import _forward_hidden
+
+    def fn(params, kv, tokens, md):
+        return _forward_hidden(graphdef, attn_impl, params, kv, tokens, md, kv_sharding)[2]
+
+    jitted = jax.jit(fn, donate_argnums=(1,))
+    return functools.partial(jitted, params)
