@@ -261,10 +261,13 @@ def tune(key, shapes=TUNE_SHAPES, kv=(False, True), tiles=TUNE_CANDIDATES,
 
 
 def _tune_once(key, shapes, kv, tiles, split_choices, fp8_computes, prefetch) -> None:
+    """kv: the KV forms to time: False (bf16), True (FP8, per-token scales), "static" (FP8,
+    static scales)."""
     cands = tiles
     for batch, context in shapes:
-        for fp8 in kv:
-            case = make_case(batch, context, fp8, key)
+        for form in kv:
+            fp8, static = bool(form), form == "static"
+            case = make_case(batch, context, fp8, key, static=static)
             base = tuned_blocks(batch, context, fp8)
             splits = sorted(split_choices or {base.num_splits, 2 * base.num_splits
                                               if batch == 1 else base.num_splits})
@@ -272,11 +275,11 @@ def _tune_once(key, shapes, kv, tiles, split_choices, fp8_computes, prefetch) ->
             for (tok, warps, stages), n, comp, pre in itertools.product(cands, splits,
                                                                          computes, prefetch):
                 blk = tuning.DecodeBlocks(tok, n, warps, stages, comp, pre)
-                label = f"TUNE B={batch} S={context} fp8={fp8} {blk}"
+                label = f"TUNE B={batch} S={context} fp8={fp8}{' static' * static} {blk}"
                 try:
                     fn = impls(fp8, blk, tuned=False)["jaxinfer"]
                     sec, dev = time_impl(fn, case)
-                    nbytes = bytes_moved(batch, context, fp8)
+                    nbytes = bytes_moved(batch, context, fp8, static)
                     busy = "" if dev is None else (f" device {dev * 1e6:.1f}us "
                                                    f"{nbytes / dev / 1e12:.2f}TB/s")
                     print(f"{label} {sec * 1e6:.1f}us {nbytes / sec / 1e12:.2f}TB/s{busy}",
@@ -304,8 +307,9 @@ def main(argv=None) -> None:
                                                      for x in t.split(",")],
                     default=list(TUNE_SHAPES), help="BxS,... the --tune sweep times "
                                                     "(default 64x2048,1x32768,256x2048)")
-    ap.add_argument("--tune-kv", choices=("both", "bf16", "fp8"), default="both",
-                    help="KV dtypes the --tune sweep times")
+    ap.add_argument("--tune-kv", choices=("both", "bf16", "fp8", "fp8-static"), default="both",
+                    help="KV forms the --tune sweep times (both: bf16 and FP8 with per-token "
+                         "scales; fp8-static: FP8 with static scales)")
     ap.add_argument("--tune-tiles", type=lambda t: [tuple(map(int, x.split("x")))
                                                     for x in t.split(",")],
                     default=list(TUNE_CANDIDATES),
@@ -331,8 +335,8 @@ def main(argv=None) -> None:
         ap.error(f"unknown impls {sorted(set(args.impls) - set(IMPLS))}; known: {IMPLS}")
     key = jax.random.PRNGKey(0)
     if args.tune:
-        tune(key, args.tune_shapes, {"both": (False, True), "bf16": (False,),
-                                     "fp8": (True,)}[args.tune_kv], args.tune_tiles,
+        tune(key, args.tune_shapes, {"both": (False, True), "bf16": (False,), "fp8": (True,),
+                                     "fp8-static": ("static",)}[args.tune_kv], args.tune_tiles,
              args.tune_splits, args.tune_fp8_compute,
              tuple(bool(x) for x in args.tune_prefetch), args.tune_repeat)
         return        # a sweep only prints (it once went on to the whole default grid)

@@ -138,6 +138,35 @@ TARGET_PROGRAMS = 264
 MIN_SPLIT_TOKENS = int(os.environ.get("JAXINFER_MIN_SPLIT_TOKENS", "64"))
 
 
+# Unsplit FP8 decode grids of ONE_WAVE_PROGRAMS programs take these blocks instead: half the
+# warps and tokens of the table's, so 4 programs fit per SM (shared memory: 64 tokens x 2 x
+# 128 B x 3 stages = 48 KB) and up to 528 run in one wave, where the table's entry runs 2 per
+# SM (264) and a grid of 265-528 programs in two. H200, device us, static K/V scales,
+# `bench.kernels --tune` two passes, page-table prefetch on (bench/README.md, twenty-sixth
+# session): B=64 S=2048 (512 programs) 70.0 / 70.2 vs 72.0 / 72.0, B=48 57.8 / 57.9 vs
+# 65.1 / 65.2, B=40 55.6 / 55.6 vs 61.1 / 63.2, B=66 71.9 / 72.0 vs 74.1 / 74.1, B=64 S=1024
+# 38.2 / 38.5 vs 42.2 / 42.2, B=64 S=4096 130.0 / 131.3 vs 131.9 / 131.7; past one wave,
+# B=80 (640 programs) 112.7 / 114.7 vs 97.2 / 97.7 and B=256 274.6 vs 261.3. Per-token
+# scales, B=64 S=2048: 73.3 / 73.0 vs 76.9 / 76.6. Grids of <= 264 programs already run in
+# one wave and keep the table's entry (not timed with these blocks). Head dim 64 not timed.
+# JAXINFER_ONE_WAVE="LO,HI" overrides the window at import (A/B runs; "0,0" is off).
+ONE_WAVE_TABLE = {
+    (1, 128): (64, 2, 3, "f16pairs", True),
+}
+
+
+def _window(name: str, default: str) -> tuple[int, int]:
+    text = os.environ.get(name, default)
+    try:
+        lo, hi = (int(x) for x in text.split(","))
+    except ValueError:
+        raise ValueError(f"{name}={text!r}: want two whole numbers 'LO,HI'") from None
+    return lo, hi
+
+
+ONE_WAVE_PROGRAMS = _window("JAXINFER_ONE_WAVE", f"{TARGET_PROGRAMS + 1},528")
+
+
 def _pow2_floor(n: int) -> int:
     return 1 << (max(n, 1).bit_length() - 1)
 
@@ -151,11 +180,13 @@ def split_count(programs: int, max_tokens: int, min_split_tokens: int) -> int:
 
 def decode_blocks(batch: int, kv_heads: int, max_tokens: int, page_size: int,
                   itemsize: int, head_dim: int) -> DecodeBlocks:
-    tokens, warps, stages, fp8, *prefetch = DECODE_TABLE.get((itemsize, head_dim),
-                                                             (32, 4, 2, "bfloat16"))
-    tokens = max(tokens, page_size, 16)
     splits = split_count(batch * kv_heads, max_tokens, MIN_SPLIT_TOKENS)
-    return DecodeBlocks(tokens, splits, warps, stages, fp8, *prefetch)
+    lo, hi = ONE_WAVE_PROGRAMS
+    entry = DECODE_TABLE.get((itemsize, head_dim), (32, 4, 2, "bfloat16"))
+    if splits == 1 and lo <= batch * kv_heads <= hi:
+        entry = ONE_WAVE_TABLE.get((itemsize, head_dim), entry)
+    tokens, warps, stages, fp8, *prefetch = entry
+    return DecodeBlocks(max(tokens, page_size, 16), splits, warps, stages, fp8, *prefetch)
 
 
 def parse_ragged(text: str) -> tuple:
