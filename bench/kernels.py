@@ -8,7 +8,8 @@ FP8 KV rows carry `kv_scales`: `static` (one scale per kv head, the engine's def
 `jaxinfer` row) or `token` (one per token and kv head: every impl, and
 `jaxinfer_f16widen`, the tuned blocks with e4m3 tiles widened to f16, the earlier path).
 `jaxinfer` is the tuned blocks, FP8 read as u16 byte pairs; every FP8 jaxinfer row carries
-`vs_bf16_kv` (jaxinfer on bf16 KV of the same shape, same run / this). The check of the FP8 choice alone, ~2-3 minutes on an H200:
+`vs_bf16_kv` (jaxinfer on bf16 KV of the same shape, same run / this). The check of the FP8
+choice alone, ~2-3 minutes on an H200:
 
     python -m bench.kernels --batches 1,64 --contexts 2048,8192,32768 \
         --impls jaxinfer,jaxinfer_f16widen --no-write-kv --out /tmp/paged_attention_fp8.json

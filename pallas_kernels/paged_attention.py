@@ -2,8 +2,9 @@
 
 Cache layout (jaxinfer/kv_cache.py): k, v [L, K, P, S, D]; FP8 e4m3 KV carries f32 scales,
 one per page slot and kv head, k_scale/v_scale [L, K, P, S] (a token's K row is q8 * scale),
-or static, one per layer and kv head, [L, K] (applied once per program). The layer index is a traced scalar: the kernel
-reads the layer's pages in place, no slice of the cache is ever copied.
+or static, one per layer and kv head, [L, K] (applied once per program). The layer index is
+a traced scalar: the kernel reads the layer's pages in place, no slice of the cache is ever
+copied.
 
 Kernel: grid (B, K, splits), or (K, B, 1) with the rows longest first (LONGEST_FIRST_PROGRAMS,
 below). One program owns one sequence, one kv head and one split of the
@@ -299,9 +300,10 @@ def paged_attention(q, k_pages, v_pages, layer, seq_lens, page_table, k_scale=No
     traced); seq_lens [B] (0 = padded row, outputs zeros); page_table [B, pages_per_seq];
     k_scale/v_scale [L, K, P, S] (per token) or [L, K] (static) f32 for FP8 pages; rows
     (static): only the first `rows` rows are real, the rest padding (their seq_lens 0;
-    module doc). longest_first (static): the rows in grid order (False), longest first (True; unsplit grids only) or, None, longest
-    first within LONGEST_FIRST_PROGRAMS (the model: its layers' sorts of the same lengths
-    are one in the compiled step, XLA's CSE). Returns [B, H, D] in q.dtype.
+    module doc). longest_first (static): the rows in grid order (False), longest first
+    (True; unsplit grids only) or, None, longest first within LONGEST_FIRST_PROGRAMS (the
+    model: its layers' sorts of the same lengths are one in the compiled step, XLA's CSE).
+    Returns [B, H, D] in q.dtype.
     Block sizes come from pallas_kernels/tuning.py; shapes and dtypes are static (a new one
     recompiles)."""
     _, kv_heads, _, page_size, head_dim = k_pages.shape

@@ -220,7 +220,8 @@ def ragged_paged_attention(q, k_pages, v_pages, layer, md, k_scale=None, v_scale
                            sm_scale: float, interpret: bool = False) -> jax.Array:
     """Attention of T new tokens over the paged cache. q [T, H, D]; md: AttentionMetadata
     (positions, query_start, page_table, seq_lens used); k/v pages [L, K, P, S, D], FP8 with
-    k_scale/v_scale [L, K, P, S] or (static) [L, K]. Returns [T, H, D] in q.dtype; padding tokens output 0.
+    k_scale/v_scale [L, K, P, S] or (static) [L, K]. Returns [T, H, D] in q.dtype; padding
+    tokens output 0.
 
     Rows with exactly one new token (the decode rows of a mixed step) go through the decode
     kernel (pallas_kernels/paged_attention.py: 16-row tiles where the ragged kernel's are
