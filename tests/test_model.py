@@ -83,8 +83,8 @@ def test_unrolled_layers_equal_scanned(monkeypatch):
     runners = [ModelRunner(cfg, engine, *build_model(cfg, flat, jnp.float32, unroll_layers=u))
                for u in (False, True)]
     stacked_alloc = runner_mod.allocate_kv
-    monkeypatch.setattr(runner_mod, "allocate_kv", lambda c, e, layout: stacked_alloc(
-        c, e.replace(unroll_layers=False), layout))
+    monkeypatch.setattr(runner_mod, "allocate_kv", lambda c, e, layout, scales=None:
+                        stacked_alloc(c, e.replace(unroll_layers=False), layout, scales))
     runners.append(ModelRunner(cfg, engine, *build_model(cfg, flat, jnp.float32,
                                                          unroll_layers=True)))
     forms = [type(r.kv) for r in runners]
