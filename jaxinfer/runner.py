@@ -275,9 +275,10 @@ class ModelRunner:
                               f"tensor_parallel={engine.tensor_parallel}: build them with "
                               f"params.build_model(..., layout=sharding.make_layout(cfg, tp))")
         kv_sharding = None if self.layout.mesh is None else self.layout.named(kv_spec(self.layout))
-        self.kv_scales = self._calibrate_kv(graphdef, kv_sharding)
+        # (k, v) [L, K] numpy f32 for FP8 KV with static scales (kv_calibration.py), else None
+        self.static_kv_scales = self._calibrate_kv(graphdef, kv_sharding)
         with pool_oom_as_config_error(cfg, engine, "allocating the KV cache"):
-            self.kv = allocate_kv(cfg, self.engine, self.layout, self.kv_scales)
+            self.kv = allocate_kv(cfg, self.engine, self.layout, self.static_kv_scales)
         self._rng = jax.random.key(engine.seed)
         self._num_steps = 0
         self._step_fn = jax.jit(functools.partial(_packed_step, graphdef, self.attn_impl,

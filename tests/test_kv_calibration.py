@@ -50,7 +50,7 @@ def test_runner_calibrates_the_pool():
     engine = tiny_engine(kv_dtype="fp8")             # static scales: the default
     runner = engine.runner
     cfg = runner.cfg
-    ks, vs = runner.kv_scales
+    ks, vs = runner.static_kv_scales
     assert ks.shape == vs.shape == (cfg.num_layers, cfg.num_kv_heads)
     assert runner.kv.static_scales
     np.testing.assert_array_equal(np.asarray(runner.kv.k_scale), ks)
@@ -60,9 +60,9 @@ def test_runner_calibrates_the_pool():
     np.testing.assert_allclose(ks, k_amax * kc.HEADROOM / 448, rtol=1e-5)
     np.testing.assert_allclose(vs, v_amax * kc.HEADROOM / 448, rtol=1e-5)
     token = tiny_engine(kv_dtype="fp8", kv_scales="token").runner
-    assert token.kv_scales is None and not token.kv.static_scales
+    assert token.static_kv_scales is None and not token.kv.static_scales
     assert token.kv.k_scale.shape == token.kv.k.shape[:-1]
-    assert tiny_engine().runner.kv_scales is None                # unquantized KV
+    assert tiny_engine().runner.static_kv_scales is None         # unquantized KV
 
 
 def test_static_scales_follow_the_layer_form():
