@@ -10,13 +10,16 @@ same quantized FP8 cache in f32; e4m3 widens to bf16 and f16 exactly, so the ker
 extra rounding is q and p in the compute dtype for the tensor cores (bf16 ~2^-9, f16 ~2^-12
 relative) and the bf16 output, the same as for bf16 KV. FP8 cases run each compute choice
 (DecodeBlocks.fp8_compute; f16pairs, the f16 numerics on K/V read as byte pairs, is the
-decode default at head dim 128). The scale stress cases (per-token magnitudes 1e-3..1e3, e4m3
-values at 448, |q| from 1e-6 to 2e5) use f32 q, so the output is not rounded to bf16, and
-check every sequence's own relative error: the f16 path < 4e-3 (it reaches ~3e-4 on them;
-without its max-scale normalization of p * v_scale the wide-V cases give ~7e-3, and q
-clipped to f16's range instead of normalized gives ~1e3 at |q| = 2e5 and ~1.2e-2 at 1e-6;
-bf16 widening ~2.3e-3). What FP8 costs against unquantized KV (3 mantissa bits, ~2^-4 per
-element, averaged over the context) is checked separately at 8e-2.
+decode default at head dim 128). "fp8s" cases carry static scales, one per layer and kv head
+(the engine's default form; each head at its own K and V magnitude), at the same tolerance:
+the kernel applies them once per program, the reference per element. The scale stress cases
+(per-token magnitudes 1e-3..1e3, e4m3 values at 448, |q| from 1e-6 to 2e5) use f32 q, so the
+output is not rounded to bf16, and check every sequence's own relative error: the f16 path <
+4e-3 (it reaches ~3e-4 on them; without its max-scale normalization of p * v_scale the
+wide-V cases give ~7e-3, and q clipped to f16's range instead of normalized gives ~1e3 at
+|q| = 2e5 and ~1.2e-2 at 1e-6; bf16 widening ~2.3e-3). What FP8 costs against unquantized KV
+(3 mantissa bits, ~2^-4 per element, averaged over the context) is checked separately at
+8e-2.
 """
 import functools
 import re
