@@ -35,6 +35,7 @@ import jax
 import numpy as np
 
 from bench import ceilings as ceilings_mod
+from jaxinfer.runner import kv_page_bytes
 from pallas_kernels import paged_attention as pa
 from pallas_kernels import tuning
 from bench.common import (burst, decode_input, dtype_name, fill_kv, load_runner, new_result,
@@ -61,12 +62,10 @@ def weight_bytes(params, cfg, batch: int) -> int:
     return total
 
 
-def kv_bytes_per_token(cfg, kv) -> int:
+def kv_bytes_per_token(cfg, engine) -> int:
     """K and V of one token over all layers (+ FP8 per-token-head scales, if the pool has
-    them)."""
-    per_head = cfg.head_dim * kv.dtype.itemsize + (4 if kv.is_fp8 and not kv.static_scales
-                                                   else 0)
-    return cfg.num_layers * 2 * cfg.num_kv_heads * per_head
+    them): runner.kv_page_bytes per slot."""
+    return kv_page_bytes(cfg, engine) // engine.page_size
 
 
 def step_flops(cfg, batch: int, context: int) -> int:
@@ -83,7 +82,7 @@ def measure_case(runner, cfg, model: str, batch: int, context: int, ceil: dict,
     device = pipelined_step_s(runner, inp, reps)
     dispatch = statistics.median(burst(runner, inp, 8)[0] / 8 for _ in range(3))
     nbytes = (weight_bytes(runner.params, cfg, batch)
-              + batch * (context + 1) * kv_bytes_per_token(cfg, runner.kv))
+              + batch * (context + 1) * kv_bytes_per_token(cfg, runner.engine))
     flops = step_flops(cfg, batch, context)
     byte_floor = nbytes / (ceil["read_TBps"] * 1e12)
     ref_floor = nbytes / (REF_READ_TBPS * 1e12)

@@ -3,7 +3,8 @@ K and one for V, calibrated when the runner starts (kv_cache.py says what the ke
 
 Calibration: one forward of CALIBRATION_TOKENS pseudo-random token ids (a fixed seed, so the
 same weights give the same scales at every start) through the model itself, with an
-unquantized cache in the activations' dtype and the runner's attention; each layer's and kv
+unquantized cache in the activations' dtype, through the runner's own teacher-forcing
+program (its attention; the logits it also computes are dropped); each layer's and kv
 head's amax of the K (after RoPE, as the cache holds it) and V written there, times HEADROOM,
 is mapped to e4m3's 448. Values past it saturate at +-448 (kv_cache.quantize_static).
 
@@ -23,13 +24,12 @@ against 1.0274x per-token (bench/README.md, twenty-sixth session).
 """
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer.kv_cache import FP8_MAX, KVCache, KVLayers, single_sequence_metadata
+from jaxinfer.kv_cache import (FP8_DTYPE, FP8_MAX, KVCache, KVLayers,
+                               single_sequence_metadata)
 
 CALIBRATION_TOKENS = 512
 HEADROOM = 4.0
@@ -73,13 +73,16 @@ def calibrate(forward, allocate, vocab_size: int, page_size: int
     return scales_from_amax(k_amax), scales_from_amax(v_amax)
 
 
-def model_forward(graphdef, attn_impl: str, params, kv_sharding=None):
-    """A forward(kv, tokens, md) -> kv for calibrate(): the model's own step without logits
-    (jitted; the cache is donated)."""
-    from jaxinfer.runner import _forward_hidden
+def engine_scales(cfg, engine, layout, forward):
+    """The engine's static scales (k, v) [L, K], or None when its pool is not FP8 with static
+    scales. forward(kv, tokens, md) -> kv: the runner's teacher-forcing executable (the
+    model's forward and logits; the calibration cache is laid out as the pool is, in the
+    activations' dtype)."""
+    from jaxinfer.runner import allocate_kv, kv_dtype_for
+    if kv_dtype_for(engine) != FP8_DTYPE or engine.kv_scales != "static":
+        return None
 
-    def fn(params, kv, tokens, md):
-        return _forward_hidden(graphdef, attn_impl, params, kv, tokens, md, kv_sharding)[2]
+    def allocate(pages):
+        return allocate_kv(cfg, engine.replace(kv_dtype="auto", num_pages=pages), layout)
 
-    jitted = jax.jit(fn, donate_argnums=(1,))
-    return functools.partial(jitted, params)
+    return calibrate(forward, allocate, cfg.vocab_size, engine.page_size)

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxinfer import sampling
+from jaxinfer import kv_calibration, sampling
 from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.errors import ConfigError
 from jaxinfer.kv_cache import FP8_DTYPE, AttentionMetadata, KVCache, KVLayers
@@ -275,8 +275,13 @@ class ModelRunner:
                               f"tensor_parallel={engine.tensor_parallel}: build them with "
                               f"params.build_model(..., layout=sharding.make_layout(cfg, tp))")
         kv_sharding = None if self.layout.mesh is None else self.layout.named(kv_spec(self.layout))
+        self._logits_fn = jax.jit(functools.partial(_all_logits, graphdef, self.attn_impl,
+                                                    kv_sharding=kv_sharding),
+                                  donate_argnums=(1,))
         # (k, v) [L, K] numpy f32 for FP8 KV with static scales (kv_calibration.py), else None
-        self.static_kv_scales = self._calibrate_kv(graphdef, kv_sharding)
+        self.static_kv_scales = kv_calibration.engine_scales(
+            cfg, self.engine, self.layout,
+            lambda kv, tokens, md: self._logits_fn(self.params, kv, tokens, md)[0])
         with pool_oom_as_config_error(cfg, engine, "allocating the KV cache"):
             self.kv = allocate_kv(cfg, self.engine, self.layout, self.static_kv_scales)
         self._rng = jax.random.key(engine.seed)
@@ -285,26 +290,6 @@ class ModelRunner:
                                                   self._treedef, kv_sharding=kv_sharding),
                                 donate_argnums=(1, 2), static_argnames=("spec",))
         self._slots: dict = {}  # input signature -> its persistent input slot (_packed_step)
-        self._logits_fn = jax.jit(functools.partial(_all_logits, graphdef, self.attn_impl,
-                                                    kv_sharding=kv_sharding),
-                                  donate_argnums=(1,))
-
-    def _calibrate_kv(self, graphdef, kv_sharding):
-        """Static FP8 KV scales (k, v) [L, K] from a calibration forward (kv_calibration.py),
-        or None when the pool is not FP8 with static scales."""
-        engine = self.engine
-        if kv_dtype_for(engine) != FP8_DTYPE or engine.kv_scales != "static":
-            return None
-        from jaxinfer import kv_calibration
-
-        def allocate(pages):   # unquantized, in the activations' dtype, laid out as the pool
-            return allocate_kv(self.cfg, engine.replace(kv_dtype="auto", num_pages=pages),
-                               self.layout)
-
-        forward = kv_calibration.model_forward(graphdef, self.attn_impl, self.params,
-                                               kv_sharding)
-        return kv_calibration.calibrate(forward, allocate, self.cfg.vocab_size,
-                                        engine.page_size)
 
     def step(self, inp: StepInput | PackedInput) -> sampling.SampleOutput:
         """Run one step; returns the sampled tokens etc. as numpy (the one device->host sync)."""

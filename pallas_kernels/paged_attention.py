@@ -66,17 +66,8 @@ from pallas_kernels.attention_block import (MIN_ROWS, attend_block, block_pages,
 # The model asks for the window (longest_first=None); the kernel benchmark's calls keep the
 # grid order (False, the default).
 # JAXINFER_LONGEST_FIRST="LO,HI" overrides the window at import (A/B runs; "0,0" is off).
-def _window(text: str) -> tuple[int, int]:
-    try:
-        lo, hi = (int(x) for x in text.split(","))
-    except ValueError:
-        raise ConfigError(f"JAXINFER_LONGEST_FIRST={text!r}: want two whole numbers 'LO,HI' "
-                          "(programs; '0,0' turns the order off)") from None
-    return lo, hi
-
-
-LONGEST_FIRST_PROGRAMS = _window(os.environ.get("JAXINFER_LONGEST_FIRST",
-                                                f"{tuning.TARGET_PROGRAMS + 1},2048"))
+LONGEST_FIRST_PROGRAMS = tuning.env_window("JAXINFER_LONGEST_FIRST",
+                                           f"{tuning.TARGET_PROGRAMS + 1},2048")
 
 # Grids of at least this many programs read a sequence's last, partly filled block with
 # masked loads (attention_block.read_rows): the tokens past its length are not read. H200,

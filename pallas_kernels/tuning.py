@@ -72,6 +72,8 @@ from __future__ import annotations
 import dataclasses
 import os
 
+from jaxinfer.errors import ConfigError
+
 
 @dataclasses.dataclass(frozen=True)
 class DecodeBlocks:
@@ -155,16 +157,19 @@ ONE_WAVE_TABLE = {
 }
 
 
-def _window(name: str, default: str) -> tuple[int, int]:
+def env_window(name: str, default: str) -> tuple[int, int]:
+    """A program-count window (LO, HI) from environment variable `name` ("LO,HI"), else
+    from `default`: the A/B overrides of this module's and paged_attention's windows."""
     text = os.environ.get(name, default)
     try:
         lo, hi = (int(x) for x in text.split(","))
     except ValueError:
-        raise ValueError(f"{name}={text!r}: want two whole numbers 'LO,HI'") from None
+        raise ConfigError(f"{name}={text!r}: want two whole numbers 'LO,HI' (programs; "
+                          "'0,0' turns it off)") from None
     return lo, hi
 
 
-ONE_WAVE_PROGRAMS = _window("JAXINFER_ONE_WAVE", f"{TARGET_PROGRAMS + 1},528")
+ONE_WAVE_PROGRAMS = env_window("JAXINFER_ONE_WAVE", f"{TARGET_PROGRAMS + 1},528")
 
 
 def _pow2_floor(n: int) -> int:

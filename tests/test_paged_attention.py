@@ -357,12 +357,17 @@ def test_combine_kernel_matches_reference(splits, rows, batch, live):
     np.testing.assert_array_equal(got[~mask], 0.0)
 
 
-def test_longest_first_window_setting():
-    from pallas_kernels import paged_attention as pa
-    assert pa._window("265,2048") == (265, 2048)
+def test_longest_first_window_setting(monkeypatch):
+    from pallas_kernels import tuning
+    name = "JAXINFER_LONGEST_FIRST"
+    monkeypatch.delenv(name, raising=False)
+    assert tuning.env_window(name, "1,2") == (1, 2)
+    monkeypatch.setenv(name, "265,2048")
+    assert tuning.env_window(name, "1,2") == (265, 2048)
     for bad in ("0", "1,2,3", "a,b"):
+        monkeypatch.setenv(name, bad)
         with pytest.raises(ConfigError, match="JAXINFER_LONGEST_FIRST"):
-            pa._window(bad)
+            tuning.env_window(name, "1,2")
 
 
 @pytest.mark.parametrize("unroll,window,sorts", [(False, (1, 1 << 20), 1),
