@@ -19,9 +19,10 @@ from pallas_kernels.ragged_paged_attention import (ragged_paged_attention,
                                                    ragged_paged_attention_blocks)
 
 
-def make_chunks(seqs, fp8: bool, key):
+def make_chunks(seqs, fp8: bool, key, static: bool = False):
     """seqs: (cached tokens, new tokens) per sequence -> q [T, HQ, D], the cache (k, v, ks,
-    vs; one layer, pages in a random order) and AttentionMetadata, T = all new tokens."""
+    vs; one layer, pages in a random order; FP8 scales per token, or with `static` one per
+    kv head [1, K]) and AttentionMetadata, T = all new tokens."""
     ks = jax.random.split(key, 8)
     lens = [c + n for c, n in seqs]
     pps = -(-max(lens) // PAGE)
@@ -44,7 +45,8 @@ def make_chunks(seqs, fp8: bool, key):
     dt = FP8_DTYPE if fp8 else jnp.bfloat16
     k = jax.random.normal(ks[2], shape, jnp.bfloat16).astype(dt)
     v = jax.random.normal(ks[3], shape, jnp.bfloat16).astype(dt)
-    scales = ([jax.random.uniform(x, shape[:-1], jnp.float32, 0.5, 1.5) / 16 for x in ks[4:6]]
+    scale_shape = shape[:2] if static else shape[:-1]
+    scales = ([jax.random.uniform(x, scale_shape, jnp.float32, 0.5, 1.5) / 16 for x in ks[4:6]]
               if fp8 else [None, None])
     q = jax.random.normal(ks[6], (len(positions), HQ, D), jnp.bfloat16)
     return q, (k, v, *scales), md

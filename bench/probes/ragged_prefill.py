@@ -50,11 +50,11 @@ CASES = {"first": ((0, 1793),), "pair": ((440, 560), (0, 1000)),
     "hit50": ((36, 5),)}
 
 
-def make_case(seqs, fp8: bool, key):
-    """seqs: (cached tokens, new tokens) per sequence -> q [T, HQ, D], (k, v, ks, vs),
-    AttentionMetadata (bench.mixed_attention.make_chunks), and the causal (token, key) pair
-    count."""
-    q, cache, md = make_chunks(seqs, fp8, key)
+def make_case(seqs, fp8: bool, key, static: bool = False):
+    """seqs: (cached tokens, new tokens) per sequence -> q [T, HQ, D], (k, v, ks, vs; FP8
+    scales per token or `static`), AttentionMetadata (bench.mixed_attention.make_chunks), and
+    the causal (token, key) pair count."""
+    q, cache, md = make_chunks(seqs, fp8, key, static)
     return q, cache, md, sum(c + i + 1 for c, n in seqs for i in range(n))
 
 
@@ -75,7 +75,8 @@ def main(argv=None) -> None:
     ap.add_argument("--variants", default="tuned",
                     help="';'-separated variants (module docstring); default: tuned")
     ap.add_argument("--cases", default="first,pair")
-    ap.add_argument("--kv", default="fp8,bf16")
+    ap.add_argument("--kv", default="fp8,bf16",
+                    help="KV forms: fp8 (per-token scales), fp8s (static scales), bf16")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--calls", type=int, default=10, help="calls per timed batch")
     ap.add_argument("--once", action="store_true", help="three calls per variant, no timing")
@@ -88,9 +89,12 @@ def main(argv=None) -> None:
     scale = D ** -0.5
     rows = []
     for kv in args.kv.split(","):
-        fp8 = kv == "fp8"
+        if kv not in ("fp8", "fp8s", "bf16"):
+            raise SystemExit(f"--kv: {kv!r} is not one of fp8, fp8s, bf16")
+        fp8 = kv != "bf16"
         for case in args.cases.split(","):
-            q, (k, v, ks, vs), md, pairs = make_case(CASES[case], fp8, jax.random.PRNGKey(0))
+            q, (k, v, ks, vs), md, pairs = make_case(CASES[case], fp8, jax.random.PRNGKey(0),
+                                                     static=kv == "fp8s")
             flops = 4 * D * HQ * pairs
             fns = {}
             for text in variants:
