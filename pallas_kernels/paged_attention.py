@@ -84,23 +84,28 @@ LONGEST_FIRST_PROGRAMS = tuning.env_window("JAXINFER_LONGEST_FIRST",
 MASKED_LOADS_MIN_PROGRAMS = int(os.environ.get("JAXINFER_MASKED_LOADS", "2048"))
 
 
-def _decode_kernel(layer_ref, lens_ref, table_ref, order_ref, *refs, groups: int,
+def _decode_kernel(layer_ref, lens_ref, table_ref, order_ref, trows_ref, *refs, groups: int,
                    rows_q: int, pages_per_seq: int, split_tokens: int, blk,
                    num_kv_heads: int, num_pages: int, page_size: int, num_heads: int,
                    head_dim: int, batch: int, qk_scale: float, fp8: bool, static: bool,
                    cdt, pairs: bool, longest_first: bool, masked_loads: bool,
-                   interpret: bool):
+                   token_rows: bool, interpret: bool):
     # with pairs, q and the accumulator are (even, odd) halves (load_q, store_rows)
     q_ref, k_ref, v_ref, ks_ref, vs_ref, outs = kernel_refs(refs, fp8)
     if longest_first:   # grid (K, B, 1): a row's kv heads side by side, rows by rank
         h, b, s = pl.program_id(0), order_ref[pl.program_id(1)], pl.program_id(2)
     else:
         b, h, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    # token_rows: row b's q is token trows[b] of q (and its output goes there; -1: none)
+    tb = trows_ref[b] if token_rows else b
+    if token_rows and len(outs) == 2:
+        outs = outs[1:]                  # past the aliased output's input
     layer = layer_ref[0]
     ks_ref, vs_ref, k_factor, v_factor = static_factors(ks_ref, vs_ref, static, layer, h,
                                                         num_kv_heads)
     heads = h * groups + jnp.minimum(jnp.arange(rows_q, dtype=jnp.int32), groups - 1)
-    q, logit_scale = prepare_q(load_q(q_ref, b * num_heads + heads, pairs, head_dim), cdt,
+    q_row = jnp.maximum(tb, 0) if token_rows else b
+    q, logit_scale = prepare_q(load_q(q_ref, q_row * num_heads + heads, pairs, head_dim), cdt,
                                qk_scale)
     if k_factor is not None:
         logit_scale = logit_scale * k_factor
@@ -129,7 +134,13 @@ def _decode_kernel(layer_ref, lens_ref, table_ref, order_ref, *refs, groups: int
     if len(outs) == 1:
         inv = 1.0 / jnp.where(l > 0, l, 1.0)[:, None]
         out = tuple(a * inv for a in acc) if pairs else acc * inv
-        store_rows(outs[0], b * num_heads + heads, out, head_dim)
+        if not token_rows:
+            store_rows(outs[0], b * num_heads + heads, out, head_dim)
+            return
+
+        @pl.when(tb >= 0)
+        def _():
+            store_rows(outs[0], tb * num_heads + heads, out, head_dim)
     else:
         o_ref, m_ref, l_ref = outs
         flat = (s * batch + b) * num_heads + heads
@@ -151,19 +162,26 @@ COMBINE_CHUNK = 32    # splits the combine holds at once ([chunk, D] f32 per pro
 
 
 def _combine_kernel(*refs, splits: int, rows: int, num_heads: int, head_dim: int,
-                    live: bool):
+                    live: bool, token_rows: bool = False):
     """_combine for one (row, q head): acc [N * rows * H, D], m/l [N * rows * H] -> o row
     b * H + h. Rows >= `rows` (padding) get zeros; with `live` (the ragged kernel's split
     path) a first ref live [rows] i32 says which rows the partials cover, the others get
-    zeros."""
-    live_ref, (acc_ref, m_ref, l_ref, o_ref) = (refs[0], refs[1:]) if live else (None, refs)
+    zeros. With `token_rows` a first ref trows [rows] i32 names each row's output row
+    instead (-1: none written), into an output aliased to an input (its ref is skipped)."""
     b, h = pl.program_id(0), pl.program_id(1)
-    out_row = b * num_heads + h
-    real = (b < rows) if live_ref is None else (live_ref[b] != 0)
+    if token_rows:
+        trows_ref, acc_ref, m_ref, l_ref, _, o_ref = refs
+        out_row = jnp.maximum(trows_ref[b], 0) * num_heads + h
+        real = trows_ref[b] >= 0
+    else:
+        live_ref, (acc_ref, m_ref, l_ref, o_ref) = (refs[0], refs[1:]) if live else (None,
+                                                                                      refs)
+        out_row = b * num_heads + h
+        real = (b < rows) if live_ref is None else (live_ref[b] != 0)
 
-    @pl.when(jnp.logical_not(real))
-    def _():
-        o_ref[pl.ds(out_row, 1), :] = jnp.zeros((1, head_dim), o_ref.dtype)
+        @pl.when(jnp.logical_not(real))
+        def _():
+            o_ref[pl.ds(out_row, 1), :] = jnp.zeros((1, head_dim), o_ref.dtype)
 
     @pl.when(real)
     def _():
@@ -183,12 +201,21 @@ def _combine_kernel(*refs, splits: int, rows: int, num_heads: int, head_dim: int
 
 
 def combine_call(acc, m, l, *, splits: int, rows: int, batch: int, num_heads: int,
-                 head_dim: int, dtype, interpret: bool, live=None,
+                 head_dim: int, dtype, interpret: bool, live=None, token_rows=None, out=None,
                  name: str = "jaxinfer_paged_decode_combine"):
     """The split partials merged into [batch * H, D] (_combine_kernel); live [rows] (or
-    None): which rows the partials cover."""
+    None): which rows the partials cover. token_rows [rows] (with out [N * H, D]): row b's
+    result goes to out's row token_rows[b] (-1: nowhere), out updated in place, the rest of
+    it kept."""
     kernel = functools.partial(_combine_kernel, splits=splits, rows=rows, num_heads=num_heads,
-                               head_dim=head_dim, live=live is not None)
+                               head_dim=head_dim, live=live is not None,
+                               token_rows=token_rows is not None)
+    if token_rows is not None:
+        return pl.pallas_call(
+            kernel, grid=(rows, num_heads), interpret=interpret,
+            out_shape=jax.ShapeDtypeStruct(out.shape, out.dtype), input_output_aliases={4: 0},
+            name=name, **triton_params(interpret, 1, 1),
+        )(token_rows, acc, m, l, out)
     return pl.pallas_call(
         kernel, grid=(batch, num_heads), interpret=interpret,
         out_shape=jax.ShapeDtypeStruct((batch * num_heads, head_dim), dtype),
@@ -200,21 +227,27 @@ def paged_attention_blocks(q, k_pages, v_pages, layer, seq_lens, page_table, k_s
                            v_scale=None, *, sm_scale: float, interpret: bool = False,
                            blocks: tuning.DecodeBlocks, rows: int | None = None,
                            longest_first: bool | None = False,
-                           masked_loads: bool | None = None):
+                           masked_loads: bool | None = None, token_rows=None, out=None):
     """paged_attention with explicit block sizes (the benchmark's tuning and the tests);
     longest_first: the rows longest first (unsplit grids only; None: within
     LONGEST_FIRST_PROGRAMS, counting the real rows' programs); masked_loads: the last
     blocks' loads masked (None: from MASKED_LOADS_MIN_PROGRAMS, counting the grid's). Both
     rules are resolved here, outside the jit, so the compiled kernel's cache is keyed by
-    their outcome, not by the module settings at its first trace."""
+    their outcome, not by the module settings at its first trace. token_rows, out: see
+    paged_attention."""
     kv_heads = validate(q, k_pages, v_pages, k_scale, v_scale, interpret,
                         blocks.block_tokens)[0]
-    total = q.shape[0]
+    total = q.shape[0] if token_rows is None else token_rows.shape[0]
     if seq_lens.shape != (total,) or page_table.ndim != 2 or page_table.shape[0] != total:
         raise ConfigError(f"seq_lens {seq_lens.shape} / page_table {page_table.shape} do not "
                           f"match batch {total}")
     if rows is not None and not 0 < rows <= total:
         raise ConfigError(f"rows {rows}: want 1..{total} (q's rows)")
+    if (token_rows is None) != (out is None) or (token_rows is not None and (
+            rows is not None or token_rows.ndim != 1 or out.shape != q.shape)):
+        raise ConfigError(f"token_rows and out go together (token_rows [B], out of q's shape "
+                          f"{q.shape}, no rows); got {getattr(token_rows, 'shape', None)}, "
+                          f"{getattr(out, 'shape', None)}, rows {rows}")
     n = blocks.num_splits
     if longest_first is None:
         lo, hi = LONGEST_FIRST_PROGRAMS
@@ -225,7 +258,8 @@ def paged_attention_blocks(q, k_pages, v_pages, layer, seq_lens, page_table, k_s
                                    v_scale, sm_scale=sm_scale, interpret=interpret,
                                    blocks=blocks, rows=rows,
                                    longest_first=bool(longest_first and n == 1),
-                                   masked_loads=bool(masked_loads))
+                                   masked_loads=bool(masked_loads), token_rows=token_rows,
+                                   out=out)
 
 
 def _grid_rows(total: int, rows: int | None, splits: int) -> int:
@@ -239,10 +273,12 @@ def _grid_rows(total: int, rows: int | None, splits: int) -> int:
 def _paged_attention_blocks(q, k_pages, v_pages, layer, seq_lens, page_table, k_scale,
                             v_scale, *, sm_scale: float, interpret: bool,
                             blocks: tuning.DecodeBlocks, rows: int | None,
-                            longest_first: bool, masked_loads: bool):
+                            longest_first: bool, masked_loads: bool, token_rows=None,
+                            out=None):
     """paged_attention_blocks after its checks and rules: the kernel call."""
     _, kv_heads, num_pages, page_size, head_dim = k_pages.shape
-    total, num_heads, _ = q.shape
+    total, num_heads = seq_lens.shape[0], q.shape[1]
+    scatter = token_rows is not None
     n = blocks.num_splits
     batch = _grid_rows(total, rows, n)
     pages_per_seq = page_table.shape[1]
@@ -261,9 +297,19 @@ def _paged_attention_blocks(q, k_pages, v_pages, layer, seq_lens, page_table, k_
         qk_scale=float(sm_scale) * LOG2E, fp8=k_pages.dtype == FP8_DTYPE,
         static=k_scale is not None and is_static(k_scale),
         cdt=compute_dtype(k_pages.dtype, blocks.fp8_compute), pairs=pairs,
-        longest_first=longest_first, masked_loads=masked_loads, interpret=interpret)
+        longest_first=longest_first, masked_loads=masked_loads, token_rows=scatter,
+        interpret=interpret)
     heads_rows = batch * num_heads
-    if n == 1:
+    args = [jnp.asarray(layer, jnp.int32).reshape(1), lens,
+            page_table.astype(jnp.int32).reshape(-1), order,
+            token_rows.astype(jnp.int32) if scatter else jnp.zeros((1,), jnp.int32),
+            q.reshape(-1, head_dim), *cache_views(k_pages, v_pages, k_scale, v_scale, pairs)]
+    aliases = {}
+    if n == 1 and scatter:      # the rows' outputs written into out's token rows, in place
+        out_shape = (jax.ShapeDtypeStruct((q.shape[0] * num_heads, head_dim), q.dtype),)
+        aliases = {len(args): 0}
+        args.append(out.reshape(-1, head_dim))
+    elif n == 1:
         out_shape = (jax.ShapeDtypeStruct((heads_rows, head_dim), q.dtype),)
     else:
         ml = jax.ShapeDtypeStruct((n * heads_rows,), jnp.float32)
@@ -271,22 +317,23 @@ def _paged_attention_blocks(q, k_pages, v_pages, layer, seq_lens, page_table, k_
     grid = (kv_heads, batch, n) if longest_first else (batch, kv_heads, n)
     outs = pl.pallas_call(
         kernel, grid=grid, out_shape=out_shape, interpret=interpret,
+        input_output_aliases=aliases,
         **triton_params(interpret, blocks.num_warps, blocks.num_stages),
         name="jaxinfer_paged_decode" + ("_pairs" if pairs else ""),
-    )(jnp.asarray(layer, jnp.int32).reshape(1), lens,
-      page_table.astype(jnp.int32).reshape(-1), order, q.reshape(-1, head_dim),
-      *cache_views(k_pages, v_pages, k_scale, v_scale, pairs))
+    )(*args)
     if n == 1:
         return outs[0].reshape(q.shape)
-    out = combine_call(*outs, splits=n, rows=batch, batch=total, num_heads=num_heads,
-                       head_dim=head_dim, dtype=q.dtype, interpret=interpret)
-    return out.reshape(q.shape)
+    res = combine_call(*outs, splits=n, rows=batch, batch=total, num_heads=num_heads,
+                       head_dim=head_dim, dtype=q.dtype, interpret=interpret,
+                       token_rows=token_rows.astype(jnp.int32) if scatter else None,
+                       out=out.reshape(-1, head_dim) if scatter else None)
+    return res.reshape(q.shape)
 
 
 def paged_attention(q, k_pages, v_pages, layer, seq_lens, page_table, k_scale=None,
                     v_scale=None, *, sm_scale: float, interpret: bool = False,
-                    rows: int | None = None, longest_first: bool | None = False
-                    ) -> jax.Array:
+                    rows: int | None = None, longest_first: bool | None = False,
+                    token_rows=None, out=None) -> jax.Array:
     """Decode attention. q [B, H, D]; k/v pages [L, K, P, S, D]; layer int32 scalar (may be
     traced); seq_lens [B] (0 = padded row, outputs zeros); page_table [B, pages_per_seq];
     k_scale/v_scale [L, K, P, S] (per token) or [L, K] (static) f32 for FP8 pages; rows
@@ -295,15 +342,23 @@ def paged_attention(q, k_pages, v_pages, layer, seq_lens, page_table, k_scale=No
     (True; unsplit grids only) or, None, longest first within LONGEST_FIRST_PROGRAMS (the
     model: its layers' sorts of the same lengths are one in the compiled step, XLA's CSE).
     Returns [B, H, D] in q.dtype.
+    token_rows [B] int32 with out [T, H, D] (the ragged path's mixed step): q is [T, H, D],
+    a token array; row b reads token token_rows[b]'s q and writes its output into that
+    token's row of out (-1: row b writes nothing), out updated in place (aliased) and
+    returned; the other rows of out keep what they hold. This is how the decode rows of a
+    mixed step land in the ragged kernel's output without a gather of their q and a scatter
+    of their outputs (XLA's, ~4 + ~18 us per layer in a throughput-run mixed step with ~480
+    decode rows on the H200, twenty-seventh session).
     Block sizes come from pallas_kernels/tuning.py; shapes and dtypes are static (a new one
     recompiles)."""
     _, kv_heads, _, page_size, head_dim = k_pages.shape
-    blocks = tuning.decode_blocks(rows or q.shape[0], kv_heads,
+    blocks = tuning.decode_blocks(rows or seq_lens.shape[0], kv_heads,
                                   page_table.shape[1] * page_size, page_size,
                                   jnp.dtype(k_pages.dtype).itemsize, head_dim)
     return paged_attention_blocks(q, k_pages, v_pages, layer, seq_lens, page_table, k_scale,
                                   v_scale, sm_scale=sm_scale, interpret=interpret,
-                                  blocks=blocks, rows=rows, longest_first=longest_first)
+                                  blocks=blocks, rows=rows, longest_first=longest_first,
+                                  token_rows=token_rows, out=out)
 
 
 def gather_kv(k_pages, v_pages, layer, page_table, k_scale=None, v_scale=None):

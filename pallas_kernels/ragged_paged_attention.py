@@ -226,7 +226,8 @@ def ragged_paged_attention(q, k_pages, v_pages, layer, md, k_scale=None, v_scale
     Rows with exactly one new token (the decode rows of a mixed step) go through the decode
     kernel (pallas_kernels/paged_attention.py: 16-row tiles where the ragged kernel's are
     G' x block_q, and its split rule), the others through the ragged kernel; the decode
-    rows' outputs are scattered into their token slots."""
+    kernel reads those rows' q from their token slots and writes their outputs there, into
+    the ragged kernel's output (paged_attention's token_rows)."""
     _, kv_heads, _, page_size, head_dim = k_pages.shape
     blocks = tuning.ragged_blocks(jnp.dtype(k_pages.dtype).itemsize, head_dim, page_size,
                                   q.shape[0], kv_heads, md.page_table.shape[1] * page_size)
@@ -235,11 +236,10 @@ def ragged_paged_attention(q, k_pages, v_pages, layer, md, k_scale=None, v_scale
                                         blocks=blocks, skip_single=True)
     starts = md.query_start[:-1]
     single = (md.query_start[1:] - starts) == 1
-    q_first = q[jnp.minimum(starts, q.shape[0] - 1)]                     # [B, H, D]
-    dec = paged_attention(q_first, k_pages, v_pages, layer, jnp.where(single, md.seq_lens, 0),
-                          md.page_table, k_scale, v_scale, sm_scale=sm_scale,
-                          interpret=interpret)
-    return out.at[jnp.where(single, starts, q.shape[0])].set(dec, mode="drop")
+    return paged_attention(q, k_pages, v_pages, layer, jnp.where(single, md.seq_lens, 0),
+                           md.page_table, k_scale, v_scale, sm_scale=sm_scale,
+                           interpret=interpret, token_rows=jnp.where(single, starts, -1),
+                           out=out)
 
 
 def _reference_tokens(q, k_pages, v_pages, layer, md, k_scale, v_scale, sm_scale: float):

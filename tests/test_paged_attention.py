@@ -329,6 +329,39 @@ def test_real_rows_then_padding(splits, interpret):
                                interpret=True, blocks=blocks, rows=q.shape[0] + 1)
 
 
+@pytest.mark.parametrize("kv_dtype,compute,splits", [("bf16", BF, 1), ("bf16", BF, 3),
+                                                     ("fp8s", PR, 1), ("fp8", PR, 2)])
+@pytest.mark.parametrize("interpret", MODES)
+def test_token_rows_write_into_out(kv_dtype, compute, splits, interpret):
+    """token_rows + out (the ragged path's decode rows): row b reads q at token
+    token_rows[b] of a token array and writes its output into that row of out, in place;
+    rows marked -1 write nothing, and out's other rows keep their values (split or not)."""
+    case = make_decode(17, 16, 4, 128, kv_dtype)
+    q_rows, (k, v, ks, vs), lens, table, _ = case
+    batch, tokens = q_rows.shape[0], 12
+    trows = np.array([3, 0, 11, -1, 7, 5, -1])[:batch]          # -1: not a decode row
+    rng = np.random.default_rng(3)
+    q = np.asarray(rng.standard_normal((tokens,) + q_rows.shape[1:]), np.float32)
+    q[trows[trows >= 0]] = np.asarray(q_rows, np.float32)[trows >= 0]
+    q = jnp.asarray(q, jnp.bfloat16)
+    out = jnp.asarray(rng.standard_normal(q.shape), jnp.bfloat16)     # the "ragged" output
+    scale = 128 ** -0.5
+    args = (q, k, v, jnp.int32(1), lens, table, ks, vs)
+    got = paged_attention_blocks(*args, sm_scale=scale, interpret=interpret,
+                                 blocks=DecodeBlocks(32, splits, 4, 2, compute, True),
+                                 token_rows=jnp.asarray(trows, jnp.int32), out=out)
+    want = paged_attention_reference(q_rows, k, v, jnp.int32(1), lens, table, ks, vs,
+                                     sm_scale=scale)
+    live = trows >= 0
+    assert got.shape == q.shape
+    assert row_rel_err(got[trows[live]], want[live]) < 1e-2
+    untouched = np.setdiff1d(np.arange(tokens), trows[live])
+    np.testing.assert_array_equal(np.asarray(got[untouched]), np.asarray(out[untouched]))
+    with pytest.raises(ConfigError, match="token_rows"):
+        paged_attention_blocks(*args, sm_scale=scale, interpret=True,
+                               blocks=DecodeBlocks(32, 1, 4, 2), token_rows=jnp.asarray(trows))
+
+
 @pytest.mark.parametrize("live", [False, True])
 @pytest.mark.parametrize("splits,rows,batch", [(3, 2, 2), (40, 2, 5), (64, 1, 8)])
 def test_combine_kernel_matches_reference(splits, rows, batch, live):
