@@ -28,6 +28,11 @@ its partials), and the combine writes the padding rows' zeros, so the output has
 without a pad or slice around the kernels (XLA ran those as ~1.4 us kernels of their own
 in the 8B batch-1 step, eleventh session).
 
+`token_rows` (with `out`) is the ragged path's form (a mixed step's decode rows): q is the
+step's token array, row b reads token token_rows[b]'s q and writes its output into that row
+of `out` (the ragged kernel's output, aliased, updated in place; -1: nothing written), the
+combine likewise, so no gather of q or scatter of outputs runs around the kernels.
+
 FP8 KV numerics and the block step both kernels run: pallas_kernels/attention_block.py.
 
 Backend: the Pallas Triton backend, chosen because it compiles on jax 0.10.2 and 0.11.x and
@@ -342,13 +347,10 @@ def paged_attention(q, k_pages, v_pages, layer, seq_lens, page_table, k_scale=No
     (True; unsplit grids only) or, None, longest first within LONGEST_FIRST_PROGRAMS (the
     model: its layers' sorts of the same lengths are one in the compiled step, XLA's CSE).
     Returns [B, H, D] in q.dtype.
-    token_rows [B] int32 with out [T, H, D] (the ragged path's mixed step): q is [T, H, D],
-    a token array; row b reads token token_rows[b]'s q and writes its output into that
-    token's row of out (-1: row b writes nothing), out updated in place (aliased) and
-    returned; the other rows of out keep what they hold. This is how the decode rows of a
-    mixed step land in the ragged kernel's output without a gather of their q and a scatter
-    of their outputs (XLA's, ~4 + ~18 us per layer in a throughput-run mixed step with ~480
-    decode rows on the H200, twenty-seventh session).
+    token_rows [B] int32 with out [T, H, D] (module doc): q [T, H, D] is a token array; the
+    rows' outputs land in out's token rows in place and out is returned, its other rows as
+    they were (XLA's gather and scatter this replaces: ~4 + ~18 us per layer in a mixed step
+    with ~480 decode rows on the H200, twenty-seventh session).
     Block sizes come from pallas_kernels/tuning.py; shapes and dtypes are static (a new one
     recompiles)."""
     _, kv_heads, _, page_size, head_dim = k_pages.shape
