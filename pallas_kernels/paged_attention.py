@@ -349,8 +349,8 @@ def paged_attention(q, k_pages, v_pages, layer, seq_lens, page_table, k_scale=No
     Returns [B, H, D] in q.dtype.
     token_rows [B] int32 with out [T, H, D] (module doc): q [T, H, D] is a token array; the
     rows' outputs land in out's token rows in place and out is returned, its other rows as
-    they were (XLA's gather and scatter this replaces: ~4 + ~18 us per layer in a mixed step
-    with ~480 decode rows on the H200, twenty-seventh session).
+    they were (XLA's gather and scatter this replaces: ~4 + ~18 us per layer in a profiled
+    mixed step of the offline run on the H200, twenty-seventh session).
     Block sizes come from pallas_kernels/tuning.py; shapes and dtypes are static (a new one
     recompiles)."""
     _, kv_heads, _, page_size, head_dim = k_pages.shape
