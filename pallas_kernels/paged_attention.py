@@ -139,13 +139,13 @@ def _decode_kernel(layer_ref, lens_ref, table_ref, order_ref, trows_ref, *refs, 
     if len(outs) == 1:
         inv = 1.0 / jnp.where(l > 0, l, 1.0)[:, None]
         out = tuple(a * inv for a in acc) if pairs else acc * inv
-        if not token_rows:
-            store_rows(outs[0], b * num_heads + heads, out, head_dim)
-            return
 
-        @pl.when(tb >= 0)
-        def _():
+        def store():
             store_rows(outs[0], tb * num_heads + heads, out, head_dim)
+        if token_rows:
+            pl.when(tb >= 0)(store)
+        else:
+            store()
     else:
         o_ref, m_ref, l_ref = outs
         flat = (s * batch + b) * num_heads + heads
