@@ -1,7 +1,7 @@
 """Continuous vs static batching on one engine: output tokens/s on a heterogeneous workload.
 
-    python -m bench.batching --model llama-3-8b --max-batch 64,256 --num-requests 384 \
-        --out bench/results/batching.json                      # H200, bf16 synthetic weights
+    python -m bench.batching --model llama-3-8b --max-batch 16,32 --num-requests 1536 \
+        --out bench/results/batching.json       # H200, bf16 synthetic weights, ~8 min
     python -m bench.batching --model tiny --num-requests 8 --max-batch 4 \
         --prompt-len 4,48 --output-len 2,12 --max-num-batched-tokens 64 --out /tmp/b.json
 

@@ -35,7 +35,8 @@
 #             took 6 min at 380263e (programs compiled twice), so run the four in two calls  ~7 min
 #   compile   every bucket cold / warm, kernels per layer                                    ~2 min
 #   fusion    fused vs op-by-op (eager) vs command buffers off, B=1                          ~4 min
-#   batching  continuous vs static batching, max batch 64 and 256                            ~6 min
+#   batching  continuous vs static batching, 1,536 requests ($NUM_REQUESTS), max batch 16 and 32
+#             ($MAX_BATCH; 64,256 took a second call of ~5 min)                              ~8 min
 #   serving   gRPC request-rate sweep, short-answer + chat workloads                         ~8 min
 #   cmdbuf    decode B 1/64 under each XLA command-buffer update mode (one process each),
 #             with XLA's per-call "Updated N commands" log lines; rows in $OUT/cmdbuf.json     ~4 min
@@ -153,8 +154,9 @@ for stage in "$@"; do
       bench fusion 220 fusion "${LLAMA[@]}" --batch-sizes 1 --contexts "$CTX1" --reps 3 \
         --out "$OUT/fusion.json" ;;
     batching)
-      run batching 330 "$PY" -m bench.batching --model "${MODEL:-llama-3-8b}" \
-        --max-batch "${MAX_BATCH:-64,256}" --num-requests 384 --git "$GIT" --out "$OUT/batching.json" ;;
+      run batching 560 "$PY" -m bench.batching --model "${MODEL:-llama-3-8b}" \
+        --max-batch "${MAX_BATCH:-16,32}" --num-requests "${NUM_REQUESTS:-1536}" --git "$GIT" \
+        --out "$OUT/batching.json" ;;
     serving)
       run serving 540 "$PY" -m bench.serving --model "${MODEL:-llama-3-8b}" --max-num-seqs 64 \
         --max-num-batched-tokens 1024 --max-model-len 2048 --rates "${RATES:-4,8,16,24,32,48,64}" \
