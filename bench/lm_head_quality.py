@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import argparse
 import functools
+import shutil
+import tempfile
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -119,12 +121,11 @@ def main(argv=None) -> None:
     ws = windows(args.windows)
     ppl_ref, top_ref = teacher_forced(ws, args.model, "bf16", "bf16")
     print(f"bf16: perplexity {ppl_ref:.4f}")
-    fp8_model = args.model
+    fp8_model, tmp = args.model, None
     if args.calibrated:
-        import tempfile
-
         from checkpoints.convert import convert
-        fp8_model = str(Path(tempfile.mkdtemp()) / "calibrated")
+        tmp = tempfile.mkdtemp()
+        fp8_model = str(Path(tmp) / "calibrated")
         convert(args.model, fp8_model, weights="fp8", calibrate=True)
     plain = model_mod.Decoder.logits
     cases = [("FP8 head, bf16 layers", "bf16", "bf16", fp8_head_logits),
@@ -144,6 +145,8 @@ def main(argv=None) -> None:
                   f"{float((top == top_ref).mean()):.4f}", flush=True)
     finally:
         model_mod.Decoder.logits = plain
+        if tmp is not None:   # the calibrated checkpoint
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 if __name__ == "__main__":

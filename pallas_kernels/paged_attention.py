@@ -284,6 +284,7 @@ def _paged_attention_blocks(q, k_pages, v_pages, layer, seq_lens, page_table, k_
     _, kv_heads, num_pages, page_size, head_dim = k_pages.shape
     total, num_heads = seq_lens.shape[0], q.shape[1]
     scatter = token_rows is not None
+    trows = token_rows.astype(jnp.int32) if scatter else None
     n = blocks.num_splits
     batch = _grid_rows(total, rows, n)
     pages_per_seq = page_table.shape[1]
@@ -307,7 +308,7 @@ def _paged_attention_blocks(q, k_pages, v_pages, layer, seq_lens, page_table, k_
     heads_rows = batch * num_heads
     args = [jnp.asarray(layer, jnp.int32).reshape(1), lens,
             page_table.astype(jnp.int32).reshape(-1), order,
-            token_rows.astype(jnp.int32) if scatter else jnp.zeros((1,), jnp.int32),
+            trows if scatter else jnp.zeros((1,), jnp.int32),
             q.reshape(-1, head_dim), *cache_views(k_pages, v_pages, k_scale, v_scale, pairs)]
     aliases = {}
     if n == 1 and scatter:      # the rows' outputs written into out's token rows, in place
@@ -330,7 +331,7 @@ def _paged_attention_blocks(q, k_pages, v_pages, layer, seq_lens, page_table, k_
         return outs[0].reshape(q.shape)
     res = combine_call(*outs, splits=n, rows=batch, batch=total, num_heads=num_heads,
                        head_dim=head_dim, dtype=q.dtype, interpret=interpret,
-                       token_rows=token_rows.astype(jnp.int32) if scatter else None,
+                       token_rows=trows,
                        out=out.reshape(-1, head_dim) if scatter else None)
     return res.reshape(q.shape)
 
