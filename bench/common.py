@@ -175,7 +175,7 @@ def decode_input(cfg, engine, batch: int, context: int, rng):
     position context-1 over its own pages (1 + b * pages_per_row ...; page 0 stays reserved),
     sampling greedy."""
     from jaxinfer.kv_cache import AttentionMetadata
-    from jaxinfer.runner import StepInput
+    from jaxinfer.step_input import StepInput
     from jaxinfer.sampling import SamplingArrays
 
     s, width = engine.page_size, engine.pages_per_seq

@@ -54,7 +54,7 @@ def bucket_name(b) -> str:
 
 def compile_bucket(runner, bucket):
     """(row of phase seconds, compiled executable) for one bucket."""
-    from jaxinfer.runner import dummy_input
+    from jaxinfer.step_input import dummy_input
 
     inp = runner.prepare(dummy_input(bucket, max_num_seqs=runner.engine.max_num_seqs))
     hits = _cache_hits[0]
@@ -109,7 +109,7 @@ def startup_compile(args) -> dict:
     """(Child process) Engine.warmup's compile: both sampling variants of every bucket via
     ModelRunner.compile_ahead; wall seconds, executables, persistent-cache hits."""
     from jaxinfer.buckets import Buckets
-    from jaxinfer.runner import warmup_inputs
+    from jaxinfer.step_input import warmup_inputs
 
     runner, _, _ = load_runner(args, max_num_seqs=args.max_num_seqs, max_len=args.max_model_len)
     buckets = Buckets.from_config(runner.engine).all_buckets()

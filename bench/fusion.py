@@ -66,9 +66,10 @@ def count_primitives(jaxpr, layers: list) -> int:
 
 def unfused_row(runner, graphdef, cfg, inp, reps: int) -> dict:
     from jaxinfer import runner as runner_mod
+    from jaxinfer.step_input import unpack
 
     step = functools.partial(runner_mod._step, graphdef, runner.attn_impl, runner._treedef)
-    step_inp = runner_mod.unpack(inp.buf, inp.spec, inp.prev_tokens)   # the StepInput itself
+    step_inp = unpack(inp.buf, inp.spec, inp.prev_tokens)   # the StepInput itself
     args = (runner._leaves, runner.kv, step_inp, runner._rng, np.uint32(0))
     layers: list[tuple[int, int]] = []  # (length, primitives per iteration) of each scan
     per_step = count_primitives(jax.make_jaxpr(step)(*args).jaxpr, layers)

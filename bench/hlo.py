@@ -199,7 +199,8 @@ def decode_step_analysis(model: str, engine, batch: int = 1) -> dict:
     from jaxinfer.buckets import Bucket
     from jaxinfer.config import standard_config
     from jaxinfer.params import abstract_model
-    from jaxinfer.runner import ModelRunner, dummy_input
+    from jaxinfer.runner import ModelRunner
+    from jaxinfer.step_input import dummy_input
 
     from jaxinfer.loading import resolve_unroll
 

@@ -5,7 +5,7 @@
 Fills a Scheduler with `rows` requests of ~`context` prompt tokens, prefills them (fake
 tokens), then times steady decode steps: schedule, batch.prepare, the step input
 (engine_io.build_step_input: sampling columns), packing it into one buffer
-(runner.pack_host) and the scheduler's update (commit + resolve). No model, no transfer,
+(step_input.pack_host) and the scheduler's update (commit + resolve). No model, no transfer,
 no dispatch, no detokenization: the part of the engine's host phases that is pure Python and
 numpy, so it can be measured and improved on any machine. Prints medians in ms;
 --profile prints cProfile's top functions instead.
@@ -23,7 +23,7 @@ from jaxinfer.batch import prepare
 from jaxinfer.buckets import Buckets
 from jaxinfer.engine_io import build_step_input
 from jaxinfer.request import Request, SamplingParams
-from jaxinfer.runner import pack_host
+from jaxinfer.step_input import pack_host
 from jaxinfer.scheduler import Scheduler
 
 PHASES = ("schedule", "prepare", "step_input", "pack", "update")

@@ -9,7 +9,7 @@ from jaxinfer.batch import StepArrays
 from jaxinfer.errors import ConfigError, InvalidRequestError
 from jaxinfer.kv_cache import AttentionMetadata
 from jaxinfer.request import SamplingParams
-from jaxinfer.runner import StepInput
+from jaxinfer.step_input import StepInput
 from jaxinfer.sampling import SampleOutput, SamplingArrays
 from jaxinfer.scheduler import SchedulerOutput
 from jaxinfer.tokenizer import IncrementalDetokenizer
@@ -130,7 +130,7 @@ class Detokenized:
 def build_step_input(arrays: StepArrays, out: SchedulerOutput, scheduler, prev_tokens,
                      prev_index) -> StepInput:
     """The step's StepInput, numpy leaves (the runner packs them into one transfer).
-    prev_tokens / prev_index: where PENDING tokens come from (runner.StepInput); prev_tokens
+    prev_tokens / prev_index: where PENDING tokens come from (step_input.StepInput); prev_tokens
     may already be on the device (the previous step's output)."""
     reqs = [scheduler.get(r.request_id) for r in out.rows]
     samp = SamplingArrays.from_params(

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import dataclasses
 import functools
 import os
 import threading
@@ -35,8 +34,12 @@ from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.errors import ConfigError
 from jaxinfer.kv_cache import FP8_DTYPE, AttentionMetadata, KVCache, KVLayers
 from jaxinfer.ops import resolve_attention_impl
-from jaxinfer.request import SamplingParams
 from jaxinfer.sharding import TPLayout, kv_spec, make_layout
+from jaxinfer.step_input import PackedInput, StepInput, pack_host, unpack, warmup_inputs
+
+# The step's results written into donated buffers that keep their addresses (_packed_step);
+# off: fresh output buffers every call, as before (for an A/B; read when a runner is built).
+PERSISTENT_OUTPUTS = True
 
 
 class CompileCounter:
@@ -66,21 +69,6 @@ class CompileCounter:
         return cls._count
 
 
-@functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=["tokens", "md", "logits_index", "sampling", "prev_tokens",
-                                "prev_index"], meta_fields=[])
-@dataclasses.dataclass(frozen=True)
-class StepInput:
-    tokens: jax.Array                  # [T] i32 (padding: 0)
-    md: AttentionMetadata
-    logits_index: jax.Array            # [B] i32  index in T of each row's last new token
-    sampling: sampling.SamplingArrays  # per-row parameters [B, ...]
-    # Async scheduling: tokens the host does not know yet come from the previous step's
-    # sampled tokens (its third output, padded to max_num_seqs), still on the device.
-    prev_tokens: jax.Array             # [S] i32  S = max_num_seqs (zeros when unused)
-    prev_index: jax.Array              # [T] i32  row of prev_tokens for token t, -1 = tokens[t]
-
-
 def _forward_hidden(graphdef, attn_impl, params, kv, tokens, md, kv_sharding=None):
     model = nnx.merge(graphdef, params)
     h, kv = model(tokens, kv, md, attn_impl)
@@ -105,98 +93,42 @@ def _step(graphdef, attn_impl, treedef, leaves, kv, inp: StepInput, rng, step_in
     return kv, out, next_tokens
 
 
-@dataclasses.dataclass(frozen=True)
-class PackedInput:
-    """A StepInput as it travels to the device: every leaf but prev_tokens bit-cast to int32
-    and concatenated into ONE buffer (one host->device transfer instead of ~20; on the CPU
-    that was a third of the host's time per step at 256 rows), unpacked inside the jitted
-    step by static offsets. prev_tokens stays apart: it is usually the previous step's
-    output, already on the device."""
-    buf: jax.Array          # [N] i32
-    prev_tokens: jax.Array  # [S] i32
-    spec: tuple             # static: (tree structure, ((shape, dtype name), ...) per leaf)
-
-    @property
-    def signature(self) -> tuple:
-        """What selects a compiled step: the spec (tree structure with its static fields,
-        every leaf's shape and dtype) and prev_tokens' length."""
-        return self.spec, tuple(np.shape(self.prev_tokens))
-
-
-def pack_host(inp: StepInput) -> tuple[np.ndarray, tuple]:
-    """(int32 buffer, spec) of every leaf of `inp` but prev_tokens (numpy or jax leaves)."""
-    leaves, tree = jax.tree_util.tree_flatten(dataclasses.replace(inp, prev_tokens=None))
-    parts, fields = [], []
-    for leaf in leaves:
-        a = np.asarray(leaf)
-        if a.dtype == np.bool_:
-            parts.append(a.astype(np.int32).ravel())
-        elif a.dtype.itemsize == 4:
-            parts.append(np.ascontiguousarray(a).view(np.int32).ravel())
-        else:
-            raise TypeError(f"StepInput leaf of dtype {a.dtype} cannot be packed (4-byte "
-                            f"dtypes and bool only)")
-        fields.append((a.shape, a.dtype.name))
-    buf = np.concatenate(parts) if parts else np.zeros(0, np.int32)
-    return buf, (tree, tuple(fields))
-
-
-def unpack(buf, spec, prev_tokens) -> StepInput:
-    """Inside the jitted step: the StepInput back from its buffer (static slices)."""
-    tree, fields = spec
-    leaves, off = [], 0
-    for shape, name in fields:
-        n = int(np.prod(shape, dtype=np.int64))
-        x = buf[off:off + n].reshape(shape)
-        off += n
-        dt = np.dtype(name)
-        if dt == np.bool_:
-            x = x != 0
-        elif dt != np.int32:
-            x = jax.lax.bitcast_convert_type(x, dt)
-        leaves.append(x)
-    return dataclasses.replace(jax.tree_util.tree_unflatten(tree, leaves),
-                               prev_tokens=prev_tokens)
-
-
-def _packed_step(graphdef, attn_impl, treedef, leaves, kv, slot, buf, prev_tokens, rng,
+def _packed_step(graphdef, attn_impl, treedef, leaves, kv, slot, outs, buf, prev_tokens, rng,
                  step_index, spec, kv_sharding=None):
-    """The step on a packed input. `buf` is copied into `slot` first, a donated buffer one
-    element longer that comes back as an output, so it keeps its device address from call to
-    call: every layer reads positions and page tables from there, and only the copy reads the
-    fresh `buf`. XLA updates a command buffer's (CUDA graph's) kernels whose buffers moved
-    since the last call; with the step's input read from a fresh buffer, that was a kernel
-    node of every layer on every call. The barrier keeps XLA from reading `buf` directly
-    through the copy; the extra element keeps the update from covering the whole slot."""
+    """The step on a packed input, its values kept at fixed device addresses: XLA updates a
+    command buffer's (CUDA graph's) kernels whose buffers moved since the last call, and a
+    step whose layers read a moved buffer pays that on every call.
+    - `buf` is copied into `slot` first, a donated buffer one element longer that comes back
+      as an output: every layer reads positions and page tables from there, and only the
+      copy reads the fresh `buf`. The barrier keeps XLA from reading `buf` directly through
+      the copy; the extra element keeps the update from covering the whole slot.
+    - `outs` (None, or buffers shaped like the step's SampleOutput and next_tokens) are
+      donated and the step's results written into them. Fresh outputs moved on every call,
+      and XLA places step-wide values (the RoPE tables, the unpacked metadata) in output
+      allocations whose live ranges allow it: on the H200 every layer's K/V write and
+      attention kernels were updated on each batch-1 call (bench/README.md). The caller
+      copies the results out (ModelRunner.dispatch) before the next call overwrites them.
+    Returns (kv, slot, (SampleOutput, next_tokens)): the donated ones in their argument
+    order, so jit pairs each output with its own buffer."""
     slot = jax.lax.optimization_barrier(jax.lax.dynamic_update_slice(slot, buf, (0,)))
     kv, out, next_tokens = _step(graphdef, attn_impl, treedef, leaves, kv,
                                  unpack(slot, spec, prev_tokens), rng, step_index, kv_sharding)
-    return kv, out, next_tokens, slot
+    results = (out, next_tokens)
+    if outs is not None and kv_sharding is not None:   # the buffers' layout: replicated
+        results = jax.lax.with_sharding_constraint(
+            results, jax.sharding.NamedSharding(kv_sharding.mesh, jax.sharding.PartitionSpec()))
+    return kv, slot, results
 
 
-def dummy_input(bucket, full: bool = False, max_num_seqs: int | None = None) -> StepInput:
-    """An all-padding input of `bucket`'s shapes: writes nothing, used to compile ahead.
-    full: the `full` sampling variant (penalty window; sampling.py's module doc) instead of
-    the all-greedy `plain` one: the two compiled variants of each bucket. max_num_seqs: the
-    engine's (the prev_tokens length; default the bucket's rows, for one-off compiles)."""
-    t, b, w = bucket.num_tokens, bucket.num_seqs, bucket.pages_per_seq
-    zeros = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731
-    md = AttentionMetadata(zeros(t), np.full(t, -1, np.int32), zeros(t), zeros(b, w), zeros(b),
-                           zeros(b + 1), decode_only=bucket.decode_only)
-    rows = [SamplingParams(repetition_penalty=1.1)] if full else []
-    samp = sampling.SamplingArrays.from_params(rows, [0] * len(rows), [[0]] * len(rows),
-                                               batch_size=b)
-    return StepInput(zeros(t), md, zeros(b), samp, zeros(max_num_seqs or b),
-                     np.full(t, -1, np.int32))
-
-
-def warmup_inputs(buckets, max_num_seqs: int, variants=("plain", "full")) -> list[StepInput]:
-    """The all-padding inputs that compile `variants` (sampling `plain` / `full`) of every
-    bucket: what Engine.warmup compiles ahead of time."""
-    if not variants or set(variants) - {"plain", "full"}:
-        raise ValueError(f"warmup: variants must be from ('plain', 'full'), got {variants}")
-    return [dummy_input(b, full, max_num_seqs) for b in buckets for full in (False, True)
-            if ("full" if full else "plain") in variants]
+def output_shapes(spec, vocab_size: int, num_seqs: int):
+    """(SampleOutput, next_tokens [S]) of ShapeDtypeStructs: what the step returns for an
+    input of `spec` (PackedInput.spec) with S = num_seqs (prev_tokens' length)."""
+    tree, fields = spec
+    inp = jax.tree_util.tree_unflatten(tree, [jax.ShapeDtypeStruct(shape, np.dtype(name))
+                                              for shape, name in fields])
+    logits = jax.ShapeDtypeStruct((inp.logits_index.shape[0], vocab_size), jnp.float32)
+    out = jax.eval_shape(sampling.sample, logits, inp.sampling, jax.random.key(0))
+    return out, jax.ShapeDtypeStruct((num_seqs,), jnp.int32)
 
 
 def _all_logits(graphdef, attn_impl, params, kv, tokens, md, kv_sharding=None):
@@ -286,10 +218,16 @@ class ModelRunner:
             self.kv = allocate_kv(cfg, self.engine, self.layout, self.static_kv_scales)
         self._rng = jax.random.key(engine.seed)
         self._num_steps = 0
+        # keep_unused: the output buffers are never read, and jit drops (and so never
+        # donates) an argument the program does not read.
         self._step_fn = jax.jit(functools.partial(_packed_step, graphdef, self.attn_impl,
                                                   self._treedef, kv_sharding=kv_sharding),
-                                donate_argnums=(1, 2), static_argnames=("spec",))
-        self._slots: dict = {}  # input signature -> its persistent input slot (_packed_step)
+                                donate_argnums=(1, 2, 3), static_argnames=("spec",),
+                                keep_unused=True)
+        self._persistent_outputs = PERSISTENT_OUTPUTS
+        # The results copied out of the step's buffers for the caller (one small program).
+        self._copy_out = jax.jit(lambda results: jax.tree.map(jnp.copy, results))
+        self._buffers: dict = {}  # input signature -> (slot, output buffers or None)
 
     def step(self, inp: StepInput | PackedInput) -> sampling.SampleOutput:
         """Run one step; returns the sampled tokens etc. as numpy (the one device->host sync)."""
@@ -314,37 +252,49 @@ class ModelRunner:
 
     def dispatch(self, kv: KVCache | KVLayers, inp: StepInput | PackedInput, step_index: int):
         """(new kv, SampleOutput, next_tokens) on the device: the compiled step, dispatched
-        without waiting. `kv` is donated. For the bench's back-to-back runs."""
+        without waiting, and its results copied out of the step's persistent buffers (so the
+        caller may keep them across later steps). `kv` is donated. For the bench's back to
+        back runs."""
         p = self.prepare(inp)
         fn = (self._executables.get(p.signature)
               or functools.partial(self._step_fn, spec=p.spec))   # not compiled ahead: jit
-        slot = self._slot(p)
+        slot, outs = self._step_buffers(p)
         try:
-            kv, out, next_tokens, slot = fn(self._leaves, kv, slot, p.buf, p.prev_tokens,
-                                            self._rng, np.uint32(step_index))
+            kv, slot, results = fn(self._leaves, kv, slot, outs, p.buf, p.prev_tokens,
+                                   self._rng, np.uint32(step_index))
         except Exception:
-            self._slots.pop(p.signature, None)   # it may have been donated: make a new one
+            self._buffers.pop(p.signature, None)   # they may have been donated: make new ones
             raise
-        self._slots[p.signature] = slot
+        if outs is None:
+            self._buffers[p.signature] = (slot, None)
+            out, next_tokens = results
+        else:
+            self._buffers[p.signature] = (slot, results)
+            out, next_tokens = self._copy_out(results)
         return kv, out, next_tokens
 
-    def _slot(self, p: PackedInput):
-        """The persistent input slot of `p`'s signature (see _packed_step), made on first use:
-        one int32 longer than the packed input, replicated on a mesh."""
-        slot = self._slots.get(p.signature)
-        if slot is None:
-            zeros = np.zeros(p.buf.shape[0] + 1, np.int32)
-            slot = (jax.device_put(zeros) if self.layout.mesh is None
-                    else jax.device_put(zeros, self.layout.named(jax.sharding.PartitionSpec())))
-            self._slots[p.signature] = slot
-        return slot
+    def _step_buffers(self, p: PackedInput):
+        """The persistent buffers of `p`'s signature (see _packed_step), made on first use:
+        (the input slot, one int32 longer than the packed input; the output buffers, or None
+        without PERSISTENT_OUTPUTS), replicated on a mesh."""
+        bufs = self._buffers.get(p.signature)
+        if bufs is None:
+            outs = None
+            if self._persistent_outputs:
+                shapes = output_shapes(p.spec, self.cfg.vocab_size, np.shape(p.prev_tokens)[0])
+                outs = jax.tree.map(lambda a: np.zeros(a.shape, a.dtype), shapes)
+            bufs = (np.zeros(p.buf.shape[0] + 1, np.int32), outs)
+            bufs = (jax.device_put(bufs) if self.layout.mesh is None
+                    else jax.device_put(bufs, self.layout.named(jax.sharding.PartitionSpec())))
+            self._buffers[p.signature] = bufs
+        return bufs
 
     def trace(self, inp: StepInput | PackedInput):
         """The step traced for `inp`'s shapes (`.lower()`, `.lower().compile()`: ahead-of-time
         compilation and the bench)."""
         p = self.prepare(inp)
-        return self._step_fn.trace(self._leaves, self.kv, self._slot(p), p.buf, p.prev_tokens,
-                                   self._rng, np.uint32(0), spec=p.spec)
+        return self._step_fn.trace(self._leaves, self.kv, *self._step_buffers(p), p.buf,
+                                   p.prev_tokens, self._rng, np.uint32(0), spec=p.spec)
 
     def lower(self, inp: StepInput | PackedInput):
         """The step lowered for `inp`'s shapes (for ahead-of-time compilation and the bench)."""

@@ -214,7 +214,7 @@ class Scheduler:
     def commit(self, output: SchedulerOutput) -> None:
         """The step is dispatched: its tokens count as computed, and each sampling row gets a
         PENDING output token until `resolve`. The next `schedule` may run before that (async
-        scheduling): a PENDING token is then fed from the device (runner.StepInput)."""
+        scheduling): a PENDING token is then fed from the device (step_input.StepInput)."""
         for row in output.rows:
             request = self.requests.get(row.request_id)
             if request is None:

@@ -7,7 +7,7 @@ import pytest
 
 from engine_util import random_prompts, run_staggered, tiny_engine
 from jaxinfer.request import FinishReason, SamplingParams
-from jaxinfer.runner import unpack
+from jaxinfer.step_input import unpack
 
 
 def _workload(n=12, seed=3):

@@ -311,7 +311,7 @@ def test_longest_first_order_is_sorted_once_per_step(monkeypatch, unroll, window
     from jaxinfer.config import EngineConfig
     from jaxinfer.engine import Engine
     from jaxinfer.params import build_model
-    from jaxinfer.runner import dummy_input
+    from jaxinfer.step_input import dummy_input
     from engine_util import TINY
     from pallas_kernels import paged_attention as pa
     assert TINY.num_layers > 1

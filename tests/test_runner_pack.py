@@ -1,5 +1,7 @@
-"""The step input's one-buffer transfer (runner.PackedInput): packing then unpacking inside a
-jitted function gives back every leaf bit for bit, whatever its dtype."""
+"""The step input's one-buffer transfer (step_input.PackedInput): packing then unpacking
+inside a jitted function gives back every leaf bit for bit, whatever its dtype; and the
+step's persistent buffers (runner._packed_step): the input slot and the output buffers keep
+their device addresses from call to call."""
 import dataclasses
 import re
 
@@ -7,9 +9,12 @@ import jax
 import numpy as np
 import pytest
 
-from engine_util import tiny_engine
+from engine_util import random_prompts, run_staggered, tiny_engine
 from jaxinfer.buckets import Bucket
-from jaxinfer.runner import PackedInput, ModelRunner, StepInput, dummy_input, pack_host, unpack
+from jaxinfer.request import SamplingParams
+from jaxinfer import runner as runner_mod
+from jaxinfer.runner import ModelRunner
+from jaxinfer.step_input import PackedInput, StepInput, dummy_input, pack_host, unpack
 
 
 def _random_like(inp: StepInput, rng) -> StepInput:
@@ -75,7 +80,58 @@ def test_step_reads_the_fresh_input_only_through_its_persistent_slot():
     assert len(users) == 1 and "dynamic-update-slice" in users[0], users
     assert re.search(rf"\{{\d+\}}: \({slot_idx}, \{{\}}, may-alias\)", text[:text.index("\n")])
     runner.step(p)
-    first = runner._slots[p.signature].unsafe_buffer_pointer()
+    first = runner._buffers[p.signature][0].unsafe_buffer_pointer()
     runner.step(p)
     runner.step(p)
-    assert runner._slots[p.signature].unsafe_buffer_pointer() == first
+    assert runner._buffers[p.signature][0].unsafe_buffer_pointer() == first
+
+
+def _addresses(tree):
+    return [x.unsafe_buffer_pointer() for x in jax.tree_util.tree_leaves(tree)]
+
+
+def test_step_writes_its_results_into_persistent_buffers_and_copies_them_out():
+    """Every output of the compiled step is aliased to a donated argument (none lands in
+    fresh memory, where XLA may also place step-wide values), the output buffers keep their
+    addresses across steps, and what dispatch returns is a copy the next steps do not touch:
+    the same tokens as a runner with fresh outputs."""
+    engine = tiny_engine()
+    runner = engine.runner
+    bucket = engine.buckets.all_buckets()[0]
+    p = runner.prepare(dummy_input(bucket, max_num_seqs=runner.engine.max_num_seqs))
+    lowered = runner.lower(p)
+    n_out = len(jax.tree_util.tree_leaves(lowered.out_info))
+    header = lowered.compile().as_text().splitlines()[0]
+    aliased = {int(i) for i in re.findall(r"\{(\d+)\}: \(\d+, \{\}, may-alias\)", header)}
+    assert aliased == set(range(n_out)), header
+
+    kv, out1, next1 = runner.dispatch(runner.kv, p, 1)
+    held = jax.device_get((out1, next1))
+    buffers = _addresses(runner._buffers[p.signature][1])
+    assert len(buffers) == 5 and not set(buffers) & set(_addresses((out1, next1)))
+    for i in range(2, 5):      # later steps (other sampling keys) overwrite the buffers
+        kv, out, next_tokens = runner.dispatch(kv, p, i)
+        assert _addresses(runner._buffers[p.signature][1]) == buffers
+    runner.kv = kv
+    for want, got in zip(jax.tree_util.tree_leaves(held),
+                         jax.tree_util.tree_leaves(jax.device_get((out1, next1)))):
+        np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(jax.device_get(runner._buffers[p.signature][1][1]),
+                                  jax.device_get(next_tokens))
+
+
+def test_fresh_outputs_switch_gives_the_same_steps(monkeypatch):
+    """PERSISTENT_OUTPUTS off (the A/B's other arm): no output buffers, the same answers
+    (staggered arrivals, greedy and seeded sampling, logprobs)."""
+    prompts = random_prompts(4, seed=3)
+    params = [SamplingParams(max_tokens=6), SamplingParams(max_tokens=5, temperature=0.9, seed=1),
+              SamplingParams(max_tokens=7, logprobs=2), SamplingParams(max_tokens=4)]
+    results = []
+    for persistent in (True, False):
+        monkeypatch.setattr(runner_mod, "PERSISTENT_OUTPUTS", persistent)
+        engine = tiny_engine()
+        outs = run_staggered(engine, prompts, params, [0, 0, 2, 3])
+        results.append([(o.token_ids, o.logprobs) for o in outs])
+        buffers = [b for _, b in engine.runner._buffers.values()]
+        assert buffers and all((b is None) != persistent for b in buffers)
+    assert results[0] == results[1]

@@ -47,7 +47,7 @@ def _gathered_elements(engine) -> int:
     import re
 
     import jax
-    from jaxinfer.runner import dummy_input
+    from jaxinfer.step_input import dummy_input
 
     bucket = next(b for b in engine.buckets.all_buckets() if b.decode_only)
     hlo = engine.runner.lower(jax.device_put(dummy_input(bucket))).compile().as_text()

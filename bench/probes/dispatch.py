@@ -82,7 +82,10 @@ def _stand_in(layers: int, width: int):
                 top_ids.astype(jnp.int32), top_lp)
 
     fresh = jax.jit(body)
-    aliased = jax.jit(lambda ws, x, step, outs: body(ws, x, step), donate_argnums=3)
+    # keep_unused: jit drops an argument the program never reads, and with it the donation
+    # (the twenty-eighth session's run lacked it: its `aliased` outputs were fresh).
+    aliased = jax.jit(lambda ws, x, step, outs: body(ws, x, step), donate_argnums=3,
+                      keep_unused=True)
     copy = jax.jit(lambda outs: tuple(o + 0 for o in outs))
     return ws, fresh, aliased, copy
 

@@ -1,0 +1,109 @@
+"""What a step takes: the StepInput pytree (tokens, attention metadata, sampling arrays, the
+async scheduling's pending-token source), its one-buffer form for the host->device transfer
+(PackedInput: pack_host on the host, unpack inside the jitted step) and the all-padding
+inputs that compile each bucket ahead of time (dummy_input, warmup_inputs).
+runner.py runs it."""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import numpy as np
+
+from jaxinfer import sampling
+from jaxinfer.kv_cache import AttentionMetadata
+from jaxinfer.request import SamplingParams
+
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["tokens", "md", "logits_index", "sampling", "prev_tokens",
+                                "prev_index"], meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class StepInput:
+    tokens: jax.Array                  # [T] i32 (padding: 0)
+    md: AttentionMetadata
+    logits_index: jax.Array            # [B] i32  index in T of each row's last new token
+    sampling: sampling.SamplingArrays  # per-row parameters [B, ...]
+    # Async scheduling: tokens the host does not know yet come from the previous step's
+    # sampled tokens (its third output, padded to max_num_seqs), still on the device.
+    prev_tokens: jax.Array             # [S] i32  S = max_num_seqs (zeros when unused)
+    prev_index: jax.Array              # [T] i32  row of prev_tokens for token t, -1 = tokens[t]
+
+
+@dataclasses.dataclass(frozen=True)
+class PackedInput:
+    """A StepInput as it travels to the device: every leaf but prev_tokens bit-cast to int32
+    and concatenated into ONE buffer (one host->device transfer instead of ~20; on the CPU
+    that was a third of the host's time per step at 256 rows), unpacked inside the jitted
+    step by static offsets. prev_tokens stays apart: it is usually the previous step's
+    output, already on the device."""
+    buf: jax.Array          # [N] i32
+    prev_tokens: jax.Array  # [S] i32
+    spec: tuple             # static: (tree structure, ((shape, dtype name), ...) per leaf)
+
+    @property
+    def signature(self) -> tuple:
+        """What selects a compiled step: the spec (tree structure with its static fields,
+        every leaf's shape and dtype) and prev_tokens' length."""
+        return self.spec, tuple(np.shape(self.prev_tokens))
+
+
+def pack_host(inp: StepInput) -> tuple[np.ndarray, tuple]:
+    """(int32 buffer, spec) of every leaf of `inp` but prev_tokens (numpy or jax leaves)."""
+    leaves, tree = jax.tree_util.tree_flatten(dataclasses.replace(inp, prev_tokens=None))
+    parts, fields = [], []
+    for leaf in leaves:
+        a = np.asarray(leaf)
+        if a.dtype == np.bool_:
+            parts.append(a.astype(np.int32).ravel())
+        elif a.dtype.itemsize == 4:
+            parts.append(np.ascontiguousarray(a).view(np.int32).ravel())
+        else:
+            raise TypeError(f"StepInput leaf of dtype {a.dtype} cannot be packed (4-byte "
+                            f"dtypes and bool only)")
+        fields.append((a.shape, a.dtype.name))
+    buf = np.concatenate(parts) if parts else np.zeros(0, np.int32)
+    return buf, (tree, tuple(fields))
+
+
+def unpack(buf, spec, prev_tokens) -> StepInput:
+    """Inside the jitted step: the StepInput back from its buffer (static slices)."""
+    tree, fields = spec
+    leaves, off = [], 0
+    for shape, name in fields:
+        n = int(np.prod(shape, dtype=np.int64))
+        x = buf[off:off + n].reshape(shape)
+        off += n
+        dt = np.dtype(name)
+        if dt == np.bool_:
+            x = x != 0
+        elif dt != np.int32:
+            x = jax.lax.bitcast_convert_type(x, dt)
+        leaves.append(x)
+    return dataclasses.replace(jax.tree_util.tree_unflatten(tree, leaves),
+                               prev_tokens=prev_tokens)
+
+
+def dummy_input(bucket, full: bool = False, max_num_seqs: int | None = None) -> StepInput:
+    """An all-padding input of `bucket`'s shapes: writes nothing, used to compile ahead.
+    full: the `full` sampling variant (penalty window; sampling.py's module doc) instead of
+    the all-greedy `plain` one: the two compiled variants of each bucket. max_num_seqs: the
+    engine's (the prev_tokens length; default the bucket's rows, for one-off compiles)."""
+    t, b, w = bucket.num_tokens, bucket.num_seqs, bucket.pages_per_seq
+    zeros = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731
+    md = AttentionMetadata(zeros(t), np.full(t, -1, np.int32), zeros(t), zeros(b, w), zeros(b),
+                           zeros(b + 1), decode_only=bucket.decode_only)
+    rows = [SamplingParams(repetition_penalty=1.1)] if full else []
+    samp = sampling.SamplingArrays.from_params(rows, [0] * len(rows), [[0]] * len(rows),
+                                               batch_size=b)
+    return StepInput(zeros(t), md, zeros(b), samp, zeros(max_num_seqs or b),
+                     np.full(t, -1, np.int32))
+
+
+def warmup_inputs(buckets, max_num_seqs: int, variants=("plain", "full")) -> list[StepInput]:
+    """The all-padding inputs that compile `variants` (sampling `plain` / `full`) of every
+    bucket: what Engine.warmup compiles ahead of time."""
+    if not variants or set(variants) - {"plain", "full"}:
+        raise ValueError(f"warmup: variants must be from ('plain', 'full'), got {variants}")
+    return [dummy_input(b, full, max_num_seqs) for b in buckets for full in (False, True)
+            if ("full" if full else "plain") in variants]
