@@ -5,7 +5,7 @@ import json
 import jax
 import pytest
 
-from bench.probes import dispatch
+from bench.probes import dispatch, outputs_ab
 
 LOG = f"""I1202 command_buffer_thunk.cc:431] Evict command buffer thunk command buffers
 {dispatch.MARK}fresh
@@ -47,3 +47,12 @@ def test_probe_runs_end_to_end_on_the_cpu(tmp_path):
     assert [r["variant"] for r in cmdbuf] == list(dispatch.VARIANTS)
     for r in cmdbuf:   # the child ran each variant (its host time came back); no graphs here
         assert r["host_ms_per_call"] > 0 and r["executes"] == 0 and r["re_records"] == {}
+
+
+def test_outputs_ab_measures_both_arms_on_the_cpu(tmp_path):
+    out = tmp_path / "outputs_ab.json"
+    outputs_ab.main(["--model", "tiny", "--context", "16", "--rounds", "1", "--out", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["persistent_outputs"] for r in rows] == [True, False]
+    for r in rows:
+        assert all(r[m] > 0 and len(r["samples"][m]) == 1 for m in outputs_ab.METRICS), r
