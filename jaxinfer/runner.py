@@ -230,16 +230,14 @@ class ModelRunner:
         self._buffers: dict = {}  # input signature -> (slot, output buffers or None)
 
     def step(self, inp: StepInput | PackedInput) -> sampling.SampleOutput:
-        """Run one step; returns the sampled tokens etc. as numpy (the one device->host sync),
-        fetched straight from the step's buffers (nothing dispatched after it: no copy)."""
-        return jax.device_get(self.submit(inp, copy=False)[0])
+        """Run one step; returns the sampled tokens etc. as numpy (the one device->host sync)."""
+        return jax.device_get(self.submit(inp)[0])
 
-    def submit(self, inp: StepInput | PackedInput, copy: bool = True):
+    def submit(self, inp: StepInput | PackedInput):
         """Dispatch one step without waiting: (SampleOutput, next_tokens [S]), both on the
-        device; the cache is updated in place. Fetch the output with jax.device_get.
-        copy=False: see dispatch."""
+        device; the cache is updated in place. Fetch the output with jax.device_get."""
         self._num_steps += 1
-        self.kv, out, next_tokens = self.dispatch(self.kv, inp, self._num_steps, copy=copy)
+        self.kv, out, next_tokens = self.dispatch(self.kv, inp, self._num_steps)
         return out, next_tokens
 
     @staticmethod
@@ -252,13 +250,10 @@ class ModelRunner:
         buf, prev = jax.device_put((buf, inp.prev_tokens))
         return PackedInput(buf, prev, spec)
 
-    def dispatch(self, kv: KVCache | KVLayers, inp: StepInput | PackedInput, step_index: int,
-                 copy: bool = True):
+    def dispatch(self, kv: KVCache | KVLayers, inp: StepInput | PackedInput, step_index: int):
         """(new kv, SampleOutput, next_tokens) on the device: the compiled step, dispatched
         without waiting, and its results copied out of the step's persistent buffers (so the
-        caller may keep them across later steps). copy=False: the buffers themselves, for a
-        caller done with them before the next dispatch of this input's shapes (which donates
-        them: reading them after that raises). `kv` is donated. For the bench's back to
+        caller may keep them across later steps). `kv` is donated. For the bench's back to
         back runs."""
         p = self.prepare(inp)
         fn = (self._executables.get(p.signature)
@@ -275,7 +270,7 @@ class ModelRunner:
             out, next_tokens = results
         else:
             self._buffers[p.signature] = (slot, results)
-            out, next_tokens = self._copy_out(results) if copy else results
+            out, next_tokens = self._copy_out(results)
         return kv, out, next_tokens
 
     def _step_buffers(self, p: PackedInput):
