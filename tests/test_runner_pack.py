@@ -116,6 +116,7 @@ def test_step_writes_its_results_into_persistent_buffers_and_copies_them_out():
     for want, got in zip(jax.tree_util.tree_leaves(held),
                          jax.tree_util.tree_leaves(jax.device_get((out1, next1)))):
         np.testing.assert_array_equal(got, want)
+    # Last: on the CPU, reading a buffer directly can keep it from being donated once more.
     np.testing.assert_array_equal(jax.device_get(runner._buffers[p.signature][1][1]),
                                   jax.device_get(next_tokens))
 
