@@ -10,7 +10,9 @@ lowered (Python tracing: one at a time) and then compiled in a thread pool (on t
 26 executables in 45 s where 13 took 61 s one after another; 6.4 s from the persistent
 cache); `dispatch` then calls the executable matching the input's signature (PackedInput:
 tree structure + shapes + dtypes) and falls back to the jitted function (which compiles, and
-is counted) for anything else. Step inputs reach the device as one packed int32 buffer.
+is counted) for anything else. Step inputs reach the device as one packed int32 buffer
+(step_input.py), copied into a persistent slot; the step's results are written into
+persistent donated buffers and copied out for the caller (_packed_step says why).
 
 Tensor parallel (EngineConfig.tensor_parallel > 1): params arrive sharded (loading.py), the
 cache is allocated sharded by kv head and pinned to that layout across the step (so the

@@ -15,6 +15,7 @@ from jaxinfer import sampling
 from jaxinfer.kv_cache import AttentionMetadata
 from jaxinfer.request import SamplingParams
 
+
 @functools.partial(jax.tree_util.register_dataclass,
                    data_fields=["tokens", "md", "logits_index", "sampling", "prev_tokens",
                                 "prev_index"], meta_fields=[])
