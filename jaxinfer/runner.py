@@ -39,9 +39,11 @@ from jaxinfer.ops import resolve_attention_impl
 from jaxinfer.sharding import TPLayout, kv_spec, make_layout
 from jaxinfer.step_input import PackedInput, StepInput, pack_host, unpack, warmup_inputs
 
-# The step's results written into donated buffers that keep their addresses (_packed_step);
-# off: fresh output buffers every call, as before (for an A/B; read when a runner is built).
-PERSISTENT_OUTPUTS = True
+# The step's results written into donated buffers that keep their addresses (_packed_step):
+# None = where XLA runs the step as a command buffer (the GPU); elsewhere the copy-out only
+# adds host time (~35 us a step for the tests' tiny model on the CPU). True / False force it
+# (tests, the A/B); read when a runner is built.
+PERSISTENT_OUTPUTS: bool | None = None
 
 
 class CompileCounter:
@@ -116,12 +118,26 @@ def _packed_step(graphdef, attn_impl, treedef, leaves, kv, slot, outs, buf, prev
     kv, out, next_tokens = _step(graphdef, attn_impl, treedef, leaves, kv,
                                  unpack(slot, spec, prev_tokens), rng, step_index, kv_sharding)
     results = (out, next_tokens)
-    if outs is not None and kv_sharding is not None:   # the buffers' layout: replicated
-        results = jax.lax.with_sharding_constraint(
-            results, jax.sharding.NamedSharding(kv_sharding.mesh, jax.sharding.PartitionSpec()))
+    if outs is not None:
+        # A use of `outs` that XLA folds away (a select on a constant): jit drops an argument
+        # the program never reads, and with it the donation. (keep_unused=True would keep
+        # them too, but also the greedy variant's unread rng and step index: a host->device
+        # transfer each call.)
+        results = jax.tree.map(lambda r, o: jnp.where(False, o, r), results, outs)
+        if kv_sharding is not None:   # the buffers' layout: replicated
+            results = jax.lax.with_sharding_constraint(results, jax.sharding.NamedSharding(
+                kv_sharding.mesh, jax.sharding.PartitionSpec()))
     return kv, slot, results
 
 
+@jax.jit
+def _copy_out(results):
+    """The step's results copied out of its persistent buffers for the caller (one small
+    program per shape, shared by every runner of the process)."""
+    return jax.tree.map(jnp.copy, results)
+
+
+@functools.lru_cache(maxsize=256)
 def output_shapes(spec, vocab_size: int, num_seqs: int):
     """(SampleOutput, next_tokens [S]) of ShapeDtypeStructs: what the step returns for an
     input of `spec` (PackedInput.spec) with S = num_seqs (prev_tokens' length)."""
@@ -220,15 +236,11 @@ class ModelRunner:
             self.kv = allocate_kv(cfg, self.engine, self.layout, self.static_kv_scales)
         self._rng = jax.random.key(engine.seed)
         self._num_steps = 0
-        # keep_unused: the output buffers are never read, and jit drops (and so never
-        # donates) an argument the program does not read.
         self._step_fn = jax.jit(functools.partial(_packed_step, graphdef, self.attn_impl,
                                                   self._treedef, kv_sharding=kv_sharding),
-                                donate_argnums=(1, 2, 3), static_argnames=("spec",),
-                                keep_unused=True)
-        self._persistent_outputs = PERSISTENT_OUTPUTS
-        # The results copied out of the step's buffers for the caller (one small program).
-        self._copy_out = jax.jit(lambda results: jax.tree.map(jnp.copy, results))
+                                donate_argnums=(1, 2, 3), static_argnames=("spec",))
+        self._persistent_outputs = (jax.default_backend() == "gpu" if PERSISTENT_OUTPUTS is None
+                                    else PERSISTENT_OUTPUTS)
         self._buffers: dict = {}  # input signature -> (slot, output buffers or None)
 
     def step(self, inp: StepInput | PackedInput) -> sampling.SampleOutput:
@@ -272,13 +284,13 @@ class ModelRunner:
             out, next_tokens = results
         else:
             self._buffers[p.signature] = (slot, results)
-            out, next_tokens = self._copy_out(results)
+            out, next_tokens = _copy_out(results)
         return kv, out, next_tokens
 
     def _step_buffers(self, p: PackedInput):
         """The persistent buffers of `p`'s signature (see _packed_step), made on first use:
         (the input slot, one int32 longer than the packed input; the output buffers, or None
-        without PERSISTENT_OUTPUTS), replicated on a mesh."""
+        with PERSISTENT_OUTPUTS off), replicated on a mesh."""
         bufs = self._buffers.get(p.signature)
         if bufs is None:
             outs = None

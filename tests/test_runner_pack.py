@@ -90,20 +90,34 @@ def _addresses(tree):
     return [x.unsafe_buffer_pointer() for x in jax.tree_util.tree_leaves(tree)]
 
 
-def test_step_writes_its_results_into_persistent_buffers_and_copies_them_out():
+def test_step_writes_its_results_into_persistent_buffers_and_copies_them_out(monkeypatch):
     """Every output of the compiled step is aliased to a donated argument (none lands in
     fresh memory, where XLA may also place step-wide values), the output buffers keep their
     addresses across steps, and what dispatch returns is a copy the next steps do not touch:
-    the same tokens as a runner with fresh outputs."""
+    the same tokens as a runner with fresh outputs. (On by default on the GPU only.)"""
+    monkeypatch.setattr(runner_mod, "PERSISTENT_OUTPUTS", True)
     engine = tiny_engine()
     runner = engine.runner
     bucket = engine.buckets.all_buckets()[0]
     p = runner.prepare(dummy_input(bucket, max_num_seqs=runner.engine.max_num_seqs))
     lowered = runner.lower(p)
     n_out = len(jax.tree_util.tree_leaves(lowered.out_info))
-    header = lowered.compile().as_text().splitlines()[0]
-    aliased = {int(i) for i in re.findall(r"\{(\d+)\}: \(\d+, \{\}, may-alias\)", header)}
-    assert aliased == set(range(n_out)), header
+    text = lowered.compile().as_text()
+    header = text.splitlines()[0]
+    alias = {int(o): int(i) for o, i in
+             re.findall(r"\{(\d+)\}: \((\d+), \{\}, may-alias\)", header)}
+    assert set(alias) == set(range(n_out)), header
+    # The buffers are only written: the program reads none of them (the select that keeps
+    # them from being pruned is folded away), and the greedy variant's unread rng and step
+    # index are pruned as before.
+    entry = text[text.index("ENTRY"):]
+    params = {int(i): name for name, i in re.findall(r"(\S+) = \S+ parameter\((\d+)\)", entry)}
+    for o in range(n_out - 5, n_out):
+        name = params[alias[o]]
+        assert not [line for line in entry.splitlines()
+                    if re.search(re.escape(name) + r"[,)]", line) and "parameter(" not in line]
+    n_kv = len(jax.tree_util.tree_leaves(runner.kv))
+    assert len(params) == len(runner._leaves) + n_kv + 1 + 5 + 2   # + buf, prev_tokens
 
     kv, out1, next1 = runner.dispatch(runner.kv, p, 1)
     held = jax.device_get((out1, next1))
@@ -122,8 +136,8 @@ def test_step_writes_its_results_into_persistent_buffers_and_copies_them_out():
 
 
 def test_fresh_outputs_switch_gives_the_same_steps(monkeypatch):
-    """PERSISTENT_OUTPUTS off (the A/B's other arm): no output buffers, the same answers
-    (staggered arrivals, greedy and seeded sampling, logprobs)."""
+    """PERSISTENT_OUTPUTS off (the A/B's other arm, and the CPU's default): no output
+    buffers, the same answers (staggered arrivals, greedy and seeded sampling, logprobs)."""
     prompts = random_prompts(4, seed=3)
     params = [SamplingParams(max_tokens=6), SamplingParams(max_tokens=5, temperature=0.9, seed=1),
               SamplingParams(max_tokens=7, logprobs=2), SamplingParams(max_tokens=4)]
@@ -136,3 +150,9 @@ def test_fresh_outputs_switch_gives_the_same_steps(monkeypatch):
         buffers = [b for _, b in engine.runner._buffers.values()]
         assert buffers and all((b is None) != persistent for b in buffers)
     assert results[0] == results[1]
+
+
+def test_persistent_outputs_default_to_the_gpu(monkeypatch):
+    monkeypatch.setattr(runner_mod, "PERSISTENT_OUTPUTS", None)
+    runner = tiny_engine().runner
+    assert runner._persistent_outputs == (jax.default_backend() == "gpu")
