@@ -266,9 +266,9 @@ class ModelRunner:
 
     def dispatch(self, kv: KVCache | KVLayers, inp: StepInput | PackedInput, step_index: int):
         """(new kv, SampleOutput, next_tokens) on the device: the compiled step, dispatched
-        without waiting, and its results copied out of the step's persistent buffers (so the
-        caller may keep them across later steps). `kv` is donated. For the bench's back to
-        back runs."""
+        without waiting; with PERSISTENT_OUTPUTS on, its results copied out of the step's
+        persistent buffers, so the caller may keep them across later steps either way. `kv`
+        is donated. For the bench's back to back runs."""
         p = self.prepare(inp)
         fn = (self._executables.get(p.signature)
               or functools.partial(self._step_fn, spec=p.spec))   # not compiled ahead: jit
