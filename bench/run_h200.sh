@@ -49,6 +49,10 @@
 #   engine1   one request through the real engine (async scheduling): 512 in / 256 out,
 #             bf16 then FP8 weights ($ENGINE1_WEIGHTS); its median step is the B=1 decode
 #             step serving sees                                                              ~4 min
+#   outputs   persistent step outputs (runner.PERSISTENT_OUTPUTS): the runner's output-buffer
+#             tests on the GPU backend (aliasing, the select folded away), then on vs off in
+#             one process (bench.probes.outputs_ab), Llama-3-8B FP8 then bf16 weights, B=1;
+#             $OUT/outputs_ab_<weights>.json                                                  ~2 min
 #   throughput  offline throughput, Llama-3-8B FP8 weights + FP8 KV, $NUM_REQUESTS (1000)
 #             requests of 1000 in / 1000 out, max $THR_SEQS (512) seqs and $THR_TOKENS
 #             (2048) tokens per step; a partial row if
@@ -220,6 +224,13 @@ PYEOF
         run "engine1_$w" 170 "$PY" -m bench.throughput "${LLAMA[@]}" --weights "$w" \
           --kv-dtype bf16 --input-len 512 --output-len 256 --num-requests 1 --max-num-seqs 1 \
           --git "$GIT" --append --out "$OUT/engine_b1.json"
+      done ;;
+    outputs)
+      JAXINFER_TEST_GPU=1 run outputs_tests 120 "$PY" -m pytest -q -p no:cacheprovider \
+        tests/test_runner_pack.py -k "persistent or fresh_outputs"
+      for w in fp8 bf16; do
+        run "outputs_ab_$w" 120 "$PY" -m bench.probes.outputs_ab "${LLAMA[@]}" --weights "$w" \
+          --git "$GIT" --out "$OUT/outputs_ab_$w.json"
       done ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
