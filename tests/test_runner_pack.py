@@ -123,10 +123,16 @@ def test_step_writes_its_results_into_persistent_buffers_and_copies_them_out(mon
     held = jax.device_get((out1, next1))
     buffers = _addresses(runner._buffers[p.signature][1])
     assert len(buffers) == 5 and not set(buffers) & set(_addresses((out1, next1)))
-    for i in range(2, 5):      # later steps (other sampling keys) overwrite the buffers
-        kv, out, next_tokens = runner.dispatch(kv, p, i)
+    inp = dummy_input(bucket, max_num_seqs=runner.engine.max_num_seqs)
+    later = []
+    for i in range(2, 5):      # later steps on other tokens overwrite the buffers
+        other = runner.prepare(dataclasses.replace(inp, tokens=np.full_like(inp.tokens, 7 * i)))
+        assert other.signature == p.signature
+        kv, out, next_tokens = runner.dispatch(kv, other, i)
         assert _addresses(runner._buffers[p.signature][1]) == buffers
+        later.append(int(jax.device_get(out.tokens)[0]))
     runner.kv = kv
+    assert set(later) - {int(held[0].tokens[0])}, later   # the buffers did get other values
     for want, got in zip(jax.tree_util.tree_leaves(held),
                          jax.tree_util.tree_leaves(jax.device_get((out1, next1)))):
         np.testing.assert_array_equal(got, want)
