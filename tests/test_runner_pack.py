@@ -61,6 +61,12 @@ def test_pack_rejects_eight_byte_leaves():
         pack_host(bad)
 
 
+def _users(entry: str, name: str) -> list[str]:
+    """The lines of an HLO computation that read the instruction `name`."""
+    return [line for line in entry.splitlines()
+            if re.search(re.escape(name) + r"[,)]", line) and "parameter(" not in line]
+
+
 def test_step_reads_the_fresh_input_only_through_its_persistent_slot():
     """The compiled step reads the per-call packed buffer in ONE instruction (its copy into
     the donated slot), the slot is aliased to an output, and the slot keeps its device
@@ -75,8 +81,7 @@ def test_step_reads_the_fresh_input_only_through_its_persistent_slot():
     params = dict((int(size), (name, idx)) for name, size, idx in re.findall(
         r"(\S+) = s32\[(\d+)\]\{0\} parameter\((\d+)\)", entry))
     (buf_name, _), (_, slot_idx) = params[n], params[n + 1]
-    users = [line for line in entry.splitlines()
-             if re.search(re.escape(buf_name) + r"[,)]", line) and "parameter(" not in line]
+    users = _users(entry, buf_name)
     assert len(users) == 1 and "dynamic-update-slice" in users[0], users
     assert re.search(rf"\{{\d+\}}: \({slot_idx}, \{{\}}, may-alias\)", text[:text.index("\n")])
     runner.step(p)
@@ -113,9 +118,7 @@ def test_step_writes_its_results_into_persistent_buffers_and_copies_them_out(mon
     entry = text[text.index("ENTRY"):]
     params = {int(i): name for name, i in re.findall(r"(\S+) = \S+ parameter\((\d+)\)", entry)}
     for o in range(n_out - 5, n_out):
-        name = params[alias[o]]
-        assert not [line for line in entry.splitlines()
-                    if re.search(re.escape(name) + r"[,)]", line) and "parameter(" not in line]
+        assert not _users(entry, params[alias[o]])
     n_kv = len(jax.tree_util.tree_leaves(runner.kv))
     assert len(params) == len(runner._leaves) + n_kv + 1 + 5 + 2   # + buf, prev_tokens
 
