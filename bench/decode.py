@@ -75,12 +75,19 @@ def step_flops(cfg, batch: int, context: int) -> int:
     return batch * (2 * matmul_params + attention)
 
 
-def measure_case(runner, cfg, model: str, batch: int, context: int, ceil: dict,
-                 reps: int, rng) -> dict:
-    inp = runner.prepare(decode_input(cfg, runner.engine, batch, context, rng))
+def step_times(runner, inp, reps: int) -> tuple[float, float, float]:
+    """Seconds per step of `inp`: synced (a host round trip each), on the device (pipelined),
+    and the host's dispatch in a burst of 8."""
     synced = timed(lambda: runner.step(inp), reps)
     device = pipelined_step_s(runner, inp, reps)
     dispatch = statistics.median(burst(runner, inp, 8)[0] / 8 for _ in range(3))
+    return synced, device, dispatch
+
+
+def measure_case(runner, cfg, model: str, batch: int, context: int, ceil: dict,
+                 reps: int, rng) -> dict:
+    inp = runner.prepare(decode_input(cfg, runner.engine, batch, context, rng))
+    synced, device, dispatch = step_times(runner, inp, reps)
     nbytes = (weight_bytes(runner.params, cfg, batch)
               + batch * (context + 1) * kv_bytes_per_token(cfg, runner.engine))
     flops = step_flops(cfg, batch, context)

@@ -23,7 +23,8 @@ import time
 import jax
 import numpy as np
 
-from bench.common import burst, decode_input, fill_kv, load_runner, pipelined_step_s, timed
+from bench.common import decode_input, fill_kv, load_runner
+from bench.decode import step_times
 from bench.probes import write_probe
 from jaxinfer import runner as runner_mod
 from jaxinfer.cli import add_engine_args
@@ -44,11 +45,9 @@ def idle_enqueue_ms(runner, inp, n: int = 30) -> float:
 
 
 def measure(runner, inp) -> dict[str, float]:
-    return {"synced_ms": timed(lambda: runner.step(inp), 5) * 1e3,
-            "device_ms": pipelined_step_s(runner, inp, 5) * 1e3,
-            "burst_dispatch_ms": statistics.median(
-                burst(runner, inp, 8)[0] / 8 for _ in range(3)) * 1e3,
-            "idle_enqueue_ms": idle_enqueue_ms(runner, inp)}
+    synced, device, dispatch = step_times(runner, inp, 5)
+    return {"synced_ms": synced * 1e3, "device_ms": device * 1e3,
+            "burst_dispatch_ms": dispatch * 1e3, "idle_enqueue_ms": idle_enqueue_ms(runner, inp)}
 
 
 def build(args, context: int) -> dict:
