@@ -242,6 +242,10 @@ def ragged_paged_attention(q, k_pages, v_pages, layer, md, k_scale=None, v_scale
                            out=out)
 
 
+REFERENCE_ROWS = 8             # the reference's per-row form up to this many rows (batch)
+REFERENCE_LOGITS = 1 << 27     # ... and this many f32 logits (T x H x context: 512 MiB)
+
+
 def _reference_tokens(q, k_pages, v_pages, layer, md, k_scale, v_scale, sm_scale: float):
     def one(args):  # q_t [H, D], pos, seq -> [H, D]
         q_t, pos, seq = args
@@ -257,12 +261,45 @@ def _reference_tokens(q, k_pages, v_pages, layer, md, k_scale, v_scale, sm_scale
     return lax.map(one, (q, md.positions, md.token_seq), batch_size=min(16, q.shape[0]))
 
 
+def _reference_rows(q, k_pages, v_pages, layer, md, k_scale, v_scale, sm_scale: float):
+    num_tokens, num_heads, head_dim = q.shape
+    kv_heads = k_pages.shape[1]
+    group = num_heads // kv_heads
+    qk = (q.astype(jnp.float32).reshape(num_tokens, kv_heads, group, head_dim)
+          .transpose(1, 0, 2, 3).reshape(kv_heads, num_tokens * group, head_dim))
+
+    def one(out, b):  # every token against row b's pages; row b's tokens keep the result
+        k, v = gather_kv(k_pages, v_pages, layer, md.page_table[b][None], k_scale, v_scale)
+        k, v = k[0], v[0]  # [K, t, D]
+        logits = jnp.einsum("kmd,ksd->kms", qk, k, precision="highest") * sm_scale
+        logits = logits.reshape(kv_heads, num_tokens, group, -1)
+        causal = jnp.arange(k.shape[1])[None, :] <= md.positions[:, None]  # [T, t]
+        logits = jnp.where(causal[None, :, None, :], logits, -jnp.inf)
+        p = jax.nn.softmax(logits, axis=-1).reshape(kv_heads, num_tokens * group, -1)
+        o = jnp.einsum("kms,ksd->kmd", p, v, precision="highest")
+        mine = jnp.repeat(md.token_seq == b, group)  # [T * G]
+        return jnp.where(mine[None, :, None], o, out), None
+    out, _ = lax.scan(one, jnp.zeros_like(qk), jnp.arange(md.page_table.shape[0]))
+    return (out.reshape(kv_heads, num_tokens, group, head_dim).transpose(1, 0, 2, 3)
+            .reshape(q.shape))
+
+
 @functools.partial(jax.jit, static_argnames=("sm_scale", "interpret"))
 def ragged_paged_attention_reference(q, k_pages, v_pages, layer, md, k_scale=None,
                                      v_scale=None, *, sm_scale: float, interpret: bool = False):
-    """Plain-jnp version in f32: per token, gathers its sequence's pages (16 tokens at a
-    time, so memory stays ~16 contexts) and attends causally up to its position. Padding
-    tokens (slot_mapping -1) output zeros."""
+    """Plain-jnp version in f32: each token attends causally, up to its position, over its
+    sequence's pages. Padding tokens (slot_mapping -1) output zeros.
+
+    Two forms, the same numbers (tests/test_ragged_paged_attention.py): with few rows
+    (REFERENCE_ROWS; teacher forcing, the CPU engine) each row's pages are gathered once and
+    every token is scored against them, the row's own tokens keeping the result (memory:
+    the T x H x context logits, bounded by REFERENCE_LOGITS); otherwise each token gathers
+    its own row's pages, 16 tokens at a time (memory ~16 contexts). On the CPU the first is
+    ~6x faster for one 512-token prefill, a per-token gather per row being what costs."""
     del interpret
-    out = _reference_tokens(q, k_pages, v_pages, layer, md, k_scale, v_scale, sm_scale)
+    context = md.page_table.shape[1] * k_pages.shape[3]
+    per_row = (md.page_table.shape[0] <= REFERENCE_ROWS
+               and q.shape[0] * q.shape[1] * context <= REFERENCE_LOGITS)
+    fn = _reference_rows if per_row else _reference_tokens
+    out = fn(q, k_pages, v_pages, layer, md, k_scale, v_scale, sm_scale)
     return jnp.where((md.slot_mapping >= 0)[:, None, None], out, 0.0).astype(q.dtype)

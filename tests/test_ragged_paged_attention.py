@@ -13,6 +13,7 @@ from pallas_kernels.paged_attention import paged_attention_reference
 from pallas_kernels.ragged_paged_attention import (ragged_paged_attention,
                                                    ragged_paged_attention_blocks,
                                                    ragged_paged_attention_reference, work_list)
+from pallas_kernels import ragged_paged_attention as rpa
 from pallas_kernels import tuning
 from pallas_kernels.tuning import RaggedBlocks
 from test_paged_attention import (BF, HF, KV_HEADS, MODES, PAGES_PER_SEQ, PR, make_cache,
@@ -59,6 +60,22 @@ GRID = [
     (8, 4, 64, "fp8s", 4, 16, [5, 1, 9], 16, HF, 1),      # static FP8 scales
     (16, 4, 128, "fp8s", 8, 32, [9, 1, 14], 28, PR, 3),
 ]
+
+
+@pytest.mark.parametrize("page_size,groups,head_dim,kv_dtype,q_lens,t",
+                         [(g[0], g[1], g[2], g[3], g[6], g[7]) for g in GRID]
+                         + [(16, 4, 64, "fp8", [3, 1, 0, 1, 5, 1, 1, 2, 1, 4], 24)])
+def test_reference_forms_agree(page_size, groups, head_dim, kv_dtype, q_lens, t):
+    """The reference's two forms, per row (the pages of each row gathered once; what
+    ragged_paged_attention_reference uses up to REFERENCE_ROWS rows, so in the kernel tests
+    here) and per token (each token gathers its row's pages), give the same outputs."""
+    q, (k, v, ks, vs), md = make_ragged(7, page_size, groups, head_dim, kv_dtype, q_lens, t)
+    args = (q, k, v, jnp.int32(1), md, ks, vs, head_dim ** -0.5)
+    rows, tokens = rpa._reference_rows(*args), rpa._reference_tokens(*args)
+    live = np.asarray(md.slot_mapping) >= 0
+    assert live.sum() == sum(q_lens) and np.abs(np.asarray(tokens)[live]).max() > 0.01
+    np.testing.assert_allclose(np.asarray(rows)[live], np.asarray(tokens)[live],
+                               rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("interpret", MODES)
