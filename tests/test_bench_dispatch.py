@@ -5,7 +5,7 @@ import json
 import jax
 import pytest
 
-from bench.probes import dispatch, outputs_ab
+from bench.probes import dispatch, host_step, outputs_ab
 
 LOG = f"""I1202 command_buffer_thunk.cc:431] Evict command buffer thunk command buffers
 {dispatch.MARK}fresh
@@ -56,3 +56,11 @@ def test_outputs_ab_measures_both_arms_on_the_cpu(tmp_path):
     assert [r["persistent_outputs"] for r in rows] == [True, False]
     for r in rows:
         assert all(r[m] > 0 and len(r["samples"][m]) == 1 for m in outputs_ab.METRICS), r
+
+
+def test_host_step_times_the_batch1_step_on_the_cpu(tmp_path):
+    out = tmp_path / "host_step.json"
+    host_step.main(["--model", "tiny", "--context", "16", "--rounds", "2", "--out", str(out)])
+    (row,) = json.loads(out.read_text())["rows"]
+    assert len(row["rounds"]) == 2 and all(row[m] > 0 for m in host_step.METRICS), row
+    assert row["synced_ms"] >= row["idle_enqueue_ms"] / 2, row   # a step includes its enqueue

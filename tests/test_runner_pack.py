@@ -70,7 +70,8 @@ def _users(entry: str, name: str) -> list[str]:
 def test_step_reads_the_fresh_input_only_through_its_persistent_slot():
     """The compiled step reads the per-call packed buffer in ONE instruction (its copy into
     the donated slot), the slot is aliased to an output, and the slot keeps its device
-    buffer across steps: what lets a command buffer skip updating the other kernels."""
+    buffer across steps: what lets a command buffer skip updating the other kernels. (Before
+    the thirtieth session it failed on the GPU backend, which fuses that copy.)"""
     engine = tiny_engine()
     runner = engine.runner
     bucket = engine.buckets.all_buckets()[0]
@@ -80,9 +81,13 @@ def test_step_reads_the_fresh_input_only_through_its_persistent_slot():
     entry = text[text.index("ENTRY"):]
     params = dict((int(size), (name, idx)) for name, size, idx in re.findall(
         r"(\S+) = s32\[(\d+)\]\{0\} parameter\((\d+)\)", entry))
-    (buf_name, _), (_, slot_idx) = params[n], params[n + 1]
+    (buf_name, _), (slot_name, slot_idx) = params[n], params[n + 1]
     users = _users(entry, buf_name)
-    assert len(users) == 1 and "dynamic-update-slice" in users[0], users
+    # the one reader: the copy into the slot (on the CPU backend a dynamic-update-slice; on
+    # the GPU backend a fusion of it, which reads the slot too)
+    assert len(users) == 1, users
+    assert "dynamic-update-slice" in users[0] or (
+        "fusion" in users[0] and _users(users[0], slot_name)), users
     assert re.search(rf"\{{\d+\}}: \({slot_idx}, \{{\}}, may-alias\)", text[:text.index("\n")])
     runner.step(p)
     first = runner._buffers[p.signature][0].unsafe_buffer_pointer()
