@@ -49,20 +49,30 @@ class PackedInput:
         return self.spec, tuple(np.shape(self.prev_tokens))
 
 
+_INT32, _BOOL = np.dtype(np.int32), np.dtype(np.bool_)
+_DTYPE_NAMES: dict = {}   # np.dtype -> its name: numpy computes .name in Python (~2 us each)
+
+
 def pack_host(inp: StepInput) -> tuple[np.ndarray, tuple]:
     """(int32 buffer, spec) of every leaf of `inp` but prev_tokens (numpy or jax leaves)."""
     leaves, tree = jax.tree_util.tree_flatten(dataclasses.replace(inp, prev_tokens=None))
     parts, fields = [], []
     for leaf in leaves:
         a = np.asarray(leaf)
-        if a.dtype == np.bool_:
+        dt = a.dtype
+        if dt == _INT32:
+            parts.append(a.ravel())
+        elif dt == _BOOL:
             parts.append(a.astype(np.int32).ravel())
-        elif a.dtype.itemsize == 4:
+        elif dt.itemsize == 4:
             parts.append(np.ascontiguousarray(a).view(np.int32).ravel())
         else:
-            raise TypeError(f"StepInput leaf of dtype {a.dtype} cannot be packed (4-byte "
+            raise TypeError(f"StepInput leaf of dtype {dt} cannot be packed (4-byte "
                             f"dtypes and bool only)")
-        fields.append((a.shape, a.dtype.name))
+        name = _DTYPE_NAMES.get(dt)
+        if name is None:
+            name = _DTYPE_NAMES[dt] = dt.name
+        fields.append((a.shape, name))
     buf = np.concatenate(parts) if parts else np.zeros(0, np.int32)
     return buf, (tree, tuple(fields))
 
