@@ -295,7 +295,8 @@ def ragged_paged_attention_reference(q, k_pages, v_pages, layer, md, k_scale=Non
     every token is scored against them, the row's own tokens keeping the result (memory:
     the T x H x context logits, bounded by REFERENCE_LOGITS); otherwise each token gathers
     its own row's pages, 16 tokens at a time (memory ~16 contexts). On the CPU the first is
-    ~6x faster for one 512-token prefill, a per-token gather per row being what costs."""
+    ~6x faster for one 512-token prefill, where the second's per-token gathers take most of
+    the time."""
     del interpret
     context = md.page_table.shape[1] * k_pages.shape[3]
     per_row = (md.page_table.shape[0] <= REFERENCE_ROWS
