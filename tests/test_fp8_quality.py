@@ -19,7 +19,7 @@ e4m3's 3 mantissa bits add ~2% RMS relative noise per weight, which a 135M model
 near-tied next tokens feels. Its assertion (>= 92%) guards that path against regressions.
 
 On two CPU cores this file takes ~2.5 minutes alone: the calibrated conversion ~70 s, each
-teacher-forced pass 10-15 s with its load (~1 s a window, since the attention reference
+teacher-forced pass ~15 s with its load (~1 s a window, since the attention reference
 gathers each row's pages once: ragged_paged_attention_reference).
 """
 import numpy as np

@@ -5,39 +5,24 @@
 
 For A/B runs of settings that only a fresh process can change (XLA_FLAGS, e.g. PDL:
 jaxinfer/__init__.py): run it once per setting. One row: the medians over the rounds of
-bench.decode.step_times (synced_ms, device_ms, burst_ms) and of outputs_ab.idle_enqueue_ms,
-the setting (`pdl`, `xla_flags`), and every round's numbers.
+outputs_ab's four measurements (METRICS: synced, device, burst dispatch, idle enqueue), the
+setting (`pdl`, `xla_flags`), and every round's numbers.
 """
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 
-import numpy as np
-
-from bench.common import decode_input, fill_kv, load_runner
-from bench.decode import step_times
+from bench.common import load_runner
 from bench.probes import write_probe
-from bench.probes.outputs_ab import idle_enqueue_ms
-from jaxinfer.cli import add_engine_args
-
-METRICS = ("synced_ms", "device_ms", "burst_ms", "idle_enqueue_ms")
+from bench.probes.outputs_ab import METRICS, measure, parse_args, warm_input
 
 
 def run(args) -> list[dict]:
     runner, cfg, _ = load_runner(args, max_num_seqs=1, max_len=args.context + 1,
                                  pairs=[(1, args.context)], kv_budget_gb=4)
-    runner.kv = fill_kv(runner.kv)
-    inp = runner.prepare(decode_input(cfg, runner.engine, 1, args.context,
-                                      np.random.default_rng(0)))
-    runner.step(inp)
-    runner.step(inp)
-    rounds = []
-    for _ in range(args.rounds):
-        synced, device, burst = step_times(runner, inp, 5)
-        rounds.append(dict(zip(METRICS, (synced * 1e3, device * 1e3, burst * 1e3,
-                                         idle_enqueue_ms(runner, inp)))))
+    inp = warm_input(runner, cfg, args.context)
+    rounds = [measure(runner, inp) for _ in range(args.rounds)]
     row = {"model": args.model, "weights": args.weights, "batch": 1, "context": args.context,
            "pdl": os.environ.get("JAXINFER_XLA_PDL", "1"),
            "xla_flags": os.environ.get("XLA_FLAGS", ""),
@@ -48,15 +33,7 @@ def run(args) -> list[dict]:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_engine_args(ap)
-    ap.add_argument("--context", type=int, default=512, help="the decode row's context")
-    ap.add_argument("--rounds", type=int, default=5, help="rounds (median)")
-    ap.add_argument("--out", default="host_step.json")
-    ap.add_argument("--git", default=None)
-    args = ap.parse_args(argv)
-    if args.context < 1 or args.rounds < 1:
-        ap.error("--context and --rounds must be >= 1")
+    args = parse_args(__doc__, argv, rounds=5, out="host_step.json")
     write_probe(args.out, "host_step", args.git, argv, run(args))
 
 

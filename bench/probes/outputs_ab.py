@@ -50,9 +50,19 @@ def measure(runner, inp) -> dict[str, float]:
             "burst_dispatch_ms": dispatch * 1e3, "idle_enqueue_ms": idle_enqueue_ms(runner, inp)}
 
 
+def warm_input(runner, cfg, context: int):
+    """The decode harness's batch-1 input at `context`, prepared, with the runner's cache
+    filled and the step run twice (compiled, buffers made)."""
+    runner.kv = fill_kv(runner.kv)
+    inp = runner.prepare(decode_input(cfg, runner.engine, 1, context, np.random.default_rng(0)))
+    runner.step(inp)
+    runner.step(inp)
+    return inp
+
+
 def build(args, context: int) -> dict:
-    """{'on': (runner, input), 'off': (runner, input)}: runners over the same params, their
-    caches filled, each step run twice (compiled, buffers made)."""
+    """{'on': (runner, input), 'off': (runner, input)}: runners over the same params, each
+    with its warm_input."""
     saved = runner_mod.PERSISTENT_OUTPUTS
     try:
         runner_mod.PERSISTENT_OUTPUTS = True
@@ -62,14 +72,7 @@ def build(args, context: int) -> dict:
         off = runner_mod.ModelRunner(cfg, on.engine, graphdef, on.params)
     finally:
         runner_mod.PERSISTENT_OUTPUTS = saved
-    runners = {}
-    for arm, r in (("on", on), ("off", off)):
-        r.kv = fill_kv(r.kv)
-        inp = r.prepare(decode_input(cfg, r.engine, 1, context, np.random.default_rng(0)))
-        r.step(inp)
-        r.step(inp)
-        runners[arm] = (r, inp)
-    return runners
+    return {arm: (r, warm_input(r, cfg, context)) for arm, r in (("on", on), ("off", off))}
 
 
 def run(args, context: int, rounds: int) -> list[dict]:
@@ -90,16 +93,23 @@ def run(args, context: int, rounds: int) -> list[dict]:
     return rows
 
 
-def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parse_args(doc: str, argv, *, rounds: int, out: str):
+    """The batch-1 probes' command line (this one's and host_step's): the engine's flags,
+    --context, --rounds (median), --out, --git."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
     add_engine_args(ap)
     ap.add_argument("--context", type=int, default=512, help="the decode row's context")
-    ap.add_argument("--rounds", type=int, default=6, help="rounds of both arms (median)")
-    ap.add_argument("--out", default="bench/results/outputs_ab.json")
+    ap.add_argument("--rounds", type=int, default=rounds, help="rounds (median)")
+    ap.add_argument("--out", default=out)
     ap.add_argument("--git", default=None)
     args = ap.parse_args(argv)
     if args.context < 1 or args.rounds < 1:
         ap.error("--context and --rounds must be >= 1")
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse_args(__doc__, argv, rounds=6, out="bench/results/outputs_ab.json")
     write_probe(args.out, "outputs_ab", args.git, argv,
                 run(args, args.context, args.rounds))
 
