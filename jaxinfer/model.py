@@ -119,7 +119,15 @@ class Attention(nnx.Module):
 
     def __call__(self, x, kv: KVCache, layer, md: AttentionMetadata, cos, sin, attn_impl):
         # the QKV bias is added by attend: inside the RoPE + K/V write kernel when that runs
-        bias = None if self.wqkv.bias is None else self.wqkv.bias[...]
+        cfg, w = self.cfg, self.wqkv
+        bias = None if w.bias is None else w.bias[...]
+        fused = ops.decode_qkv_attention(
+            x, w.kernel[...], None if w.scale is None else w.scale[...], bias, kv, layer, md,
+            cos, sin, num_heads=cfg.num_heads, sm_scale=cfg.head_dim ** -0.5, impl=attn_impl,
+            layout=self.layout)
+        if fused is not None:     # small decode steps: QKV's sum and RoPE in the attention
+            o, kv = fused
+            return self.wo(o.reshape(x.shape[0], cfg.q_size)), kv
         o, kv = self.attend(self.wqkv(x, add_bias=False), kv, layer, md, cos, sin, attn_impl,
                             bias=bias)
         return self.wo(o), kv

@@ -10,6 +10,8 @@ shard — a row-parallel one sums its partial products across the mesh itself.
 """
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
@@ -56,6 +58,13 @@ FUSED_GLUE = True
 # 10.007, 8B FP8 weights 2.855 vs 2.839; alone, chained, the kernel took 1.8-2.7 us per
 # [8, 4096..5120] call and XLA's add + norm (+ an add) 0.7-0.8 us.
 PALLAS_ADD_NORM = False
+# Decode steps of at most this many rows (the GPU pads batch 1 to DECODE_MIN_ROWS) run QKV
+# as QKV_PARTS partial products over slices of the hidden dim, summed with the channel
+# scales, the bias and RoPE inside the decode attention kernel, which writes the new K/V
+# too (pallas_kernels/decode_qkv.py): two kernels per layer fewer (XLA's split-K sum and the
+# RoPE + K/V write kernel). 0 turns it off; JAXINFER_DECODE_QKV_ROWS sets it at import (A/B).
+FUSED_DECODE_QKV_MAX_ROWS = int(os.environ.get("JAXINFER_DECODE_QKV_ROWS", "8"))
+QKV_PARTS = 4
 
 
 def switches() -> tuple:
@@ -63,7 +72,8 @@ def switches() -> tuple:
     and masked-loads threshold), as a key for a trace cache shared across runners."""
     from pallas_kernels import paged_attention as pa
     return (FUSED_FP8_MLP, PALLAS_KV_WRITE, FUSED_NORM_QUANT, BF16_PAD_M, FUSED_GLUE,
-            PALLAS_ADD_NORM, pa.LONGEST_FIRST_PROGRAMS, pa.MASKED_LOADS_MIN_PROGRAMS)
+            PALLAS_ADD_NORM, FUSED_DECODE_QKV_MAX_ROWS, QKV_PARTS, pa.LONGEST_FIRST_PROGRAMS,
+            pa.MASKED_LOADS_MIN_PROGRAMS)
 
 
 def _on_gpu() -> bool:
@@ -109,6 +119,36 @@ def rope_write_kv(kv: KVCache, layer, qkv, cos, sin, slot_mapping, *, num_heads:
     kv, q = kw.rope_write_kv(kv, layer, qkv, cos, sin, slot_mapping, num_heads=num_heads,
                              bias=bias, scales=scales, interpret=not _on_gpu())
     return q, kv
+
+
+def decode_qkv_attention(x, kernel, scale, bias, kv: KVCache, layer, md: AttentionMetadata,
+                         cos, sin, *, num_heads: int, sm_scale: float, impl: str,
+                         layout: TPLayout = TPLayout()):
+    """QKV's projection of x [T, E] (kernel and FP8 scale as the Linear holds them, bias or
+    None), RoPE, the K/V write and decode attention with the projection's sum, scales, bias
+    and RoPE inside the attention kernel (pallas_kernels/decode_qkv.py) -> (out [T, H, D],
+    the cache); None where that does not apply (the caller's unfused route): not a decode
+    step of <= FUSED_DECODE_QKV_MAX_ROWS rows, impl "reference", tensor parallelism,
+    FUSED_GLUE off, a hidden size QKV_PARTS does not divide or a cache the kernel does not
+    read as plain rows (f16pairs' FP8 KV)."""
+    from pallas_kernels import decode_qkv as dq
+    from pallas_kernels import tuning
+    t = x.shape[0]
+    if not (FUSED_GLUE and impl == "pallas" and layout.size == 1 and md.decode_only
+            and t <= FUSED_DECODE_QKV_MAX_ROWS and x.shape[1] % QKV_PARTS == 0):
+        return None
+    n = md.attend_rows or t
+    rows = n if n < t else None
+    _, kv_heads, _, page_size, head_dim = kv.k.shape
+    blocks = tuning.decode_blocks(rows or t, kv_heads, md.page_table.shape[1] * page_size,
+                                  page_size, jnp.dtype(kv.k.dtype).itemsize, head_dim)
+    if not dq.supported(kv, blocks):
+        return None
+    return dq.paged_attention_qkv(dq.partial_products(x, kernel, QKV_PARTS), scale, bias, cos,
+                                  sin, kv, layer, md.seq_lens, md.page_table, md.slot_mapping,
+                                  num_heads=num_heads, sm_scale=sm_scale, dtype=x.dtype,
+                                  interpret=not _on_gpu(), rows=rows, longest_first=None,
+                                  blocks=blocks)
 
 
 def add_rmsnorm(x, delta, weight, *, eps: float, layout: TPLayout = TPLayout()):

@@ -89,7 +89,8 @@ def prepare_q(q, cdt, qk_scale: float):
     and so is the result."""
     parts = q if isinstance(q, tuple) else (q,)
     if cdt != jnp.float16:
-        return q.astype(cdt), qk_scale
+        return (tuple(x.astype(cdt) for x in q) if isinstance(q, tuple)
+                else q.astype(cdt)), qk_scale
     qf = [x.astype(jnp.float32) for x in parts]
     amax = functools.reduce(jnp.maximum, [jnp.max(jnp.maximum(x, -x), axis=1) for x in qf])
     norm = jnp.where(amax > 0, amax, 1.0)
@@ -220,38 +221,47 @@ def _logits(q, k):
     return lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
 
 
-def read_rows(ref, rows, valid=None, interpret: bool = False):
-    """ref's rows `rows` [N] ([N, D], or [N] of a 1-D ref). With `valid` [N], rows where it
-    is False are not read (a masked load; interpret mode reads and zeroes them, its masked
-    load taking no gathered rows) and come back as zeros."""
+def read_rows(ref, rows, valid=None, interpret: bool = False, cols=None):
+    """ref's rows `rows` [N] ([N, D], or [N] of a 1-D ref; with `cols`, a slice of a 2-D
+    ref's columns, those only). With `valid` [N], rows where it is False are not read (a
+    masked load; interpret mode reads and zeroes them, its masked load taking no gathered
+    rows) and come back as zeros."""
+    idx = rows if cols is None else (rows, cols)
     if valid is None:
-        return ref[rows]
+        return ref[idx]
     mask = valid if len(ref.shape) == 1 else valid[:, None]
     zero = jnp.zeros((), ref.dtype)
     if interpret:
-        return jnp.where(mask, ref[rows], zero)
-    return plgpu.load(ref.at[rows], mask=mask, other=zero)
+        return jnp.where(mask, ref[idx], zero)
+    return plgpu.load(ref.at[idx], mask=mask, other=zero)
 
 
 def attend_block(q, k_ref, v_ref, ks_ref, vs_ref, rows, carry, *, logit_scale,
                  logit_mask=None, kv_valid=None, masked_loads: bool = False,
-                 interpret: bool = False):
+                 interpret: bool = False, q_halves: bool = False):
     """One online-softmax step over the KV rows `rows` [N]; q [M, D] in the compute dtype
     and logit_scale (scalar or [M, 1]) from prepare_q; carry (m, l, acc) with m, l [M] f32 in
     the base-2 domain and acc [M, D] f32. logit_mask [M|1, N] hides logits, kv_valid [N]
     zeroes V rows (and their scales) that may hold stale data; with masked_loads the rows
     it leaves out are not read at all (K's and V's, read_rows). With f16pairs, q and acc are
-    (even, odd) tuples and k_ref/v_ref hold u16 byte pairs (cache_views)."""
+    (even, odd) tuples and k_ref/v_ref hold u16 byte pairs (cache_views). With q_halves, q
+    is the (low, high) halves of the head dim [M, D/2] each (pallas_kernels/decode_qkv.py's
+    rotated q) and K is read as two half-rows; acc stays [M, D]."""
     m, l, acc = carry
-    pairs = isinstance(q, tuple)
+    pairs = isinstance(q, tuple) and not q_halves
     skip = kv_valid if masked_loads else None      # rows the loads themselves leave out
 
-    def load(ref):
-        return read_rows(ref, rows, skip, interpret)
+    def load(ref, cols=None):
+        return read_rows(ref, rows, skip, interpret, cols)
 
     if pairs:   # V is read and split after the softmax: its f16 parts stay live less long
         k = fp8_pairs_to_f16(load(k_ref), interpret)
         logits = _logits(q[0], k[0]) + _logits(q[1], k[1])
+    elif q_halves:
+        half = q[0].shape[1]
+        logits = (_logits(q[0], load(k_ref, pl.ds(0, half)).astype(q[0].dtype))
+                  + _logits(q[1], load(k_ref, pl.ds(half, half)).astype(q[1].dtype)))
+        v = load(v_ref).astype(q[0].dtype)
     else:
         k = load(k_ref).astype(q.dtype)
         v = load(v_ref).astype(q.dtype)

@@ -52,6 +52,7 @@ from jax.experimental import pallas as pl
 from jaxinfer.errors import ConfigError
 from jaxinfer.kv_cache import FP8_DTYPE, is_static
 from pallas_kernels import LOG2E, pow2_ceil, triton_params, tuning
+from pallas_kernels import decode_qkv as dq
 from pallas_kernels.attention_block import (MIN_ROWS, attend_block, block_pages,
                                             cache_views, compute_dtype, empty_carry,
                                             kernel_refs, kv_rows, load_q, paged_loop,
@@ -94,9 +95,14 @@ def _decode_kernel(layer_ref, lens_ref, table_ref, order_ref, trows_ref, *refs, 
                    num_kv_heads: int, num_pages: int, page_size: int, num_heads: int,
                    head_dim: int, batch: int, qk_scale: float, fp8: bool, static: bool,
                    cdt, pairs: bool, longest_first: bool, masked_loads: bool,
-                   token_rows: bool, interpret: bool):
-    # with pairs, q and the accumulator are (even, odd) halves (load_q, store_rows)
+                   token_rows: bool, interpret: bool, qkv: dq.QKVSpec | None = None):
+    # with pairs, q and the accumulator are (even, odd) halves (load_q, store_rows); with
+    # qkv, q_ref holds QKV's partial products and the cache views are outputs too
+    front, refs = dq.split_refs(refs, qkv) if qkv is not None else (None, refs)
     q_ref, k_ref, v_ref, ks_ref, vs_ref, outs = kernel_refs(refs, fp8)
+    if qkv is not None:
+        written = 4 if fp8 and not static else 2      # aliased cache views, after the outputs
+        outs, cache_outs = outs[:-written], (outs[-written:] + (None, None))[:4]
     if longest_first:   # grid (K, B, 1): a row's kv heads side by side, rows by rank
         h, b, s = pl.program_id(0), order_ref[pl.program_id(1)], pl.program_id(2)
     else:
@@ -110,13 +116,17 @@ def _decode_kernel(layer_ref, lens_ref, table_ref, order_ref, trows_ref, *refs, 
                                                         num_kv_heads)
     heads = h * groups + jnp.minimum(jnp.arange(rows_q, dtype=jnp.int32), groups - 1)
     q_row = jnp.maximum(tb, 0) if token_rows else b
-    q, logit_scale = prepare_q(load_q(q_ref, q_row * num_heads + heads, pairs, head_dim), cdt,
-                               qk_scale)
+    if qkv is not None:
+        q = dq.q_halves(q_ref, front, b, heads, qkv, head_dim // 2)
+    else:
+        q = load_q(q_ref, q_row * num_heads + heads, pairs, head_dim)
+    q, logit_scale = prepare_q(q, cdt, qk_scale)
     if k_factor is not None:
         logit_scale = logit_scale * k_factor
     seq_len = jnp.minimum(lens_ref[b], pages_per_seq * page_size)
+    cached = seq_len - 1 if qkv is not None else seq_len   # qkv: the new token not yet in
     start = s * split_tokens
-    n = jnp.clip(seq_len - start, 0, split_tokens)
+    n = jnp.clip(cached - start, 0, split_tokens)
     bk = blk.block_tokens
     tok = jnp.arange(bk, dtype=jnp.int32)
     page_off, slots = tok // page_size, tok % page_size
@@ -126,15 +136,26 @@ def _decode_kernel(layer_ref, lens_ref, table_ref, order_ref, trows_ref, *refs, 
 
     def body(i, pages, state, masked):
         rows = kv_rows(layer, h, pages, slots, num_kv_heads, num_pages, page_size)
-        valid = (start + i * bk + tok < seq_len) if masked else None
+        valid = (start + i * bk + tok < cached) if masked else None
         return attend_block(q, k_ref, v_ref, ks_ref, vs_ref, rows, state,
                             logit_scale=logit_scale,
                             logit_mask=None if valid is None else valid[None, :],
                             kv_valid=valid, masked_loads=masked_loads,
-                            interpret=interpret)
+                            interpret=interpret, q_halves=qkv is not None)
 
-    m, l, acc = paged_loop(read_pages, body, empty_carry(rows_q, head_dim, pairs), n // bk,
-                           pl.cdiv(n, bk), blk.prefetch_table)
+    carry = paged_loop(read_pages, body, empty_carry(rows_q, head_dim, pairs), n // bk,
+                       pl.cdiv(n, bk), blk.prefetch_table)
+    if qkv is not None:     # the program whose split holds the new token adds and writes it
+        ones = jnp.ones((1,), jnp.float32)
+        statics = (k_factor * ones, v_factor * ones) if static else (None, None)
+        token = dq.new_token(q_ref, front, b, h, qkv, head_dim, fp8, statics, k_ref.dtype)
+        here = (cached >= start) & (cached < start + split_tokens)
+        carry = dq.select(here, dq.fold(carry, q, logit_scale, token), carry)
+        slot = front[0][b]
+        row = kv_rows(layer, h, slot // page_size, slot % page_size, num_kv_heads, num_pages,
+                      page_size) * jnp.ones((1,), jnp.int32)
+        pl.when(here & (slot >= 0))(lambda: dq.write(cache_outs, row, token, head_dim))
+    m, l, acc = carry
     acc = scale_acc(acc, v_factor)
     if len(outs) == 1:
         inv = 1.0 / jnp.where(l > 0, l, 1.0)[:, None]
@@ -253,18 +274,25 @@ def paged_attention_blocks(q, k_pages, v_pages, layer, seq_lens, page_table, k_s
         raise ConfigError(f"token_rows and out go together (token_rows [B], out of q's shape "
                           f"{q.shape}, no rows); got {getattr(token_rows, 'shape', None)}, "
                           f"{getattr(out, 'shape', None)}, rows {rows}")
-    n = blocks.num_splits
+    longest_first, masked_loads = grid_rules(total, rows, kv_heads, blocks.num_splits,
+                                             longest_first, masked_loads)
+    return _paged_attention_blocks(q, k_pages, v_pages, layer, seq_lens, page_table, k_scale,
+                                   v_scale, sm_scale=sm_scale, interpret=interpret,
+                                   blocks=blocks, rows=rows, longest_first=longest_first,
+                                   masked_loads=masked_loads, token_rows=token_rows, out=out)
+
+
+def grid_rules(total: int, rows: int | None, kv_heads: int, splits: int,
+               longest_first: bool | None, masked_loads: bool | None) -> tuple[bool, bool]:
+    """paged_attention_blocks' two rules resolved (None: by LONGEST_FIRST_PROGRAMS and
+    MASKED_LOADS_MIN_PROGRAMS); longest first only on unsplit grids."""
     if longest_first is None:
         lo, hi = LONGEST_FIRST_PROGRAMS
         longest_first = 0 < lo <= (rows or total) * kv_heads <= hi
     if masked_loads is None:
-        masked_loads = 0 < MASKED_LOADS_MIN_PROGRAMS <= _grid_rows(total, rows, n) * kv_heads * n
-    return _paged_attention_blocks(q, k_pages, v_pages, layer, seq_lens, page_table, k_scale,
-                                   v_scale, sm_scale=sm_scale, interpret=interpret,
-                                   blocks=blocks, rows=rows,
-                                   longest_first=bool(longest_first and n == 1),
-                                   masked_loads=bool(masked_loads), token_rows=token_rows,
-                                   out=out)
+        programs = _grid_rows(total, rows, splits) * kv_heads * splits
+        masked_loads = 0 < MASKED_LOADS_MIN_PROGRAMS <= programs
+    return bool(longest_first and splits == 1), bool(masked_loads)
 
 
 def _grid_rows(total: int, rows: int | None, splits: int) -> int:
@@ -274,15 +302,22 @@ def _grid_rows(total: int, rows: int | None, splits: int) -> int:
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "interpret", "blocks", "rows",
-                                             "longest_first", "masked_loads"))
+                                             "longest_first", "masked_loads", "qkv"))
 def _paged_attention_blocks(q, k_pages, v_pages, layer, seq_lens, page_table, k_scale,
                             v_scale, *, sm_scale: float, interpret: bool,
                             blocks: tuning.DecodeBlocks, rows: int | None,
                             longest_first: bool, masked_loads: bool, token_rows=None,
-                            out=None):
-    """paged_attention_blocks after its checks and rules: the kernel call."""
+                            out=None, qkv: dq.QKVSpec | None = None, front=()):
+    """paged_attention_blocks after its checks and rules: the kernel call. With `qkv`
+    (decode_qkv.py) q is QKV's partial products [S, T, N] and `front` decode_qkv.operands;
+    -> (the output, the cache views written)."""
     _, kv_heads, num_pages, page_size, head_dim = k_pages.shape
-    total, num_heads = seq_lens.shape[0], q.shape[1]
+    total = seq_lens.shape[0]
+    if qkv is None:
+        num_heads, q_shape, q_dtype = q.shape[1], q.shape, q.dtype
+    else:
+        num_heads, q_dtype = qkv.num_heads, jnp.dtype(qkv.dtype)
+        q_shape = (qkv.tokens, num_heads, head_dim)
     scatter = token_rows is not None
     trows = token_rows.astype(jnp.int32) if scatter else None
     n = blocks.num_splits
@@ -304,36 +339,45 @@ def _paged_attention_blocks(q, k_pages, v_pages, layer, seq_lens, page_table, k_
         static=k_scale is not None and is_static(k_scale),
         cdt=compute_dtype(k_pages.dtype, blocks.fp8_compute), pairs=pairs,
         longest_first=longest_first, masked_loads=masked_loads, token_rows=scatter,
-        interpret=interpret)
+        interpret=interpret, qkv=qkv)
     heads_rows = batch * num_heads
+    views = cache_views(k_pages, v_pages, k_scale, v_scale, pairs)
     args = [jnp.asarray(layer, jnp.int32).reshape(1), lens,
             page_table.astype(jnp.int32).reshape(-1), order,
-            trows if scatter else jnp.zeros((1,), jnp.int32),
-            q.reshape(-1, head_dim), *cache_views(k_pages, v_pages, k_scale, v_scale, pairs)]
+            trows if scatter else jnp.zeros((1,), jnp.int32), *front,
+            q.reshape(-1, head_dim), *views]
     aliases = {}
     if n == 1 and scatter:      # the rows' outputs written into out's token rows, in place
         out_shape = (jax.ShapeDtypeStruct((q.shape[0] * num_heads, head_dim), q.dtype),)
         aliases = {len(args): 0}
         args.append(out.reshape(-1, head_dim))
     elif n == 1:
-        out_shape = (jax.ShapeDtypeStruct((heads_rows, head_dim), q.dtype),)
+        out_shape = (jax.ShapeDtypeStruct((heads_rows, head_dim), q_dtype),)
     else:
         ml = jax.ShapeDtypeStruct((n * heads_rows,), jnp.float32)
         out_shape = (jax.ShapeDtypeStruct((n * heads_rows, head_dim), jnp.float32), ml, ml)
+    written = 0
+    if qkv is not None:         # the cache views (per-token scales too) aliased in and out
+        written = 4 if len(views) == 4 and not is_static(k_scale) else 2
+        first = len(args) - len(views)
+        aliases = {first + i: len(out_shape) + i for i in range(written)}
+        out_shape += tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in views[:written])
     grid = (kv_heads, batch, n) if longest_first else (batch, kv_heads, n)
     outs = pl.pallas_call(
         kernel, grid=grid, out_shape=out_shape, interpret=interpret,
         input_output_aliases=aliases,
         **triton_params(interpret, blocks.num_warps, blocks.num_stages),
-        name="jaxinfer_paged_decode" + ("_pairs" if pairs else ""),
+        name="jaxinfer_paged_decode" + ("_pairs" if pairs else "") + ("_qkv" if qkv else ""),
     )(*args)
+    outs, cache_out = (outs[:len(outs) - written], outs[len(outs) - written:])
     if n == 1:
-        return outs[0].reshape(q.shape)
-    res = combine_call(*outs, splits=n, rows=batch, batch=total, num_heads=num_heads,
-                       head_dim=head_dim, dtype=q.dtype, interpret=interpret,
-                       token_rows=trows,
-                       out=out.reshape(-1, head_dim) if scatter else None)
-    return res.reshape(q.shape)
+        res = outs[0]
+    else:
+        res = combine_call(*outs, splits=n, rows=batch, batch=total, num_heads=num_heads,
+                           head_dim=head_dim, dtype=q_dtype, interpret=interpret,
+                           token_rows=trows,
+                           out=out.reshape(-1, head_dim) if scatter else None)
+    return res.reshape(q_shape) if qkv is None else (res.reshape(q_shape), cache_out)
 
 
 def paged_attention(q, k_pages, v_pages, layer, seq_lens, page_table, k_scale=None,

@@ -204,7 +204,9 @@ def test_fused_glue_equals_unfused(monkeypatch, unroll, bias):
     ops.PALLAS_ADD_NORM on), so here ops' entry is pointed at the kernel in interpret mode.
     (The tiny context is not split: the combine kernel has its own tests in
     test_paged_attention.py.) With a QKV bias (Qwen2) the fused route adds it in the RoPE
-    kernel, the unfused one in the projection."""
+    kernel, the unfused one in the projection. Three routes: unfused, the glue kernels with
+    ops.FUSED_DECODE_QKV_MAX_ROWS 0, and with it on, where the decode step's QKV sum, RoPE
+    and K/V write run inside the decode kernel (pallas_kernels/decode_qkv.py) instead."""
     import jax
     import jax.extend
     from jaxinfer import ops
@@ -231,8 +233,9 @@ def test_fused_glue_equals_unfused(monkeypatch, unroll, bias):
 
     monkeypatch.setattr(ops, "add_rmsnorm", kernel_add_rmsnorm)
 
-    def run(fused):
+    def run(fused, front=0):
         monkeypatch.setattr(ops, "FUSED_GLUE", fused)
+        monkeypatch.setattr(ops, "FUSED_DECODE_QKV_MAX_ROWS", front)
         runner = ModelRunner(cfg, engine, *build_model(cfg, flat, jnp.float32,
                                                        unroll_layers=unroll))
         pre = runner.all_logits(prompt, single_sequence_md(range(7), ids, 4,
@@ -253,11 +256,13 @@ def test_fused_glue_equals_unfused(monkeypatch, unroll, bias):
         return names
 
     pre_u, dec_u, k_u, v_u, jaxpr_u = run(False)
+    pre_q, dec_q, k_q, v_q, jaxpr_q = run(True, front=8)
     pre_f, dec_f, k_f, v_f, jaxpr_f = run(True)
-    np.testing.assert_allclose(pre_f, pre_u, atol=1e-4, rtol=1e-4)
-    np.testing.assert_allclose(dec_f, dec_u, atol=1e-4, rtol=1e-4)
-    np.testing.assert_allclose(k_f, k_u, atol=1e-5, rtol=1e-5)
-    np.testing.assert_allclose(v_f, v_u, atol=1e-5, rtol=1e-5)
+    for pre, dec, k, v in ((pre_f, dec_f, k_f, v_f), (pre_q, dec_q, k_q, v_q)):
+        np.testing.assert_allclose(pre, pre_u, atol=1e-4, rtol=1e-4)
+        np.testing.assert_allclose(dec, dec_u, atol=1e-4, rtol=1e-4)
+        np.testing.assert_allclose(k, k_u, atol=1e-5, rtol=1e-5)
+        np.testing.assert_allclose(v, v_u, atol=1e-5, rtol=1e-5)
     assert np.abs(k_f).sum() > 0
     # the scan traces one layer; unrolled, the first layer (nothing to add) and the rest
     # are the inner jit's two traces
@@ -269,6 +274,10 @@ def test_fused_glue_equals_unfused(monkeypatch, unroll, bias):
     assert "jaxinfer_kv_write" not in jaxpr_f and "add_rmsnorm" not in jaxpr_u
     assert jaxpr_u.count("jaxinfer_kv_write") == layers
     assert "jaxinfer_rope_kv_write" not in jaxpr_u
+    # the decode front: neither write kernel, the decode kernel's fused form in each layer
+    assert jaxpr_q.count("jaxinfer_paged_decode_qkv") == layers
+    assert not {"jaxinfer_rope_kv_write", "jaxinfer_kv_write"} & set(jaxpr_q)
+    assert "jaxinfer_paged_decode_qkv" not in jaxpr_f + jaxpr_u
 
 
 @pytest.mark.gpu

@@ -1,0 +1,248 @@
+"""The decode kernel's fused front: QKV's split-K partial products summed, RoPE, and the new
+token's K/V written and attended, all inside the paged decode kernel (paged_attention.py with
+`qkv`), for decode steps of few rows.
+
+Unfused, a small decode step runs three kernels per layer before attention: XLA's QKV GEMM
+(split 4 ways along the hidden dim, writing f32 partials), XLA's fusion summing them (times
+the FP8 channel scales, rounded to bf16), and the RoPE + K/V write kernel (kv_write.py). On
+the H200 those two glue kernels took 1.59 + 2.58 us per layer of the 8B FP8 batch-1 step
+(bench/results/profile_b1_fp8.json, nineteenth session). Here the model computes the split
+products itself (`partial_products`: a batched dot over slices of the hidden dim, which XLA
+runs as fast as its own split-K GEMM: bench/README.md, twelfth session) and the decode kernel
+takes them:
+- every program sums its kv head's q rows from the partials (f32), applies the channel scales
+  and the bias, rotates them, rounding where the unfused route rounds (model.apply_rope,
+  kv_write.rope_write_kv), and keeps q as its two rotary halves: the logits are q_lo k_lo^T
+  + q_hi k_hi^T with K read as two half-rows (attention_block.attend_block's `q_halves`);
+- the cache does not hold the new token yet: the programs attend over seq_len - 1 cached
+  tokens, and the one program whose split holds the new position (one per row and kv head)
+  rotates that token's k, quantizes k and v as the cache stores them (kv_write's numerics),
+  writes them into their page slot (the cache arrays are aliased in and out) and folds the
+  token into its online softmax from registers (`fold`). No program reads that slot, so no
+  program waits on another's write.
+
+Limits (`supported`): the cache read as plain rows (not f16pairs' byte pairs: FP8 KV at head
+dim 128 keeps the unfused route) and a power-of-two head dim.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from jaxinfer.kv_cache import FP8_DTYPE, FP8_MAX, KVCache, fp8_scale
+
+F32 = jnp.float32
+
+
+@dataclasses.dataclass(frozen=True)
+class QKVSpec:
+    """What the decode kernel's fused front needs to know statically."""
+    num_heads: int   # H
+    width: int       # H + 2K: head rows of one token's projection
+    tokens: int      # T: rows of each partial product
+    parts: int       # S: partial products summed
+    scaled: bool     # FP8 weights: per-channel scales multiply the sum
+    bias: bool       # the projection's bias (Qwen2)
+    dtype: str       # the activations' dtype: where the unfused route rounds
+
+
+def partial_products(x, kernel, parts: int):
+    """x [T, E] times QKV's weight as `parts` products over slices of E -> [S, T, N] f32,
+    unscaled. kernel: [E, N] in the compute dtype, or FP8 [N, E] (checkpoints/fp8.py's
+    layout), widened to bf16 inside XLA's GEMM as fp8_matmul.xla_dequant_matmul does."""
+    t, e = x.shape
+    if e % parts:
+        raise ValueError(f"partial_products: hidden size {e} is not a multiple of {parts}")
+    xs = x.reshape(t, parts, e // parts)
+    if kernel.dtype == FP8_DTYPE:
+        w = kernel.reshape(kernel.shape[0], parts, e // parts).astype(jnp.bfloat16)
+        return jnp.einsum("tsk,nsk->stn", xs.astype(jnp.bfloat16), w,
+                          preferred_element_type=F32)
+    w = kernel.reshape(parts, e // parts, kernel.shape[1]).astype(x.dtype)
+    return jnp.einsum("tsk,skn->stn", xs, w, preferred_element_type=F32)
+
+
+def projection_reference(partials, scale, dtype):
+    """The projection the partials make, as ops.linear returns it: summed, times the FP8
+    channel scales (or None), in the activations' dtype -> [T, N]."""
+    y = jnp.sum(partials, axis=0)
+    return (y if scale is None else y * scale[None, :]).astype(dtype)
+
+
+def split_refs(refs, spec: QKVSpec):
+    """The fused front's refs ahead of the kernel's q ref -> ((slots, cos, sin, channel
+    scales or None, bias or None), the rest)."""
+    slot_ref, cos_ref, sin_ref, rest = refs[0], refs[1], refs[2], refs[3:]
+    ws_ref, rest = (rest[0], rest[1:]) if spec.scaled else (None, rest)
+    b_ref, rest = (rest[0], rest[1:]) if spec.bias else (None, rest)
+    return (slot_ref, cos_ref, sin_ref, ws_ref, b_ref), rest
+
+
+def operands(spec: QKVSpec, slot_mapping, cos, sin, scale, bias, head_dim: int) -> list:
+    """split_refs' operands, in its order."""
+    ops = [slot_mapping.astype(jnp.int32), cos.astype(F32), sin.astype(F32)]
+    if spec.scaled:
+        ops.append(scale.astype(F32).reshape(-1, head_dim))
+    if spec.bias:
+        ops.append(bias.astype(spec.dtype).reshape(-1, head_dim))
+    return ops
+
+
+def _head_rows(p_ref, front, t, heads, cols, spec: QKVSpec):
+    """Head rows `heads` [R] of token t's projection at columns `cols`, as the unfused route
+    has them (the parts summed in f32, times the channel scales, rounded to the activations'
+    dtype, plus the bias, rounded): [R, cols] f32."""
+    _, _, _, ws_ref, b_ref = front
+    dtype = jnp.dtype(spec.dtype)
+    acc = p_ref[t * spec.width + heads, cols]
+    for p in range(1, spec.parts):
+        acc = acc + p_ref[(p * spec.tokens + t) * spec.width + heads, cols]
+    if ws_ref is not None:
+        acc = acc * ws_ref[heads, cols]
+    x = acc.astype(dtype)
+    if b_ref is not None:
+        x = (x.astype(F32) + b_ref[heads, cols].astype(F32)).astype(dtype)
+    return x.astype(F32)
+
+
+def rotated(p_ref, front, t, heads, spec: QKVSpec, half: int):
+    """Rows `heads` of token t, rotated (model.apply_rope's math, rounded to the activations'
+    dtype as it rounds): the (low, high) halves [R, D/2] f32."""
+    _, cos_ref, sin_ref, _, _ = front
+    dtype = jnp.dtype(spec.dtype)
+    c, s = cos_ref[t][None, :], sin_ref[t][None, :]
+    x1 = _head_rows(p_ref, front, t, heads, pl.ds(0, half), spec)
+    x2 = _head_rows(p_ref, front, t, heads, pl.ds(half, half), spec)
+    return ((x1 * c - x2 * s).astype(dtype).astype(F32),
+            (x2 * c + x1 * s).astype(dtype).astype(F32))
+
+
+def q_halves(p_ref, front, t, heads, spec: QKVSpec, half: int):
+    """The q rows `heads` of token t for attention: rotated halves in the activations'
+    dtype (what kv_write.rope_write_kv hands the unfused kernel)."""
+    dtype = jnp.dtype(spec.dtype)
+    return tuple(x.astype(dtype) for x in rotated(p_ref, front, t, heads, spec, half))
+
+
+def _stored(parts, fp8: bool, static, cache_dtype):
+    """K or V parts [1, d] f32 as the cache stores them: (the values the kernel reads back,
+    f32: FP8 codes or the cast rows; the per-token scale [1] or None). kv_write._store's
+    numerics."""
+    if static is not None:
+        return [jnp.clip(x / static[:, None], -FP8_MAX, FP8_MAX).astype(FP8_DTYPE).astype(F32)
+                for x in parts], None
+    if fp8:
+        amax = functools.reduce(jnp.maximum, [jnp.max(jnp.maximum(x, -x), axis=1)
+                                              for x in parts])
+        scale = fp8_scale(amax)
+        return [(x / scale[:, None]).astype(FP8_DTYPE).astype(F32) for x in parts], scale
+    return [x.astype(cache_dtype).astype(F32) for x in parts], None
+
+
+def new_token(p_ref, front, t, kv_head, spec: QKVSpec, head_dim: int, fp8: bool, statics,
+              cache_dtype):
+    """Token t's K (rotated) and V for `kv_head`, as the cache will hold them: (k halves
+    [1, D/2] x 2, k scale [1] or None, v [1, D], v scale or None); statics: the head's static
+    (k, v) scales [1] each, or (None, None)."""
+    half = head_dim // 2
+    k_row = jnp.full((1,), spec.num_heads, jnp.int32) + kv_head
+    v_row = k_row + (spec.width - spec.num_heads) // 2
+    k_vals, k_scale = _stored(list(rotated(p_ref, front, t, k_row, spec, half)), fp8,
+                              statics[0], cache_dtype)
+    v_vals, v_scale = _stored([_head_rows(p_ref, front, t, v_row, pl.ds(0, head_dim), spec)],
+                              fp8, statics[1], cache_dtype)
+    return k_vals, k_scale, v_vals[0], v_scale
+
+
+def write(cache_outs, row, token, head_dim: int):
+    """new_token's values into cache row `row` ([1] int32) of the aliased outputs (k, v
+    views [rows, D], and per-token scale views [rows] or None)."""
+    kc, vc, ks, vs = cache_outs
+    k_vals, k_scale, v_vals, v_scale = token
+    half = head_dim // 2
+    kc[row, pl.ds(0, half)] = k_vals[0].astype(kc.dtype)
+    kc[row, pl.ds(half, half)] = k_vals[1].astype(kc.dtype)
+    vc[row, pl.ds(0, head_dim)] = v_vals.astype(vc.dtype)
+    if ks is not None:
+        ks[row] = k_scale
+        vs[row] = v_scale
+
+
+def fold(carry, q, logit_scale, token):
+    """One more online-softmax step, over new_token's single token held in registers: q the
+    (low, high) halves [M, D/2] in the compute dtype, logit_scale as attend_block takes it.
+    Per-token scales multiply the logit and V (static ones are the caller's, as for the
+    cached tokens)."""
+    m, l, acc = carry
+    k_vals, k_scale, v_vals, v_scale = token
+    s = (jnp.sum(q[0].astype(F32) * k_vals[0], axis=1, keepdims=True)
+         + jnp.sum(q[1].astype(F32) * k_vals[1], axis=1, keepdims=True))        # [M, 1]
+    if k_scale is not None:
+        s = s * k_scale[:, None]
+    s = jnp.sum(s * logit_scale, axis=1)                                        # [M]
+    m_new = jnp.maximum(m, s)
+    alpha, p = jnp.exp2(m - m_new), jnp.exp2(s - m_new)
+    v = v_vals if v_scale is None else v_vals * v_scale[:, None]                # [1, D]
+    return m_new, l * alpha + p, acc * alpha[:, None] + p[:, None] * v
+
+
+def select(cond, new, old):
+    """The carry `new` where cond holds, else `old` (tuples of arrays)."""
+    return jax.tree.map(lambda a, b: jnp.where(cond, a, b), new, old)
+
+
+def supported(cache: KVCache, blocks) -> bool:
+    """Whether the fused front takes this cache with these decode blocks: plain rows (not
+    f16pairs) and a power-of-two head dim."""
+    from pallas_kernels.attention_block import uses_pairs
+    d = cache.k.shape[-1]
+    return (d & (d - 1) == 0 and d >= 16
+            and not uses_pairs(cache.k.dtype, blocks.fp8_compute, d))
+
+
+def paged_attention_qkv(partials, scale, bias, cos, sin, cache: KVCache, layer, seq_lens,
+                        page_table, slot_mapping, *, num_heads: int, sm_scale: float,
+                        dtype, interpret: bool = False, rows: int | None = None,
+                        longest_first: bool | None = None, blocks=None):
+    """Decode attention from QKV's partial products (module doc): partials [S, T, (H+2K)D]
+    f32 (partial_products), scale [(H+2K)D] (FP8 weights) or None, bias [(H+2K)D] or None,
+    cos/sin [T, D/2], the cache (its new tokens not written), seq_lens [T] counting each
+    row's new token, page_table [T, pages], slot_mapping [T] (-1: padding), dtype the
+    activations'. rows, longest_first: as paged_attention's. blocks: tuning.decode_blocks'
+    choice when None. -> (out [T, H, D] in dtype, the cache with the new tokens written:
+    updated in place inside a jit that owns it)."""
+    from pallas_kernels import paged_attention as pa
+    from pallas_kernels import tuning
+    parts, t, width = partials.shape
+    _, kv_heads, num_pages, page_size, head_dim = cache.k.shape
+    if blocks is None:
+        blocks = tuning.decode_blocks(rows or t, kv_heads, page_table.shape[1] * page_size,
+                                      page_size, jnp.dtype(cache.k.dtype).itemsize, head_dim)
+    if (width != (num_heads + 2 * kv_heads) * head_dim or cos.shape != (t, head_dim // 2)
+            or sin.shape != cos.shape or seq_lens.shape != (t,) or slot_mapping.shape != (t,)
+            or page_table.shape[0] != t or not supported(cache, blocks)
+            or (rows is not None and not 0 < rows <= t)):
+        raise ValueError(f"paged_attention_qkv: partials {partials.shape} (want [S, T, "
+                         f"{(num_heads + 2 * kv_heads) * head_dim}]), cos/sin {cos.shape}, "
+                         f"seq_lens {seq_lens.shape}, slot_mapping {slot_mapping.shape}, "
+                         f"page_table {page_table.shape}, rows {rows}, blocks {blocks} "
+                         f"(plain rows and a power-of-two head dim only)")
+    spec = QKVSpec(num_heads, num_heads + 2 * kv_heads, t, parts, scale is not None,
+                   bias is not None, jnp.dtype(dtype).name)
+    longest_first, masked_loads = pa.grid_rules(t, rows, kv_heads, blocks.num_splits,
+                                                longest_first, None)
+    out, written = pa._paged_attention_blocks(
+        partials, cache.k, cache.v, layer, seq_lens, page_table, cache.k_scale, cache.v_scale,
+        sm_scale=sm_scale, interpret=interpret, blocks=blocks, rows=rows,
+        longest_first=longest_first, masked_loads=masked_loads, qkv=spec,
+        front=tuple(operands(spec, slot_mapping, cos, sin, scale, bias, head_dim)))
+    shape = cache.k.shape
+    k, v = written[0].reshape(shape), written[1].reshape(shape)
+    if len(written) == 4:
+        return out, KVCache(k, v, written[2].reshape(shape[:-1]),
+                            written[3].reshape(shape[:-1]))
+    return out, dataclasses.replace(cache, k=k, v=v)
