@@ -64,7 +64,7 @@ PALLAS_ADD_NORM = False
 # too (pallas_kernels/decode_qkv.py): two kernels per layer fewer (XLA's split-K sum and the
 # RoPE + K/V write kernel). 0 turns it off; JAXINFER_DECODE_QKV_ROWS sets it at import (A/B).
 FUSED_DECODE_QKV_MAX_ROWS = int(os.environ.get("JAXINFER_DECODE_QKV_ROWS", "8"))
-QKV_PARTS = 4
+QKV_PARTS = int(os.environ.get("JAXINFER_QKV_PARTS", "4"))   # the same (A/B)
 
 
 def switches() -> tuple:
