@@ -143,18 +143,22 @@ def _decode_kernel(layer_ref, lens_ref, table_ref, order_ref, trows_ref, *refs, 
                             kv_valid=valid, masked_loads=masked_loads,
                             interpret=interpret, q_halves=qkv is not None)
 
-    carry = paged_loop(read_pages, body, empty_carry(rows_q, head_dim, pairs), n // bk,
-                       pl.cdiv(n, bk), blk.prefetch_table)
-    if qkv is not None:     # the program whose split holds the new token adds and writes it
+    if qkv is not None:
+        # the new token: read and written before the loop, so its loads do not wait behind
+        # the loop (this program's loop masks its slot), folded in after it by the program
+        # whose split holds it
         ones = jnp.ones((1,), jnp.float32)
         statics = (k_factor * ones, v_factor * ones) if static else (None, None)
         token = dq.new_token(q_ref, front, b, h, qkv, head_dim, fp8, statics, k_ref.dtype)
         here = (cached >= start) & (cached < start + split_tokens)
-        carry = dq.select(here, dq.fold(carry, q, logit_scale, token), carry)
         slot = front[0][b]
         row = kv_rows(layer, h, slot // page_size, slot % page_size, num_kv_heads, num_pages,
                       page_size) * jnp.ones((1,), jnp.int32)
         pl.when(here & (slot >= 0))(lambda: dq.write(cache_outs, row, token, head_dim))
+    carry = paged_loop(read_pages, body, empty_carry(rows_q, head_dim, pairs), n // bk,
+                       pl.cdiv(n, bk), blk.prefetch_table)
+    if qkv is not None:
+        carry = dq.select(here, dq.fold(carry, q, logit_scale, token), carry)
     m, l, acc = carry
     acc = scale_acc(acc, v_factor)
     if len(outs) == 1:

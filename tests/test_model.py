@@ -313,8 +313,16 @@ def test_gpu_fused_glue_equals_unfused(monkeypatch, unroll):
     logits_u, k_u, v_u = run(False)
     logits_f, k_f, v_f = run(True)
     # f32 dots run as TF32 on the GPU (10-bit mantissa): q differing in its last f32 bit
-    # between the routes moves a logit by up to ~1e-3 relative (the scan's run: 2.8e-4 abs)
+    # between the routes moves a logit by up to ~1e-3 relative (the scan's run: 2.8e-4 abs).
+    # The decode steps' K/V come from QKV's partial products (ops.decode_qkv_attention), a
+    # GEMM of its own under TF32: 3.0e-4 abs from the unfused route's on the H200 (their
+    # values ~0.02-1); the prefill's slots (positions 0-8) are written alike
     np.testing.assert_allclose(logits_f, logits_u, atol=2e-3, rtol=2e-3)
-    np.testing.assert_allclose(k_f, k_u, atol=1e-5, rtol=1e-5)
-    np.testing.assert_allclose(v_f, v_u, atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(k_f, k_u, atol=2e-3, rtol=2e-3)
+    np.testing.assert_allclose(v_f, v_u, atol=2e-3, rtol=2e-3)
+    pages, slots = zip(*[(ids[p // 4], p % 4) for p in range(9)])
+    for f, u in ((k_f, k_u), (v_f, v_u)):
+        np.testing.assert_allclose(f[:, :, pages, slots], u[:, :, pages, slots], atol=1e-5,
+                                   rtol=1e-5)
+    assert np.abs(k_f[:, :, ids[3], 0]).sum() > 0       # position 12, the last decode step
     assert np.array_equal(np.argmax(logits_f, -1), np.argmax(logits_u, -1))
