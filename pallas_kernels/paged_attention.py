@@ -18,7 +18,7 @@ and accumulates p v. Full blocks run unmasked; only the tail block of a split ma
 positions >= seq_len (and zeroes their V rows, so stale slot contents never leak; on grids of
 MASKED_LOADS_MIN_PROGRAMS or more its loads skip those rows instead).
 With splits > 1 each split writes its unnormalized accumulator and (max, sum); a second
-small kernel (`_combine_kernel`, one program per row and q head) merges them. Padded rows
+small kernel (split_combine.py, one program per row and q head) merges them. Padded rows
 (seq_len 0) output zeros.
 
 `rows` (static) says that only q's first rows are real (a decode step padded on the device,
@@ -34,6 +34,10 @@ of `out` (the ragged kernel's output, aliased, updated in place; -1: nothing wri
 combine likewise, so no gather of q or scatter of outputs runs around the kernels.
 
 FP8 KV numerics and the block step both kernels run: pallas_kernels/attention_block.py.
+
+With `qkv` (pallas_kernels/decode_qkv.py, small decode steps) q comes as QKV's split-K
+partial products: the kernel sums, scales and rotates them, and writes and attends the new
+token's K/V itself, so no RoPE or K/V write kernel runs before it.
 
 Backend: the Pallas Triton backend, chosen because it compiles on jax 0.10.2 and 0.11.x and
 runs in interpret mode on the CPU for the tests; the numbers it reaches on the H200 are in
@@ -53,6 +57,7 @@ from jaxinfer.errors import ConfigError
 from jaxinfer.kv_cache import FP8_DTYPE, is_static
 from pallas_kernels import LOG2E, pow2_ceil, triton_params, tuning
 from pallas_kernels import decode_qkv as dq
+from pallas_kernels.split_combine import combine_call
 from pallas_kernels.attention_block import (MIN_ROWS, attend_block, block_pages,
                                             cache_views, compute_dtype, empty_carry,
                                             kernel_refs, kv_rows, load_q, paged_loop,
@@ -177,80 +182,6 @@ def _decode_kernel(layer_ref, lens_ref, table_ref, order_ref, trows_ref, *refs, 
         store_rows(o_ref, flat, acc, head_dim)
         m_ref[flat] = m
         l_ref[flat] = l
-
-
-def _combine(acc, m, l):
-    """Merge split partials (the combine kernel's reference): acc [N, B, H, D], m/l [N, B, H]
-    (base-2 max) -> [B, H, D]."""
-    w = jnp.exp2(m - jnp.max(m, axis=0, keepdims=True))
-    denom = jnp.sum(w * l, axis=0)
-    out = jnp.sum(w[..., None] * acc, axis=0)
-    return out / jnp.where(denom > 0, denom, 1.0)[..., None]
-
-
-COMBINE_CHUNK = 32    # splits the combine holds at once ([chunk, D] f32 per program)
-
-
-def _combine_kernel(*refs, splits: int, rows: int, num_heads: int, head_dim: int,
-                    live: bool, token_rows: bool = False):
-    """_combine for one (row, q head): acc [N * rows * H, D], m/l [N * rows * H] -> o row
-    b * H + h. Rows >= `rows` (padding) get zeros; with `live` (the ragged kernel's split
-    path) a first ref live [rows] i32 says which rows the partials cover, the others get
-    zeros. With `token_rows` a first ref trows [rows] i32 names each row's output row
-    instead (-1: none written), into an output aliased to an input (its ref is skipped)."""
-    b, h = pl.program_id(0), pl.program_id(1)
-    if token_rows:
-        trows_ref, acc_ref, m_ref, l_ref, _, o_ref = refs
-        out_row = jnp.maximum(trows_ref[b], 0) * num_heads + h
-        real = trows_ref[b] >= 0
-    else:
-        live_ref, (acc_ref, m_ref, l_ref, o_ref) = (refs[0], refs[1:]) if live else (None,
-                                                                                      refs)
-        out_row = b * num_heads + h
-        real = (b < rows) if live_ref is None else (live_ref[b] != 0)
-
-        @pl.when(jnp.logical_not(real))
-        def _():
-            o_ref[pl.ds(out_row, 1), :] = jnp.zeros((1, head_dim), o_ref.dtype)
-
-    @pl.when(real)
-    def _():
-        chunk = min(COMBINE_CHUNK, pow2_ceil(splits))
-        parts = [jnp.arange(c, c + chunk, dtype=jnp.int32) for c in range(0, splits, chunk)]
-        idx = [(jnp.minimum(s, splits - 1) * rows + b) * num_heads + h for s in parts]
-        ms = [jnp.where(s < splits, m_ref[i], -jnp.inf) for s, i in zip(parts, idx)]
-        top = functools.reduce(jnp.maximum, [jnp.max(m) for m in ms])
-        denom = jnp.zeros((), jnp.float32)
-        out = jnp.zeros((1, head_dim), jnp.float32)
-        for s, i, m in zip(parts, idx, ms):
-            w = jnp.exp2(m - top)                          # 0 past the last split
-            denom = denom + jnp.sum(w * l_ref[i])
-            out = out + jnp.sum(w[:, None] * acc_ref[i], axis=0, keepdims=True)
-        o_ref[pl.ds(out_row, 1), :] = (out / jnp.where(denom > 0, denom, 1.0)
-                                        ).astype(o_ref.dtype)
-
-
-def combine_call(acc, m, l, *, splits: int, rows: int, batch: int, num_heads: int,
-                 head_dim: int, dtype, interpret: bool, live=None, token_rows=None, out=None,
-                 name: str = "jaxinfer_paged_decode_combine"):
-    """The split partials merged into [batch * H, D] (_combine_kernel); live [rows] (or
-    None): which rows the partials cover. token_rows [rows] (with out [N * H, D]): row b's
-    result goes to out's row token_rows[b] (-1: nowhere), out updated in place, the rest of
-    it kept."""
-    kernel = functools.partial(_combine_kernel, splits=splits, rows=rows, num_heads=num_heads,
-                               head_dim=head_dim, live=live is not None,
-                               token_rows=token_rows is not None)
-    if token_rows is not None:
-        return pl.pallas_call(
-            kernel, grid=(rows, num_heads), interpret=interpret,
-            out_shape=jax.ShapeDtypeStruct(out.shape, out.dtype), input_output_aliases={4: 0},
-            name=name, **triton_params(interpret, 1, 1),
-        )(token_rows, acc, m, l, out)
-    return pl.pallas_call(
-        kernel, grid=(batch, num_heads), interpret=interpret,
-        out_shape=jax.ShapeDtypeStruct((batch * num_heads, head_dim), dtype),
-        name=name, **triton_params(interpret, 1, 1),
-    )(*(() if live is None else (live,)), acc, m, l)
 
 
 def paged_attention_blocks(q, k_pages, v_pages, layer, seq_lens, page_table, k_scale=None,

@@ -54,7 +54,8 @@ from pallas_kernels.attention_block import (MIN_ROWS, attend_block, block_pages,
                                             kernel_refs, kv_rows, load_q, paged_loop,
                                             prepare_q, scale_acc, static_factors,
                                             store_rows, uses_pairs, validate)
-from pallas_kernels.paged_attention import combine_call, gather_kv, paged_attention
+from pallas_kernels.paged_attention import gather_kv, paged_attention
+from pallas_kernels.split_combine import combine_call
 
 
 def work_list(query_start, num_tokens: int, block_q: int, skip_single: bool = False,

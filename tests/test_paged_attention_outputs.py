@@ -83,7 +83,7 @@ def test_combine_kernel_matches_reference(splits, rows, batch, live):
     holds (40, 64), and padding rows past `rows` written as zeros; with a live mask (the
     ragged kernel's split path) the rows it leaves out are zeros too."""
     from pallas_kernels.attention_block import M_INIT
-    from pallas_kernels.paged_attention import _combine, combine_call
+    from pallas_kernels.split_combine import _combine, combine_call
     rng = np.random.default_rng(splits)
     heads, d = 4, 64
     acc = rng.standard_normal((splits, rows, heads, d)).astype(np.float32)
