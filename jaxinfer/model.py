@@ -126,10 +126,8 @@ class Attention(nnx.Module):
             cos, sin, num_heads=cfg.num_heads, sm_scale=cfg.head_dim ** -0.5, impl=attn_impl,
             layout=self.layout)
         if fused is not None:     # small decode steps: QKV's sum and RoPE in the attention
-            o = fused[0].reshape(x.shape[0], cfg.q_size)
-            y = ops.split_k_linear(o, self.wo.kernel[...],
-                                   None if self.wo.scale is None else self.wo.scale[...])
-            return (self.wo(o) if y is None else y), fused[1]
+            o, kv = fused
+            return self.wo(o.reshape(x.shape[0], cfg.q_size)), kv
         o, kv = self.attend(self.wqkv(x, add_bias=False), kv, layer, md, cos, sin, attn_impl,
                             bias=bias)
         return self.wo(o), kv
@@ -190,11 +188,7 @@ class MLP(nnx.Module):
                 return fused
         gu = self.w_gateup(x).reshape(t, self.shards, 2, -1)            # [T, m, 2, F/m]
         gate, up = gu[:, :, 0].reshape(t, -1), gu[:, :, 1].reshape(t, -1)  # [T, F] each
-        h = jax.nn.silu(gate) * up
-        w = self.w_down
-        y = None if self.shards > 1 else ops.split_k_linear(
-            h, w.kernel[...], None if w.scale is None else w.scale[...])
-        return w(h) if y is None else y
+        return self.w_down(jax.nn.silu(gate) * up)
 
 
 class DecoderLayer(nnx.Module):

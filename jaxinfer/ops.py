@@ -65,11 +65,6 @@ PALLAS_ADD_NORM = False
 # RoPE + K/V write kernel). 0 turns it off; JAXINFER_DECODE_QKV_ROWS sets it at import (A/B).
 FUSED_DECODE_QKV_MAX_ROWS = int(os.environ.get("JAXINFER_DECODE_QKV_ROWS", "8"))
 QKV_PARTS = int(os.environ.get("JAXINFER_QKV_PARTS", "4"))   # the same (A/B)
-# An experiment, off (0): those steps' O and down projections as this many partial products
-# over slices of their input, their sum left to XLA's fusion of the consumer (the residual
-# add and the RMSNorm after it) instead of XLA's own split-K reduction kernel.
-# JAXINFER_SPLIT_OD_PARTS sets it at import.
-SPLIT_OD_PARTS = int(os.environ.get("JAXINFER_SPLIT_OD_PARTS", "0"))
 
 
 def switches() -> tuple:
@@ -77,21 +72,8 @@ def switches() -> tuple:
     and masked-loads threshold), as a key for a trace cache shared across runners."""
     from pallas_kernels import paged_attention as pa
     return (FUSED_FP8_MLP, PALLAS_KV_WRITE, FUSED_NORM_QUANT, BF16_PAD_M, FUSED_GLUE,
-            PALLAS_ADD_NORM, FUSED_DECODE_QKV_MAX_ROWS, QKV_PARTS, SPLIT_OD_PARTS,
-            pa.LONGEST_FIRST_PROGRAMS, pa.MASKED_LOADS_MIN_PROGRAMS)
-
-
-def split_k_linear(x, kernel, scale):
-    """x [T, E] @ kernel (the Linear's; FP8 with its channel scale) as SPLIT_OD_PARTS partial
-    products summed in f32, scaled and cast to x's dtype (fp8_matmul.xla_dequant_matmul's
-    math), for XLA to fuse with the consumer; None where that is off or does not apply (more
-    than FUSED_DECODE_QKV_MAX_ROWS rows, an input width the parts do not divide)."""
-    from pallas_kernels import decode_qkv as dq
-    if not (SPLIT_OD_PARTS and x.shape[0] <= FUSED_DECODE_QKV_MAX_ROWS
-            and x.shape[1] % SPLIT_OD_PARTS == 0):
-        return None
-    y = jnp.sum(dq.partial_products(x, kernel, SPLIT_OD_PARTS), axis=0)
-    return (y if scale is None else y * scale[None, :]).astype(x.dtype)
+            PALLAS_ADD_NORM, FUSED_DECODE_QKV_MAX_ROWS, QKV_PARTS, pa.LONGEST_FIRST_PROGRAMS,
+            pa.MASKED_LOADS_MIN_PROGRAMS)
 
 
 def _on_gpu() -> bool:
