@@ -207,13 +207,14 @@ def supported(cache: KVCache, blocks) -> bool:
 def paged_attention_qkv(partials, scale, bias, cos, sin, cache: KVCache, layer, seq_lens,
                         page_table, slot_mapping, *, num_heads: int, sm_scale: float,
                         dtype, interpret: bool = False, rows: int | None = None,
-                        longest_first: bool | None = None, blocks=None):
+                        longest_first: bool | None = None, masked_loads: bool | None = None,
+                        blocks=None):
     """Decode attention from QKV's partial products (module doc): partials [S, T, (H+2K)D]
     f32 (partial_products), scale [(H+2K)D] (FP8 weights) or None, bias [(H+2K)D] or None,
     cos/sin [T, D/2], the cache (its new tokens not written), seq_lens [T] counting each
     row's new token, page_table [T, pages], slot_mapping [T] (-1: padding), dtype the
-    activations'. rows, longest_first: as paged_attention's. blocks: tuning.decode_blocks'
-    choice when None. -> (out [T, H, D] in dtype, the cache with the new tokens written:
+    activations'. rows, longest_first, masked_loads: as paged_attention_blocks'. blocks:
+    tuning.decode_blocks' choice when None. -> (out [T, H, D] in dtype, the cache with the new tokens written:
     updated in place inside a jit that owns it)."""
     from pallas_kernels import paged_attention as pa
     from pallas_kernels import tuning
@@ -234,7 +235,7 @@ def paged_attention_qkv(partials, scale, bias, cos, sin, cache: KVCache, layer, 
     spec = QKVSpec(num_heads, num_heads + 2 * kv_heads, t, parts, scale is not None,
                    bias is not None, jnp.dtype(dtype).name)
     longest_first, masked_loads = pa.grid_rules(t, rows, kv_heads, blocks.num_splits,
-                                                longest_first, None)
+                                                longest_first, masked_loads)
     out, written = pa._paged_attention_blocks(
         partials, cache.k, cache.v, layer, seq_lens, page_table, cache.k_scale, cache.v_scale,
         sm_scale=sm_scale, interpret=interpret, blocks=blocks, rows=rows,

@@ -138,6 +138,22 @@ def test_fused_front_matches_unfused(heads, kv_heads, head_dim, dtype, page, tok
         assert_cache_equal(got_cache, want_cache)
 
 
+@pytest.mark.parametrize("interpret", MODES)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, FP8_DTYPE])
+def test_masked_loads_match_unfused(dtype, interpret):
+    """The tail blocks read with masked loads (the form grids of >= 2048 programs take), K
+    as two masked half-rows: the same results."""
+    case = make_case(11, 8, 2, 128, dtype, 16, 32, True, True)
+    partials, scale, b, cos, sin, cache, lens, table, slots, _ = case
+    want_out, want_cache = unfused(case, 8, 0)
+    out, got_cache = dq.paged_attention_qkv(
+        partials, scale, b, cos, sin, cache, jnp.int32(0), lens, table, slots, num_heads=8,
+        sm_scale=128 ** -0.5, dtype=jnp.bfloat16, interpret=interpret, masked_loads=True,
+        blocks=DecodeBlocks(32, 4, 4, 2))
+    assert rel_err(out, want_out) < 1e-2
+    assert_cache_equal(got_cache, want_cache)
+
+
 def test_real_rows_only_and_errors():
     """`rows`: the grid covers the real rows (split) and the padding rows come back zero;
     bad shapes and f16pairs blocks raise."""
