@@ -214,8 +214,8 @@ def paged_attention_qkv(partials, scale, bias, cos, sin, cache: KVCache, layer, 
     cos/sin [T, D/2], the cache (its new tokens not written), seq_lens [T] counting each
     row's new token, page_table [T, pages], slot_mapping [T] (-1: padding), dtype the
     activations'. rows, longest_first, masked_loads: as paged_attention_blocks'. blocks:
-    tuning.decode_blocks' choice when None. -> (out [T, H, D] in dtype, the cache with the new tokens written:
-    updated in place inside a jit that owns it)."""
+    tuning.decode_blocks' choice when None. -> (out [T, H, D] in dtype, the cache with the
+    new tokens written: updated in place inside a jit that owns it)."""
     from pallas_kernels import paged_attention as pa
     from pallas_kernels import tuning
     parts, t, width = partials.shape

@@ -7,9 +7,8 @@ Each case's rows cover the length classes that matter to the fold: a first token
 cached), a new token opening a page, one closing a page, one opening a split, one deep in a
 split (or the table's last slot), and a padded row (seq_len 0, slot -1). The cache starts
 with stale contents, so a slot read before its write or a write in the wrong place shows;
-its other slots must come back unchanged. Tolerance as tests/test_paged_attention.py (relative L2 1e-2; the cache to
-one e4m3 step, as tests/test_kv_write.py)."""
-import dataclasses
+its other slots must come back unchanged. Tolerance as tests/test_paged_attention.py
+(relative L2 1e-2; the cache to one e4m3 step, as tests/test_kv_write.py)."""
 
 import jax
 import jax.numpy as jnp
@@ -22,27 +21,11 @@ from pallas_kernels import kv_write as kw
 from pallas_kernels.fp8_matmul import fp8_linear_reference
 from pallas_kernels.paged_attention import paged_attention_reference
 from pallas_kernels.tuning import DecodeBlocks
+from test_kv_write import STATIC, stale_cache
 
 MODES = [pytest.param(True, id="interpret"),
          pytest.param(False, id="gpu", marks=pytest.mark.gpu)]
-STATIC = "fp8_static"
 PAGES_PER_SEQ, LAYERS = 8, 2
-
-
-def _cache(rng, kv_heads, head_dim, dtype, pages, page_size):
-    scales = None
-    if dtype == STATIC:
-        dtype = FP8_DTYPE
-        scales = tuple(rng.uniform(0.005, 0.02, (LAYERS, kv_heads)) for _ in range(2))
-    cache = KVCache.allocate(LAYERS, kv_heads, pages, page_size, head_dim, dtype, scales)
-
-    def stale(x):
-        return jnp.asarray(rng.uniform(-2, 2, x.shape), jnp.float32).astype(x.dtype)
-    return dataclasses.replace(
-        cache, k=stale(cache.k), v=stale(cache.v),
-        **({} if scales is not None or cache.k_scale is None else
-           dict(k_scale=jnp.abs(stale(cache.k_scale)) / 100,
-                v_scale=jnp.abs(stale(cache.v_scale)) / 100)))
 
 
 def make_case(seed, num_heads, kv_heads, head_dim, dtype, page_size, split_tokens, fp8_w,
@@ -56,7 +39,8 @@ def make_case(seed, num_heads, kv_heads, head_dim, dtype, page_size, split_token
     pages = 1 + t * PAGES_PER_SEQ
     table = (1 + rng.permutation(pages - 1)[:t * PAGES_PER_SEQ]).reshape(t, -1)
     table[-1] = 0
-    cache = _cache(rng, kv_heads, head_dim, dtype, pages, page_size)
+    cache = stale_cache(rng, LAYERS, kv_heads, pages, page_size, head_dim, dtype,
+                        static_range=(0.005, 0.02), token_scales=0.01)
     pos = np.maximum(np.asarray(lens) - 1, 0)
     slots = np.where(np.asarray(lens) > 0,
                      table[np.arange(t), pos // page_size] * page_size + pos % page_size, -1)

@@ -20,21 +20,31 @@ ON_GPU = jax.default_backend() == "gpu"
 STATIC = "fp8_static"   # FP8 KV with static per-(layer, kv head) scales
 
 
-def _case(rng, kv_heads, head_dim, dtype, tokens, layers=2, pages=12, page_size=16):
-    """A cache with stale contents, new K/V and slots. STATIC: FP8 with static scales small
-    enough that some of the new K values (|k| up to ~100) saturate at +-448 codes."""
+def stale_cache(rng, layers, kv_heads, pages, page_size, head_dim, dtype,
+                static_range=(0.01, 0.05), token_scales=1.0):
+    """A cache with stale contents (uniform in [-2, 2]), so a write that lands in the wrong
+    place or misses one shows. STATIC: FP8 with static scales from `static_range`; FP8 with
+    per-token scales: those stale too, times `token_scales` (their sign dropped unless 1)."""
     scales = None
     if dtype == STATIC:
         dtype = FP8_DTYPE
-        scales = tuple(rng.uniform(0.01, 0.05, (layers, kv_heads)) for _ in range(2))
+        scales = tuple(rng.uniform(*static_range, (layers, kv_heads)) for _ in range(2))
     cache = KVCache.allocate(layers, kv_heads, pages, page_size, head_dim, dtype, scales)
-    # stale contents, so a write that lands in the wrong place or misses one shows
-    def stale(x):
-        return jnp.asarray(rng.uniform(-2, 2, x.shape), jnp.float32).astype(x.dtype)
-    cache = dataclasses.replace(
+
+    def stale(x, factor=1.0):
+        y = jnp.asarray(rng.uniform(-2, 2, x.shape), jnp.float32)
+        return (y if factor == 1.0 else jnp.abs(y) * factor).astype(x.dtype)
+    return dataclasses.replace(
         cache, k=stale(cache.k), v=stale(cache.v),
         **({} if scales is not None or cache.k_scale is None else
-           dict(k_scale=stale(cache.k_scale), v_scale=stale(cache.v_scale))))
+           dict(k_scale=stale(cache.k_scale, token_scales),
+                v_scale=stale(cache.v_scale, token_scales))))
+
+
+def _case(rng, kv_heads, head_dim, dtype, tokens, layers=2, pages=12, page_size=16):
+    """A cache with stale contents, new K/V and slots. STATIC: FP8 with static scales small
+    enough that some of the new K values (|k| up to ~100) saturate at +-448 codes."""
+    cache = stale_cache(rng, layers, kv_heads, pages, page_size, head_dim, dtype)
     k = jnp.asarray(rng.standard_normal((tokens, kv_heads, head_dim))
                     * rng.uniform(0.01, 30, (tokens, kv_heads, 1)), jnp.bfloat16)
     v = jnp.asarray(rng.standard_normal((tokens, kv_heads, head_dim)), jnp.bfloat16)
