@@ -29,13 +29,13 @@ dim 128 keeps the unfused route) and a power-of-two head dim.
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from jaxinfer.kv_cache import FP8_DTYPE, FP8_MAX, KVCache, fp8_scale
+from jaxinfer.kv_cache import FP8_DTYPE, KVCache
+from pallas_kernels.kv_write import quantized
 
 F32 = jnp.float32
 
@@ -131,18 +131,11 @@ def q_halves(p_ref, front, t, heads, spec: QKVSpec, half: int):
 
 
 def _stored(parts, fp8: bool, static, cache_dtype):
-    """K or V parts [1, d] f32 as the cache stores them: (the values the kernel reads back,
-    f32: FP8 codes or the cast rows; the per-token scale [1] or None). kv_write._store's
-    numerics."""
-    if static is not None:
-        return [jnp.clip(x / static[:, None], -FP8_MAX, FP8_MAX).astype(FP8_DTYPE).astype(F32)
-                for x in parts], None
-    if fp8:
-        amax = functools.reduce(jnp.maximum, [jnp.max(jnp.maximum(x, -x), axis=1)
-                                              for x in parts])
-        scale = fp8_scale(amax)
-        return [(x / scale[:, None]).astype(FP8_DTYPE).astype(F32) for x in parts], scale
-    return [x.astype(cache_dtype).astype(F32) for x in parts], None
+    """K or V parts [1, d] f32 as the cache stores them (kv_write.quantized, cast to the
+    cache's dtype): (the values the kernel reads back, f32; the per-token scale [1] or
+    None)."""
+    values, scale = quantized(parts, fp8, static)
+    return [x.astype(cache_dtype).astype(F32) for x in values], scale
 
 
 def new_token(p_ref, front, t, kv_head, spec: QKVSpec, head_dim: int, fp8: bool, statics,

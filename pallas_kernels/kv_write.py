@@ -52,25 +52,30 @@ from jaxinfer.kv_cache import FP8_MAX, KVCache, fp8_scale, write_kv as write_kv_
 from pallas_kernels import pow2_ceil, triton_params
 
 
-def _store(c_ref, s_ref, rows, parts, cols, fp8: bool, static=None):
-    """Rows `rows` of the cache view c_ref get `parts` ([K', d] f32 pieces of each row at
-    column slices `cols`); FP8: quantized with one scale per row over all its pieces, stored
-    into s_ref, or with `static` [K'] (the rows' heads' static scales) saturated at +-448
-    (kv_cache.quantize_static) and no scale stored."""
+def quantized(parts, fp8: bool, static=None):
+    """K/V pieces ([K', d] f32) as the cache stores them, before the cast to its dtype: ->
+    (the pieces, the per-row scale [K'] to store or None). FP8: divided by one scale per row
+    over all its pieces (fp8_scale of the row's amax), or with `static` [K'] (the rows' heads'
+    static scales) saturated at +-448 (kv_cache.quantize_static), no scale stored; else as
+    they are."""
     if static is not None:
-        for x, c in zip(parts, cols):
-            y = jnp.clip(x / static[:, None], -FP8_MAX, FP8_MAX)
-            c_ref[rows, c] = y.astype(c_ref.dtype)
-    elif fp8:
+        return [jnp.clip(x / static[:, None], -FP8_MAX, FP8_MAX) for x in parts], None
+    if fp8:
         amax = functools.reduce(jnp.maximum, [jnp.max(jnp.maximum(x, -x), axis=1)
                                               for x in parts])
         scale = fp8_scale(amax)
-        for x, c in zip(parts, cols):
-            c_ref[rows, c] = (x / scale[:, None]).astype(c_ref.dtype)
+        return [x / scale[:, None] for x in parts], scale
+    return list(parts), None
+
+
+def _store(c_ref, s_ref, rows, parts, cols, fp8: bool, static=None):
+    """Rows `rows` of the cache view c_ref get `parts` ([K', d] f32 pieces of each row at
+    column slices `cols`), quantized as `quantized` says; a per-row scale into s_ref."""
+    values, scale = quantized(parts, fp8, static)
+    for x, c in zip(values, cols):
+        c_ref[rows, c] = x.astype(c_ref.dtype)
+    if scale is not None:
         s_ref[rows] = scale
-    else:
-        for x, c in zip(parts, cols):
-            c_ref[rows, c] = x.astype(c_ref.dtype)
 
 
 def _cache_refs(refs, fp8: bool, static: bool):
