@@ -23,8 +23,10 @@ takes them:
 Measured on the H200 (bench/README.md, thirty-first session): 436 -> 372 kernels per 8B FP8
 batch-1 step, the device step -2.7% (FP8 weights) and -1.1% (bf16) in same-call pairs.
 
-Limits (`supported`): the cache read as plain rows (not f16pairs' byte pairs: FP8 KV at head
-dim 128 keeps the unfused route) and a power-of-two head dim.
+Limits (`supported`): the cache read as plain rows and a power-of-two head dim. FP8 KV that
+the decode table reads as f16pairs' byte pairs (head dim 128) is read here as plain rows
+widened to f16 (`front_blocks`): Qwen2.5-32B FP8 + FP8 KV batch 1, device step 10.03 ->
+9.75 ms (four interleaved pairs on one machine, bench/README.md, thirty-second session).
 """
 from __future__ import annotations
 
@@ -190,6 +192,19 @@ def select(cond, new, old):
     return jax.tree.map(lambda a, b: jnp.where(cond, a, b), new, old)
 
 
+def front_blocks(blocks, kv_dtype, head_dim: int):
+    """`blocks` as the fused front reads the cache: FP8 KV that the table reads as f16pairs'
+    byte pairs (its choice at head dim 128) is read as plain rows widened to f16 instead,
+    with the same f16 numerics (attention_block's "float16"). The front serves steps of a
+    few rows, where the K/V reads are a small part of the kernel and the pairs' wider loads
+    matter little; q's rotary halves (attend_block's q_halves) and the pairs' even/odd
+    halves do not compose."""
+    from pallas_kernels.attention_block import uses_pairs
+    if uses_pairs(kv_dtype, blocks.fp8_compute, head_dim):
+        return dataclasses.replace(blocks, fp8_compute="float16")
+    return blocks
+
+
 def supported(cache: KVCache, blocks) -> bool:
     """Whether the fused front takes this cache with these decode blocks: plain rows (not
     f16pairs) and a power-of-two head dim."""
@@ -216,8 +231,9 @@ def paged_attention_qkv(partials, scale, bias, cos, sin, cache: KVCache, layer, 
     parts, t, width = partials.shape
     _, kv_heads, num_pages, page_size, head_dim = cache.k.shape
     if blocks is None:
-        blocks = tuning.decode_blocks(rows or t, kv_heads, page_table.shape[1] * page_size,
-                                      page_size, jnp.dtype(cache.k.dtype).itemsize, head_dim)
+        blocks = front_blocks(tuning.decode_blocks(
+            rows or t, kv_heads, page_table.shape[1] * page_size, page_size,
+            jnp.dtype(cache.k.dtype).itemsize, head_dim), cache.k.dtype, head_dim)
     if (width != (num_heads + 2 * kv_heads) * head_dim or cos.shape != (t, head_dim // 2)
             or sin.shape != cos.shape or seq_lens.shape != (t,) or slot_mapping.shape != (t,)
             or page_table.shape[0] != t or not supported(cache, blocks)

@@ -159,6 +159,29 @@ def test_real_rows_only_and_errors():
                                slots, blocks=DecodeBlocks(16, 1, 4, 2, "f16pairs"), **kw_args)
 
 
+@pytest.mark.parametrize("interpret", MODES)
+@pytest.mark.parametrize("dtype", [FP8_DTYPE, STATIC])
+def test_table_blocks_read_fp8_kv_as_plain_rows(dtype, interpret):
+    """FP8 KV at head dim 128, where the decode table reads byte pairs (f16pairs): the front
+    takes the table's blocks with plain f16-widened rows (front_blocks) and matches the
+    unfused route."""
+    from pallas_kernels import tuning
+    table = tuning.decode_blocks(1, 2, 128, 16, 1, 128)
+    assert table.fp8_compute == "f16pairs"
+    assert dq.front_blocks(table, FP8_DTYPE, 128) == DecodeBlocks(
+        table.block_tokens, table.num_splits, table.num_warps, table.num_stages, HF,
+        table.prefetch_table)
+    assert dq.front_blocks(table, jnp.bfloat16, 128) == table
+    case = make_case(5, 8, 2, 128, dtype, 16, 64, True, True)
+    partials, scale, b, cos, sin, cache, lens, table, slots, _ = case
+    want_out, want_cache = unfused(case, 8, 1)
+    out, got_cache = dq.paged_attention_qkv(
+        partials, scale, b, cos, sin, cache, jnp.int32(1), lens, table, slots, num_heads=8,
+        sm_scale=128 ** -0.5, dtype=jnp.bfloat16, interpret=interpret)
+    assert rel_err(out, want_out) < 1e-2
+    assert_cache_equal(got_cache, want_cache)
+
+
 @pytest.mark.parametrize("fp8_w", [True, False])
 def test_partial_products_sum_to_the_projection(fp8_w):
     """The S partial products summed (and scaled) are the linear's product."""
