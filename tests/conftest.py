@@ -3,6 +3,8 @@ import os
 import shutil
 import tempfile
 
+import pytest
+
 ON_GPU = os.environ.get("JAXINFER_TEST_GPU") == "1"
 # Tests run on the CPU unless a test is marked gpu and run on the device machine.
 os.environ.setdefault("JAX_PLATFORMS", "" if ON_GPU else "cpu")
@@ -21,6 +23,28 @@ if not ON_GPU and "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _OWN_CACHE
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
+
+# XLA's CPU backend compiles with LLVM at -O0 on all but one worker: most of the suite's
+# CPU time is compiling small executables (tiny engines, interpret-mode kernels) it runs a
+# few times, and -O0 takes ~25-35% off those files (test_paged_attention.py 215 -> 154 s,
+# test_engine.py 227 -> 176 s in one suite run each, two cores, 32nd session). The files
+# that run the real model (SmolLM2's teacher-forced passes, calibration, HF parity, the
+# servers) run its compiled code long enough that -O0 made them 1.4-1.7x slower
+# (test_fp8_quality.py 542 -> 889 s): they go to worker OPTIMIZED_WORKER, which compiles
+# as XLA does by default (pytest_xdist_make_scheduler), and the other workers take them
+# only when nothing else is left. The optimization level is LLVM's, after XLA's own passes:
+# the same HLO, fusions and kernels; the whole suite passed with every file at -O0 too.
+# Runs outside xdist, and runs whose XLA_FLAGS name an optimization level, keep theirs.
+OPTIMIZED_WORKER = "gw0"
+OPTIMIZED_FILES = frozenset((
+    "test_fp8_quality.py", "test_hf_parity.py", "test_serve_lifecycle.py", "test_convert.py",
+    "test_serve.py", "test_batch_generate.py", "test_engine_text.py",
+))
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+if (not ON_GPU and _WORKER not in (None, OPTIMIZED_WORKER)
+        and "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", "")):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                               + " --xla_backend_optimization_level=0").strip()
 
 # Torch (Hugging Face transformers in tests/test_hf_parity.py and test_checkpoints.py) runs its
 # CPU ops on OpenMP threads that by default spin while they wait for work. With three xdist
@@ -123,3 +147,25 @@ def pytest_collection_modifyitems(session, config, items):
     counts = collections.Counter(item.path for item in items)
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: (rank.get(item.path.name, len(rank)), -counts[item.path]))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """xdist's loadfile scheduling, but OPTIMIZED_WORKER takes the OPTIMIZED_FILES first
+    and the other workers the rest first (each in queue order); a worker whose kind of file
+    is used up takes the next file of the other kind."""
+    if config.getvalue("dist") != "loadfile":
+        return None                      # xdist's own scheduler for other modes
+    from xdist.scheduler import LoadFileScheduling
+
+    class Scheduling(LoadFileScheduling):
+        def _assign_work_unit(self, node):
+            optimized = node.workerinput["workerid"] == OPTIMIZED_WORKER
+            scopes = list(self.workqueue)
+            preferred = [sc for sc in scopes
+                         if (os.path.basename(sc.split("::")[0]) in OPTIMIZED_FILES)
+                         == optimized]
+            self.workqueue.move_to_end((preferred or scopes)[0], last=False)
+            super()._assign_work_unit(node)
+
+    return Scheduling(config, log)
