@@ -29,11 +29,12 @@ if not ON_GPU and "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 # few times, and -O0 takes ~25-35% off those files (test_paged_attention.py 215 -> 154 s,
 # test_engine.py 227 -> 176 s in one suite run each, two cores, 32nd session). The files
 # that run the real model (SmolLM2's teacher-forced passes, calibration, HF parity, the
-# servers) run its compiled code long enough that -O0 made them 1.4-1.7x slower
-# (test_fp8_quality.py 542 -> 889 s): they go to worker OPTIMIZED_WORKER, which compiles
-# as XLA does by default (pytest_xdist_make_scheduler), and the other workers take them
-# only when nothing else is left. The optimization level is LLVM's, after XLA's own passes:
-# the same HLO, fusions and kernels; the whole suite passed with every file at -O0 too.
+# servers) run its compiled code long enough that -O0 made them 1.07-1.72x slower
+# (test_fp8_quality.py 542 -> 889 s, test_hf_parity.py 171 -> 294): they go to worker
+# OPTIMIZED_WORKER, which compiles as XLA does by default (pytest_xdist_make_scheduler),
+# and the other workers take them only when nothing else is left. The optimization level
+# is LLVM's, after XLA's own passes: the same HLO, fusions and kernels; the whole suite
+# passed with every file at -O0 too.
 # Runs outside xdist, and runs whose XLA_FLAGS name an optimization level, keep theirs.
 OPTIMIZED_WORKER = "gw0"
 OPTIMIZED_FILES = frozenset((

@@ -166,12 +166,12 @@ def test_table_blocks_read_fp8_kv_as_plain_rows(dtype, interpret):
     takes the table's blocks with plain f16-widened rows (front_blocks) and matches the
     unfused route."""
     from pallas_kernels import tuning
-    table = tuning.decode_blocks(1, 2, 128, 16, 1, 128)
-    assert table.fp8_compute == "f16pairs"
-    assert dq.front_blocks(table, FP8_DTYPE, 128) == DecodeBlocks(
-        table.block_tokens, table.num_splits, table.num_warps, table.num_stages, HF,
-        table.prefetch_table)
-    assert dq.front_blocks(table, jnp.bfloat16, 128) == table
+    chosen = tuning.decode_blocks(1, 2, 128, 16, 1, 128)
+    assert chosen.fp8_compute == "f16pairs"
+    assert dq.front_blocks(chosen, FP8_DTYPE, 128) == DecodeBlocks(
+        chosen.block_tokens, chosen.num_splits, chosen.num_warps, chosen.num_stages, HF,
+        chosen.prefetch_table)
+    assert dq.front_blocks(chosen, jnp.bfloat16, 128) == chosen
     case = make_case(5, 8, 2, 128, dtype, 16, 64, True, True)
     partials, scale, b, cos, sin, cache, lens, table, slots, _ = case
     want_out, want_cache = unfused(case, 8, 1)
