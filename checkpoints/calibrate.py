@@ -139,11 +139,17 @@ def _round_e4m3(x):
     return np.clip(x, -FP8_MAX, FP8_MAX).astype(ml_dtypes.float8_e4m3fn).astype(np.float64)
 
 
-def gptq_linear(w, gram, *, damp: float = 0.001, block: int = 128, act_order: bool = True):
+def gptq_linear(w, gram, *, damp: float = 0.001, block: int = 128, act_order: bool = True,
+                inner: int = 16):
     """w [in, out] float, gram [in, in] (X^T X of its inputs) -> (w_q float8_e4m3fn [out, in],
     scale f32 [out]), the format of checkpoints.fp8.quantize_linear, with the same scales.
     damp: added to G's diagonal as a fraction of its mean (keeps the inverse well posed);
-    act_order: round the inputs with the largest G diagonal first."""
+    act_order: round the inputs with the largest G diagonal first. Rows are rounded one at a
+    time; each row's error reaches the rows after it through rank-1 updates within `inner`
+    rows, one product per inner group within `block` rows, and one per block beyond it: the
+    same sums as updating every later row at once, grouped (float64; the profile in
+    bench/README.md, thirty-second session: the per-row updates of whole blocks took most of
+    the loop)."""
     w = np.asarray(w, np.float64)
     n = w.shape[0]
     if gram.shape != (n, n):
@@ -161,10 +167,13 @@ def gptq_linear(w, gram, *, damp: float = 0.001, block: int = 128, act_order: bo
     for b0 in range(0, n, block):
         b1 = min(b0 + block, n)
         wb, err = w[b0:b1].copy(), np.zeros((b1 - b0, w.shape[1]))
-        for i in range(b1 - b0):
-            q8[b0 + i] = _round_e4m3(wb[i] / scale)
-            err[i] = (wb[i] - q8[b0 + i] * scale) / u[b0 + i, b0 + i]
-            wb[i + 1:] -= np.outer(u[b0 + i, b0 + i + 1:b1], err[i])
+        for g0 in range(0, b1 - b0, inner):
+            g1 = min(g0 + inner, b1 - b0)
+            for i in range(g0, g1):
+                q8[b0 + i] = _round_e4m3(wb[i] / scale)
+                err[i] = (wb[i] - q8[b0 + i] * scale) / u[b0 + i, b0 + i]
+                wb[i + 1:g1] -= np.outer(u[b0 + i, b0 + i + 1:b0 + g1], err[i])
+            wb[g1:] -= u[b0 + g0:b0 + g1, b0 + g1:b1].T @ err[g0:g1]
         w[b1:] -= u[b0:b1, b1:].T @ err
     q8 = q8[np.argsort(order)]
     return q8.T.astype(FP8_DTYPE), scale32
