@@ -130,19 +130,15 @@ def decode_qkv_attention(x, kernel, scale, bias, kv: KVCache, layer, md: Attenti
     the cache); None where that does not apply (the caller's unfused route): not a decode
     step of <= FUSED_DECODE_QKV_MAX_ROWS rows, impl "reference", tensor parallelism,
     FUSED_GLUE off, a hidden size QKV_PARTS does not divide or a head dim the kernel does
-    not take (decode_qkv.supported). FP8 KV is read as plain rows (decode_qkv.front_blocks)."""
+    not take (decode_qkv.supported). FP8 KV is read as plain rows (decode_qkv.table_blocks)."""
     from pallas_kernels import decode_qkv as dq
-    from pallas_kernels import tuning
     t = x.shape[0]
     if not (FUSED_GLUE and impl == "pallas" and layout.size == 1 and md.decode_only
             and t <= FUSED_DECODE_QKV_MAX_ROWS and x.shape[1] % QKV_PARTS == 0):
         return None
     n = md.attend_rows or t
     rows = n if n < t else None
-    _, kv_heads, _, page_size, head_dim = kv.k.shape
-    blocks = dq.front_blocks(tuning.decode_blocks(
-        rows or t, kv_heads, md.page_table.shape[1] * page_size, page_size,
-        jnp.dtype(kv.k.dtype).itemsize, head_dim), kv.k.dtype, head_dim)
+    blocks = dq.table_blocks(kv, md.page_table, rows or t)
     if not dq.supported(kv, blocks):
         return None
     return dq.paged_attention_qkv(dq.partial_products(x, kernel, QKV_PARTS), scale, bias, cos,

@@ -195,14 +195,24 @@ def select(cond, new, old):
 def front_blocks(blocks, kv_dtype, head_dim: int):
     """`blocks` as the fused front reads the cache: FP8 KV that the table reads as f16pairs'
     byte pairs (its choice at head dim 128) is read as plain rows widened to f16 instead,
-    with the same f16 numerics (attention_block's "float16"). The front serves steps of a
-    few rows, where the K/V reads are a small part of the kernel and the pairs' wider loads
-    matter little; q's rotary halves (attend_block's q_halves) and the pairs' even/odd
-    halves do not compose."""
+    with the same f16 numerics (attention_block's "float16"): q's rotary halves
+    (attend_block's q_halves) and the pairs' even/odd halves do not compose. Measured only
+    at batch 1, context 512 (the step got faster: module doc); at long contexts the plain
+    rows' FP8 reads may cost more than the pairs'."""
     from pallas_kernels.attention_block import uses_pairs
     if uses_pairs(kv_dtype, blocks.fp8_compute, head_dim):
         return dataclasses.replace(blocks, fp8_compute="float16")
     return blocks
+
+
+def table_blocks(cache: KVCache, page_table, rows: int):
+    """The decode table's blocks (tuning.decode_blocks) for `rows` rows over this cache and
+    page table, as the front reads them (front_blocks)."""
+    from pallas_kernels import tuning
+    _, kv_heads, _, page_size, head_dim = cache.k.shape
+    return front_blocks(tuning.decode_blocks(
+        rows, kv_heads, page_table.shape[1] * page_size, page_size,
+        jnp.dtype(cache.k.dtype).itemsize, head_dim), cache.k.dtype, head_dim)
 
 
 def supported(cache: KVCache, blocks) -> bool:
@@ -224,16 +234,13 @@ def paged_attention_qkv(partials, scale, bias, cos, sin, cache: KVCache, layer, 
     cos/sin [T, D/2], the cache (its new tokens not written), seq_lens [T] counting each
     row's new token, page_table [T, pages], slot_mapping [T] (-1: padding), dtype the
     activations'. rows, longest_first, masked_loads: as paged_attention_blocks'. blocks:
-    tuning.decode_blocks' choice when None. -> (out [T, H, D] in dtype, the cache with the
+    table_blocks' choice when None. -> (out [T, H, D] in dtype, the cache with the
     new tokens written: updated in place inside a jit that owns it)."""
     from pallas_kernels import paged_attention as pa
-    from pallas_kernels import tuning
     parts, t, width = partials.shape
     _, kv_heads, num_pages, page_size, head_dim = cache.k.shape
     if blocks is None:
-        blocks = front_blocks(tuning.decode_blocks(
-            rows or t, kv_heads, page_table.shape[1] * page_size, page_size,
-            jnp.dtype(cache.k.dtype).itemsize, head_dim), cache.k.dtype, head_dim)
+        blocks = table_blocks(cache, page_table, rows or t)
     if (width != (num_heads + 2 * kv_heads) * head_dim or cos.shape != (t, head_dim // 2)
             or sin.shape != cos.shape or seq_lens.shape != (t,) or slot_mapping.shape != (t,)
             or page_table.shape[0] != t or not supported(cache, blocks)
