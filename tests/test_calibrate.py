@@ -77,6 +77,46 @@ def test_blocked_updates_give_the_row_by_row_result(block, inner):
     assert np.mean(got != want) < 1e-3, np.mean(got != want)
 
 
+def test_inverse_cholesky_factor_without_the_inverse():
+    """U upper with U^T U = inv(G), as cholesky(inv(G)).T, also where the triangular inverse
+    recurses on uneven halves (300 -> 150 -> 75)."""
+    from checkpoints.calibrate import _inverse_cholesky_upper
+
+    rng = np.random.default_rng(5)
+    for n in (40, 300):
+        x = rng.standard_normal((3 * n, n))
+        g = x.T @ x + 0.01 * np.eye(n)
+        u = _inverse_cholesky_upper(g)
+        assert np.array_equal(u, np.triu(u))
+        np.testing.assert_allclose(u.T @ u @ g, np.eye(n), atol=1e-8)
+        np.testing.assert_allclose(u, np.linalg.cholesky(np.linalg.inv(g)).T,
+                                   rtol=1e-9, atol=1e-12)
+
+
+def test_linears_of_one_input_rounded_together_as_apart(monkeypatch):
+    """calibrated_quantize_params rounds wq|wk|wv and w_gate|w_up as one matrix each: every
+    code and scale as when each linear is rounded on its own."""
+    from checkpoints import calibrate
+
+    class Ids:    # a stand-in tokenizer: the calibration text's bytes as ids
+        def encode(self, text):
+            return [b % cfg.vocab_size for b in text.encode()]
+
+    cfg = standard_config("tiny")
+    flat = random_flat(cfg, seed=6)
+    together = calibrate.calibrated_quantize_params(cfg, flat, Ids(), num_windows=2,
+                                                    window=32)
+    monkeypatch.setattr(calibrate, "SHARED_INPUT", ())
+    apart = calibrate.calibrated_quantize_params(cfg, flat, Ids(), num_windows=2, window=32)
+    assert sorted(together) == sorted(apart)
+    for name in calibrate.LINEAR_NAMES:
+        assert together[name].shape == apart[name].shape == flat[name].shape[:1] + \
+            flat[name].shape[:0:-1]
+        np.testing.assert_array_equal(np.asarray(together[name], np.float32),
+                                      np.asarray(apart[name], np.float32), err_msg=name)
+        np.testing.assert_array_equal(together[name + "_scale"], apart[name + "_scale"])
+
+
 def test_gram_shape_is_checked():
     with pytest.raises(ValueError, match="gram"):
         gptq_linear(np.ones((8, 4), np.float32), np.eye(4))
