@@ -154,8 +154,12 @@ def child_main() -> dict:
 
 @pytest.fixture(scope="module")
 def results():
+    # The worker's own XLA flags (tests/conftest.py's optimization level) stay, beside the
+    # eight host devices the child needs.
+    flags = " ".join(f for f in os.environ.get("XLA_FLAGS", "").split()
+                     if not f.startswith("--xla_force_host_platform_device_count"))
     env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS="--xla_force_host_platform_device_count=8")
+               XLA_FLAGS=f"{flags} --xla_force_host_platform_device_count=8".strip())
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE), env.get("PYTHONPATH")]))
     proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True,
                           timeout=600, cwd=HERE.parent)
