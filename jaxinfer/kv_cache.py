@@ -57,13 +57,17 @@ FP8_MAX = 448.0
 
 @functools.partial(
     jax.tree_util.register_dataclass,
-    data_fields=["k", "v", "k_scale", "v_scale"], meta_fields=[])
+    data_fields=["k", "v", "k_scale", "v_scale", "counters"], meta_fields=[])
 @dataclasses.dataclass(frozen=True)
 class KVCache:
     k: jax.Array                    # [L, K, P, S, D]
     v: jax.Array                    # [L, K, P, S, D]
     k_scale: jax.Array | None = None  # [L, K, P, S] or (static) [L, K] f32, FP8 only
     v_scale: jax.Array | None = None  # [L, K, P, S] or (static) [L, K] f32, FP8 only
+    # Within one decode step only, never in the pool: zeros [rows * K] f32 the split decode
+    # kernels count their programs on (paged_attention._last_combines), handed from layer
+    # to layer (model.Decoder) and zero again after each kernel.
+    counters: jax.Array | None = None
 
     @property
     def num_pages(self) -> int:

@@ -20,6 +20,7 @@ the plain [q | k | v] and [gate | up] layout.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -292,13 +293,22 @@ class Decoder(nnx.Module):
             if isinstance(kv, KVLayers) and len(kv.layers) != self.cfg.num_layers:
                 raise ConfigError(f"a KV pool of {len(kv.layers)} layers for a model of "
                                   f"{self.cfg.num_layers}")
+            # the split decode's counters, handed from layer to layer (ops.combine_counters)
+            counters = ops.combine_counters(t, self.cfg.num_kv_heads, md, impl=attn_impl,
+                                            layout=self.layout)
             for i, layer in enumerate(self.layers):
                 graphdef, state = nnx.split(layer)
                 cache, index = kv.layer(i)      # KVLayers: layer i's own arrays, at index 0
+                if counters is not None:
+                    cache = dataclasses.replace(cache, counters=counters)
                 with jax.named_scope("decoder_layer"):  # bench/hlo.py counts kernels by it
                     x, delta, cache = _unrolled_layer(graphdef, attn_impl, ops.switches(),
                                                       state, x, delta, cache,
                                                       jnp.int32(index), md, cos, sin)
+                if counters is not None:        # not part of the pool
+                    if cache.counters is not None:
+                        counters = cache.counters
+                    cache = dataclasses.replace(cache, counters=None)
                 kv = kv.with_layer(i, cache)
             return self.final_norm.add_norm(x, delta, self.layout)[1], kv
         if isinstance(kv, KVLayers):

@@ -65,6 +65,12 @@ PALLAS_ADD_NORM = False
 # RoPE + K/V write kernel). 0 turns it off; JAXINFER_DECODE_QKV_ROWS sets it at import (A/B).
 FUSED_DECODE_QKV_MAX_ROWS = int(os.environ.get("JAXINFER_DECODE_QKV_ROWS", "8"))
 QKV_PARTS = int(os.environ.get("JAXINFER_QKV_PARTS", "4"))   # the same (A/B)
+# Under the fused front, a split decode grid merges its splits in its last-arriving program
+# (pallas_kernels/paged_attention.py, _last_combines) instead of split_combine's kernel: one
+# kernel per layer fewer. The programs count themselves in on per-step zeros
+# (combine_counters) that the decoder hands from layer to layer in the cache.
+# JAXINFER_LAST_COMBINES=0 turns it off at import (A/B).
+LAST_COMBINES = os.environ.get("JAXINFER_LAST_COMBINES", "1") != "0"
 
 
 def switches() -> tuple:
@@ -72,8 +78,8 @@ def switches() -> tuple:
     and masked-loads threshold), as a key for a trace cache shared across runners."""
     from pallas_kernels import paged_attention as pa
     return (FUSED_FP8_MLP, PALLAS_KV_WRITE, FUSED_NORM_QUANT, BF16_PAD_M, FUSED_GLUE,
-            PALLAS_ADD_NORM, FUSED_DECODE_QKV_MAX_ROWS, QKV_PARTS, pa.LONGEST_FIRST_PROGRAMS,
-            pa.MASKED_LOADS_MIN_PROGRAMS)
+            PALLAS_ADD_NORM, FUSED_DECODE_QKV_MAX_ROWS, QKV_PARTS, LAST_COMBINES,
+            pa.LONGEST_FIRST_PROGRAMS, pa.MASKED_LOADS_MIN_PROGRAMS)
 
 
 def _on_gpu() -> bool:
@@ -121,6 +127,21 @@ def rope_write_kv(kv: KVCache, layer, qkv, cos, sin, slot_mapping, *, num_heads:
     return q, kv
 
 
+def _front_applies(t: int, md: AttentionMetadata, impl: str, layout: TPLayout) -> bool:
+    return (FUSED_GLUE and impl == "pallas" and layout.size == 1 and md.decode_only
+            and t <= FUSED_DECODE_QKV_MAX_ROWS)
+
+
+def combine_counters(t: int, kv_heads: int, md: AttentionMetadata, *, impl: str,
+                     layout: TPLayout = TPLayout()):
+    """Zeros [T * K] f32 for a decode step of T rows that decode_qkv_attention may run with
+    the in-kernel combine (LAST_COMBINES), else None. The decoder puts them in each layer's
+    cache (KVCache.counters) and takes them back out: every kernel leaves them zero."""
+    if not (LAST_COMBINES and _front_applies(t, md, impl, layout)):
+        return None
+    return jnp.zeros((t * kv_heads,), jnp.float32)
+
+
 def decode_qkv_attention(x, kernel, scale, bias, kv: KVCache, layer, md: AttentionMetadata,
                          cos, sin, *, num_heads: int, sm_scale: float, impl: str,
                          layout: TPLayout = TPLayout()):
@@ -133,8 +154,7 @@ def decode_qkv_attention(x, kernel, scale, bias, kv: KVCache, layer, md: Attenti
     not take (decode_qkv.supported). FP8 KV is read as plain rows (decode_qkv.table_blocks)."""
     from pallas_kernels import decode_qkv as dq
     t = x.shape[0]
-    if not (FUSED_GLUE and impl == "pallas" and layout.size == 1 and md.decode_only
-            and t <= FUSED_DECODE_QKV_MAX_ROWS and x.shape[1] % QKV_PARTS == 0):
+    if not (_front_applies(t, md, impl, layout) and x.shape[1] % QKV_PARTS == 0):
         return None
     n = md.attend_rows or t
     rows = n if n < t else None

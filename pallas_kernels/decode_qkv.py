@@ -234,8 +234,11 @@ def paged_attention_qkv(partials, scale, bias, cos, sin, cache: KVCache, layer, 
     cos/sin [T, D/2], the cache (its new tokens not written), seq_lens [T] counting each
     row's new token, page_table [T, pages], slot_mapping [T] (-1: padding), dtype the
     activations'. rows, longest_first, masked_loads: as paged_attention_blocks'. blocks:
-    table_blocks' choice when None. -> (out [T, H, D] in dtype, the cache with the
-    new tokens written: updated in place inside a jit that owns it)."""
+    table_blocks' choice when None. With the cache's `counters` (zeros [>= T * K] f32) a
+    split grid merges its splits in its last-arriving program instead of a combine kernel
+    (paged_attention._last_combines), and they come back zero again in the returned cache.
+    -> (out [T, H, D] in dtype, the cache with the new tokens written: updated in place
+    inside a jit that owns it)."""
     from pallas_kernels import paged_attention as pa
     parts, t, width = partials.shape
     _, kv_heads, num_pages, page_size, head_dim = cache.k.shape
@@ -258,10 +261,15 @@ def paged_attention_qkv(partials, scale, bias, cos, sin, cache: KVCache, layer, 
         partials, cache.k, cache.v, layer, seq_lens, page_table, cache.k_scale, cache.v_scale,
         sm_scale=sm_scale, interpret=interpret, blocks=blocks, rows=rows,
         longest_first=longest_first, masked_loads=masked_loads, qkv=spec,
-        front=tuple(operands(spec, slot_mapping, cos, sin, scale, bias, head_dim)))
+        front=tuple(operands(spec, slot_mapping, cos, sin, scale, bias, head_dim)),
+        counters=cache.counters)
+    counters = cache.counters
+    if counters is not None and blocks.num_splits > 1:
+        *written, counters = written
     shape = cache.k.shape
     k, v = written[0].reshape(shape), written[1].reshape(shape)
     if len(written) == 4:
-        return out, KVCache(k, v, written[2].reshape(shape[:-1]),
-                            written[3].reshape(shape[:-1]))
-    return out, dataclasses.replace(cache, k=k, v=v)
+        return out, dataclasses.replace(cache, k=k, v=v, k_scale=written[2].reshape(shape[:-1]),
+                                        v_scale=written[3].reshape(shape[:-1]),
+                                        counters=counters)
+    return out, dataclasses.replace(cache, k=k, v=v, counters=counters)

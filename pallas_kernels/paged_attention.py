@@ -58,7 +58,7 @@ from jaxinfer.kv_cache import FP8_DTYPE, is_static
 from pallas_kernels import LOG2E, pow2_ceil, triton_params, tuning
 from pallas_kernels import decode_qkv as dq
 from pallas_kernels.split_combine import combine_call
-from pallas_kernels.attention_block import (MIN_ROWS, attend_block, block_pages,
+from pallas_kernels.attention_block import (M_INIT, MIN_ROWS, attend_block, block_pages,
                                             cache_views, compute_dtype, empty_carry,
                                             kernel_refs, kv_rows, load_q, paged_loop,
                                             prepare_q, scale_acc, static_factors,
@@ -100,7 +100,8 @@ def _decode_kernel(layer_ref, lens_ref, table_ref, order_ref, trows_ref, *refs, 
                    num_kv_heads: int, num_pages: int, page_size: int, num_heads: int,
                    head_dim: int, batch: int, qk_scale: float, fp8: bool, static: bool,
                    cdt, pairs: bool, longest_first: bool, masked_loads: bool,
-                   token_rows: bool, interpret: bool, qkv: dq.QKVSpec | None = None):
+                   token_rows: bool, interpret: bool, qkv: dq.QKVSpec | None = None,
+                   splits: int = 1, total: int = 0, last_combines: bool = False):
     # with pairs, q and the accumulator are (even, odd) halves (load_q, store_rows); with
     # qkv, q_ref holds QKV's partial products and the cache views are outputs too
     front, refs = dq.split_refs(refs, qkv) if qkv is not None else (None, refs)
@@ -108,6 +109,8 @@ def _decode_kernel(layer_ref, lens_ref, table_ref, order_ref, trows_ref, *refs, 
     if qkv is not None:
         written = 4 if fp8 and not static else 2      # aliased cache views, after the outputs
         outs, cache_outs = outs[:-written], (outs[-written:] + (None, None))[:4]
+    if last_combines:    # the counters' input (aliased), the output, partials, counters
+        _, final_ref, *outs, cnt_ref = outs
     if longest_first:   # grid (K, B, 1): a row's kv heads side by side, rows by rank
         h, b, s = pl.program_id(0), order_ref[pl.program_id(1)], pl.program_id(2)
     else:
@@ -182,6 +185,70 @@ def _decode_kernel(layer_ref, lens_ref, table_ref, order_ref, trows_ref, *refs, 
         store_rows(o_ref, flat, acc, head_dim)
         m_ref[flat] = m
         l_ref[flat] = l
+        if last_combines:
+            _last_combines(final_ref, o_ref, m_ref, l_ref, cnt_ref, b=b, h=h, s=s,
+                           splits=splits, batch=batch, total=total, groups=groups,
+                           num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                           interpret=interpret)
+
+
+LAST_COMBINE_CHUNK = 4    # splits the last program merges at once ([chunk, G, D] f32)
+
+
+def _last_combines(final_ref, o_ref, m_ref, l_ref, cnt_ref, *, b, h, s, splits: int,
+                   batch: int, total: int, groups: int, num_heads: int, num_kv_heads: int,
+                   head_dim: int, interpret: bool):
+    """The split combine inside the decode kernel: after its partials are stored, each
+    program counts itself in (an f32 atomic add on its row and kv head's counter, acquire-
+    release at GPU scope, after a CTA barrier so that every thread's stores precede it); the
+    program that arrives last reads all the splits' partials (from L2: `.cg` loads), merges
+    them as split_combine does and writes the row's G output heads, then zeroes the counter
+    for the next kernel that uses it (the next layer's). Split 0 of row 0 also writes the
+    padding rows' zeros (rows batch..total). The counters start at zero (the caller's)."""
+    from jax.experimental.pallas import triton as plt
+
+    if not interpret:        # interpret mode runs the programs one after another
+        plt.debug_barrier()
+    at = (pl.ds(b * num_kv_heads + h, 1),)
+    ticket = plt.atomic_add(cnt_ref, at, jnp.ones((1,), jnp.float32))
+    g = pow2_ceil(groups)
+    heads = h * groups + jnp.minimum(jnp.arange(g, dtype=jnp.int32), groups - 1)
+
+    @pl.when(ticket[0] == splits - 1)
+    def _():
+        plt.atomic_add(cnt_ref, at, jnp.full((1,), -splits, jnp.float32))   # back to 0
+
+        def read(ref, idx):   # from L2: another program's rows may sit stale in this L1
+            return ref[idx] if interpret else plt.load(ref.at[idx], cache_modifier=".cg")
+
+        chunk = min(LAST_COMBINE_CHUNK, pow2_ceil(splits))
+        top = denom = out = None
+        for c in range(0, splits, chunk):
+            part = jnp.minimum(c + jnp.arange(chunk, dtype=jnp.int32), splits - 1)
+            idx = ((part[:, None] * batch + b) * num_heads + heads[None, :]).reshape(-1)
+            live = (c + jnp.arange(chunk) < splits)[:, None]                  # [C, 1]
+            m = jnp.where(live, read(m_ref, idx).reshape(chunk, g), M_INIT)
+            l = read(l_ref, idx).reshape(chunk, g)
+            acc = read(o_ref, idx).reshape(chunk, g, head_dim)
+            new_top = jnp.max(m, axis=0) if top is None else jnp.maximum(top, jnp.max(m, 0))
+            w = jnp.exp2(m - new_top[None, :])                                # [C, G]
+            part_denom = jnp.sum(w * l, axis=0)
+            part_out = jnp.sum(w[:, :, None] * acc, axis=0)                   # [G, D]
+            if top is None:
+                denom, out = part_denom, part_out
+            else:
+                old = jnp.exp2(top - new_top)
+                denom, out = denom * old + part_denom, out * old[:, None] + part_out
+            top = new_top
+        out = out / jnp.where(denom > 0, denom, 1.0)[:, None]
+        final_ref[b * num_heads + heads] = out.astype(final_ref.dtype)
+
+    if total > batch:
+        @pl.when((b == 0) & (s == 0))
+        def _():
+            zeros = jnp.zeros((g, head_dim), final_ref.dtype)
+            for r in range(batch, total):
+                final_ref[r * num_heads + heads] = zeros
 
 
 def paged_attention_blocks(q, k_pages, v_pages, layer, seq_lens, page_table, k_scale=None,
@@ -242,10 +309,12 @@ def _paged_attention_blocks(q, k_pages, v_pages, layer, seq_lens, page_table, k_
                             v_scale, *, sm_scale: float, interpret: bool,
                             blocks: tuning.DecodeBlocks, rows: int | None,
                             longest_first: bool, masked_loads: bool, token_rows=None,
-                            out=None, qkv: dq.QKVSpec | None = None, front=()):
+                            out=None, qkv: dq.QKVSpec | None = None, front=(), counters=None):
     """paged_attention_blocks after its checks and rules: the kernel call. With `qkv`
     (decode_qkv.py) q is QKV's partial products [S, T, N] and `front` decode_qkv.operands;
-    -> (the output, the cache views written)."""
+    -> (the output, the cache views written). counters (qkv only): zeros [>= rows * K] f32;
+    a split grid then combines in the kernel (_last_combines) instead of split_combine's
+    kernel, and the counters (zero again) come back after the cache views."""
     _, kv_heads, num_pages, page_size, head_dim = k_pages.shape
     total = seq_lens.shape[0]
     if qkv is None:
@@ -263,6 +332,7 @@ def _paged_attention_blocks(q, k_pages, v_pages, layer, seq_lens, page_table, k_
     groups = num_heads // kv_heads
     rows_q = max(MIN_ROWS, pow2_ceil(groups))
     pairs = uses_pairs(k_pages.dtype, blocks.fp8_compute, head_dim)
+    last_combines = counters is not None and qkv is not None and n > 1 and not scatter
     lens = seq_lens.astype(jnp.int32)
     order = (jnp.argsort(-lens).astype(jnp.int32) if longest_first
              else jnp.zeros((1,), jnp.int32))     # the rows by rank (else not read)
@@ -274,7 +344,7 @@ def _paged_attention_blocks(q, k_pages, v_pages, layer, seq_lens, page_table, k_
         static=k_scale is not None and is_static(k_scale),
         cdt=compute_dtype(k_pages.dtype, blocks.fp8_compute), pairs=pairs,
         longest_first=longest_first, masked_loads=masked_loads, token_rows=scatter,
-        interpret=interpret, qkv=qkv)
+        interpret=interpret, qkv=qkv, splits=n, total=total, last_combines=last_combines)
     heads_rows = batch * num_heads
     views = cache_views(k_pages, v_pages, k_scale, v_scale, pairs)
     args = [jnp.asarray(layer, jnp.int32).reshape(1), lens,
@@ -291,11 +361,19 @@ def _paged_attention_blocks(q, k_pages, v_pages, layer, seq_lens, page_table, k_
     else:
         ml = jax.ShapeDtypeStruct((n * heads_rows,), jnp.float32)
         out_shape = (jax.ShapeDtypeStruct((n * heads_rows, head_dim), jnp.float32), ml, ml)
+    if last_combines:           # the output first, the counters (aliased) after the partials
+        if counters.shape[0] < batch * kv_heads or counters.dtype != jnp.float32:
+            raise ConfigError(f"counters {counters.shape} {counters.dtype}: want f32 "
+                              f"[>= {batch * kv_heads}]")
+        aliases = {len(args): len(out_shape) + 1}
+        args.append(counters)
+        out_shape = ((jax.ShapeDtypeStruct((total * num_heads, head_dim), q_dtype),)
+                     + out_shape + (jax.ShapeDtypeStruct(counters.shape, counters.dtype),))
     written = 0
     if qkv is not None:         # the cache views (per-token scales too) aliased in and out
         written = 4 if len(views) == 4 and not is_static(k_scale) else 2
-        first = len(args) - len(views)
-        aliases = {first + i: len(out_shape) + i for i in range(written)}
+        first = len(args) - len(views) - last_combines
+        aliases.update({first + i: len(out_shape) + i for i in range(written)})
         out_shape += tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in views[:written])
     grid = (kv_heads, batch, n) if longest_first else (batch, kv_heads, n)
     outs = pl.pallas_call(
@@ -305,7 +383,9 @@ def _paged_attention_blocks(q, k_pages, v_pages, layer, seq_lens, page_table, k_
         name="jaxinfer_paged_decode" + ("_pairs" if pairs else "") + ("_qkv" if qkv else ""),
     )(*args)
     outs, cache_out = (outs[:len(outs) - written], outs[len(outs) - written:])
-    if n == 1:
+    if last_combines:
+        res, cache_out = outs[0], cache_out + (outs[-1],)
+    elif n == 1:
         res = outs[0]
     else:
         res = combine_call(*outs, splits=n, rows=batch, batch=total, num_heads=num_heads,

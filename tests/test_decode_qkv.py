@@ -10,6 +10,8 @@ with stale contents, so a slot read before its write or a write in the wrong pla
 its other slots must come back unchanged. Tolerance as tests/test_paged_attention.py
 (relative L2 1e-2; the cache to one e4m3 step, as tests/test_kv_write.py)."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,6 +20,7 @@ import pytest
 from jaxinfer.kv_cache import FP8_DTYPE, KVCache
 from pallas_kernels import decode_qkv as dq
 from pallas_kernels import kv_write as kw
+from pallas_kernels import paged_attention as pa
 from pallas_kernels.fp8_matmul import fp8_linear_reference
 from pallas_kernels.paged_attention import paged_attention_reference
 from pallas_kernels.tuning import DecodeBlocks
@@ -195,3 +198,34 @@ def test_partial_products_sum_to_the_projection(fp8_w):
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-3)
     with pytest.raises(ValueError, match="multiple"):
         dq.partial_products(x[:, :-1], w, 4)
+
+
+@pytest.mark.parametrize("interpret", MODES)
+@pytest.mark.parametrize("kv,tokens,splits,rows", [
+    (jnp.bfloat16, 16, 4, None), (FP8_DTYPE, 16, 3, 5), (STATIC, 16, 16, 5),
+    (jnp.bfloat16, 32, 2, 2)])
+def test_last_arriving_program_combines(kv, tokens, splits, rows, interpret):
+    """With counters the split grid merges its splits in the last program to finish
+    (paged_attention._last_combines): the unfused result, the padding rows' zeros written
+    by the kernel, and the counters back at zero for the next layer. 16 splits of 16 tokens
+    over rows of up to 115: merge chunks of live splits (LAST_COMBINE_CHUNK), then empty
+    ones; 3: a chunk not full."""
+    assert pa.LAST_COMBINE_CHUNK < 8    # the 16-split case's live splits span two chunks
+    case = make_case(7 + splits, 8, 2, 128, kv, 16, 40 if splits == 16 else 128 // splits,
+                     True, True)
+    partials, scale, b, cos, sin, cache, lens, table, slots, _ = case
+    t = len(lens)
+    counters = jnp.zeros((t * 2,), jnp.float32)
+    want_out, want_cache = unfused(case, 8, 1)
+    n = rows or t
+    out, got = dq.paged_attention_qkv(
+        partials, scale, b, cos, sin, dataclasses.replace(cache, counters=counters),
+        jnp.int32(1), lens, table, slots, num_heads=8, sm_scale=128 ** -0.5,
+        dtype=jnp.bfloat16, interpret=interpret, rows=rows,
+        blocks=DecodeBlocks(tokens, splits, 4, 2, "float16"))
+    assert rel_err(out[:n], want_out[:n]) < 1e-2
+    np.testing.assert_array_equal(np.asarray(out[n:], np.float32), 0)   # rows past `rows`
+    np.testing.assert_array_equal(np.asarray(out[-1], np.float32), 0)   # seq_len 0
+    np.testing.assert_array_equal(np.asarray(got.counters), 0)
+    if n >= t - 1:      # rows=2 leaves real tokens past it unwritten, as it should
+        assert_cache_equal(dataclasses.replace(got, counters=None), want_cache)

@@ -280,6 +280,52 @@ def test_fused_glue_equals_unfused(monkeypatch, unroll, bias):
     assert "jaxinfer_paged_decode_qkv" not in jaxpr_f + jaxpr_u
 
 
+def test_split_decode_combined_in_the_kernel(monkeypatch):
+    """The unrolled decoder's decode steps with the fused front on a split grid: with
+    ops.LAST_COMBINES the splits merge in the decode kernel (per-step counters handed from
+    layer to layer), without it in split_combine's kernel; the same logits and cache over
+    three steps, no combine kernel in the first's jaxpr, and no counters left in the pool."""
+    import jax
+    from jaxinfer import ops
+    from pallas_kernels import decode_qkv as dq
+    cfg = standard_config("tiny")
+    flat = random_flat(cfg, seed=14)
+    engine = EngineConfig(page_size=4, max_model_len=32, max_num_seqs=2,
+                          attention_impl="pallas")
+    tokens = np.random.default_rng(15).integers(0, cfg.vocab_size, 12).astype(np.int32)
+    ids = [3, 1, 5]
+    monkeypatch.setattr(ops, "decode_rows", lambda r: max(r, 8))
+    table_blocks = dq.table_blocks
+    monkeypatch.setattr(dq, "table_blocks", lambda *a: dataclasses.replace(
+        table_blocks(*a), block_tokens=16, num_splits=2))
+
+    def run(last):
+        monkeypatch.setattr(ops, "LAST_COMBINES", last)
+        runner = ModelRunner(cfg, engine, *build_model(cfg, flat, jnp.float32,
+                                                       unroll_layers=True))
+        out = [runner.all_logits(tokens[:9], single_sequence_md(range(9), ids, 4,
+                                                                engine.pages_per_seq))]
+        first = single_sequence_md([9], ids, 4, engine.pages_per_seq)
+        assert first.decode_only
+        text = str(jax.make_jaxpr(lambda kv: runner._logits_fn(
+            runner.params, kv, jnp.asarray(tokens[9:10]), first))(runner.kv))
+        for pos in range(9, 12):
+            out.append(runner.all_logits(tokens[pos:pos + 1], single_sequence_md(
+                [pos], ids, 4, engine.pages_per_seq)))
+        assert all(c.counters is None for c in runner.kv.layers)
+        kv = runner.kv.stacked()
+        return np.concatenate(out), np.asarray(kv.k), np.asarray(kv.v), text
+
+    got, k, v, text = run(True)
+    want, k_want, v_want, text_want = run(False)
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
+    np.testing.assert_array_equal(k, k_want)
+    np.testing.assert_array_equal(v, v_want)
+    assert "jaxinfer_paged_decode_combine" in text_want
+    assert "jaxinfer_paged_decode_combine" not in text
+    assert "jaxinfer_paged_decode_qkv" in text
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("unroll", [False, True])
 def test_gpu_fused_glue_equals_unfused(monkeypatch, unroll):
