@@ -201,7 +201,7 @@ def _last_combines(final_ref, o_ref, m_ref, l_ref, cnt_ref, *, b, h, s, splits: 
     """The split combine inside the decode kernel: after its partials are stored, each
     program counts itself in (an f32 atomic add on its row and kv head's counter, acquire-
     release at GPU scope, after a CTA barrier so that every thread's stores precede it); the
-    program that arrives last reads all the splits' partials (from L2: "cg" loads), merges
+    program that arrives last reads all the splits' partials (volatile loads, past L1), merges
     them as split_combine does and writes the row's G output heads, then zeroes the counter
     for the next kernel that uses it (the next layer's). Split 0 of row 0 also writes the
     padding rows' zeros (rows batch..total). The counters start at zero (the caller's)."""
@@ -218,8 +218,8 @@ def _last_combines(final_ref, o_ref, m_ref, l_ref, cnt_ref, *, b, h, s, splits: 
     def _():
         plt.atomic_add(cnt_ref, at, jnp.full((1,), -splits, jnp.float32))   # back to 0
 
-        def read(ref, idx):   # from L2: another program's rows may sit stale in this L1
-            return ref[idx] if interpret else plt.load(ref.at[idx], cache_modifier="cg")
+        def read(ref, idx):   # volatile: another program's rows may sit stale in this L1
+            return ref[idx] if interpret else plt.load(ref.at[idx], volatile=True)
 
         chunk = min(LAST_COMBINE_CHUNK, pow2_ceil(splits))
         top = denom = out = None
