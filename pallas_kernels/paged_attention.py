@@ -18,8 +18,10 @@ and accumulates p v. Full blocks run unmasked; only the tail block of a split ma
 positions >= seq_len (and zeroes their V rows, so stale slot contents never leak; on grids of
 MASKED_LOADS_MIN_PROGRAMS or more its loads skip those rows instead).
 With splits > 1 each split writes its unnormalized accumulator and (max, sum); a second
-small kernel (split_combine.py, one program per row and q head) merges them. Padded rows
-(seq_len 0) output zeros.
+small kernel (split_combine.py, one program per row and q head) merges them, or, with
+`counters` (the fused front under ops.LAST_COMBINES, off: it measured slower on the H200),
+the last program of each row and kv head to finish merges them itself (_last_combines).
+Padded rows (seq_len 0) output zeros.
 
 `rows` (static) says that only q's first rows are real (a decode step padded on the device,
 kv_cache.pad_decode_rows): the split of the context is chosen for those rows, the grid runs

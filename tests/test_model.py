@@ -298,6 +298,8 @@ def test_split_decode_combined_in_the_kernel(monkeypatch):
     table_blocks = dq.table_blocks
     monkeypatch.setattr(dq, "table_blocks", lambda *a: dataclasses.replace(
         table_blocks(*a), block_tokens=16, num_splits=2))
+    switches = ops.switches     # the layer's trace cache keys on them: not another test's
+    monkeypatch.setattr(ops, "switches", lambda: switches() + ("two splits",))
 
     def run(last):
         monkeypatch.setattr(ops, "LAST_COMBINES", last)
