@@ -65,8 +65,8 @@ class KVCache:
     k_scale: jax.Array | None = None  # [L, K, P, S] or (static) [L, K] f32, FP8 only
     v_scale: jax.Array | None = None  # [L, K, P, S] or (static) [L, K] f32, FP8 only
     # Within one decode step only, never in the pool: zeros [rows * K] f32 the split decode
-    # kernels count their programs on (paged_attention._last_combines), handed from layer
-    # to layer (model.Decoder) and zero again after each kernel.
+    # kernels count their programs on (split_combine.last_combines_in_kernel), handed from
+    # layer to layer (model.Decoder) and zero again after each kernel.
     counters: jax.Array | None = None
 
     @property

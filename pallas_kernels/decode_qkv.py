@@ -236,7 +236,8 @@ def paged_attention_qkv(partials, scale, bias, cos, sin, cache: KVCache, layer, 
     activations'. rows, longest_first, masked_loads: as paged_attention_blocks'. blocks:
     table_blocks' choice when None. With the cache's `counters` (zeros [>= T * K] f32) a
     split grid merges its splits in its last-arriving program instead of a combine kernel
-    (paged_attention._last_combines), and they come back zero again in the returned cache.
+    (split_combine.last_combines_in_kernel), and they come back zero again in the returned
+    cache.
     -> (out [T, H, D] in dtype, the cache with the new tokens written: updated in place
     inside a jit that owns it)."""
     from pallas_kernels import paged_attention as pa

@@ -20,7 +20,8 @@ MASKED_LOADS_MIN_PROGRAMS or more its loads skip those rows instead).
 With splits > 1 each split writes its unnormalized accumulator and (max, sum); a second
 small kernel (split_combine.py, one program per row and q head) merges them, or, with
 `counters` (the fused front under ops.LAST_COMBINES, off: it measured slower on the H200),
-the last program of each row and kv head to finish merges them itself (_last_combines).
+the last program of each row and kv head to finish merges them itself
+(split_combine.last_combines_in_kernel).
 Padded rows (seq_len 0) output zeros.
 
 `rows` (static) says that only q's first rows are real (a decode step padded on the device,
@@ -59,8 +60,8 @@ from jaxinfer.errors import ConfigError
 from jaxinfer.kv_cache import FP8_DTYPE, is_static
 from pallas_kernels import LOG2E, pow2_ceil, triton_params, tuning
 from pallas_kernels import decode_qkv as dq
-from pallas_kernels.split_combine import combine_call
-from pallas_kernels.attention_block import (M_INIT, MIN_ROWS, attend_block, block_pages,
+from pallas_kernels.split_combine import combine_call, last_combines_in_kernel
+from pallas_kernels.attention_block import (MIN_ROWS, attend_block, block_pages,
                                             cache_views, compute_dtype, empty_carry,
                                             kernel_refs, kv_rows, load_q, paged_loop,
                                             prepare_q, scale_acc, static_factors,
@@ -188,69 +189,10 @@ def _decode_kernel(layer_ref, lens_ref, table_ref, order_ref, trows_ref, *refs, 
         m_ref[flat] = m
         l_ref[flat] = l
         if last_combines:
-            _last_combines(final_ref, o_ref, m_ref, l_ref, cnt_ref, b=b, h=h, s=s,
-                           splits=splits, batch=batch, total=total, groups=groups,
-                           num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                           interpret=interpret)
-
-
-LAST_COMBINE_CHUNK = 4    # splits the last program merges at once ([chunk, G, D] f32)
-
-
-def _last_combines(final_ref, o_ref, m_ref, l_ref, cnt_ref, *, b, h, s, splits: int,
-                   batch: int, total: int, groups: int, num_heads: int, num_kv_heads: int,
-                   head_dim: int, interpret: bool):
-    """The split combine inside the decode kernel: after its partials are stored, each
-    program counts itself in (an f32 atomic add on its row and kv head's counter, acquire-
-    release at GPU scope, after a CTA barrier so that every thread's stores precede it); the
-    program that arrives last reads all the splits' partials (volatile loads, past L1), merges
-    them as split_combine does and writes the row's G output heads, then zeroes the counter
-    for the next kernel that uses it (the next layer's). Split 0 of row 0 also writes the
-    padding rows' zeros (rows batch..total). The counters start at zero (the caller's)."""
-    from jax.experimental.pallas import triton as plt
-
-    if not interpret:        # interpret mode runs the programs one after another
-        plt.debug_barrier()
-    at = (pl.ds(b * num_kv_heads + h, 1),)
-    ticket = plt.atomic_add(cnt_ref, at, jnp.ones((1,), jnp.float32))
-    g = pow2_ceil(groups)
-    heads = h * groups + jnp.minimum(jnp.arange(g, dtype=jnp.int32), groups - 1)
-
-    @pl.when(ticket[0] == splits - 1)
-    def _():
-        plt.atomic_add(cnt_ref, at, jnp.full((1,), -splits, jnp.float32))   # back to 0
-
-        def read(ref, idx):   # volatile: another program's rows may sit stale in this L1
-            return ref[idx] if interpret else plt.load(ref.at[idx], volatile=True)
-
-        chunk = min(LAST_COMBINE_CHUNK, pow2_ceil(splits))
-        top = denom = out = None
-        for c in range(0, splits, chunk):
-            part = jnp.minimum(c + jnp.arange(chunk, dtype=jnp.int32), splits - 1)
-            idx = ((part[:, None] * batch + b) * num_heads + heads[None, :]).reshape(-1)
-            live = (c + jnp.arange(chunk) < splits)[:, None]                  # [C, 1]
-            m = jnp.where(live, read(m_ref, idx).reshape(chunk, g), M_INIT)
-            l = read(l_ref, idx).reshape(chunk, g)
-            acc = read(o_ref, idx).reshape(chunk, g, head_dim)
-            new_top = jnp.max(m, axis=0) if top is None else jnp.maximum(top, jnp.max(m, 0))
-            w = jnp.exp2(m - new_top[None, :])                                # [C, G]
-            part_denom = jnp.sum(w * l, axis=0)
-            part_out = jnp.sum(w[:, :, None] * acc, axis=0)                   # [G, D]
-            if top is None:
-                denom, out = part_denom, part_out
-            else:
-                old = jnp.exp2(top - new_top)
-                denom, out = denom * old + part_denom, out * old[:, None] + part_out
-            top = new_top
-        out = out / jnp.where(denom > 0, denom, 1.0)[:, None]
-        final_ref[b * num_heads + heads] = out.astype(final_ref.dtype)
-
-    if total > batch:
-        @pl.when((b == 0) & (s == 0))
-        def _():
-            zeros = jnp.zeros((g, head_dim), final_ref.dtype)
-            for r in range(batch, total):
-                final_ref[r * num_heads + heads] = zeros
+            last_combines_in_kernel(final_ref, o_ref, m_ref, l_ref, cnt_ref, b=b, h=h, s=s,
+                                    splits=splits, batch=batch, total=total, groups=groups,
+                                    num_heads=num_heads, num_kv_heads=num_kv_heads,
+                                    head_dim=head_dim, interpret=interpret)
 
 
 def paged_attention_blocks(q, k_pages, v_pages, layer, seq_lens, page_table, k_scale=None,
@@ -315,8 +257,8 @@ def _paged_attention_blocks(q, k_pages, v_pages, layer, seq_lens, page_table, k_
     """paged_attention_blocks after its checks and rules: the kernel call. With `qkv`
     (decode_qkv.py) q is QKV's partial products [S, T, N] and `front` decode_qkv.operands;
     -> (the output, the cache views written). counters (qkv only): zeros [>= rows * K] f32;
-    a split grid then combines in the kernel (_last_combines) instead of split_combine's
-    kernel, and the counters (zero again) come back after the cache views."""
+    a split grid then combines in the kernel (split_combine.last_combines_in_kernel), not in
+    split_combine's kernel, and the counters (zero again) come back after the cache views."""
     _, kv_heads, num_pages, page_size, head_dim = k_pages.shape
     total = seq_lens.shape[0]
     if qkv is None:

@@ -20,7 +20,7 @@ import pytest
 from jaxinfer.kv_cache import FP8_DTYPE, KVCache
 from pallas_kernels import decode_qkv as dq
 from pallas_kernels import kv_write as kw
-from pallas_kernels import paged_attention as pa
+from pallas_kernels import split_combine as sc
 from pallas_kernels.fp8_matmul import fp8_linear_reference
 from pallas_kernels.paged_attention import paged_attention_reference
 from pallas_kernels.tuning import DecodeBlocks
@@ -206,11 +206,11 @@ def test_partial_products_sum_to_the_projection(fp8_w):
     (jnp.bfloat16, 32, 2, 2)])
 def test_last_arriving_program_combines(kv, tokens, splits, rows, interpret):
     """With counters the split grid merges its splits in the last program to finish
-    (paged_attention._last_combines): the unfused result, the padding rows' zeros written
-    by the kernel, and the counters back at zero for the next layer. 16 splits of 16 tokens
+    (split_combine.last_combines_in_kernel): the unfused result, the padding rows' zeros
+    written by the kernel, and the counters back at zero for the next layer. 16 splits of 16 tokens
     over rows of up to 115: merge chunks of live splits (LAST_COMBINE_CHUNK), then empty
     ones; 3: a chunk not full."""
-    assert pa.LAST_COMBINE_CHUNK < 8    # the 16-split case's live splits span two chunks
+    assert sc.LAST_COMBINE_CHUNK < 8    # the 16-split case's live splits span two chunks
     case = make_case(7 + splits, 8, 2, 128, kv, 16, 40 if splits == 16 else 128 // splits,
                      True, True)
     partials, scale, b, cos, sin, cache, lens, table, slots, _ = case
