@@ -248,4 +248,6 @@ def test_more_devices_than_present_is_a_clear_error():
 
 
 if __name__ == "__main__":
+    from gguf_share import share_the_embedded_gguf_parse
+    share_the_embedded_gguf_parse()   # the two SmolLM2 engines parse it once, as in pytest
     print(json.dumps(child_main()))
