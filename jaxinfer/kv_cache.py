@@ -286,10 +286,12 @@ def write_kv(cache: KVCache, layer: jax.Array, k: jax.Array, v: jax.Array,
     if cache.is_fp8:
         kq, ks = quantize_fp8(k)
         vq, vs = quantize_fp8(v)
-        return KVCache(
-            cache.k.at[layer, :, page, slot].set(kq, mode="drop"),
-            cache.v.at[layer, :, page, slot].set(vq, mode="drop"),
-            cache.k_scale.at[layer, :, page, slot].set(ks, mode="drop"),
-            cache.v_scale.at[layer, :, page, slot].set(vs, mode="drop"))
-    return KVCache(cache.k.at[layer, :, page, slot].set(k.astype(cache.k.dtype), mode="drop"),
-                   cache.v.at[layer, :, page, slot].set(v.astype(cache.v.dtype), mode="drop"))
+        return dataclasses.replace(
+            cache,
+            k=cache.k.at[layer, :, page, slot].set(kq, mode="drop"),
+            v=cache.v.at[layer, :, page, slot].set(vq, mode="drop"),
+            k_scale=cache.k_scale.at[layer, :, page, slot].set(ks, mode="drop"),
+            v_scale=cache.v_scale.at[layer, :, page, slot].set(vs, mode="drop"))
+    return dataclasses.replace(
+        cache, k=cache.k.at[layer, :, page, slot].set(k.astype(cache.k.dtype), mode="drop"),
+        v=cache.v.at[layer, :, page, slot].set(v.astype(cache.v.dtype), mode="drop"))

@@ -306,9 +306,7 @@ class Decoder(nnx.Module):
                                                       state, x, delta, cache,
                                                       jnp.int32(index), md, cos, sin)
                 if counters is not None:        # not part of the pool
-                    if cache.counters is not None:
-                        counters = cache.counters
-                    cache = dataclasses.replace(cache, counters=None)
+                    counters, cache = cache.counters, dataclasses.replace(cache, counters=None)
                 kv = kv.with_layer(i, cache)
             return self.final_norm.add_norm(x, delta, self.layout)[1], kv
         if isinstance(kv, KVLayers):

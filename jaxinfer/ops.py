@@ -72,9 +72,9 @@ QKV_PARTS = int(os.environ.get("JAXINFER_QKV_PARTS", "4"))   # the same (A/B)
 # Off: on the H200 (thirty-third session, bench/results/last_combines.json, batch 1, context
 # 512, device step, one machine) it did not pay: 8B FP8 2.772 / 2.807 ms on against
 # 2.725-2.798 off, bf16 4.134 against 4.118-4.198, Qwen2.5-32B FP8 + FP8 KV 9.987 against
-# 9.533-9.588 (every program now waits for an atomic after a barrier, and the last one's
-# volatile loads of the partials are serial: candidates, not taken apart). Correct on the
-# GPU (tests/test_decode_qkv.py).
+# 9.533-9.588 (candidates, not taken apart: every program now waits for an atomic after a
+# barrier, and the last one reads the partials with volatile loads). Correct on the GPU
+# (tests/test_decode_qkv.py).
 # JAXINFER_LAST_COMBINES=1 turns it on at import (A/B).
 LAST_COMBINES = os.environ.get("JAXINFER_LAST_COMBINES", "0") == "1"
 

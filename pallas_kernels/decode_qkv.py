@@ -37,7 +37,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from jaxinfer.kv_cache import FP8_DTYPE, KVCache
-from pallas_kernels.kv_write import quantized
+from pallas_kernels.kv_write import cache_from, quantized
 
 F32 = jnp.float32
 
@@ -264,13 +264,7 @@ def paged_attention_qkv(partials, scale, bias, cos, sin, cache: KVCache, layer, 
         longest_first=longest_first, masked_loads=masked_loads, qkv=spec,
         front=tuple(operands(spec, slot_mapping, cos, sin, scale, bias, head_dim)),
         counters=cache.counters)
-    counters = cache.counters
-    if counters is not None and blocks.num_splits > 1:
-        *written, counters = written
-    shape = cache.k.shape
-    k, v = written[0].reshape(shape), written[1].reshape(shape)
-    if len(written) == 4:
-        return out, dataclasses.replace(cache, k=k, v=v, k_scale=written[2].reshape(shape[:-1]),
-                                        v_scale=written[3].reshape(shape[:-1]),
-                                        counters=counters)
-    return out, dataclasses.replace(cache, k=k, v=v, counters=counters)
+    if cache.counters is None:
+        return out, cache_from(cache, written)
+    *written, counters = written
+    return out, dataclasses.replace(cache_from(cache, written), counters=counters)

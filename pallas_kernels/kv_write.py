@@ -141,7 +141,7 @@ def write_kv(cache: KVCache, layer, k, v, slot_mapping, *, interpret: bool = Fal
         interpret=interpret, name="jaxinfer_kv_write", **params,
     )(jnp.asarray(layer, jnp.int32).reshape(1), slot_mapping.astype(jnp.int32),
       k.reshape(t * kv_heads, head_dim), v.reshape(t * kv_heads, head_dim), *static, *views)
-    return _cache_from(cache, outs)
+    return cache_from(cache, outs)
 
 
 def _views(cache: KVCache):
@@ -156,12 +156,14 @@ def _views(cache: KVCache):
     return [], views
 
 
-def _cache_from(cache: KVCache, outs) -> KVCache:
-    """The cache after a kernel wrote `outs` (_views' arrays, updated)."""
+def cache_from(cache: KVCache, outs) -> KVCache:
+    """The cache after a kernel wrote `outs` (the flat k, v views and, per-token FP8, the
+    scale views, updated); its other fields as they were."""
     shape = cache.k.shape
     k, v = outs[0].reshape(shape), outs[1].reshape(shape)
     if len(outs) == 4:
-        return KVCache(k, v, outs[2].reshape(shape[:-1]), outs[3].reshape(shape[:-1]))
+        return dataclasses.replace(cache, k=k, v=v, k_scale=outs[2].reshape(shape[:-1]),
+                                   v_scale=outs[3].reshape(shape[:-1]))
     return dataclasses.replace(cache, k=k, v=v)
 
 
@@ -289,4 +291,4 @@ def rope_write_kv(cache: KVCache, layer, qkv, cos, sin, slot_mapping, *, num_hea
     )(jnp.asarray(layer, jnp.int32).reshape(1), slot_mapping.astype(jnp.int32),
       qkv.reshape(-1, head_dim), cos.astype(jnp.float32), sin.astype(jnp.float32), *extra,
       *views)
-    return _cache_from(cache, outs[1:]), outs[0].reshape(t, num_heads, head_dim)
+    return cache_from(cache, outs[1:]), outs[0].reshape(t, num_heads, head_dim)

@@ -258,7 +258,8 @@ def _paged_attention_blocks(q, k_pages, v_pages, layer, seq_lens, page_table, k_
     (decode_qkv.py) q is QKV's partial products [S, T, N] and `front` decode_qkv.operands;
     -> (the output, the cache views written). counters (qkv only): zeros [>= rows * K] f32;
     a split grid then combines in the kernel (split_combine.last_combines_in_kernel), not in
-    split_combine's kernel, and the counters (zero again) come back after the cache views."""
+    split_combine's kernel; the counters (zero again, or as given where unused) come back
+    after the cache views."""
     _, kv_heads, num_pages, page_size, head_dim = k_pages.shape
     total = seq_lens.shape[0]
     if qkv is None:
@@ -327,8 +328,10 @@ def _paged_attention_blocks(q, k_pages, v_pages, layer, seq_lens, page_table, k_
         name="jaxinfer_paged_decode" + ("_pairs" if pairs else "") + ("_qkv" if qkv else ""),
     )(*args)
     outs, cache_out = (outs[:len(outs) - written], outs[len(outs) - written:])
+    if counters is not None and qkv is not None:
+        cache_out += (outs[-1] if last_combines else counters,)
     if last_combines:
-        res, cache_out = outs[0], cache_out + (outs[-1],)
+        res = outs[0]
     elif n == 1:
         res = outs[0]
     else:

@@ -203,13 +203,13 @@ def test_partial_products_sum_to_the_projection(fp8_w):
 @pytest.mark.parametrize("interpret", MODES)
 @pytest.mark.parametrize("kv,tokens,splits,rows", [
     (jnp.bfloat16, 16, 4, None), (FP8_DTYPE, 16, 3, 5), (STATIC, 16, 16, 5),
-    (jnp.bfloat16, 32, 2, 2)])
+    (jnp.bfloat16, 32, 2, 2), (jnp.bfloat16, 16, 1, None)])
 def test_last_arriving_program_combines(kv, tokens, splits, rows, interpret):
     """With counters the split grid merges its splits in the last program to finish
     (split_combine.last_combines_in_kernel): the unfused result, the padding rows' zeros
     written by the kernel, and the counters back at zero for the next layer. 16 splits of 16 tokens
     over rows of up to 115: merge chunks of live splits (LAST_COMBINE_CHUNK), then empty
-    ones; 3: a chunk not full."""
+    ones; 3: a chunk not full; 1: no split, the counters passed through."""
     assert sc.LAST_COMBINE_CHUNK < 8    # the 16-split case's live splits span two chunks
     case = make_case(7 + splits, 8, 2, 128, kv, 16, 40 if splits == 16 else 128 // splits,
                      True, True)
