@@ -159,8 +159,9 @@ def _lower_inverse(low):
 def _inverse_cholesky_upper(g):
     """Upper-triangular U with U^T U = inv(g), g symmetric positive definite, without forming
     inv(g): with J the reversal, J g J = L L^T (Cholesky), so g = R R^T for the upper
-    R = J L J and U = inv(R) = J inv(L) J, a triangular inverse: about a third of the work of
-    cholesky(inv(g)) (whose inverse was ~11 s of SmolLM2's ~88 s calibrated conversion)."""
+    R = J L J and U = inv(R) = J inv(L) J, a triangular inverse. Against cholesky(inv(g)),
+    whose inverse was ~11 s of SmolLM2's ~88 s profiled conversion: 0.43 -> 0.17 s at
+    1536 x 1536, 0.036 -> 0.016 s at 576 (two cores, best of three)."""
     low = np.linalg.cholesky(np.ascontiguousarray(g[::-1, ::-1]))
     return np.ascontiguousarray(_lower_inverse(low)[::-1, ::-1])
 
