@@ -49,21 +49,22 @@ def windows(count: int) -> np.ndarray:
     return np.asarray(ids[:WINDOW * count], np.int32).reshape(count, WINDOW)
 
 
-def _engine(weights: str, kv_dtype: str) -> EngineConfig:
+def _engine(weights: str, kv_dtype: str, lm_head: str = "bf16") -> EngineConfig:
     return EngineConfig(dtype="bfloat16", weights=weights, kv_dtype=kv_dtype, page_size=16,
-                        max_model_len=WINDOW, max_num_seqs=1)
+                        max_model_len=WINDOW, max_num_seqs=1, lm_head=lm_head)
 
 
 @functools.lru_cache(maxsize=1)
-def _load(model: str, weights: str):
+def _load(model: str, weights: str, lm_head: str = "bf16"):
     """The last model loaded: the KV dtype leaves the weights alone, so back-to-back passes
     over one model share its load (~5 s on the CPU). The runner donates only the KV cache."""
-    return load_model(model, _engine(weights, "bf16"))[:3]
+    return load_model(model, _engine(weights, "bf16", lm_head))[:3]
 
 
-def teacher_forced(ws, model: str, weights: str, kv_dtype: str):
-    engine = _engine(weights, kv_dtype)
-    cfg, graphdef, params = _load(model, weights)
+def teacher_forced(ws, model: str, weights: str, kv_dtype: str, lm_head: str = "bf16"):
+    """(perplexity, top-1 ids [T]) of `model` over the windows ws, teacher-forced."""
+    engine = _engine(weights, kv_dtype, lm_head)
+    cfg, graphdef, params = _load(model, weights, lm_head)
     runner = ModelRunner(cfg, engine, graphdef, params)
     md = single_sequence_metadata(range(WINDOW), range(1, engine.pages_per_seq + 1),
                                   engine.page_size, engine.pages_per_seq)
@@ -104,6 +105,70 @@ def int8_head_logits(self, h):
                    preferred_element_type=jnp.float32)
 
 
+def _int8_groups(w, group: int):
+    """w [E, V] fake-quantized to int8 with one max/127 scale per `group` input rows of each
+    vocab column (per-group scales along the contraction)."""
+    e, v = w.shape
+    if e % group:
+        raise ValueError(f"hidden size {e} is not a multiple of the group {group}")
+    return _int8(w.reshape(e // group, group, v), 1).reshape(e, v)
+
+
+def int8_group_head_logits(group: int):
+    """The head's weights int8 per vocab row and group of `group` input channels."""
+    def logits(self, h):
+        return jnp.dot(h, _int8_groups(_head_weight(self), group).astype(h.dtype),
+                       preferred_element_type=jnp.float32)
+    return logits
+
+
+def head_inputs_logits(self, h):
+    """Not logits: the head's input h [T, E] in the first E columns (to collect its
+    activation statistics through the runner's teacher-forced pass)."""
+    v = _head_weight(self).shape[1]
+    return jnp.pad(h.astype(jnp.float32), ((0, 0), (0, v - h.shape[1])))
+
+
+def channel_scaled_int8(w, act, alpha: float):
+    """w [E, V] with each input channel j scaled by s_j = mean|h_j| ** alpha before the int8
+    per-vocab-row rounding and unscaled after (activation-aware scales, AWQ's form; at run
+    time 1 / s would fold into the final RMSNorm's weight, so the head stays one int8
+    GEMV)."""
+    s = jnp.maximum(act, 1e-6) ** alpha
+    s = s / jnp.sqrt(s.max() * s.min())
+    return _int8(w * s[:, None], 0) / s[:, None]
+
+
+def awq_alpha(w, h_cal, grid=(0.0, 0.25, 0.5, 0.75, 1.0)):
+    """The alpha of channel_scaled_int8 with the least squared error of h_cal's logits."""
+    act = jnp.abs(h_cal).mean(0)
+    ref = h_cal @ w
+    errs = {a: float(jnp.sum((h_cal @ channel_scaled_int8(w, act, a) - ref) ** 2))
+            for a in grid}
+    print("AWQ grid (alpha: squared error):", {a: f"{e:.4g}" for a, e in errs.items()})
+    return act, min(errs, key=errs.get)
+
+
+def gptq_int8_head_logits(w, h_cal):
+    """The head rounded to int8 per vocab row by checkpoints.calibrate.gptq_linear on the
+    Gram matrix of h_cal (its inputs on calibration windows)."""
+    from checkpoints.calibrate import gptq_linear
+    hc = np.asarray(h_cal, np.float64)
+    q, scale = gptq_linear(np.asarray(w, np.float32), hc.T @ hc, fmt="int8")
+    w_hat = jnp.asarray(q.astype(np.float32).T * scale[None, :])
+
+    def logits(self, h):
+        return jnp.dot(h, w_hat.astype(h.dtype), preferred_element_type=jnp.float32)
+    return logits
+
+
+def int8_awq_head_logits(act, alpha):
+    def logits(self, h):
+        w = channel_scaled_int8(_head_weight(self), act, alpha)
+        return jnp.dot(h, w.astype(h.dtype), preferred_element_type=jnp.float32)
+    return logits
+
+
 def int8_w8a8_head_logits(self, h):
     """The head's weights int8 per vocab row and h int8 per token (an int8 GEMM's input)."""
     return jnp.dot(_int8(h.astype(jnp.float32), -1), _int8(_head_weight(self), 0),
@@ -117,6 +182,10 @@ def main(argv=None) -> None:
     ap.add_argument("--calibrated", action="store_true",
                     help="FP8 layers calibrated (checkpoints/calibrate.py) instead of rounded "
                          "to nearest")
+    ap.add_argument("--awq", type=int, default=0,
+                    help="windows after the scored ones for an activation-aware int8 case")
+    ap.add_argument("--only", default="",
+                    help="comma-separated substrings: run only the cases whose label has one")
     args = ap.parse_args(argv)
     ws = windows(args.windows)
     ppl_ref, top_ref = teacher_forced(ws, args.model, "bf16", "bf16")
@@ -135,7 +204,32 @@ def main(argv=None) -> None:
              ("int8 head, bf16 layers", "bf16", "bf16", int8_head_logits),
              ("int8 w+a head, bf16 layers", "bf16", "bf16", int8_w8a8_head_logits),
              ("FP8 layers + int8 head", "fp8", "bf16", int8_head_logits),
-             ("FP8 layers + int8 w+a head", "fp8", "bf16", int8_w8a8_head_logits)]
+             ("FP8 layers + int8 w+a head", "fp8", "bf16", int8_w8a8_head_logits),
+             ("FP8 layers + int8 head g64", "fp8", "bf16", int8_group_head_logits(64)),
+             ("FP8 layers + int8 head g32", "fp8", "bf16", int8_group_head_logits(32))]
+    if args.awq:
+        # activation statistics of the head's input from windows after the scored ones
+        model_mod.Decoder.logits = head_inputs_logits
+        try:
+            cal = windows(args.windows + args.awq)[args.windows:]
+            cfg, graphdef, params = _load(fp8_model, "fp8")
+            runner = ModelRunner(cfg, _engine("fp8", "bf16"), graphdef, params)
+            md = single_sequence_metadata(range(WINDOW), range(1, runner.engine.pages_per_seq
+                                                              + 1), 16, runner.engine.pages_per_seq)
+            e = cfg.hidden_size
+            h_cal = jnp.concatenate([jnp.asarray(runner.all_logits(w, md)[:, :e]) for w in cal])
+        finally:
+            model_mod.Decoder.logits = plain
+        from flax import nnx
+        w_head = _head_weight(nnx.merge(graphdef, params))
+        act, alpha = awq_alpha(w_head, h_cal)
+        cases.append((f"FP8 layers + int8 head awq{alpha}", "fp8", "bf16",
+                      int8_awq_head_logits(act, alpha)))
+        cases.append(("FP8 layers + int8 head gptq", "fp8", "bf16",
+                      gptq_int8_head_logits(w_head, h_cal)))
+    if args.only:
+        keys = [k for k in args.only.split(",") if k]
+        cases = [c for c in cases if any(k in c[0] for k in keys)]
     try:
         for label, weights, kv, head in cases:
             model_mod.Decoder.logits = head
