@@ -136,7 +136,7 @@ def weights_name(engine) -> str:
 def engine_argv(args) -> list[str]:
     """The engine flags of `args` as argv, to start a child process on the same engine."""
     argv = ["--model", args.model, "--weights", args.weights, "--kv-dtype", args.kv_dtype,
-            "--kv-scales", args.kv_scales,
+            "--kv-scales", args.kv_scales, "--lm-head", args.lm_head,
             "--page-size", str(args.page_size), "--max-model-len", str(args.max_model_len),
             "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens",
             str(args.max_num_batched_tokens), "--num-pages", str(args.num_pages),

@@ -50,13 +50,14 @@ KEYS = ["model", "weights", "kv_dtype", "batch", "context", "step_ms", "step_ms_
         "achieved_TFLOPs"]
 
 
-def weight_bytes(params, cfg, batch: int) -> int:
+def weight_bytes(params, cfg, batch: int, int8_head: bool = False) -> int:
     """Weight bytes one step reads: the embedding table only for B rows, unless it is tied
-    (then the LM head reads it whole)."""
+    and the head is not int8 (then the LM head reads it whole)."""
     total = 0
     for path, leaf in jax.tree_util.tree_leaves_with_path(params):
         nbytes = leaf.size * leaf.dtype.itemsize
-        if "embed" in jax.tree_util.keystr(path) and not cfg.tie_word_embeddings:
+        if "embed" in jax.tree_util.keystr(path) and (int8_head
+                                                      or not cfg.tie_word_embeddings):
             nbytes = batch * cfg.hidden_size * leaf.dtype.itemsize
         total += nbytes
     return total
@@ -88,7 +89,7 @@ def measure_case(runner, cfg, model: str, batch: int, context: int, ceil: dict,
                  reps: int, rng) -> dict:
     inp = runner.prepare(decode_input(cfg, runner.engine, batch, context, rng))
     synced, device, dispatch = step_times(runner, inp, reps)
-    nbytes = (weight_bytes(runner.params, cfg, batch)
+    nbytes = (weight_bytes(runner.params, cfg, batch, runner.engine.lm_head == "int8")
               + batch * (context + 1) * kv_bytes_per_token(cfg, runner.engine))
     flops = step_flops(cfg, batch, context)
     byte_floor = nbytes / (ceil["read_TBps"] * 1e12)
@@ -98,6 +99,7 @@ def measure_case(runner, cfg, model: str, batch: int, context: int, ceil: dict,
             "kv_dtype": dtype_name(runner.kv.dtype), "batch": batch, "context": context,
             **({"kv_scales": "static" if runner.kv.static_scales else "token"}
                if runner.kv.is_fp8 else {}),
+            **({"lm_head": "int8"} if runner.engine.lm_head == "int8" else {}),
             "unroll_layers": runner.engine.unroll_layers,
             "step_ms": round(synced * 1e3, 4), "step_ms_device": round(device * 1e3, 4),
             "dispatch_ms": round(dispatch * 1e3, 4),
@@ -184,7 +186,8 @@ def plot_roofline(result: dict, path: str) -> str:
                 label=f"roof: {name} {bw:.3g} TB/s, GEMM {ceil['gemm_TFLOPs']:.4g} TFLOP/s")
     def series(r):  # rows of runs with --unroll-layers form their own series
         return (r["model"], r["weights"], r["kv_dtype"]) + (
-            ("unrolled",) if r.get("unroll_layers") else ())
+            ("unrolled",) if r.get("unroll_layers") else ()) + (
+            ("int8 head",) if r.get("lm_head") == "int8" else ())
 
     for key in sorted({series(r) for r in rows}):
         sel = [r for r in rows if series(r) == key]

@@ -39,7 +39,9 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from checkpoints.fp8 import FP8_DTYPE, FP8_MAX, LINEAR_NAMES, channel_scales, quantize_params
+from checkpoints.fp8 import (FP8_DTYPE, FP8_MAX, INT8_MAX, LINEAR_NAMES, channel_scales,
+                             int8_channel_scales, quantize_params)
+from checkpoints.params import SCALE_SUFFIX
 from jaxinfer.model import apply_rope, rope_inv_freq
 
 # Modules whose documentation strings make the calibration text (all in every CPython 3.10+;
@@ -116,7 +118,8 @@ def _layer_grams(cfg, p, x):
 
 def input_grams(cfg, flat, windows, progress: bool = False) -> dict[str, np.ndarray]:
     """{input kind: [L, in, in] float64}: X^T X of each layer's linear inputs, summed over the
-    windows (each a separate sequence), from a float32 forward of the unquantized weights."""
+    windows (each a separate sequence), from a float32 forward of the unquantized weights;
+    and "head_in" [E, E]: the LM head's (the final RMSNorm's output)."""
     from tqdm import tqdm
 
     layer_keys = ["attn_norm", "mlp_norm", *LINEAR_NAMES] + (
@@ -134,11 +137,19 @@ def input_grams(cfg, flat, windows, progress: bool = False) -> dict[str, np.ndar
             total = g if total is None else {k: total[k] + g[k] for k in g}
         for k, g in total.items():
             grams[k].append(np.asarray(g, np.float64))
-    return {k: np.stack(v) for k, v in grams.items()}
+    out = {k: np.stack(v) for k, v in grams.items()}
+    norm = f32(flat["final_norm"])
+    hs = [np.asarray(_rms(x, norm, cfg.rms_norm_eps), np.float64) for x in xs]
+    out["head_in"] = sum(h.T @ h for h in hs)
+    return out
 
 
 def _round_e4m3(x):
     return np.clip(x, -FP8_MAX, FP8_MAX).astype(ml_dtypes.float8_e4m3fn).astype(np.float64)
+
+
+def _round_int8(x):
+    return np.clip(np.round(x), -INT8_MAX, INT8_MAX)
 
 
 def _lower_inverse(low):
@@ -167,7 +178,7 @@ def _inverse_cholesky_upper(g):
 
 
 def gptq_linear(w, gram, *, damp: float = 0.001, block: int = 128, act_order: bool = True,
-                inner: int = 16):
+                inner: int = 16, fmt: str = "e4m3"):
     """w [in, out] float, gram [in, in] (X^T X of its inputs) -> (w_q float8_e4m3fn [out, in],
     scale f32 [out]), the format of checkpoints.fp8.quantize_linear, with the same scales.
     damp: added to G's diagonal as a fraction of its mean (keeps the inverse well posed);
@@ -176,12 +187,16 @@ def gptq_linear(w, gram, *, damp: float = 0.001, block: int = 128, act_order: bo
     rows, one product per inner group within `block` rows, and one per block beyond it: the
     same sums as updating every later row at once, grouped (float64; the profile in
     bench/README.md, thirty-second session: the per-row updates of whole blocks took most of
-    the loop)."""
+    the loop). fmt "int8": codes int8 [out, in] with max/127 scales (the LM head's form)."""
+    if fmt not in ("e4m3", "int8"):
+        raise ValueError(f"gptq_linear: fmt must be 'e4m3' or 'int8', got {fmt!r}")
     w = np.asarray(w, np.float64)
     n = w.shape[0]
     if gram.shape != (n, n):
         raise ValueError(f"gptq_linear: gram {gram.shape} does not match w {w.shape}")
-    scale32 = np.asarray(channel_scales(jnp.asarray(w, jnp.float32)))   # RTN's own scales
+    rnd = _round_e4m3 if fmt == "e4m3" else _round_int8
+    scales = channel_scales if fmt == "e4m3" else int8_channel_scales
+    scale32 = np.asarray(scales(jnp.asarray(w, jnp.float32)))            # RTN's own scales
     scale = scale32.astype(np.float64)
     g = np.array(gram, np.float64)
     dead = np.diag(g) == 0          # inputs never seen: nothing to compensate with
@@ -197,23 +212,25 @@ def gptq_linear(w, gram, *, damp: float = 0.001, block: int = 128, act_order: bo
         for g0 in range(0, b1 - b0, inner):
             g1 = min(g0 + inner, b1 - b0)
             for i in range(g0, g1):
-                q8[b0 + i] = _round_e4m3(wb[i] / scale)
+                q8[b0 + i] = rnd(wb[i] / scale)
                 err[i] = (wb[i] - q8[b0 + i] * scale) / u[b0 + i, b0 + i]
                 wb[i + 1:g1] -= np.outer(u[b0 + i, b0 + i + 1:b0 + g1], err[i])
             wb[g1:] -= u[b0 + g0:b0 + g1, b0 + g1:b1].T @ err[g0:g1]
         w[b1:] -= u[b0:b1, b1:].T @ err
     q8 = q8[np.argsort(order)]
-    return q8.T.astype(FP8_DTYPE), scale32
+    return q8.T.astype(FP8_DTYPE if fmt == "e4m3" else np.int8), scale32
 
 
 def calibrated_quantize_params(cfg, flat, tokenizer, *, num_windows: int = 16,
-                               window: int = 512, progress: bool = False) -> dict:
+                               window: int = 512, progress: bool = False,
+                               int8_head: bool = False) -> dict:
     """checkpoints.fp8.quantize_params' output (every decoder linear as w_q [L, out, in] +
     its _scale [L, out]; other keys unchanged), rounded by gptq_linear on Gram matrices from
     calibration_windows(). The linears of one input (SHARED_INPUT) are rounded as one matrix,
     their columns side by side: each output column is rounded on its own (the same sums), so
     this gives what one call per linear would, with one factorization and one row loop for
-    the group."""
+    the group. int8_head: the LM head (lm_head, else the tied embedding) rounded by
+    gptq_linear to int8 as well (lm_head codes [V, E] + lm_head_scale [V])."""
     from tqdm import tqdm
 
     if tokenizer is None:
@@ -238,4 +255,9 @@ def calibrated_quantize_params(cfg, flat, tokenizer, *, num_windows: int = 16,
                     done[n, layer] = (w_q[lo:hi], scale[lo:hi])
             bar.update(1)
             return done.pop((name, layer))
-        return quantize_params(flat, quantize=calibrated)
+        out = quantize_params(flat, quantize=calibrated)
+    if int8_head:
+        w = flat["lm_head"] if "lm_head" in flat else np.asarray(flat["embed"]).T   # [E, V]
+        out["lm_head"], out["lm_head" + SCALE_SUFFIX] = gptq_linear(
+            np.asarray(w, np.float32), grams["head_in"], fmt="int8")
+    return out

@@ -14,8 +14,9 @@ Embeddings and norms stay bf16. The LM head is quantized only when asked (`lm_he
 it is ~6% of Llama-3-8B's bytes and the logits are where quantization error is most visible.
 Measured on SmolLM2 (bench/lm_head_quality.py, the quality test's text): an FP8 head alone
 gives perplexity 1.021x and top-1 agreement 88.9% with bf16, with FP8 layers 1.040x and
-86.8%, past the bars FP8 must meet (1.03x, 95%), so the model's head stays bf16 (the model
-has no FP8 head path).
+86.8%, past the bars FP8 must meet (1.03x, 95%), so the model has no FP8 head path. Its
+head can be int8 instead (quantize_int8_linear: codes [V, E], max/127 per vocab row; the
+model's `int8_head`), rounded to nearest or, calibrated, by checkpoints/calibrate.py.
 """
 from __future__ import annotations
 
@@ -49,6 +50,25 @@ def quantize_linear(w):
     # clip: amax / (amax / 448) can round a hair above 448, which e4m3fn would turn into NaN.
     w_q = jnp.clip(wt / scale[..., None], -FP8_MAX, FP8_MAX).astype(FP8_DTYPE)
     return w_q, scale
+
+
+INT8_MAX = 127.0
+
+
+def int8_channel_scales(w):
+    """w [..., in, out] float -> scale f32 [..., out]: max|w[..., :, n]| / 127 (1 for an
+    all-zero channel)."""
+    amax = jnp.max(jnp.abs(jnp.asarray(w, jnp.float32)), axis=-2)
+    return jnp.where(amax > 0, amax / INT8_MAX, 1.0).astype(jnp.float32)
+
+
+def quantize_int8_linear(w):
+    """w [..., in, out] float -> (codes int8 [..., out, in], scale f32 [..., out]), rounded
+    to nearest: w[..., k, n] ~= codes[..., n, k] * scale[..., n]."""
+    scale = int8_channel_scales(w)
+    wt = jnp.swapaxes(jnp.asarray(w, jnp.float32), -1, -2)
+    codes = jnp.clip(jnp.round(wt / scale[..., None]), -INT8_MAX, INT8_MAX).astype(jnp.int8)
+    return codes, scale
 
 
 def dequantize_linear(w_q, scale):

@@ -60,7 +60,8 @@ def _read_marker(directory: Path) -> dict:
 
 def restore(directory: str | Path, dtype=None):
     """(ModelConfig, params) with params as jax arrays on the default device, in their saved
-    dtypes or cast to `dtype` (FP8 weights and their scales keep theirs)."""
+    dtypes or cast to `dtype` (quantized weights, FP8 or an int8 head, and their scales keep
+    theirs)."""
     import orbax.checkpoint as ocp
 
     directory = Path(directory).absolute()
@@ -71,11 +72,12 @@ def restore(directory: str | Path, dtype=None):
 
     def dtype_of(name):
         saved = marker["dtypes"][name]
-        keep = fp8 and (name + SCALE_SUFFIX in marker["dtypes"] or name.endswith(SCALE_SUFFIX))
+        keep = name + SCALE_SUFFIX in marker["dtypes"] or name.endswith(SCALE_SUFFIX)
         return saved if keep or dtype is None else dtype
 
+    int8_head = "lm_head" + SCALE_SUFFIX in marker["dtypes"]
     target = {name: jax.ShapeDtypeStruct(shape, dtype_of(name), sharding=sharding)
-              for name, shape in param_shapes(cfg, fp8).items()}
+              for name, shape in param_shapes(cfg, fp8, int8_head).items()}
     try:
         params = ocp.StandardCheckpointer().restore(directory / "params", target)
     except Exception as e:

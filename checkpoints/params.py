@@ -24,10 +24,18 @@ def is_fp8(params: Mapping) -> bool:
     return "wq" + SCALE_SUFFIX in params
 
 
-def param_shapes(cfg: ModelConfig, fp8: bool = False) -> dict[str, tuple[int, ...]]:
+def has_int8_head(params: Mapping) -> bool:
+    """Whether a flat dict holds an int8 LM head (checkpoints.fp8.quantize_int8_linear)."""
+    return "lm_head" + SCALE_SUFFIX in params
+
+
+def param_shapes(cfg: ModelConfig, fp8: bool = False,
+                 int8_head: bool = False) -> dict[str, tuple[int, ...]]:
     """Name -> shape of every parameter `cfg` needs (biases only for qkv_bias, lm_head only
     when the embeddings are not tied). With fp8, the decoder linears are e4m3 [L, out, in]
-    with f32 per-output-channel scales `name_scale` [L, out] (see checkpoints/fp8.py)."""
+    with f32 per-output-channel scales `name_scale` [L, out] (see checkpoints/fp8.py). With
+    int8_head, lm_head is int8 codes [V, E] with f32 per-vocab-row scales lm_head_scale [V],
+    tied embeddings or not."""
     v, e, f, l = cfg.vocab_size, cfg.hidden_size, cfg.intermediate_size, cfg.num_layers
     q, kv = cfg.q_size, cfg.kv_size
     shapes = {
@@ -51,12 +59,14 @@ def param_shapes(cfg: ModelConfig, fp8: bool = False) -> dict[str, tuple[int, ..
         for name in FP8_LINEARS:
             shapes[name] = shapes[name][:-2] + shapes[name][:-3:-1]   # [L, out, in]
             shapes[name + SCALE_SUFFIX] = shapes[name][:-1]           # [L, out]
+    if int8_head:
+        shapes.update(lm_head=(v, e), lm_head_scale=(v,))
     return shapes
 
 
 def check_params(cfg: ModelConfig, params: Mapping, source: str) -> None:
     """Raise ModelLoadError naming every missing, unexpected or mis-shaped parameter."""
-    want = param_shapes(cfg, is_fp8(params))
+    want = param_shapes(cfg, is_fp8(params), has_int8_head(params))
     problems = [f"missing {k} {s}" for k, s in want.items() if k not in params]
     problems += [f"unexpected {k}" for k in params if k not in want]
     problems += [f"{k} has shape {tuple(params[k].shape)}, expected {s}"

@@ -25,6 +25,10 @@ def add_engine_args(p: argparse.ArgumentParser):
                    help="linear weight format: as loaded, or FP8 e4m3 with per-channel scales")
     g.add_argument("--kv-dtype", choices=("auto", "bf16", "fp8"), default="auto",
                    help="KV cache dtype (auto = compute dtype)")
+    g.add_argument("--lm-head", choices=("bf16", "int8"), default="bf16",
+                   help="LM head: as loaded, or int8 codes with a scale per vocab row (half "
+                        "the bytes: a checkpoint's calibrated int8 head from `jaxinfer "
+                        "convert --lm-head int8`, else rounded to nearest at load)")
     g.add_argument("--kv-scales", choices=("static", "token"), default="static",
                    help="FP8 KV scales: static, one per layer and kv head calibrated at "
                         "start-up (faster attention), or one per token and kv head (nothing "
@@ -61,6 +65,7 @@ def engine_config_from_args(args):
         page_size=args.page_size, num_pages=args.num_pages, max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         dtype=dtype, weights=args.weights, kv_dtype=args.kv_dtype, kv_scales=args.kv_scales,
+        lm_head=args.lm_head,
         attention_impl=args.attention, enable_prefix_caching=not args.no_prefix_caching,
         tensor_parallel=args.tensor_parallel,
         unroll_layers={"auto": None, "scan": False, "unroll": True}[args.layer_loop],
@@ -106,7 +111,8 @@ def cmd_convert(args) -> int:
     from checkpoints.convert import convert
 
     convert(args.src, args.dst, weights=args.weights, calibrate=args.calibrate,
-            calibration_windows=args.calibration_windows, progress=True)
+            calibration_windows=args.calibration_windows, progress=True,
+            lm_head=args.lm_head)
     print(f"wrote {args.dst}")
     return 0
 
@@ -147,6 +153,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "SmolLM2, far longer for billions of parameters")
     c.add_argument("--calibration-windows", type=int, default=16, metavar="N",
                    help="calibration sequences of 512 tokens (default 16)")
+    c.add_argument("--lm-head", choices=("bf16", "int8"), default="bf16",
+                   help="store the LM head as-is or as int8 codes per vocab row (load it "
+                        "with --lm-head int8); with --calibrate rounded the same way as the "
+                        "FP8 layers")
     c.set_defaults(func=cmd_convert)
 
     from serve.cli import add_client_arguments, add_serve_arguments, run_client, run_serve

@@ -157,6 +157,7 @@ def standard_config(name: str) -> ModelConfig:
 
 DTYPES = ("float32", "bfloat16")
 WEIGHT_FORMATS = ("bf16", "fp8")
+LM_HEADS = ("bf16", "int8")
 KV_DTYPES = ("auto", "bf16", "fp8")
 KV_SCALES = ("static", "token")
 ATTENTION_IMPLS = ("auto", "reference", "pallas")
@@ -175,6 +176,10 @@ class EngineConfig:
     dtype: str = "float32"        # activations / compute dtype (the CLI picks bfloat16 on a GPU)
     weights: str = "bf16"         # linear weights: "bf16" (= dtype) or "fp8" (e4m3, per-channel scales)
     kv_dtype: str = "auto"        # "auto" (= dtype), "bf16", "fp8"
+    # The LM head: "bf16" (= dtype, the tied embedding where the model ties it) or "int8"
+    # (codes per vocab row, max/127 scales: model.Decoder's int8_head; a checkpoint's own
+    # calibrated int8 head where it has one, else rounded to nearest at load).
+    lm_head: str = "bf16"
     # FP8 KV scales (kv_cache.py): "static", one per layer and kv head, calibrated when the
     # runner starts (kv_calibration.py); "token", one per token and kv head. bf16 KV: unused.
     kv_scales: str = "static"
@@ -205,6 +210,8 @@ class EngineConfig:
         check(self.weights in WEIGHT_FORMATS,
               f"weights must be one of {WEIGHT_FORMATS}, got {self.weights!r}")
         check(self.kv_dtype in KV_DTYPES, f"kv_dtype must be one of {KV_DTYPES}, got {self.kv_dtype!r}")
+        check(self.lm_head in LM_HEADS,
+              f"lm_head must be one of {LM_HEADS}, got {self.lm_head!r}")
         check(self.kv_scales in KV_SCALES,
               f"kv_scales must be one of {KV_SCALES}, got {self.kv_scales!r}")
         check(self.attention_impl in ATTENTION_IMPLS,

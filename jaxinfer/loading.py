@@ -30,5 +30,5 @@ def load_model(model: str, engine_cfg: EngineConfig):
     graphdef, params = build_model(cfg, flat, dtype, fp8=engine_cfg.weights == "fp8",
                                    unroll_layers=resolve_unroll(engine_cfg.unroll_layers),
                                    layout=layout,
-                                   consume=True)
+                                   consume=True, int8_head=engine_cfg.lm_head == "int8")
     return cfg, graphdef, params, tokenizer

@@ -57,14 +57,16 @@ class RMSNorm(nnx.Module):
 
 class Linear(nnx.Module):
     """y = x @ kernel (+ bias). `kernel` is [in, out] in the compute dtype, or with fp8=True
-    e4m3 [out, in] (checkpoints.fp8.quantize_linear's layout) with a per-channel `scale`.
-    parallel: (layout, "col" | "row") when the kernel is sharded (FP8 runs per shard)."""
+    e4m3 [out, in] (checkpoints.fp8.quantize_linear's layout) with a per-channel `scale`;
+    with int8=True int8 [out, in] with a per-channel `scale` (the LM head's form: the
+    decoder calls ops.int8_head on it). parallel: (layout, "col" | "row") when the kernel is
+    sharded (FP8 runs per shard)."""
 
     def __init__(self, din: int, dout: int, *, rngs: nnx.Rngs, stack=(), bias=False,
-                 dtype=jnp.float32, fp8=False, parallel=None):
+                 dtype=jnp.float32, fp8=False, parallel=None, int8=False):
         self.parallel = parallel
-        if fp8:
-            self.kernel = nnx.Param(jnp.zeros(stack + (dout, din), FP8_DTYPE))
+        if fp8 or int8:
+            self.kernel = nnx.Param(jnp.zeros(stack + (dout, din), FP8_DTYPE if fp8 else jnp.int8))
             self.scale = nnx.Param(jnp.ones(stack + (dout,), jnp.float32))
         else:
             self.kernel = nnx.Param(_normal(rngs, stack + (din, dout), dtype))
@@ -252,8 +254,10 @@ def _unrolled_layer(graphdef, attn_impl, switches, state, x, delta, kv, layer, m
 
 class Decoder(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, fp8=False,
-                 unroll_layers=False, layout: TPLayout = TPLayout()):
+                 unroll_layers=False, layout: TPLayout = TPLayout(), int8_head=False):
         """fp8: decoder-layer linears hold FP8 weights (embeddings, norms, LM head stay).
+        int8_head: the LM head as int8 codes [V, E] with per-vocab-row scales (its own
+        weight even where the embeddings are tied; ops.int8_head).
         unroll_layers: one weight buffer per layer and a Python loop over layers instead of
         stacked weights under lax.scan. The scan dynamic-slices each layer's weights out of
         the stacked arrays, which XLA materializes as per-layer copies (measured on the H200:
@@ -269,8 +273,11 @@ class Decoder(nnx.Module):
             self.layers = DecoderLayer(cfg, rngs=rngs, stack=(cfg.num_layers,), dtype=dtype,
                                        fp8=fp8, layout=layout)
         self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
-        self.lm_head = None if cfg.tie_word_embeddings else Linear(
-            cfg.hidden_size, cfg.vocab_size, rngs=rngs, dtype=dtype)
+        if int8_head:
+            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, rngs=rngs, int8=True)
+        else:
+            self.lm_head = None if cfg.tie_word_embeddings else Linear(
+                cfg.hidden_size, cfg.vocab_size, rngs=rngs, dtype=dtype)
         self.inv_freq = nnx.Variable(jnp.asarray(rope_inv_freq(cfg)))  # [D/2], not a param
 
     def __call__(self, tokens, kv: KVCache | KVLayers, md: AttentionMetadata,
@@ -330,4 +337,6 @@ class Decoder(nnx.Module):
         if self.lm_head is None:
             return jnp.dot(h, self.embed[...].T.astype(h.dtype),
                            preferred_element_type=jnp.float32)
+        if self.lm_head.kernel.dtype == jnp.int8:
+            return ops.int8_head(h, self.lm_head.kernel[...], self.lm_head.scale[...])
         return self.lm_head(h).astype(jnp.float32)

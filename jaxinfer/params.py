@@ -15,8 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from checkpoints.fp8 import quantize_linear
-from checkpoints.params import SCALE_SUFFIX, check_params
+from checkpoints.fp8 import quantize_int8_linear, quantize_linear
+from checkpoints.params import SCALE_SUFFIX, check_params, has_int8_head
 from jaxinfer.config import ModelConfig
 from jaxinfer.errors import ModelLoadError
 from jaxinfer.model import Decoder, rope_inv_freq
@@ -65,12 +65,32 @@ def _fused_linear(flat, names, fp8: bool, shards: int = 1) -> dict:
     return {"kernel": jnp.stack([p[0] for p in pairs]), "scale": jnp.stack([p[1] for p in pairs])}
 
 
+def _int8_head(flat: dict) -> dict:
+    """The int8 LM head's state: a checkpoint's own (lm_head codes [V, E] + lm_head_scale),
+    or its float head (lm_head [E, V], else the tied embedding's transpose) rounded to
+    nearest here (checkpoints.fp8.quantize_int8_linear)."""
+    if has_int8_head(flat):
+        return {"kernel": flat.pop("lm_head"), "scale": flat.pop("lm_head" + SCALE_SUFFIX)}
+    w = flat.pop("lm_head") if "lm_head" in flat else jnp.asarray(flat["embed"]).T
+    codes, scale = quantize_int8_linear(jnp.asarray(w))
+    return {"kernel": codes, "scale": scale}
+
+
 def fused_tree(cfg: ModelConfig, flat: dict, fp8: bool = False,
-               layout: TPLayout = TPLayout()) -> dict:
+               layout: TPLayout = TPLayout(), int8_head: bool = False) -> dict:
     """Canonical flat dict -> the nested dict of the Decoder's state (fused projections,
     laid out shard-major for `layout`'s attention and MLP shards). Empties `flat` as it
-    goes, so a weight the caller no longer holds is freed once fused."""
+    goes, so a weight the caller no longer holds is freed once fused. int8_head: the LM
+    head as int8 (_int8_head). A checkpoint's int8 head loaded with int8_head=False: the tied
+    embedding serves as the head (the int8 one is dropped); untied, the float head is gone,
+    which is an error."""
     check_params(cfg, flat, "checkpoint")
+    if has_int8_head(flat) and not int8_head:
+        if not cfg.tie_word_embeddings:
+            raise ModelLoadError("this checkpoint holds an int8 LM head and no float one: "
+                                 "load it with lm_head='int8'")
+        del flat["lm_head"], flat["lm_head" + SCALE_SUFFIX]
+    head = _int8_head(flat) if int8_head else None     # before the embedding leaves flat
     wqkv = _fused_linear(flat, ("wq", "wk", "wv"), fp8, layout.attn)
     if cfg.qkv_bias:
         wqkv["bias"] = _cat(flat, ("bq", "bk", "bv"), shards=layout.attn)
@@ -86,7 +106,9 @@ def fused_tree(cfg: ModelConfig, flat: dict, fp8: bool = False,
                     "w_down": _fused_linear(flat, ("w_down",), fp8)},
         },
     }
-    if not cfg.tie_word_embeddings:
+    if head is not None:
+        tree["lm_head"] = head
+    elif not cfg.tie_word_embeddings:
         tree["lm_head"] = {"kernel": flat.pop("lm_head")}
     return tree
 
@@ -111,15 +133,16 @@ def per_layer(stacked: dict, num_layers: int) -> dict:
 
 
 def abstract_model(cfg: ModelConfig, dtype, fp8: bool = False, unroll_layers: bool = False,
-                   layout: TPLayout = TPLayout()) -> tuple[nnx.GraphDef, nnx.State]:
+                   layout: TPLayout = TPLayout(),
+                   int8_head: bool = False) -> tuple[nnx.GraphDef, nnx.State]:
     return nnx.split(nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0), dtype=dtype,
                                                     fp8=fp8, unroll_layers=unroll_layers,
-                                                    layout=layout)))
+                                                    layout=layout, int8_head=int8_head)))
 
 
 def build_model(cfg: ModelConfig, flat: Mapping[str, object], dtype=jnp.float32,
                 fp8: bool = False, unroll_layers: bool = False,
-                layout: TPLayout = TPLayout(), consume: bool = False
+                layout: TPLayout = TPLayout(), consume: bool = False, int8_head: bool = False
                 ) -> tuple[nnx.GraphDef, nnx.State]:
     """The decoder's (graphdef, state) holding `flat`'s weights in `dtype` (linears in FP8
     when fp8). The state is what the jitted step takes as its params argument.
@@ -127,9 +150,9 @@ def build_model(cfg: ModelConfig, flat: Mapping[str, object], dtype=jnp.float32,
     weights plus one fused group, not twice the weights (a 70B model on two GPUs).
     With a tensor-parallel `layout` every weight is placed by its sharding.state_specs spec:
     host (numpy) weights go shard by shard to their devices, never whole onto one."""
-    graphdef, abstract = abstract_model(cfg, dtype, fp8, unroll_layers, layout)
+    graphdef, abstract = abstract_model(cfg, dtype, fp8, unroll_layers, layout, int8_head)
     tree = fused_tree(cfg, flat if consume and isinstance(flat, dict) else dict(flat), fp8,
-                      layout)
+                      layout, int8_head)
     if unroll_layers:
         tree["layers"] = per_layer(tree["layers"], cfg.num_layers)
     want = nnx.to_pure_dict(abstract)

@@ -121,8 +121,9 @@ def state_specs(layout: TPLayout, tree):
         owner = next((n for n in reversed(names) if n in _ROLES), None)
         if owner is None:
             return P()
-        fp8 = names[-1] == "kernel" and leaf.dtype == FP8_DTYPE
-        return linear_spec(layout, owner, names[-1], leaf.ndim, fp8)
+        # FP8 kernels and the int8 LM head's are [.., out, in]
+        out_major = names[-1] == "kernel" and leaf.dtype in (FP8_DTYPE, np.int8)
+        return linear_spec(layout, owner, names[-1], leaf.ndim, out_major)
 
     return jax.tree_util.tree_map_with_path(spec, tree)
 
