@@ -129,7 +129,8 @@ def engine_config(args, workload, max_batch: int, dtype: str) -> EngineConfig:
         page_size=args.page_size, num_pages=pool_pages(workload, max_batch, args.page_size),
         max_model_len=max(len(p) + o for p, o in workload) + 1, max_num_seqs=max_batch,
         max_num_batched_tokens=args.max_num_batched_tokens, dtype=dtype, weights=args.weights,
-        kv_dtype=args.kv_dtype, kv_scales=args.kv_scales, attention_impl=args.attention,
+        kv_dtype=args.kv_dtype, kv_scales=args.kv_scales, lm_head=args.lm_head,
+        attention_impl=args.attention,
         enable_prefix_caching=False, async_scheduling=not args.no_async_scheduling)
 
 
@@ -198,6 +199,8 @@ def add_engine_flags(ap: argparse.ArgumentParser, *, model: str, weights: str,
     ap.add_argument("--kv-dtype", choices=("auto", "bf16", "fp8"), default=kv_dtype)
     ap.add_argument("--kv-scales", choices=("static", "token"), default="static",
                     help="FP8 KV scales: one per layer and kv head (calibrated) or per token")
+    ap.add_argument("--lm-head", choices=("bf16", "int8"), default="bf16",
+                    help="LM head weights: bf16, or int8 per vocab row (as the CLI's flag)")
     ap.add_argument("--attention", choices=("auto", "reference", "pallas"), default="auto")
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048,
                     help="token budget per step (decode rows + prefill chunks)")
@@ -257,7 +260,8 @@ def main(argv=None) -> dict:
         return {"rows": rows}
     dtype = args.dtype or ("bfloat16" if jax.default_backend() == "gpu" else "float32")
     batches = [int(b) for b in args.max_batch.split(",")]
-    loaded = load_model(args.model, EngineConfig(dtype=dtype, weights=args.weights))
+    loaded = load_model(args.model, EngineConfig(dtype=dtype, weights=args.weights,
+                                                 lm_head=args.lm_head))
     workload = make_workload(args, loaded[0].vocab_size)
     result = {
         "suite": "batching", "device": jax.devices()[0].device_kind, "jax": jax.__version__,

@@ -296,8 +296,8 @@ def main(argv=None) -> dict:
         return {"rows": [row]}
     deadline = None if args.time_limit_s is None else start + args.time_limit_s
     dtype = args.dtype or ("bfloat16" if jax.default_backend() == "gpu" else "float32")
-    cfg, graphdef, params, tokenizer = load_model(args.model,
-                                                  EngineConfig(dtype=dtype, weights=args.weights))
+    cfg, graphdef, params, tokenizer = load_model(
+        args.model, EngineConfig(dtype=dtype, weights=args.weights, lm_head=args.lm_head))
     workload = make_workload(args, cfg.vocab_size)
     ecfg = engine_config(args, workload, args.max_num_seqs, dtype)
     engine = Engine(cfg, ecfg, graphdef, params, tokenizer, model_name=args.model)
@@ -317,6 +317,7 @@ def main(argv=None) -> dict:
     row = {"model": args.model, "weights": weights_name(ecfg),
            "kv_dtype": dtype_name(kv_dtype_for(ecfg)), "dtype": dtype,
            **({"kv_scales": ecfg.kv_scales} if ecfg.kv_dtype == "fp8" else {}),
+           **({"lm_head": "int8"} if ecfg.lm_head == "int8" else {}),
            "input_len": args.input_len, "output_len": args.output_len,
            "num_requests": args.num_requests}
     with ClockMonitor() as clocks:

@@ -98,9 +98,10 @@ def test_append_adds_a_row(tmp_path):
     small = ["--model", "tiny", "--input-len", "4", "--output-len", "2", "--num-requests", "1",
              "--max-num-seqs", "1", "--max-num-batched-tokens", "8", "--out", str(out)]
     throughput.main(small + ["--git", "first"])
-    result = throughput.main(small + ["--git", "second", "--append"])
+    result = throughput.main(small + ["--git", "second", "--append", "--lm-head", "int8"])
     assert json.loads(out.read_text()) == result
     assert [r["git"] for r in result["rows"]] == ["first", "second"]
+    assert [r.get("lm_head") for r in result["rows"]] == [None, "int8"]
     assert result["git"] == "first" and "--append" in result["rows"][1]["command"]
     assert all(r["output_tokens"] == 2 and r["steps"] > 0 for r in result["rows"])
 
