@@ -57,7 +57,8 @@
 #             requests of 1000 in / 1000 out, max $THR_SEQS (512) seqs and $THR_TOKENS
 #             (2048) tokens per step; a partial row if
 #             the 300 s limit comes first; THR_PROFILE=FIRST:COUNT profiles those steps;
-#             THR_KV_SCALES=token runs per-token FP8 KV scales (default: static)            ~5 min
+#             THR_KV_SCALES=token runs per-token FP8 KV scales (default: static),
+#             THR_LM_HEAD=int8 the int8 LM head (default: bf16)                              ~5 min
 #
 # Each suite writes its JSON (and a .log) into $OUT and rewrites the JSON after every row, so
 # a suite cut short by its limit keeps what it measured. Memory is not preallocated: suites
@@ -174,7 +175,7 @@ for stage in "$@"; do
         --input-len 1000 --output-len 1000 --num-requests "${NUM_REQUESTS:-1000}" \
         --max-num-seqs "${THR_SEQS:-512}" --max-num-batched-tokens "${THR_TOKENS:-2048}" \
         --time-limit-s $((lim - lim / 10)) --git "$GIT" \
-        ${THR_KV_SCALES:+--kv-scales "$THR_KV_SCALES"} \
+        ${THR_KV_SCALES:+--kv-scales "$THR_KV_SCALES"} ${THR_LM_HEAD:+--lm-head "$THR_LM_HEAD"} \
         ${THR_PROFILE:+--profile-steps "$THR_PROFILE"} --out "$OUT/throughput.json" ;;
     cmdbuf)
       for mode in ${CMDBUF_MODES:-ALWAYS_UPDATE SKIP_TEMP SKIP_PROFILED}; do
