@@ -28,7 +28,8 @@ def add_engine_args(p: argparse.ArgumentParser):
     g.add_argument("--lm-head", choices=("bf16", "int8"), default="bf16",
                    help="LM head: as loaded, or int8 codes with a scale per vocab row (half "
                         "the bytes: a checkpoint's calibrated int8 head from `jaxinfer "
-                        "convert --lm-head int8`, else rounded to nearest at load)")
+                        "convert --lm-head int8`, else rounded to nearest at load); for small "
+                        "batches: above ~64 rows a step it is slower than bf16 on the H200")
     g.add_argument("--kv-scales", choices=("static", "token"), default="static",
                    help="FP8 KV scales: static, one per layer and kv head calibrated at "
                         "start-up (faster attention), or one per token and kv head (nothing "

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import warnings
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -157,6 +158,10 @@ def standard_config(name: str) -> ModelConfig:
 
 DTYPES = ("float32", "bfloat16")
 WEIGHT_FORMATS = ("bf16", "fp8")
+# The most rows a step at which the int8 LM head was measured faster than the bf16 head on the
+# H200 (Llama-3-8B's head, 64 rows: 238 against 258 us; 128: 321 against 289; 256: 690
+# against 441; bench/results/lm_head_large_m.json and history/lm_head_forms_9e7ccb8.json).
+INT8_HEAD_MAX_ROWS = 64
 LM_HEADS = ("bf16", "int8")
 KV_DTYPES = ("auto", "bf16", "fp8")
 KV_SCALES = ("static", "token")
@@ -178,7 +183,10 @@ class EngineConfig:
     kv_dtype: str = "auto"        # "auto" (= dtype), "bf16", "fp8"
     # The LM head: "bf16" (= dtype, the tied embedding where the model ties it) or "int8"
     # (codes per vocab row, max/127 scales: model.Decoder's int8_head; a checkpoint's own
-    # calibrated int8 head where it has one, else rounded to nearest at load).
+    # calibrated int8 head where it has one, else rounded to nearest at load). int8 is for
+    # small batches: on the H200 its GEMM (XLA's, codes widened in the operand) reads half
+    # the bytes up to ~64 rows a step and runs ~1.6x the bf16 head's time at 256-512, where
+    # the head is compute-bound (bench/results/lm_head_large_m.json); hence the warning.
     lm_head: str = "bf16"
     # FP8 KV scales (kv_cache.py): "static", one per layer and kv head, calibrated when the
     # runner starts (kv_calibration.py); "token", one per token and kv head. bf16 KV: unused.
@@ -212,6 +220,11 @@ class EngineConfig:
         check(self.kv_dtype in KV_DTYPES, f"kv_dtype must be one of {KV_DTYPES}, got {self.kv_dtype!r}")
         check(self.lm_head in LM_HEADS,
               f"lm_head must be one of {LM_HEADS}, got {self.lm_head!r}")
+        if self.lm_head == "int8" and self.max_num_seqs > INT8_HEAD_MAX_ROWS:
+            warnings.warn(f"lm_head='int8' with max_num_seqs={self.max_num_seqs}: above "
+                          f"~{INT8_HEAD_MAX_ROWS} rows a step the int8 head is slower than "
+                          "the bf16 one (on the H200, ~1.6x its time at 256-512 rows); it "
+                          "pays at small batches", stacklevel=3)
         check(self.kv_scales in KV_SCALES,
               f"kv_scales must be one of {KV_SCALES}, got {self.kv_scales!r}")
         check(self.attention_impl in ATTENTION_IMPLS,

@@ -2,6 +2,7 @@
 (ops.int8_head), the model and loaders that carry it, and its calibrated rounding
 (checkpoints/calibrate.py). Its answer quality on SmolLM2 is tests/test_fp8_quality.py's."""
 import re
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -91,6 +92,19 @@ def test_model_logits_with_the_int8_head(model):
 def test_lm_head_config_is_checked():
     with pytest.raises(ConfigError, match="lm_head"):
         EngineConfig(lm_head="fp8")
+
+
+def test_int8_head_at_large_batches_warns():
+    """Above INT8_HEAD_MAX_ROWS sequences a step the int8 head is the slower one on the H200:
+    the config says so; at or under it, and with the bf16 head, nothing is said."""
+    from jaxinfer.config import INT8_HEAD_MAX_ROWS
+
+    with pytest.warns(UserWarning, match="int8 head is slower"):
+        EngineConfig(lm_head="int8", max_num_seqs=INT8_HEAD_MAX_ROWS + 1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        EngineConfig(lm_head="int8", max_num_seqs=INT8_HEAD_MAX_ROWS)
+        EngineConfig(lm_head="bf16", max_num_seqs=512)
 
 
 def test_converted_int8_head_round_trip(tmp_path):
