@@ -1,6 +1,7 @@
 """Would a quantized LM head keep answer quality? A CPU probe on the real model (SmolLM2).
 
     python -m bench.lm_head_quality [--model smollm2] [--windows 8] [--calibrated]
+        [--awq N] [--only LABEL,...]
 
 Teacher-forced over the same text as tests/test_fp8_quality.py (Python's pydoc topics, 8
 windows of 512 tokens, 4088 tokens scored). The LM head (SmolLM2's is tied to the embedding)
@@ -10,11 +11,16 @@ kernel up to accumulation order); int8 per vocab row (max/127, round to nearest)
 either kept (weights only) or quantized per token the same way (weights and activations).
 Prints perplexity and top-1 agreement against bf16 for: the FP8 head alone, FP8 decoder
 layers (round to nearest), both, and both with FP8 KV; then the int8 heads alone and with FP8
-layers; with --calibrated the decoder layers of the FP8 cases are calibrated ones
-(checkpoints/calibrate.py, as tests/test_fp8_quality.py's second test; a few minutes more).
-The issue's bars: perplexity <= 1.03x (1.05x with FP8 KV), top-1 agreement >= 95%.
-Results (bench/README.md, thirteenth and twenty-seventh sessions): every head form fails them
-beside FP8 layers (calibrated layers with a bf16 head: ~95.4-95.9%), so the head stays bf16.
+layers, per group of 64 / 32 input channels too; with --awq N, N more windows give the
+head's input statistics for an activation-scaled int8 head (AWQ's form, its alpha picked on
+them) and a GPTQ-rounded one (the engine's calibrated int8 head is that rounding on other
+text: checkpoints/calibrate.py); --only picks cases by label. With --calibrated the decoder
+layers of the FP8 cases are calibrated ones (as tests/test_fp8_quality.py's; a few minutes
+more). The issue's bars: perplexity <= 1.03x (1.05x with FP8 KV), top-1 agreement >= 95%.
+Results (bench/README.md, thirteenth, twenty-seventh and thirty-fourth sessions): FP8 heads
+fail them beside FP8 layers; with calibrated layers (95.87% with the bf16 head on that
+session's machine) int8 per vocab row rounded to nearest 94.62%, per group of 64 95.28%, of 32
+95.87%, AWQ scaling no better (alpha 0), GPTQ-rounded 95.52%: the engine's `--lm-head int8`.
 """
 from __future__ import annotations
 

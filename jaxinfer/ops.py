@@ -241,8 +241,9 @@ def int8_head(x, codes, scale):
     """x [M, E] @ an int8 LM head (codes [V, E], per-vocab-row scale [V]) -> f32 logits
     [M, V]: the codes widened to x's dtype in the GEMM's operand (XLA fuses the convert),
     the scale applied to the f32 product; M padded to BF16_PAD_M rows on the GPU, as the
-    bf16 head. Half the bf16 head's bytes: 4096 x 128256 at batch 1 on the H200 133 vs 234
-    us (bench/probes/lm_head.py, thirty-fourth session)."""
+    bf16 head. Half the bf16 head's bytes: 4096 x 128256 at batch 1 on the H200 136 vs 235
+    us; at 256-512 rows, where the head is compute-bound, 1.6x the bf16 head's time (XLA's
+    own GEMM fusion against cuBLAS: bench/results/lm_head.json, lm_head_large_m.json)."""
     m = x.shape[0]
     pad = BF16_PAD_M - m if _on_gpu() else 0
     xp = jnp.pad(x, ((0, pad), (0, 0))) if pad > 0 else x
