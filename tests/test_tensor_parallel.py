@@ -1,7 +1,7 @@
 """Tensor parallelism on 8 virtual CPU devices: greedy outputs under continuous batching are
 identical at tp = 1, 2, 4 (tiny model: reference and Pallas attention, FP8 weights) and
-tp = 1, 2 (SmolLM2, whose 9/3 heads replicate attention at tp=2); weights and the KV cache
-really are sharded; the compiled step gathers no weight.
+tp = 1, 2 (SmolLM2, whose 9/3 heads replicate attention at tp=2); weights (the int8 LM head's
+too) and the KV cache really are sharded; the compiled step gathers no weight.
 
 The checks run in ONE child process (this file run as a script): the pytest process has
 already initialised jax with one device, and the device count is fixed at jax start-up.
@@ -139,6 +139,8 @@ def child_main() -> dict:
                                                prompts[:2], 6, [0, 1])
     res["synthetic"] = {str(tp): _synthetic_logits(tp) for tp in (1, 2)}
     res["synthetic_fp8"] = {str(tp): _synthetic_logits(tp, weights="fp8") for tp in (1, 2)}
+    res["synthetic_int8_head"] = {str(tp): _synthetic_logits(tp, lm_head="int8")
+                                  for tp in (1, 2)}
     res["mismatch_error"] = _layout_mismatch_error()
     smol = ["The capital of France is", "def fib(n):"]
     for tp in (1, 2):
@@ -205,6 +207,17 @@ def test_synthetic_fp8_weights_generated_sharded(results):
     (ref, _), (got, spec) = results["synthetic_fp8"]["1"], results["synthetic_fp8"]["2"]
     assert spec == [None, "tp"]
     np.testing.assert_allclose(got, ref, rtol=2e-4, atol=2e-4)
+
+
+def test_int8_head_split_by_vocab(results):
+    """The int8 LM head's codes [V, E] are split along V (the float head's [E, V] along its
+    last axis): the same logits at tp 1 and 2, and not the float head's."""
+    (ref, ref_spec), (got, spec) = (results["synthetic_int8_head"]["1"],
+                                    results["synthetic_int8_head"]["2"])
+    assert spec == ["tp", None] and ref_spec == []
+    np.testing.assert_allclose(got, ref, rtol=2e-4, atol=2e-4)
+    float_ref = np.asarray(results["synthetic"]["1"][0])
+    assert not np.allclose(np.asarray(ref), float_ref, rtol=1e-5, atol=1e-5)
 
 
 def test_smollm2_greedy_identical_at_tp_1_2(results):
