@@ -150,10 +150,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --weights fp8: round each weight knowing its inputs (GPTQ-style "
                         "error compensation over calibration text from Python's own "
                         "documentation strings): same format and speed, closer to bf16 "
-                        "(SmolLM2 top-1 agreement 92.9%% -> 95.4%%); ~1 min on a CPU for "
+                        "(SmolLM2 top-1 agreement 92.7%% -> 96.0%%); ~1 min on a CPU for "
                         "SmolLM2, far longer for billions of parameters")
-    c.add_argument("--calibration-windows", type=int, default=16, metavar="N",
-                   help="calibration sequences of 512 tokens (default 16)")
+    c.add_argument("--calibration-windows", type=int, default=None, metavar="N",
+                   help="calibration sequences of 512 tokens (default 32: more windows, "
+                        "closer to bf16, a longer conversion)")
     c.add_argument("--lm-head", choices=("bf16", "int8"), default="bf16",
                    help="store the LM head as-is or as int8 codes per vocab row (load it "
                         "with --lm-head int8); with --calibrate rounded the same way as the "
