@@ -36,7 +36,6 @@ import numpy as np
 
 from bench import ceilings as ceilings_mod
 from jaxinfer.runner import kv_page_bytes
-from pallas_kernels import paged_attention as pa
 from pallas_kernels import tuning
 from bench.common import (burst, decode_input, dtype_name, fill_kv, load_runner, new_result,
                           pipelined_step_s, print_table, progress, save, timed, weights_name)
@@ -159,8 +158,8 @@ def start_result(args, ceil: dict, skipped: list) -> dict:
     run_info = {"command": fresh["command"], "ceilings": ceil,
                 "xla_flags": os.environ.get("XLA_FLAGS", ""),
                 "min_split_tokens": tuning.MIN_SPLIT_TOKENS,
-                "longest_first_programs": list(pa.LONGEST_FIRST_PROGRAMS),
-                "masked_loads_min_programs": pa.MASKED_LOADS_MIN_PROGRAMS}
+                "longest_first_programs": list(tuning.LONGEST_FIRST_PROGRAMS),
+                "masked_loads_min_programs": tuning.MASKED_LOADS_MIN_PROGRAMS}
     path = Path(args.out)
     result = json.loads(path.read_text()) if args.append and path.exists() else fresh
     result.setdefault("runs", []).append(run_info)

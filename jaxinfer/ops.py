@@ -82,10 +82,10 @@ LAST_COMBINES = os.environ.get("JAXINFER_LAST_COMBINES", "0") == "1"
 def switches() -> tuple:
     """This module's switches (and the decode attention kernel's: its longest-first window
     and masked-loads threshold), as a key for a trace cache shared across runners."""
-    from pallas_kernels import paged_attention as pa
+    from pallas_kernels import tuning
     return (FUSED_FP8_MLP, PALLAS_KV_WRITE, FUSED_NORM_QUANT, BF16_PAD_M, FUSED_GLUE,
             PALLAS_ADD_NORM, FUSED_DECODE_QKV_MAX_ROWS, QKV_PARTS, LAST_COMBINES,
-            pa.LONGEST_FIRST_PROGRAMS, pa.MASKED_LOADS_MIN_PROGRAMS)
+            tuning.LONGEST_FIRST_PROGRAMS, tuning.MASKED_LOADS_MIN_PROGRAMS)
 
 
 def _on_gpu() -> bool:

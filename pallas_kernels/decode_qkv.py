@@ -37,6 +37,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from jaxinfer.kv_cache import FP8_DTYPE, KVCache
+from pallas_kernels import tuning
 from pallas_kernels.kv_write import cache_from, quantized
 
 F32 = jnp.float32
@@ -208,7 +209,6 @@ def front_blocks(blocks, kv_dtype, head_dim: int):
 def table_blocks(cache: KVCache, page_table, rows: int):
     """The decode table's blocks (tuning.decode_blocks) for `rows` rows over this cache and
     page table, as the front reads them (front_blocks)."""
-    from pallas_kernels import tuning
     _, kv_heads, _, page_size, head_dim = cache.k.shape
     return front_blocks(tuning.decode_blocks(
         rows, kv_heads, page_table.shape[1] * page_size, page_size,
@@ -256,8 +256,8 @@ def paged_attention_qkv(partials, scale, bias, cos, sin, cache: KVCache, layer, 
                          f"(plain rows and a power-of-two head dim only)")
     spec = QKVSpec(num_heads, num_heads + 2 * kv_heads, t, parts, scale is not None,
                    bias is not None, jnp.dtype(dtype).name)
-    longest_first, masked_loads = pa.grid_rules(t, rows, kv_heads, blocks.num_splits,
-                                                longest_first, masked_loads)
+    longest_first, masked_loads = tuning.grid_rules(t, rows, kv_heads, blocks.num_splits,
+                                                    longest_first, masked_loads)
     out, written = pa._paged_attention_blocks(
         partials, cache.k, cache.v, layer, seq_lens, page_table, cache.k_scale, cache.v_scale,
         sm_scale=sm_scale, interpret=interpret, blocks=blocks, rows=rows,

@@ -6,8 +6,8 @@ or static, one per layer and kv head, [L, K] (applied once per program). The lay
 a traced scalar: the kernel reads the layer's pages in place, no slice of the cache is ever
 copied.
 
-Kernel: grid (B, K, splits), or (K, B, 1) with the rows longest first (LONGEST_FIRST_PROGRAMS,
-below). One program owns one sequence, one kv head and one split of the
+Kernel: grid (B, K, splits), or (K, B, 1) with the rows longest first (the window
+tuning.LONGEST_FIRST_PROGRAMS). One program owns one sequence, one kv head and one split of the
 context, and holds all G = H/K q heads of that kv head as the rows of one tile (padded to 16
 rows for the tensor cores by repeating the last head), so each K/V page is read from HBM
 once. Per step it gathers `block_tokens` KV rows through the page table (with
@@ -16,7 +16,7 @@ attention_block.paged_loop), computes
 logits = q k^T (f32 accumulate), runs the online softmax in f32 (base 2, scale folded in),
 and accumulates p v. Full blocks run unmasked; only the tail block of a split masks
 positions >= seq_len (and zeroes their V rows, so stale slot contents never leak; on grids of
-MASKED_LOADS_MIN_PROGRAMS or more its loads skip those rows instead).
+tuning.MASKED_LOADS_MIN_PROGRAMS or more its loads skip those rows instead).
 With splits > 1 each split writes its unnormalized accumulator and (max, sum); a second
 small kernel (split_combine.py, one program per row and q head) merges them, or, with
 `counters` (the fused front under ops.LAST_COMBINES, off: it measured slower on the H200),
@@ -50,7 +50,6 @@ public functions take no backend argument, so one can replace the kernel later.
 from __future__ import annotations
 
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
@@ -66,36 +65,6 @@ from pallas_kernels.attention_block import (MIN_ROWS, attend_block, block_pages,
                                             kernel_refs, kv_rows, load_q, paged_loop,
                                             prepare_q, scale_acc, static_factors,
                                             store_rows, uses_pairs, validate)
-
-# Unsplit grids of LONGEST_FIRST_PROGRAMS[0]..[1] programs (one per row and kv head) run the
-# rows longest first. Programs start in grid order as SM slots free up, so with rows of
-# unequal lengths a long row late in the grid runs alone at the end; longest first, the last
-# wave holds the short rows. H200, device time, rows 0.5-1.5x the mean length against equal
-# lengths at the same mean (bench/README.md, seventeenth session): FP8 KV B=64 S~2048 (512
-# programs, ~2 waves of 2 per SM) 96.7 -> 83.8 us (equal 77.4), B=256 S~1536 245.9 -> 243.4;
-# bf16 KV B=256 397.3 -> 381.8, B=64 140.1 -> 142.0 (one wave of 4 per SM). At 4096 programs
-# (B=512) FP8 465.4 -> 469.2 and bf16 769.1 -> 751.1: outside the window. The order is an
-# argsort of the lengths (the probe's equal-length calls, sort included, took ~3.5 us more;
-# the model's layers share one sort per step, XLA's CSE: tests/test_paged_attention.py).
-# The model asks for the window (longest_first=None); the kernel benchmark's calls keep the
-# grid order (False, the default).
-# JAXINFER_LONGEST_FIRST="LO,HI" overrides the window at import (A/B runs; "0,0" is off).
-LONGEST_FIRST_PROGRAMS = tuning.env_window("JAXINFER_LONGEST_FIRST",
-                                           f"{tuning.TARGET_PROGRAMS + 1},2048")
-
-# Grids of at least this many programs read a sequence's last, partly filled block with
-# masked loads (attention_block.read_rows): the tokens past its length are not read. H200,
-# device us per call, bench/probes/longest_first.py in two calls (bench/README.md, seventeenth
-# session), masked vs read and zeroed (a variant that zeroed K too; the unmasked kernel kept
-# here, from an earlier call, in parentheses): FP8 KV B=256 S~1536 with lengths 0.5-1.5x the
-# mean 216.3 / 216.3 vs 245.1 (245.9), B=512 404.4 / 407.4 vs 467.2 (465.4); at equal
-# lengths, where no block is partly filled, 214.0 / 215.0 vs 220.9 (225.3) and 397.7 / 397.4
-# vs 425.6 (433.5): the kernel compiles differently. bf16 KV, spread: B=256 383.5 vs 394.8
-# (397.3), B=512 738.4 vs 763.9 (769.1). At B=64 (512 programs) FP8 ran slower masked, 95.8
-# vs 76.6 (77.4) us at equal lengths, so smaller grids keep the unmasked kernel (its Triton
-# IR is the one from before this switch). JAXINFER_MASKED_LOADS overrides the threshold at
-# import (0 is off).
-MASKED_LOADS_MIN_PROGRAMS = int(os.environ.get("JAXINFER_MASKED_LOADS", "2048"))
 
 
 def _decode_kernel(layer_ref, lens_ref, table_ref, order_ref, trows_ref, *refs, groups: int,
@@ -202,8 +171,8 @@ def paged_attention_blocks(q, k_pages, v_pages, layer, seq_lens, page_table, k_s
                            masked_loads: bool | None = None, token_rows=None, out=None):
     """paged_attention with explicit block sizes (the benchmark's tuning and the tests);
     longest_first: the rows longest first (unsplit grids only; None: within
-    LONGEST_FIRST_PROGRAMS, counting the real rows' programs); masked_loads: the last
-    blocks' loads masked (None: from MASKED_LOADS_MIN_PROGRAMS, counting the grid's). Both
+    tuning.LONGEST_FIRST_PROGRAMS, counting the real rows' programs); masked_loads: the last
+    blocks' loads masked (None: from tuning.MASKED_LOADS_MIN_PROGRAMS, counting the grid's). Both
     rules are resolved here, outside the jit, so the compiled kernel's cache is keyed by
     their outcome, not by the module settings at its first trace. token_rows, out: see
     paged_attention."""
@@ -220,31 +189,12 @@ def paged_attention_blocks(q, k_pages, v_pages, layer, seq_lens, page_table, k_s
         raise ConfigError(f"token_rows and out go together (token_rows [B], out of q's shape "
                           f"{q.shape}, no rows); got {getattr(token_rows, 'shape', None)}, "
                           f"{getattr(out, 'shape', None)}, rows {rows}")
-    longest_first, masked_loads = grid_rules(total, rows, kv_heads, blocks.num_splits,
-                                             longest_first, masked_loads)
+    longest_first, masked_loads = tuning.grid_rules(total, rows, kv_heads, blocks.num_splits,
+                                                    longest_first, masked_loads)
     return _paged_attention_blocks(q, k_pages, v_pages, layer, seq_lens, page_table, k_scale,
                                    v_scale, sm_scale=sm_scale, interpret=interpret,
                                    blocks=blocks, rows=rows, longest_first=longest_first,
                                    masked_loads=masked_loads, token_rows=token_rows, out=out)
-
-
-def grid_rules(total: int, rows: int | None, kv_heads: int, splits: int,
-               longest_first: bool | None, masked_loads: bool | None) -> tuple[bool, bool]:
-    """paged_attention_blocks' two rules resolved (None: by LONGEST_FIRST_PROGRAMS and
-    MASKED_LOADS_MIN_PROGRAMS); longest first only on unsplit grids."""
-    if longest_first is None:
-        lo, hi = LONGEST_FIRST_PROGRAMS
-        longest_first = 0 < lo <= (rows or total) * kv_heads <= hi
-    if masked_loads is None:
-        programs = _grid_rows(total, rows, splits) * kv_heads * splits
-        masked_loads = 0 < MASKED_LOADS_MIN_PROGRAMS <= programs
-    return bool(longest_first and splits == 1), bool(masked_loads)
-
-
-def _grid_rows(total: int, rows: int | None, splits: int) -> int:
-    """The rows the decode grid covers: split, the real rows only (the combine pads);
-    else every row (padding rows have seq_len 0 and write their zeros themselves)."""
-    return total if rows is None or splits == 1 else rows
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "interpret", "blocks", "rows",
@@ -270,7 +220,7 @@ def _paged_attention_blocks(q, k_pages, v_pages, layer, seq_lens, page_table, k_
     scatter = token_rows is not None
     trows = token_rows.astype(jnp.int32) if scatter else None
     n = blocks.num_splits
-    batch = _grid_rows(total, rows, n)
+    batch = tuning.grid_rows(total, rows, n)
     pages_per_seq = page_table.shape[1]
     per_split = pl.cdiv(pages_per_seq * page_size, blocks.num_splits)
     split_tokens = pl.cdiv(per_split, blocks.block_tokens) * blocks.block_tokens
@@ -351,7 +301,7 @@ def paged_attention(q, k_pages, v_pages, layer, seq_lens, page_table, k_scale=No
     k_scale/v_scale [L, K, P, S] (per token) or [L, K] (static) f32 for FP8 pages; rows
     (static): only the first `rows` rows are real, the rest padding (their seq_lens 0;
     module doc). longest_first (static): the rows in grid order (False), longest first
-    (True; unsplit grids only) or, None, longest first within LONGEST_FIRST_PROGRAMS (the
+    (True; unsplit grids only) or, None, longest first within tuning.LONGEST_FIRST_PROGRAMS (the
     model: its layers' sorts of the same lengths are one in the compiled step, XLA's CSE).
     Returns [B, H, D] in q.dtype.
     token_rows [B] int32 with out [T, H, D] (module doc): q [T, H, D] is a token array; the

@@ -172,6 +172,57 @@ def env_window(name: str, default: str) -> tuple[int, int]:
 ONE_WAVE_PROGRAMS = env_window("JAXINFER_ONE_WAVE", f"{TARGET_PROGRAMS + 1},528")
 
 
+# The decode grid's order and loads by its size (paged_attention.paged_attention_blocks).
+# Unsplit grids of LONGEST_FIRST_PROGRAMS[0]..[1] programs (one per row and kv head) run the
+# rows longest first. Programs start in grid order as SM slots free up, so with rows of
+# unequal lengths a long row late in the grid runs alone at the end; longest first, the last
+# wave holds the short rows. H200, device time, rows 0.5-1.5x the mean length against equal
+# lengths at the same mean (bench/README.md, seventeenth session): FP8 KV B=64 S~2048 (512
+# programs, ~2 waves of 2 per SM) 96.7 -> 83.8 us (equal 77.4), B=256 S~1536 245.9 -> 243.4;
+# bf16 KV B=256 397.3 -> 381.8, B=64 140.1 -> 142.0 (one wave of 4 per SM). At 4096 programs
+# (B=512) FP8 465.4 -> 469.2 and bf16 769.1 -> 751.1: outside the window. The order is an
+# argsort of the lengths (the probe's equal-length calls, sort included, took ~3.5 us more;
+# the model's layers share one sort per step, XLA's CSE: tests/test_paged_attention.py).
+# The model asks for the window (longest_first=None); the kernel benchmark's calls keep the
+# grid order (False, the default).
+# JAXINFER_LONGEST_FIRST="LO,HI" overrides the window at import (A/B runs; "0,0" is off).
+LONGEST_FIRST_PROGRAMS = env_window("JAXINFER_LONGEST_FIRST", f"{TARGET_PROGRAMS + 1},2048")
+
+# Grids of at least this many programs read a sequence's last, partly filled block with
+# masked loads (attention_block.read_rows): the tokens past its length are not read. H200,
+# device us per call, bench/probes/longest_first.py in two calls (bench/README.md, seventeenth
+# session), masked vs read and zeroed (a variant that zeroed K too; the unmasked kernel kept
+# here, from an earlier call, in parentheses): FP8 KV B=256 S~1536 with lengths 0.5-1.5x the
+# mean 216.3 / 216.3 vs 245.1 (245.9), B=512 404.4 / 407.4 vs 467.2 (465.4); at equal
+# lengths, where no block is partly filled, 214.0 / 215.0 vs 220.9 (225.3) and 397.7 / 397.4
+# vs 425.6 (433.5): the kernel compiles differently. bf16 KV, spread: B=256 383.5 vs 394.8
+# (397.3), B=512 738.4 vs 763.9 (769.1). At B=64 (512 programs) FP8 ran slower masked, 95.8
+# vs 76.6 (77.4) us at equal lengths, so smaller grids keep the unmasked kernel (its Triton
+# IR is the one from before this switch). JAXINFER_MASKED_LOADS overrides the threshold at
+# import (0 is off).
+MASKED_LOADS_MIN_PROGRAMS = int(os.environ.get("JAXINFER_MASKED_LOADS", "2048"))
+
+
+def grid_rules(total: int, rows: int | None, kv_heads: int, splits: int,
+               longest_first: bool | None, masked_loads: bool | None) -> tuple[bool, bool]:
+    """paged_attention.paged_attention_blocks' two rules resolved (None: by
+    LONGEST_FIRST_PROGRAMS and MASKED_LOADS_MIN_PROGRAMS); longest first only on unsplit
+    grids."""
+    if longest_first is None:
+        lo, hi = LONGEST_FIRST_PROGRAMS
+        longest_first = 0 < lo <= (rows or total) * kv_heads <= hi
+    if masked_loads is None:
+        programs = grid_rows(total, rows, splits) * kv_heads * splits
+        masked_loads = 0 < MASKED_LOADS_MIN_PROGRAMS <= programs
+    return bool(longest_first and splits == 1), bool(masked_loads)
+
+
+def grid_rows(total: int, rows: int | None, splits: int) -> int:
+    """The rows the decode grid covers: split, the real rows only (the combine pads);
+    else every row (padding rows have seq_len 0 and write their zeros themselves)."""
+    return total if rows is None or splits == 1 else rows
+
+
 def _pow2_floor(n: int) -> int:
     return 1 << (max(n, 1).bit_length() - 1)
 

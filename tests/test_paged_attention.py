@@ -313,10 +313,10 @@ def test_longest_first_order_is_sorted_once_per_step(monkeypatch, unroll, window
     from jaxinfer.params import build_model
     from jaxinfer.step_input import dummy_input
     from engine_util import TINY
-    from pallas_kernels import paged_attention as pa
+    from pallas_kernels import tuning
     assert TINY.num_layers > 1
     if window is not None:
-        monkeypatch.setattr(pa, "LONGEST_FIRST_PROGRAMS", window)
+        monkeypatch.setattr(tuning, "LONGEST_FIRST_PROGRAMS", window)
     cfg = EngineConfig(max_model_len=64, max_num_seqs=8, max_num_batched_tokens=64,
                        page_size=4, attention_impl="pallas")
     engine = Engine(TINY, cfg, *build_model(TINY, random_flat(TINY, seed=1), jnp.float32,

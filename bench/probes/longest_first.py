@@ -8,7 +8,7 @@ OUT=dir [PROBE_GRID_ORDER_ONLY=1] [PROBE_NAME=name] python -m bench.probes.longe
 import json, os
 import jax, jax.numpy as jnp
 from bench import kernels as bk
-from pallas_kernels import paged_attention as pa
+from pallas_kernels import tuning
 from bench.probes.page_size import lengths
 
 rows = []
@@ -31,7 +31,7 @@ for fp8 in (True, False):
                 r = dict(kv="fp8" if fp8 else "bf16", batch=batch, mean=mean, lens=kind,
                          longest_first=lf, **bk.timing(wall, dev, nbytes),
                          max_len=int(lens.max()), min_len=int(lens.min()), blocks=str(blk),
-                         masked_loads_min_programs=pa.MASKED_LOADS_MIN_PROGRAMS)
+                         masked_loads_min_programs=tuning.MASKED_LOADS_MIN_PROGRAMS)
                 rows.append(r)
                 print({k: r[k] for k in ("kv", "batch", "lens", "longest_first", "us", "us_device",
                                         "TBps_device")}, flush=True)

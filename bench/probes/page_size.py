@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench import kernels as bk
-from pallas_kernels import paged_attention as pa
+from pallas_kernels import tuning
 
 GPU = jax.default_backend() == "gpu"
 PAGES = [int(x) for x in os.environ.get("PROBE_PAGES", "16,32,64,128").split(",")]
@@ -48,7 +48,7 @@ def main() -> None:
                          lens="spread" if spread else "equal", page=page, rep=rep,
                          **bk.timing(wall, dev, bk.kv_bytes(int(lens.sum()), fp8)),
                          blocks=str(blk),
-                         masked_loads_min_programs=pa.MASKED_LOADS_MIN_PROGRAMS)
+                         masked_loads_min_programs=tuning.MASKED_LOADS_MIN_PROGRAMS)
                 rows.append(r)
                 print({x: r[x] for x in ("kv", "batch", "lens", "page", "rep", "us",
                                          "us_device", "TBps_device")}, flush=True)
