@@ -26,7 +26,8 @@ Since the thirty-fifth session the default is 32 windows: on that session's CPU 
 same code gave 16 windows 95.25% (1.0075x), 24 95.60% (1.0017x), 32 95.99% (0.9996x), and
 with the calibrated int8 LM head 95.35% / 95.45% / 95.50% (one conversion each, the quality
 test's text); 16 windows had read 95.87% on the thirtieth session's machine. The conversion
-takes ~20 s more (50 -> 71 s for SmolLM2 there).
+with int8 head took 62.7 s at 24 windows and 70.9 s at 32 there (SmolLM2; 16 windows was not
+timed on that machine: 49-50 s on the thirty-third session's).
 
 Cost: a float32 forward over the calibration tokens plus, per linear, an [in, in] inverse and
 a row loop: ~1 minute for SmolLM2 on two CPU cores; far more for an 8B model on a CPU. It

@@ -2,11 +2,12 @@
 
     python -m bench.probes.lm_head_forms --out forms.json
 
-Llama-3-8B's head (E 4096, V 128256). `int8_cur` is ops.int8_head's form (x [M, E] against
-codes [V, E] widened to bf16 in the GEMM's operand, the per-row scale on the f32 product),
+Llama-3-8B's head (E 4096, V 128256). `int8_cur` is ops.int8_head (x [M, E] against codes
+[V, E] widened to bf16 in the GEMM's operand, the per-row scale on the f32 product),
 `int8_lhs` the same product with the codes as the left operand ([V, M], transposed after),
-`int8_ev` codes stored [E, V]; `bf16_ve` the bf16 head. `us_device` as in bench.probes.lm_head.
-Run once as a one-off script (thirty-fifth session) and committed with its result
+`int8_ev` codes stored [E, V]; `bf16_ve` the bf16 head (bench.probes.lm_head's). `us_device`
+as there. Run once as a one-off script with these forms written out (thirty-fifth session;
+ops.int8_head's body at M >= 64 is the same ops) and committed with its result
 (bench/results/history/lm_head_forms_9e7ccb8.json): all three int8 forms ran ~1.6x the bf16
 head's time at 256-512 rows, where XLA gives the bf16 head to cuBLAS and the int8 ones to its
 own GEMM fusion.
@@ -22,14 +23,10 @@ from jax import lax
 
 from bench.common import new_result, save
 from bench.fp8_matmul import hlo_kernels, time_per_op
-from bench.probes.lm_head import int8_rows
+from bench.probes.lm_head import bf16_ve, int8_rows
+from jaxinfer import ops
 
 _C = (((1,), (1,)), ((), ()))
-
-
-def int8_cur(x, codes, scale):
-    y = lax.dot_general(x, codes.astype(jnp.bfloat16), _C, preferred_element_type=jnp.float32)
-    return y * scale.astype(jnp.float32)[None]
 
 
 def int8_lhs(x, codes, scale):
@@ -40,10 +37,6 @@ def int8_lhs(x, codes, scale):
 def int8_ev(x, codes_ev, scale):
     y = jnp.dot(x, codes_ev.astype(jnp.bfloat16), preferred_element_type=jnp.float32)
     return y * scale.astype(jnp.float32)[None]
-
-
-def bf16_ve(x, w):
-    return lax.dot_general(x, w, _C, preferred_element_type=jnp.float32)
 
 
 def main(argv=None) -> int:
@@ -64,7 +57,7 @@ def main(argv=None) -> int:
     rows = []
     for m in (int(t) for t in args.ms.split(",")):
         x = jax.random.normal(jax.random.fold_in(key, m), (m, e), jnp.bfloat16)
-        for name, fn, wt in (("bf16_ve", bf16_ve, (wb,)), ("int8_cur", int8_cur, (codes, scale)),
+        for name, fn, wt in (("bf16_ve", bf16_ve, (wb,)), ("int8_cur", ops.int8_head, (codes, scale)),
                              ("int8_lhs", int8_lhs, (codes, scale)),
                              ("int8_ev", int8_ev, (codes_ev, scale))):
             _, dev, _ = time_per_op(fn, [x], [wt], 10, device=True)
