@@ -38,7 +38,7 @@ import jax
 import numpy as np
 
 from bench.common import git_sha
-from jaxinfer.config import EngineConfig
+from jaxinfer.config import LM_HEADS, EngineConfig
 from jaxinfer.engine import Engine
 from jaxinfer.loading import load_model
 from jaxinfer.request import Request, SamplingParams
@@ -199,8 +199,9 @@ def add_engine_flags(ap: argparse.ArgumentParser, *, model: str, weights: str,
     ap.add_argument("--kv-dtype", choices=("auto", "bf16", "fp8"), default=kv_dtype)
     ap.add_argument("--kv-scales", choices=("static", "token"), default="static",
                     help="FP8 KV scales: one per layer and kv head (calibrated) or per token")
-    ap.add_argument("--lm-head", choices=("bf16", "int8"), default="bf16",
-                    help="LM head weights: bf16, or int8 per vocab row (as the CLI's flag)")
+    ap.add_argument("--lm-head", choices=LM_HEADS, default="bf16",
+                    help="LM head weights: bf16, int8 per vocab row, or auto (as the CLI's "
+                         "flag)")
     ap.add_argument("--attention", choices=("auto", "reference", "pallas"), default="auto")
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048,
                     help="token budget per step (decode rows + prefill chunks)")

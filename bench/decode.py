@@ -35,6 +35,7 @@ import jax
 import numpy as np
 
 from bench import ceilings as ceilings_mod
+from jaxinfer.config import INT8_HEAD_MAX_ROWS
 from jaxinfer.runner import kv_page_bytes
 from pallas_kernels import tuning
 from bench.common import (burst, decode_input, dtype_name, fill_kv, load_runner, new_result,
@@ -49,15 +50,21 @@ KEYS = ["model", "weights", "kv_dtype", "batch", "context", "step_ms", "step_ms_
         "achieved_TFLOPs"]
 
 
-def weight_bytes(params, cfg, batch: int, int8_head: bool = False) -> int:
+def weight_bytes(params, cfg, batch: int, lm_head: str = "bf16") -> int:
     """Weight bytes one step reads: the embedding table only for B rows, unless it is tied
-    and the head is not int8 (then the LM head reads it whole)."""
+    and the head is bf16 (then the LM head reads it whole); with lm_head "auto" the int8
+    head's codes and scales up to INT8_HEAD_MAX_ROWS rows, its dense copy above."""
+    dense = lm_head == "auto" and batch > INT8_HEAD_MAX_ROWS
     total = 0
     for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+        key = jax.tree_util.keystr(path)
         nbytes = leaf.size * leaf.dtype.itemsize
-        if "embed" in jax.tree_util.keystr(path) and (int8_head
-                                                      or not cfg.tie_word_embeddings):
+        if "embed" in key and (lm_head != "bf16" or not cfg.tie_word_embeddings):
             nbytes = batch * cfg.hidden_size * leaf.dtype.itemsize
+        elif "lm_head_dense" in key:
+            nbytes = nbytes if dense else 0
+        elif "lm_head" in key and dense:
+            nbytes = 0
         total += nbytes
     return total
 
@@ -88,7 +95,7 @@ def measure_case(runner, cfg, model: str, batch: int, context: int, ceil: dict,
                  reps: int, rng) -> dict:
     inp = runner.prepare(decode_input(cfg, runner.engine, batch, context, rng))
     synced, device, dispatch = step_times(runner, inp, reps)
-    nbytes = (weight_bytes(runner.params, cfg, batch, runner.engine.lm_head == "int8")
+    nbytes = (weight_bytes(runner.params, cfg, batch, runner.engine.lm_head)
               + batch * (context + 1) * kv_bytes_per_token(cfg, runner.engine))
     flops = step_flops(cfg, batch, context)
     byte_floor = nbytes / (ceil["read_TBps"] * 1e12)
@@ -98,7 +105,7 @@ def measure_case(runner, cfg, model: str, batch: int, context: int, ceil: dict,
             "kv_dtype": dtype_name(runner.kv.dtype), "batch": batch, "context": context,
             **({"kv_scales": "static" if runner.kv.static_scales else "token"}
                if runner.kv.is_fp8 else {}),
-            **({"lm_head": "int8"} if runner.engine.lm_head == "int8" else {}),
+            **({"lm_head": runner.engine.lm_head} if runner.engine.lm_head != "bf16" else {}),
             "unroll_layers": runner.engine.unroll_layers,
             "step_ms": round(synced * 1e3, 4), "step_ms_device": round(device * 1e3, 4),
             "dispatch_ms": round(dispatch * 1e3, 4),
@@ -186,7 +193,7 @@ def plot_roofline(result: dict, path: str) -> str:
     def series(r):  # rows of runs with --unroll-layers form their own series
         return (r["model"], r["weights"], r["kv_dtype"]) + (
             ("unrolled",) if r.get("unroll_layers") else ()) + (
-            ("int8 head",) if r.get("lm_head") == "int8" else ())
+            (f"{r['lm_head']} head",) if r.get("lm_head") else ())
 
     for key in sorted({series(r) for r in rows}):
         sel = [r for r in rows if series(r) == key]

@@ -317,7 +317,7 @@ def main(argv=None) -> dict:
     row = {"model": args.model, "weights": weights_name(ecfg),
            "kv_dtype": dtype_name(kv_dtype_for(ecfg)), "dtype": dtype,
            **({"kv_scales": ecfg.kv_scales} if ecfg.kv_dtype == "fp8" else {}),
-           **({"lm_head": "int8"} if ecfg.lm_head == "int8" else {}),
+           **({"lm_head": ecfg.lm_head} if ecfg.lm_head != "bf16" else {}),
            "input_len": args.input_len, "output_len": args.output_len,
            "num_requests": args.num_requests}
     with ClockMonitor() as clocks:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from jaxinfer.config import LM_HEADS
 from jaxinfer.errors import JaxinferError
 
 DEFAULT_MODEL = "smollm2"
@@ -25,11 +26,14 @@ def add_engine_args(p: argparse.ArgumentParser):
                    help="linear weight format: as loaded, or FP8 e4m3 with per-channel scales")
     g.add_argument("--kv-dtype", choices=("auto", "bf16", "fp8"), default="auto",
                    help="KV cache dtype (auto = compute dtype)")
-    g.add_argument("--lm-head", choices=("bf16", "int8"), default="bf16",
+    g.add_argument("--lm-head", choices=LM_HEADS, default="bf16",
                    help="LM head: as loaded, or int8 codes with a scale per vocab row (half "
                         "the bytes: a checkpoint's calibrated int8 head from `jaxinfer "
                         "convert --lm-head int8`, else rounded to nearest at load); for small "
-                        "batches: above ~64 rows a step it is slower than bf16 on the H200")
+                        "batches: above ~64 rows a step it is slower than bf16 on the H200. "
+                        "auto: the int8 head's values, read as codes by steps of up to 64 "
+                        "rows and from a bf16 copy of them by larger steps (the copy costs 2 "
+                        "bytes per head weight)")
     g.add_argument("--kv-scales", choices=("static", "token"), default="static",
                    help="FP8 KV scales: static, one per layer and kv head calibrated at "
                         "start-up (faster attention), or one per token and kv head (nothing "

@@ -162,7 +162,7 @@ WEIGHT_FORMATS = ("bf16", "fp8")
 # H200 (Llama-3-8B's head, 64 rows: 238 against 258 us; 128: 321 against 289; 256: 690
 # against 441; bench/results/lm_head_large_m.json and history/lm_head_forms_9e7ccb8.json).
 INT8_HEAD_MAX_ROWS = 64
-LM_HEADS = ("bf16", "int8")
+LM_HEADS = ("bf16", "int8", "auto")
 KV_DTYPES = ("auto", "bf16", "fp8")
 KV_SCALES = ("static", "token")
 ATTENTION_IMPLS = ("auto", "reference", "pallas")
@@ -187,6 +187,10 @@ class EngineConfig:
     # small batches: on the H200 its GEMM (XLA's, codes widened in the operand) reads half
     # the bytes up to ~64 rows a step and runs ~1.6x the bf16 head's time at 256-512, where
     # the head is compute-bound (bench/results/lm_head_large_m.json); hence the warning.
+    # "auto": the int8 head's values everywhere, read as codes by steps of up to
+    # INT8_HEAD_MAX_ROWS rows and from a bf16 copy of the dequantized codes (XLA gives that
+    # dot to cuBLAS) by larger ones: the int8 head's speed at small batches and the bf16
+    # head's at large ones, for the copy's memory (2 bytes per head weight).
     lm_head: str = "bf16"
     # FP8 KV scales (kv_cache.py): "static", one per layer and kv head, calibrated when the
     # runner starts (kv_calibration.py); "token", one per token and kv head. bf16 KV: unused.

@@ -9,6 +9,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxinfer import config
 from jaxinfer.config import EngineConfig
 from jaxinfer.params import build_model
 from jaxinfer.sharding import make_layout
@@ -30,5 +31,7 @@ def load_model(model: str, engine_cfg: EngineConfig):
     graphdef, params = build_model(cfg, flat, dtype, fp8=engine_cfg.weights == "fp8",
                                    unroll_layers=resolve_unroll(engine_cfg.unroll_layers),
                                    layout=layout,
-                                   consume=True, int8_head=engine_cfg.lm_head == "int8")
+                                   consume=True, int8_head=engine_cfg.lm_head != "bf16",
+                                   dense_head_above=(config.INT8_HEAD_MAX_ROWS
+                                                     if engine_cfg.lm_head == "auto" else None))
     return cfg, graphdef, params, tokenizer

@@ -254,10 +254,13 @@ def _unrolled_layer(graphdef, attn_impl, switches, state, x, delta, kv, layer, m
 
 class Decoder(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, fp8=False,
-                 unroll_layers=False, layout: TPLayout = TPLayout(), int8_head=False):
+                 unroll_layers=False, layout: TPLayout = TPLayout(), int8_head=False,
+                 dense_head_above: int | None = None):
         """fp8: decoder-layer linears hold FP8 weights (embeddings, norms, LM head stay).
         int8_head: the LM head as int8 codes [V, E] with per-vocab-row scales (its own
-        weight even where the embeddings are tied; ops.int8_head).
+        weight even where the embeddings are tied; ops.int8_head). dense_head_above (with
+        int8_head): also those codes dequantized (lm_head_dense [V, E] in dtype), which
+        logits reads for more rows than this (EngineConfig.lm_head "auto").
         unroll_layers: one weight buffer per layer and a Python loop over layers instead of
         stacked weights under lax.scan. The scan dynamic-slices each layer's weights out of
         the stacked arrays, which XLA materializes as per-layer copies (measured on the H200:
@@ -273,8 +276,12 @@ class Decoder(nnx.Module):
             self.layers = DecoderLayer(cfg, rngs=rngs, stack=(cfg.num_layers,), dtype=dtype,
                                        fp8=fp8, layout=layout)
         self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        self.dense_head_above = dense_head_above if int8_head else None
         if int8_head:
             self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, rngs=rngs, int8=True)
+            if dense_head_above is not None:
+                self.lm_head_dense = nnx.Param(
+                    _normal(rngs, (cfg.vocab_size, cfg.hidden_size), dtype))
         else:
             self.lm_head = None if cfg.tie_word_embeddings else Linear(
                 cfg.hidden_size, cfg.vocab_size, rngs=rngs, dtype=dtype)
@@ -333,9 +340,13 @@ class Decoder(nnx.Module):
         return self.final_norm(x), kv
 
     def logits(self, h):
-        """h [B, E] -> [B, V] f32."""
+        """h [B, E] -> [B, V] f32. The int8 head with a dense copy: the copy for B over
+        dense_head_above (B is static: the step's bucket)."""
         if self.lm_head is None:
             return jnp.dot(h, self.embed[...].T.astype(h.dtype),
+                           preferred_element_type=jnp.float32)
+        if self.dense_head_above is not None and h.shape[0] > self.dense_head_above:
+            return jnp.dot(h, self.lm_head_dense[...].T.astype(h.dtype),
                            preferred_element_type=jnp.float32)
         if self.lm_head.kernel.dtype == jnp.int8:
             return ops.int8_head(h, self.lm_head.kernel[...], self.lm_head.scale[...])

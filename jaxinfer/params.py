@@ -76,14 +76,23 @@ def _int8_head(flat: dict) -> dict:
     return {"kernel": codes, "scale": scale}
 
 
+@functools.partial(jax.jit, static_argnums=2)
+def _dequantized_head(codes, scale, dtype):
+    """codes [V, E] int8, scale [V] -> codes * scale [V, E] in dtype (one fused pass: no
+    f32 copy of the head)."""
+    return (codes.astype(jnp.float32) * scale[:, None].astype(jnp.float32)).astype(dtype)
+
+
 def fused_tree(cfg: ModelConfig, flat: dict, fp8: bool = False,
-               layout: TPLayout = TPLayout(), int8_head: bool = False) -> dict:
+               layout: TPLayout = TPLayout(), int8_head: bool = False,
+               dense_head_above: int | None = None) -> dict:
     """Canonical flat dict -> the nested dict of the Decoder's state (fused projections,
     laid out shard-major for `layout`'s attention and MLP shards). Empties `flat` as it
     goes, so a weight the caller no longer holds is freed once fused. int8_head: the LM
-    head as int8 (_int8_head). A checkpoint's int8 head loaded with int8_head=False: the tied
-    embedding serves as the head (the int8 one is dropped); untied, the float head is gone,
-    which is an error."""
+    head as int8 (_int8_head); with dense_head_above also its codes dequantized to the
+    embedding's dtype (lm_head_dense [V, E]: model.Decoder.logits). A checkpoint's int8 head
+    loaded with int8_head=False: the tied embedding serves as the head (the int8 one is
+    dropped); untied, the float head is gone, which is an error."""
     check_params(cfg, flat, "checkpoint")
     if has_int8_head(flat) and not int8_head:
         if not cfg.tie_word_embeddings:
@@ -108,6 +117,9 @@ def fused_tree(cfg: ModelConfig, flat: dict, fp8: bool = False,
     }
     if head is not None:
         tree["lm_head"] = head
+        if dense_head_above is not None:
+            tree["lm_head_dense"] = _dequantized_head(head["kernel"], head["scale"],
+                                                      tree["embed"].dtype)
     elif not cfg.tie_word_embeddings:
         tree["lm_head"] = {"kernel": flat.pop("lm_head")}
     return tree
@@ -133,26 +145,27 @@ def per_layer(stacked: dict, num_layers: int) -> dict:
 
 
 def abstract_model(cfg: ModelConfig, dtype, fp8: bool = False, unroll_layers: bool = False,
-                   layout: TPLayout = TPLayout(),
-                   int8_head: bool = False) -> tuple[nnx.GraphDef, nnx.State]:
-    return nnx.split(nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0), dtype=dtype,
-                                                    fp8=fp8, unroll_layers=unroll_layers,
-                                                    layout=layout, int8_head=int8_head)))
+                   layout: TPLayout = TPLayout(), int8_head: bool = False,
+                   dense_head_above: int | None = None) -> tuple[nnx.GraphDef, nnx.State]:
+    return nnx.split(nnx.eval_shape(lambda: Decoder(
+        cfg, rngs=nnx.Rngs(0), dtype=dtype, fp8=fp8, unroll_layers=unroll_layers,
+        layout=layout, int8_head=int8_head, dense_head_above=dense_head_above)))
 
 
 def build_model(cfg: ModelConfig, flat: Mapping[str, object], dtype=jnp.float32,
                 fp8: bool = False, unroll_layers: bool = False,
-                layout: TPLayout = TPLayout(), consume: bool = False, int8_head: bool = False
-                ) -> tuple[nnx.GraphDef, nnx.State]:
+                layout: TPLayout = TPLayout(), consume: bool = False, int8_head: bool = False,
+                dense_head_above: int | None = None) -> tuple[nnx.GraphDef, nnx.State]:
     """The decoder's (graphdef, state) holding `flat`'s weights in `dtype` (linears in FP8
     when fp8). The state is what the jitted step takes as its params argument.
     consume: `flat` is a dict handed over and emptied while fusing — peak memory is then the
     weights plus one fused group, not twice the weights (a 70B model on two GPUs).
     With a tensor-parallel `layout` every weight is placed by its sharding.state_specs spec:
     host (numpy) weights go shard by shard to their devices, never whole onto one."""
-    graphdef, abstract = abstract_model(cfg, dtype, fp8, unroll_layers, layout, int8_head)
+    graphdef, abstract = abstract_model(cfg, dtype, fp8, unroll_layers, layout, int8_head,
+                                        dense_head_above)
     tree = fused_tree(cfg, flat if consume and isinstance(flat, dict) else dict(flat), fp8,
-                      layout, int8_head)
+                      layout, int8_head, dense_head_above)
     if unroll_layers:
         tree["layers"] = per_layer(tree["layers"], cfg.num_layers)
     want = nnx.to_pure_dict(abstract)

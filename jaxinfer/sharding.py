@@ -6,7 +6,7 @@ Megatron-style split, one all-reduce per half layer:
                                       its own slice of F; the fused columns are laid out
                                       shard-major by params.fused_tree)
     row-parallel     wo, w_down       input axis sharded; the partial sums are all-reduced
-    vocab-parallel   embed, lm_head   V sharded
+    vocab-parallel   embed, lm_head (and its dense copy)   V sharded
     KV cache         [L, K, P, S, D]  K sharded: each device writes and reads only its kv heads
 Norms, RoPE frequencies and step inputs are replicated.
 
@@ -116,7 +116,7 @@ def state_specs(layout: TPLayout, tree):
 
     def spec(path, leaf):
         names = [_key(k) for k in path]
-        if names[0] == "embed":
+        if names[0] in ("embed", "lm_head_dense"):     # both [V, E]
             return canonical_spec(layout, "embed", leaf.ndim, False)
         owner = next((n for n in reversed(names) if n in _ROLES), None)
         if owner is None:

@@ -89,6 +89,79 @@ def test_model_logits_with_the_int8_head(model):
     assert 1e-4 < rel < 0.02, rel          # quantized (not bf16's result), and close
 
 
+def _reads_codes(decoder, h) -> bool:
+    """Whether logits(h) widens the int8 codes (ops.int8_head) rather than reading a float
+    head: by the traced program's types."""
+    return "i8[" in str(jax.make_jaxpr(decoder.logits)(h))
+
+
+def test_auto_head_reads_codes_up_to_the_row_limit_and_its_dense_copy_above(monkeypatch):
+    """lm_head="auto": the int8 head's codes for steps of up to INT8_HEAD_MAX_ROWS rows (the
+    same logits as lm_head="int8"), and above them a float copy of the same codes times
+    their scales, whose logits agree with the codes' to float rounding."""
+    from flax import nnx
+
+    from jaxinfer import config
+
+    monkeypatch.setattr(config, "INT8_HEAD_MAX_ROWS", 2)
+    decoders = {}
+    for head in ("int8", "auto"):
+        cfg, graphdef, params, _ = load_model("tiny", _engine(head))
+        decoders[head] = nnx.merge(graphdef, params)
+    int8, auto = decoders["int8"], decoders["auto"]
+    assert not hasattr(int8, "lm_head_dense")
+    codes, scale = int8.lm_head.kernel[...], int8.lm_head.scale[...]
+    np.testing.assert_array_equal(np.asarray(auto.lm_head.kernel[...]), np.asarray(codes))
+    np.testing.assert_array_equal(np.asarray(auto.lm_head_dense[...]),
+                                  _deq(codes, scale).T)
+    h = jax.random.normal(jax.random.PRNGKey(1), (3, cfg.hidden_size))
+    assert _reads_codes(auto, h[:2]) and not _reads_codes(auto, h)
+    assert _reads_codes(int8, h)
+    np.testing.assert_array_equal(np.asarray(auto.logits(h[:2])),
+                                  np.asarray(int8.logits(h[:2])))
+    np.testing.assert_allclose(np.asarray(auto.logits(h)), np.asarray(int8.logits(h)),
+                               rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.filterwarnings("ignore:lm_head='int8'")     # the patched row limit's warning
+def test_auto_head_through_the_engine(monkeypatch):
+    """Greedy answers with lm_head="auto" where the steps' buckets (4 rows) are above the
+    row limit (patched to 1), so every step reads the dense copy: the int8 head's tokens."""
+    from engine_util import random_prompts, run_staggered
+    from jaxinfer import config
+    from jaxinfer.engine import Engine
+    from jaxinfer.request import SamplingParams
+
+    monkeypatch.setattr(config, "INT8_HEAD_MAX_ROWS", 1)
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    prompts = random_prompts(3, hi=12, seed=2)
+    tokens = {}
+    for head in ("int8", "auto"):
+        engine = Engine.from_model("tiny", EngineConfig(
+            dtype="float32", lm_head=head, max_model_len=64, max_num_seqs=4,
+            max_num_batched_tokens=16, page_size=4))
+        outs = run_staggered(engine, prompts, [greedy] * 3, [0, 0, 0])
+        tokens[head] = [o.token_ids for o in outs]
+    assert tokens["auto"] == tokens["int8"] and all(len(t) == 6 for t in tokens["int8"])
+
+
+def test_decode_bench_counts_the_head_a_step_reads():
+    """bench.decode's byte count (its MBU's numerator) with lm_head="auto": the codes and
+    scales up to INT8_HEAD_MAX_ROWS rows, the dense copy above, never both."""
+    from bench.decode import weight_bytes
+    from jaxinfer.config import INT8_HEAD_MAX_ROWS
+
+    cfg, _, int8, _ = load_model("tiny", _engine("int8"))
+    _, _, auto, _ = load_model("tiny", _engine("auto"))
+    head = cfg.vocab_size * cfg.hidden_size
+    codes_and_scales = head + 4 * cfg.vocab_size
+    for rows in (1, INT8_HEAD_MAX_ROWS):
+        assert weight_bytes(auto, cfg, rows, "auto") == weight_bytes(int8, cfg, rows, "int8")
+    rows = INT8_HEAD_MAX_ROWS + 1
+    assert (weight_bytes(auto, cfg, rows, "auto")
+            == weight_bytes(int8, cfg, rows, "int8") - codes_and_scales + 4 * head)  # f32
+
+
 def test_lm_head_config_is_checked():
     with pytest.raises(ConfigError, match="lm_head"):
         EngineConfig(lm_head="fp8")
@@ -105,6 +178,7 @@ def test_int8_head_at_large_batches_warns():
         warnings.simplefilter("error")
         EngineConfig(lm_head="int8", max_num_seqs=INT8_HEAD_MAX_ROWS)
         EngineConfig(lm_head="bf16", max_num_seqs=512)
+        EngineConfig(lm_head="auto", max_num_seqs=512)
 
 
 def test_converted_int8_head_round_trip(tmp_path):

@@ -1,7 +1,8 @@
 """Tensor parallelism on 8 virtual CPU devices: greedy outputs under continuous batching are
 identical at tp = 1, 2, 4 (tiny model: reference and Pallas attention, FP8 weights) and
 tp = 1, 2 (SmolLM2, whose 9/3 heads replicate attention at tp=2); weights (the int8 LM head's
-too) and the KV cache really are sharded; the compiled step gathers no weight.
+and its dense copy's too) and the KV cache really are sharded; the compiled step gathers no
+weight.
 
 The checks run in ONE child process (this file run as a script): the pytest process has
 already initialised jax with one device, and the device count is fixed at jax start-up.
@@ -76,9 +77,10 @@ def _tiny(tp: int, **kw):
     return Engine(TINY, cfg, graphdef, params)
 
 
-def _synthetic_logits(tp: int, **kw):
+def _synthetic_logits(tp: int, spec_of=("lm_head", "kernel"), **kw):
     """Teacher-forced logits of the tiny standard shape loaded by name (synthetic weights
-    generated sharded; with weights="fp8" generated quantized too) through the runner."""
+    generated sharded; with weights="fp8" generated quantized too) through the runner, and
+    the sharding spec of the param at path `spec_of`."""
 
     from jaxinfer.config import EngineConfig
     from jaxinfer.engine import Engine
@@ -88,7 +90,10 @@ def _synthetic_logits(tp: int, **kw):
                                                     page_size=4, tensor_parallel=tp, **kw))
     tokens = np.arange(5, 15, dtype=np.int32)
     md = single_sequence_md(np.arange(10), [1, 2, 3], 4, engine.config.pages_per_seq)
-    sharding = engine.runner.params["lm_head"]["kernel"][...].sharding
+    leaf = engine.runner.params
+    for key in spec_of:
+        leaf = leaf[key]
+    sharding = leaf[...].sharding
     return engine.runner.all_logits(tokens, md).tolist(), list(getattr(sharding, "spec", ()))
 
 
@@ -141,6 +146,12 @@ def child_main() -> dict:
     res["synthetic_fp8"] = {str(tp): _synthetic_logits(tp, weights="fp8") for tp in (1, 2)}
     res["synthetic_int8_head"] = {str(tp): _synthetic_logits(tp, lm_head="int8")
                                   for tp in (1, 2)}
+    from jaxinfer import config
+    limit, config.INT8_HEAD_MAX_ROWS = config.INT8_HEAD_MAX_ROWS, 4   # 10 rows: the copy
+    res["synthetic_auto_head"] = {str(tp): _synthetic_logits(tp, ("lm_head_dense",),
+                                                             lm_head="auto")
+                                  for tp in (1, 2)}
+    config.INT8_HEAD_MAX_ROWS = limit
     res["mismatch_error"] = _layout_mismatch_error()
     smol = ["The capital of France is", "def fib(n):"]
     for tp in (1, 2):
@@ -218,6 +229,17 @@ def test_int8_head_split_by_vocab(results):
     np.testing.assert_allclose(got, ref, rtol=2e-4, atol=2e-4)
     float_ref = np.asarray(results["synthetic"]["1"][0])
     assert not np.allclose(np.asarray(ref), float_ref, rtol=1e-5, atol=1e-5)
+
+
+def test_auto_head_dense_copy_split_by_vocab(results):
+    """lm_head="auto" above its row limit reads the dense copy [V, E], split along V like
+    the embedding: the same logits at tp 1 and 2, and the int8 head's to float rounding."""
+    (ref, ref_spec), (got, spec) = (results["synthetic_auto_head"]["1"],
+                                    results["synthetic_auto_head"]["2"])
+    assert spec == ["tp", None] and ref_spec == []
+    np.testing.assert_allclose(got, ref, rtol=2e-4, atol=2e-4)
+    np.testing.assert_allclose(ref, results["synthetic_int8_head"]["1"][0], rtol=1e-4,
+                               atol=1e-4)
 
 
 def test_smollm2_greedy_identical_at_tp_1_2(results):
