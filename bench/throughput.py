@@ -37,7 +37,9 @@ planning tool for the engine's knobs (--max-num-seqs, --max-num-batched-tokens),
 `predicted_*` numbers are not measurements. Its step counts are the run's (2,308 against the
 H200's 2,309); its time is optimistic by 9% (56.3 s predicted, 61.7 s measured at 921e01b;
 59.0 against 64.1 at 4fa4f66 and 58.7 against 63.7 at 79f568b with the fits before). It put
-256 rows per step 4.0% below 512; the tenth session measured 3.4%.
+256 rows per step 4.0% below 512; the tenth session measured 3.4%. It put 640 rows with
+8,192 tokens a step 1.7% above 512 / 2,048; the thirty-sixth session measured 1.8% below (one
+machine, one run each): its fits hold no step of more than 2,048 tokens.
 
 --time-limit-s bounds the whole run from the start of main() (model load and warmup
 included): once it is spent no further step is dispatched and the row is written with
