@@ -188,9 +188,10 @@ class EngineConfig:
     # the bytes up to ~64 rows a step and runs ~1.6x the bf16 head's time at 256-512, where
     # the head is compute-bound (bench/results/lm_head_large_m.json); hence the warning.
     # "auto": the int8 head's values everywhere, read as codes by steps of up to
-    # INT8_HEAD_MAX_ROWS rows and from a bf16 copy of the dequantized codes (XLA gives that
-    # dot to cuBLAS) by larger ones: the int8 head's speed at small batches and the bf16
-    # head's at large ones, for the copy's memory (2 bytes per head weight).
+    # INT8_HEAD_MAX_ROWS rows and from a bf16 copy of the dequantized codes by larger ones (a
+    # plain float dot, the bf16 head's form, which XLA ran through cuBLAS from 128 rows in
+    # bench/probes/lm_head.py): the int8 head's speed at small batches and the bf16 head's at
+    # large ones (bench/results/lm_head_auto.json), for the copy's memory (2 bytes a weight).
     lm_head: str = "bf16"
     # FP8 KV scales (kv_cache.py): "static", one per layer and kv head, calibrated when the
     # runner starts (kv_calibration.py); "token", one per token and kv head. bf16 KV: unused.
