@@ -35,7 +35,7 @@ import jax
 import numpy as np
 
 from bench import ceilings as ceilings_mod
-from jaxinfer.config import INT8_HEAD_MAX_ROWS
+from jaxinfer import config
 from jaxinfer.runner import kv_page_bytes
 from pallas_kernels import tuning
 from bench.common import (burst, decode_input, dtype_name, fill_kv, load_runner, new_result,
@@ -54,7 +54,7 @@ def weight_bytes(params, cfg, batch: int, lm_head: str = "bf16") -> int:
     """Weight bytes one step reads: the embedding table only for B rows, unless it is tied
     and the head is bf16 (then the LM head reads it whole); with lm_head "auto" the int8
     head's codes and scales up to INT8_HEAD_MAX_ROWS rows, its dense copy above."""
-    dense = lm_head == "auto" and batch > INT8_HEAD_MAX_ROWS
+    dense = lm_head == "auto" and batch > config.INT8_HEAD_MAX_ROWS   # loading.py's rule
     total = 0
     for path, leaf in jax.tree_util.tree_leaves_with_path(params):
         key = jax.tree_util.keystr(path)

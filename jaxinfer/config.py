@@ -229,7 +229,8 @@ class EngineConfig:
             warnings.warn(f"lm_head='int8' with max_num_seqs={self.max_num_seqs}: above "
                           f"~{INT8_HEAD_MAX_ROWS} rows a step the int8 head is slower than "
                           "the bf16 one (on the H200, ~1.6x its time at 256-512 rows); it "
-                          "pays at small batches", stacklevel=3)
+                          "pays at small batches (lm_head='auto' switches to a float copy "
+                          "of it above that)", stacklevel=3)
         check(self.kv_scales in KV_SCALES,
               f"kv_scales must be one of {KV_SCALES}, got {self.kv_scales!r}")
         check(self.attention_impl in ATTENTION_IMPLS,
