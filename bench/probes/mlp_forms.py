@@ -119,8 +119,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     result = new_result("mlp_forms", git=args.git, command="python -m bench.probes.mlp_forms "
                         + " ".join(argv or sys.argv[1:]))
-    rows = []
     for shape in args.shapes.split(","):
+        rows = []
         e, f = SHAPES[shape]
         key = jax.random.PRNGKey(e)
         sets = make_sets(key, e, f, args.sets)
@@ -140,11 +140,9 @@ def main(argv=None) -> int:
                          "us_device": None if dev is None else round(dev * 1e6, 2),
                          "rel_err_vs_cur": round(rel_err(out, ref), 5),
                          "kernels": hlo_kernels(fn, x, wts[0])["by_kind"]})
-            print(rows[-1], flush=True)
             ws = wts = None
-        save(result, args.out, rows)
+        save(result, args.out, rows)       # this shape's rows, appended to the file's
         sets = forms = None
-    save(result, args.out, rows)
     return 0
 
 
