@@ -25,19 +25,3 @@ def pow2_divisor(n: int, cap: int) -> int:
     while d * 2 <= cap and n % (d * 2) == 0:
         d *= 2
     return d
-
-
-# Experimental (JAXINFER_PDL_PALLAS=1, read at import): the decode attention and combine
-# kernels' custom calls carry XLA's `xla.pdl_launch` attribute, so XLA launches them with
-# programmatic dependent launch like its own GEMM fusions (bench/probes/pdl_pallas.py).
-PDL_PALLAS = __import__("os").environ.get("JAXINFER_PDL_PALLAS", "0") == "1"
-
-
-def pdl_launch(interpret: bool):
-    """The context a pallas_call is made in: XLA's PDL attribute on it under PDL_PALLAS (on
-    the GPU), else nothing."""
-    import contextlib
-    if not PDL_PALLAS or interpret:
-        return contextlib.nullcontext()
-    from jax.experimental.xla_metadata import set_xla_metadata
-    return set_xla_metadata(**{"xla.pdl_launch": "true"})

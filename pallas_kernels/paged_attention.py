@@ -57,7 +57,7 @@ from jax.experimental import pallas as pl
 
 from jaxinfer.errors import ConfigError
 from jaxinfer.kv_cache import FP8_DTYPE, is_static
-from pallas_kernels import LOG2E, pdl_launch, pow2_ceil, triton_params, tuning
+from pallas_kernels import LOG2E, pow2_ceil, triton_params, tuning
 from pallas_kernels import decode_qkv as dq
 from pallas_kernels.split_combine import combine_call, last_combines_in_kernel
 from pallas_kernels.attention_block import (MIN_ROWS, attend_block, block_pages,
@@ -271,13 +271,12 @@ def _paged_attention_blocks(q, k_pages, v_pages, layer, seq_lens, page_table, k_
         aliases.update({first + i: len(out_shape) + i for i in range(written)})
         out_shape += tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in views[:written])
     grid = (kv_heads, batch, n) if longest_first else (batch, kv_heads, n)
-    with pdl_launch(interpret):
-        outs = pl.pallas_call(
-            kernel, grid=grid, out_shape=out_shape, interpret=interpret,
-            input_output_aliases=aliases,
-            **triton_params(interpret, blocks.num_warps, blocks.num_stages),
-            name="jaxinfer_paged_decode" + ("_pairs" if pairs else "") + ("_qkv" if qkv else ""),
-        )(*args)
+    outs = pl.pallas_call(
+        kernel, grid=grid, out_shape=out_shape, interpret=interpret,
+        input_output_aliases=aliases,
+        **triton_params(interpret, blocks.num_warps, blocks.num_stages),
+        name="jaxinfer_paged_decode" + ("_pairs" if pairs else "") + ("_qkv" if qkv else ""),
+    )(*args)
     outs, cache_out = (outs[:len(outs) - written], outs[len(outs) - written:])
     if counters is not None and qkv is not None:
         cache_out += (outs[-1] if last_combines else counters,)

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels import pdl_launch, pow2_ceil, triton_params
+from pallas_kernels import pow2_ceil, triton_params
 from pallas_kernels.attention_block import M_INIT
 
 
@@ -83,12 +83,11 @@ def combine_call(acc, m, l, *, splits: int, rows: int, batch: int, num_heads: in
             out_shape=jax.ShapeDtypeStruct(out.shape, out.dtype), input_output_aliases={4: 0},
             name=name, **triton_params(interpret, 1, 1),
         )(token_rows, acc, m, l, out)
-    with pdl_launch(interpret):
-        return pl.pallas_call(
-            kernel, grid=(batch, num_heads), interpret=interpret,
-            out_shape=jax.ShapeDtypeStruct((batch * num_heads, head_dim), dtype),
-            name=name, **triton_params(interpret, 1, 1),
-        )(*(() if live is None else (live,)), acc, m, l)
+    return pl.pallas_call(
+        kernel, grid=(batch, num_heads), interpret=interpret,
+        out_shape=jax.ShapeDtypeStruct((batch * num_heads, head_dim), dtype),
+        name=name, **triton_params(interpret, 1, 1),
+    )(*(() if live is None else (live,)), acc, m, l)
 
 
 LAST_COMBINE_CHUNK = 4    # splits the last program merges at once ([chunk, G, D] f32)
