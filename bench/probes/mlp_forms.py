@@ -15,6 +15,10 @@ a per-row scale, fp8_matmul.xla_dequant_matmul's route) and is checked against `
 
 `us_device`: device time per MLP (bench.profile.device_seconds over weights rotated so each
 call streams from HBM); `kernels`: the compiled program's kernels by kind.
+
+H200, jax 0.11.2 (bench/results/mlp_forms.json, one run): every form compiles to the same two
+GEMMs and two loop fusions (XLA fuses SiLU * up into no GEMM), and none is faster: 8B 52.0-54.2
+us against `cur`'s 52.0, Qwen2.5-32B 112.5-118.9 against 114.8.
 """
 from __future__ import annotations
 
