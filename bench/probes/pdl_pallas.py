@@ -19,6 +19,11 @@ B reads y and writes z = y + 1. Variants:
   offsets, so the load cannot move above it).
 - `pdl_nowait`: the same without B's wait: if XLA launches B early, B may read y before A
   wrote it (z wrong).
+- `mgpu_plain`, `mgpu`, `mgpu_nowait`: the same with B a Mosaic GPU kernel (z = y, by TMA;
+  `mgpu` waits with `plgpu.griddepcontrol_wait`). XLA compiles no Mosaic code, so if
+  `mgpu_nowait`'s B ends early or copies a stale y, a Mosaic kernel can load its weights
+  before its own wait: the route to a PDL weight-prefetch GEMV (bench/README.md,
+  thirty-seventh session). These three ran in interpret mode on the CPU only so far.
 Per variant: B's start minus A's end (us, from the profiler's device events; negative: B
 started before A finished), the two kernels' durations, and whether z == y + 1 across calls
 with changing c.
@@ -32,6 +37,7 @@ without its own wait, and every z was right: a wait at the kernel's top that XLA
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 
@@ -81,11 +87,41 @@ def _kernel_b(y_ref, z_ref, *, wait: bool, gpu: bool):
     z_ref[pl.ds(p * BLOCK, BLOCK)] = y_ref[pl.ds(start, BLOCK)] + 1.0
 
 
+def _mosaic_b(y, *, wait: bool, interpret: bool):
+    """B as a Mosaic GPU kernel: z = y, each program's slice through shared memory by TMA,
+    after `plgpu.griddepcontrol_wait` when `wait` (XLA compiles no Mosaic code, so any wait
+    in it is the kernel's own)."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    rows = BLOCK // 128             # a TMA box holds <= 256 elements per dimension
+
+    def body(y_gmem, z_gmem, smem, bar):
+        p = lax.axis_index("p")
+        if wait:
+            plgpu.griddepcontrol_wait()
+        plgpu.copy_gmem_to_smem(y_gmem.at[p], smem, bar.at[0])
+        plgpu.barrier_wait(bar.at[0])
+        plgpu.copy_smem_to_gmem(smem, z_gmem.at[p])
+        plgpu.wait_smem_to_gmem(0)
+
+    kw = {}
+    if interpret:
+        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+        kw["interpret"] = InterpretGPUParams()
+    y3 = y.reshape(PROGRAMS, rows, 128)
+    return plgpu.kernel(
+        body, out_type=jax.ShapeDtypeStruct(y3.shape, y.dtype), grid=(PROGRAMS,),
+        grid_names=("p",),
+        scratch_types=[plgpu.SMEM((rows, 128), jnp.float32), plgpu.Barrier(num_barriers=1)],
+        compiler_params=plgpu.CompilerParams(
+            lowering_semantics=plgpu.LoweringSemantics.Warpgroup), **kw)(y3).reshape(y.shape)
+
+
 def program(variant: str, interpret: bool, iters: int = ITERS):
     """The jitted A -> B program of one variant."""
     from jax.experimental.xla_metadata import set_xla_metadata
     gpu = not interpret
-    pdl = variant != "plain"
+    pdl = variant not in ("plain", "mgpu_plain")
     params = triton_params(interpret, 4, 1)
     shape = jax.ShapeDtypeStruct((PROGRAMS * BLOCK,), jnp.float32)
 
@@ -100,16 +136,23 @@ def program(variant: str, interpret: bool, iters: int = ITERS):
     def run(c, w):
         y = call(lambda *r: _kernel_a(*r, trigger=pdl, gpu=gpu, iters=iters),
                  f"pdl_a_{variant}", c, w)
-        z = call(lambda *r: _kernel_b(*r, wait=variant == "pdl", gpu=gpu),
-                 f"pdl_b_{variant}", y)
+        if variant.startswith("mgpu"):
+            with (set_xla_metadata(**{"xla.pdl_launch": "true"}) if pdl
+                  else contextlib.nullcontext()):
+                z = _mosaic_b(y, wait=variant == "mgpu" and gpu, interpret=interpret)
+        else:
+            z = call(lambda *r: _kernel_b(*r, wait=variant == "pdl", gpu=gpu),
+                     f"pdl_b_{variant}", y)
         return y, z
     return jax.jit(run)
 
 
 def _gaps(events, variant: str):
-    """(B's start - A's end) per call, A's and B's durations (us)."""
+    """(B's start - A's end) per call, A's and B's durations (us). B: every kernel but A's
+    and the copies (the Mosaic kernel's name is not ours to set)."""
     a = sorted((e for e in events if f"pdl_a_{variant}" in e["name"]), key=lambda e: e["ts"])
-    b = sorted((e for e in events if f"pdl_b_{variant}" in e["name"]), key=lambda e: e["ts"])
+    b = sorted((e for e in events if f"pdl_a_{variant}" not in e["name"]
+                and not e["name"].startswith("Memcpy")), key=lambda e: e["ts"])
     gaps = [eb["ts"] - (ea["ts"] + ea["dur"]) for ea, eb in zip(a, b)]
     return gaps, [e["dur"] for e in a], [e["dur"] for e in b]
 
@@ -121,7 +164,8 @@ def measure(variant: str, interpret: bool, calls: int) -> dict:
     wrong = 0
     for i in range(calls):                       # a new c each call: stale y shows in z
         y, z = run(jnp.full((1,), float(i), jnp.float32), w)
-        wrong += int(not np.array_equal(np.asarray(z), np.asarray(y) + 1.0))
+        plus = 0.0 if variant.startswith("mgpu") else 1.0       # Mosaic's B copies y
+        wrong += int(not np.array_equal(np.asarray(z), np.asarray(y) + plus))
     row = {"variant": variant, "calls": calls, "wrong_calls": wrong,
            "kernel_names_seen": []}
     if interpret:
@@ -143,7 +187,9 @@ def measure(variant: str, interpret: bool, calls: int) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--variants", default="plain,pdl,pdl_nowait,plain")
+    ap.add_argument("--variants", default="plain,pdl,pdl_nowait,plain",
+                    help="plain, pdl, pdl_nowait (B in Triton); mgpu_plain, mgpu, "
+                         "mgpu_nowait (B in Mosaic GPU)")
     ap.add_argument("--calls", type=int, default=20)
     ap.add_argument("--interpret", action="store_true", help="CPU check of the kernels")
     ap.add_argument("--git", default=None)
