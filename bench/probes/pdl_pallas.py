@@ -5,10 +5,11 @@
 The known way to hide a GEMV's ramp at batch 1 (CUTLASS's Hopper weight-prefetch example, the
 serving stacks' low-latency GEMVs) is PDL: the GEMV is launched while its predecessor still
 runs, loads its weights, and only then waits (`griddepcontrol.wait`) for the activations.
-XLA's own Triton GEMMs wait at their first instruction (XLA's public insert-pdl pass), so
-jaxinfer would need its own kernels launched with PDL. This probe asks whether XLA does
-that for a Pallas custom call carrying the frontend attribute `xla.pdl_launch` (the one
-XLA's PDL pass puts on its GEMM fusions; attached here with jax's `set_xla_metadata`).
+XLA's own Triton GEMMs wait at their first instruction (by XLA's public insert-pdl pass;
+not read from this build's kernels), so jaxinfer would need its own kernels launched with
+PDL. This probe asks whether XLA does that for a Pallas custom call carrying the frontend
+attribute `xla.pdl_launch` (the one XLA's PDL pass puts on its GEMM fusions; attached here
+with jax's `set_xla_metadata`).
 
 Two Pallas kernels in one jitted program: A (132 programs) streams a 138 MB buffer (~180 us
 on the H200: one [1024] load per loop step, not a fast stream) and writes y = its sums + c;
@@ -25,8 +26,8 @@ B reads y and writes z = y + 1. Variants:
   before its own wait: the route to a PDL weight-prefetch GEMV (bench/README.md,
   thirty-seventh session). These three ran in interpret mode on the CPU only so far.
 Per variant: B's start minus A's end (us, from the profiler's device events; negative: B
-started before A finished), the two kernels' durations, and whether z == y + 1 across calls
-with changing c.
+started before A finished), the two kernels' durations, and whether z is right (y + 1; y for
+the Mosaic B) across calls with changing c.
 
 H200, jax 0.11.2 (bench/results/pdl_pallas.json, 20 calls each): `plain` B started 0.16 us
 before A's end (median), `pdl` 163.0 us before it and `pdl_nowait` 165.6: XLA launches the
