@@ -25,7 +25,6 @@ import time
 from pathlib import Path
 
 import jax
-import numpy as np
 
 from bench import hlo
 from bench.common import engine_argv, load_runner, new_result, print_table, progress, save

@@ -194,7 +194,6 @@ def decode_step_analysis(model: str, engine, batch: int = 1) -> dict:
     (an EngineConfig), compiled from abstract weights: nothing is allocated but a small KV
     pool, so even a 32B shape costs only its compile."""
     import jax
-    import numpy as np
 
     from jaxinfer.buckets import Bucket
     from jaxinfer.config import standard_config
