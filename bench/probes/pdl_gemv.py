@@ -1,0 +1,312 @@
+"""Does a Mosaic GPU FP8 GEMV that loads its weights before `griddepcontrol.wait` shorten a
+chain of batch-1 layers? A probe.
+
+    python -m bench.probes.pdl_gemv [--layers 32] [--impls xla,mgpu,pdl,...] [--out FILE]
+
+The batch-1 FP8 step loses ~3 us per GEMM against its byte time (bench/README.md,
+thirty-fifth and thirty-seventh sessions): XLA's GEMMs, launched with PDL, still wait for
+their predecessor at their first instruction, so each starts its weight stream cold. A
+kernel that issues its first weight copies, then waits for the activations, overlaps the
+previous kernel's tail (a norm, a residual add) with its own ramp. XLA adds no wait to a
+Mosaic GPU kernel (it compiles none of its code), and jax >= 0.11 launches a Pallas Mosaic
+GPU kernel that calls `plgpu.griddepcontrol_wait` with programmatic stream serialization.
+
+The kernel (`gemv`): y^T [splits, N, T] f32 partials = W [N, K] e4m3 . x^T [K, T], x the
+f16 activations padded to T = 8 rows. Each program owns one K range (split) and a stride of
+`tile_m`-row output tiles; the weight tiles [tile_m, tile_k] stream through a pipeline of
+`stages` TMA copies; x's K range goes to shared memory once per program, in tile_k chunks,
+at the first step. With `pdl`, the pipeline's first copies are issued before the program
+waits for the previous grid (`griddepcontrol.wait`), x after it, and it then lets the next
+grid launch (`launch_dependents`). Each step converts its weight tile to f16 in registers and
+issues a wgmma with x's chunk as the B operand.
+
+The chain: `--layers` copies of the 8B layer's GEMMs with the glue between them and no
+attention: RMSNorm -> QKV -> (q's slice) -> O -> residual add -> RMSNorm -> gate/up ->
+SiLU * up -> down -> residual add. impls: `xla` (the model's batch-1 route,
+xla_dequant_matmul), `mgpu` (this kernel without PDL), `pdl` (with it), `pdl_top` (PDL
+with the wait before any copy: early launch without the prefetch). Per impl: the
+median span of one call on the device (first kernel start to last kernel end, calls
+apart), the GEMM kernels' summed duration, how far each GEMM started before its
+predecessor ended, and whether the `pdl` chain's output equals `mgpu`'s bit for bit with a
+new input every call (a GEMV that read x before the wait would not).
+
+On the CPU (jax 0.10, Mosaic GPU interpret mode, no wait: 0.10 has no interpret rule for
+it) the kernel is checked against a reference on small shapes (tests/test_pdl_gemv.py).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import os
+import statistics
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+
+import jaxinfer  # XLA's PDL flag, as in the engine (imported before JAX uses a device)
+from bench.common import new_result, print_table, save
+from bench.probes.mgpu_util import GPU, num_sms, transforms
+
+T = 8                                   # padded token rows of x
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    tile_m: int = 64        # output channels per tile (wgmma's M)
+    tile_k: int = 256       # K per pipeline step and per x chunk
+    stages: int = 4         # weight copies in flight
+    splits: int = 2         # K ranges (f32 partials [splits, N, T])
+    per_sm: int = 2         # programs per SM (each split gets per_sm * SMs / splits)
+
+    @classmethod
+    def parse(cls, text: str) -> "Config":
+        return cls(*(int(v) for v in text.split(",")))
+
+    def smem_bytes(self, k: int) -> int:
+        return (k // self.splits * T * 2 + self.stages * self.tile_m * self.tile_k
+                + self.tile_m * T * 4)
+
+
+# per 8B projection (K x N): configs after bench/results/mgpu_gemv.json's best, sized so that
+# x's K range, the weight stages and the output tile fit twice in an SM's shared memory
+CONFIGS = {(4096, 6144): Config(64, 256, 4, 2, 2), (4096, 4096): Config(64, 256, 4, 4, 2),
+           (4096, 28672): Config(64, 256, 4, 2, 2), (14336, 4096): Config(64, 256, 3, 4, 2)}
+DEFAULT = Config() if GPU else Config(64, 64, 2, 2, 1)     # the CPU check's small shapes
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "pdl", "interpret"))
+def gemv(w, x, *, cfg: Config = Config(), pdl: str = "", interpret: bool = False):
+    """w [N, K] e4m3, x [T, K] f16 -> [splits, N, T] f32 (unscaled partial products).
+    pdl: "" (none), "prefetch" (wait after the first weight copies) or "top" (wait first)."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    n, k = w.shape
+    if x.shape != (T, k) or x.dtype != jnp.float16:
+        raise ValueError(f"pdl_gemv: x must be [{T}, {k}] float16, got {x.shape} {x.dtype}")
+    ks = k // cfg.splits
+    if n % cfg.tile_m or k % cfg.splits or ks % cfg.tile_k:
+        raise ValueError(f"pdl_gemv: {cfg} does not tile w [{n}, {k}]")
+    k_iters = ks // cfg.tile_k
+    tiles = n // cfg.tile_m
+    pps = max(1, min(tiles, num_sms() * cfg.per_sm // cfg.splits))   # programs per split
+    programs = pps * cfg.splits
+    tf = transforms(plgpu, cfg.tile_k, 8)
+    x_tf = transforms(plgpu, cfg.tile_k, 16)
+    scratch = [plgpu.SMEM((cfg.tile_m, T), jnp.float32),
+               plgpu.SMEM((k_iters, T, cfg.tile_k), jnp.float16, transforms=x_tf),
+               plgpu.Barrier(num_barriers=k_iters)]
+
+    def body(w_gmem, x_gmem, o_gmem, o_smem, x_smem, bars):
+        pid = lax.axis_index("p")
+        split, first = pid // pps, pid % pps
+        mine = (tiles - first + pps - 1) // pps       # tiles first, first + pps, ...
+
+        def tile_of(g):
+            return first + (g // k_iters) * pps, g % k_iters
+
+        def w_index(g):
+            m, kk = tile_of(g)
+            return m, split * k_iters + kk
+
+        def load_x():
+            if pdl == "prefetch" and not interpret:
+                plgpu.griddepcontrol_wait()
+            for i in range(k_iters):
+                off = split * ks + i * cfg.tile_k
+                plgpu.copy_gmem_to_smem(x_gmem.at[:, pl.ds(off, cfg.tile_k)], x_smem.at[i],
+                                        bars.at[i])
+            for i in range(k_iters):
+                plgpu.barrier_wait(bars.at[i])
+            if pdl and not interpret:
+                plgpu.griddepcontrol_launch_dependents()
+
+        def store(m, value):
+            plgpu.wait_smem_to_gmem(0)
+            o_smem[...] = value
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[split, pl.ds(m * cfg.tile_m, cfg.tile_m)])
+
+        if pdl == "top" and not interpret:
+            plgpu.griddepcontrol_wait()
+        pipeline = functools.partial(
+            plgpu.emit_pipeline, grid=(mine * k_iters,),
+            in_specs=[plgpu.BlockSpec((cfg.tile_m, cfg.tile_k), w_index, transforms=tf)],
+            max_concurrent_steps=cfg.stages)
+
+        if interpret:
+            # 0.10's interpret mode takes no register wgmma operand or accumulator store:
+            # the same pipeline, x chunks and indexing with a plain dot.
+            def step_i(idx, w_smem, acc):
+                m, kk = tile_of(idx[0])
+                pl.when(idx[0] == 0)(load_x)
+                a = w_smem[...].astype(jnp.float32)
+                b = x_smem[kk].astype(jnp.float32).T
+                acc = jnp.where(kk == 0, 0.0, acc) + jnp.dot(a, b)
+                pl.when(kk == k_iters - 1)(lambda: store(m, acc))
+                return acc
+
+            pipeline(step_i, init_carry=jnp.zeros((cfg.tile_m, T), jnp.float32))(w_gmem)
+        else:
+            def acc_scope(acc_ref):
+                def step(idx, w_smem):
+                    m, kk = tile_of(idx[0])
+                    pl.when(idx[0] == 0)(load_x)
+
+                    @pl.when(kk == 0)
+                    def _():
+                        acc_ref[...] = jnp.zeros((cfg.tile_m, T), jnp.float32)
+
+                    a = w_smem[...].astype(jnp.float16)
+                    plgpu.wgmma(acc_ref, a, plgpu.transpose_ref(x_smem.at[kk], (1, 0)))
+                    plgpu.wgmma_wait(0)
+                    pl.when(kk == k_iters - 1)(lambda: store(m, acc_ref[...]))
+
+                pipeline(step)(w_gmem)
+
+            pl.run_scoped(acc_scope, plgpu.ACC((cfg.tile_m, T), jnp.float32))
+        plgpu.wait_smem_to_gmem(0)
+
+    kw = {}
+    if interpret:
+        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+        kw["interpret"] = InterpretGPUParams()
+    return plgpu.kernel(
+        body, out_type=jax.ShapeDtypeStruct((cfg.splits, n, T), jnp.float32),
+        grid=(programs,), grid_names=("p",), scratch_types=scratch,
+        compiler_params=plgpu.CompilerParams(
+            lowering_semantics=plgpu.LoweringSemantics.Warpgroup), **kw)(w, x)
+
+
+def linear(impl: str, h, w_q, scale, interpret: bool = False, configs=None):
+    """h [1, K] bf16 -> [1, N] bf16 through one route."""
+    from pallas_kernels.fp8_matmul import xla_dequant_matmul
+    if impl == "xla":
+        x8 = jnp.zeros((T, h.shape[1]), h.dtype).at[:1].set(h)
+        return xla_dequant_matmul(x8, w_q, scale)[:1]
+    cfg = (configs or CONFIGS).get((w_q.shape[1], w_q.shape[0]), DEFAULT)
+    x8 = jnp.zeros((T, h.shape[1]), jnp.float16).at[:1].set(h.astype(jnp.float16))
+    parts = gemv(w_q, x8, cfg=cfg, pdl={"pdl": "prefetch", "pdl_top": "top"}.get(impl, ""),
+                 interpret=interpret)
+    return (parts[:, :, 0].sum(0) * scale)[None].astype(h.dtype)
+
+
+def _norm(x):
+    x32 = x.astype(jnp.float32)
+    return (x32 * lax.rsqrt(jnp.mean(x32 * x32, -1, keepdims=True) + 1e-5)).astype(x.dtype)
+
+
+def chain(impl: str, x, layers, interpret: bool = False, configs=None):
+    """The layers' GEMMs and glue (no attention) on x [1, E] bf16."""
+    lin = functools.partial(linear, impl, interpret=interpret, configs=configs)
+    e = x.shape[1]
+    for qkv, o, gu, d in layers:
+        q = lin(_norm(x), *qkv)[:, :e]
+        x = x + lin(q, *o)
+        g, u = jnp.split(lin(_norm(x), *gu), 2, axis=1)
+        x = x + lin(jax.nn.silu(g) * u, *d)
+    return x
+
+
+def make_layers(count: int, e: int, f: int, q: int, key):
+    """count layers of random e4m3 weights [N, K] with channel scales (QKV, O, gate/up, down)."""
+    shapes = [(q, e), (e, e), (2 * f, e), (e, f)]
+    out = []
+    for i in range(count):
+        ks = jax.random.split(jax.random.fold_in(key, i), 4)
+        out.append(tuple(
+            (jax.random.normal(kk, s, jnp.float32).astype(jnp.float8_e4m3fn),
+             jnp.full((s[0],), 0.5 / np.sqrt(s[1]), jnp.float32)) for kk, s in zip(ks, shapes)))
+    return out
+
+
+def _calls(events, gap_us: float = 40.0):
+    """Split device events (sorted by start) into calls: a new call where a kernel starts
+    over gap_us after every earlier one ended (the host syncs between calls)."""
+    calls, end = [], None
+    for e in sorted(events, key=lambda e: e["ts"]):
+        if end is None or e["ts"] - end > gap_us:
+            calls.append([])
+        calls[-1].append(e)
+        end = max(end or 0.0, e["ts"] + e["dur"])
+    return calls
+
+
+def _is_gemm(impl: str, name: str) -> bool:
+    return "mosaic" in name.lower() if impl != "xla" else any(
+        s in name for s in ("gemm", "dot", "triton", "cublas"))
+
+
+def measure(impl, layers, x0, calls: int, interpret: bool, ref=None) -> dict:
+    from bench.profile import device_events, trace_events
+    run = jax.jit(functools.partial(chain, impl, interpret=interpret))
+    outs = [np.asarray(run(x0 * (1 + 0.01 * i), layers)) for i in range(calls)]
+    row = {"impl": impl, "layers": len(layers), "calls": calls,
+           "xla_pdl": jaxinfer.PDL_FLAG in os.environ.get("XLA_FLAGS", "")}
+    if ref is not None:
+        row["equal_to_ref_calls"] = sum(int(np.array_equal(a, b)) for a, b in zip(outs, ref))
+        row["max_rel_diff_to_ref"] = float(max(
+            np.abs(a.astype(np.float32) - b.astype(np.float32)).max()
+            / np.abs(b.astype(np.float32)).max() for a, b in zip(outs, ref)))
+    if not GPU:
+        return row | {"outs": outs}
+
+    def traced():
+        for i in range(calls):
+            jax.block_until_ready(run(x0 * (1 + 0.01 * i), layers))
+    per_call = _calls(device_events(trace_events(traced)))
+    spans, gemm_us, early = [], [], []
+    for evs in per_call:
+        spans.append(max(e["ts"] + e["dur"] for e in evs) - evs[0]["ts"])
+        gemm_us.append(sum(e["dur"] for e in evs if _is_gemm(impl, e["name"])))
+        for prev, e in zip(evs, evs[1:]):
+            if _is_gemm(impl, e["name"]):
+                early.append(prev["ts"] + prev["dur"] - e["ts"])
+    row.update(step_calls_seen=len(per_call), span_us=round(statistics.median(spans), 1),
+               span_us_min=round(min(spans), 1),
+               gemm_busy_us=round(statistics.median(gemm_us), 1),
+               gemm_started_before_prev_end_us_median=round(statistics.median(early), 2)
+               if early else None,
+               kernels_per_call=len(per_call[0]) if per_call else 0,
+               kernel_names=sorted({e["name"][:60] for e in per_call[0]})[:8] if per_call
+               else [])
+    return row | {"outs": outs}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--impls", default="xla,mgpu,pdl,pdl_top,xla,mgpu,pdl,pdl_top",
+                    help="comma-separated, timed in this order: xla, mgpu, pdl, pdl_top")
+    ap.add_argument("--layers", type=int, default=32 if GPU else 1)
+    ap.add_argument("--calls", type=int, default=20 if GPU else 2)
+    ap.add_argument("--dims", default="4096,14336,6144" if GPU else "256,512,384",
+                    help="E,F,QKV width (the 8B: 4096,14336,6144)")
+    ap.add_argument("--git", default=None)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    interpret = not GPU
+    e, f, q = (int(v) for v in args.dims.split(","))
+    layers = make_layers(args.layers, e, f, q, jax.random.PRNGKey(0))
+    x0 = jax.random.normal(jax.random.PRNGKey(1), (1, e), jnp.float32).astype(jnp.bfloat16)
+    result = new_result("pdl_gemv", args.git, command="python -m bench.probes.pdl_gemv "
+                        + " ".join(argv if argv is not None else sys.argv[1:]))
+    ref, rows = None, []
+    for impl in args.impls.split(","):
+        row = measure(impl, layers, x0, args.calls, interpret,
+                      ref=ref if impl.startswith("pdl") else None)
+        outs = row.pop("outs")
+        if impl == "mgpu":
+            ref = outs
+        rows.append(row)
+        print_table([row], [k for k in row if k != "kernel_names"])
+        if args.out:
+            save(result, args.out, [row])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
