@@ -41,6 +41,7 @@ import functools
 import os
 import statistics
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -237,14 +238,15 @@ def _calls(events, gap_us: float = 40.0):
 
 
 def _is_gemm(impl: str, name: str) -> bool:
-    return "mosaic" in name.lower() if impl != "xla" else any(
-        s in name for s in ("gemm", "dot", "triton", "cublas"))
+    from bench.profile import category
+    return "mosaic" in name.lower() if impl != "xla" else category(name) == "gemm"
 
 
 def measure(impl, layers, x0, calls: int, interpret: bool, ref=None) -> dict:
     from bench.profile import device_events, trace_events
     run = jax.jit(functools.partial(chain, impl, interpret=interpret))
-    outs = [np.asarray(run(x0 * (1 + 0.01 * i), layers)) for i in range(calls)]
+    xs = jax.block_until_ready([x0 * (1 + 0.01 * i) for i in range(calls)])
+    outs = [np.asarray(run(x, layers)) for x in xs]
     row = {"impl": impl, "layers": len(layers), "calls": calls,
            "xla_pdl": jaxinfer.PDL_FLAG in os.environ.get("XLA_FLAGS", "")}
     if ref is not None:
@@ -254,11 +256,16 @@ def measure(impl, layers, x0, calls: int, interpret: bool, ref=None) -> dict:
             / np.abs(b.astype(np.float32)).max() for a, b in zip(outs, ref)))
     if not GPU:
         return row | {"outs": outs}
+    host = []
+    for _ in range(3):                       # back to back: the host clock per call
+        t0 = time.perf_counter()
+        jax.block_until_ready([run(x, layers) for x in xs])
+        host.append((time.perf_counter() - t0) / calls * 1e6)
 
     def traced():
-        for i in range(calls):
-            jax.block_until_ready(run(x0 * (1 + 0.01 * i), layers))
-    per_call = _calls(device_events(trace_events(traced)))
+        for x in xs:
+            jax.block_until_ready(run(x, layers))
+    per_call = [c for c in _calls(device_events(trace_events(traced))) if len(c) >= 4]
     spans, gemm_us, early = [], [], []
     for evs in per_call:
         spans.append(max(e["ts"] + e["dur"] for e in evs) - evs[0]["ts"])
@@ -266,14 +273,17 @@ def measure(impl, layers, x0, calls: int, interpret: bool, ref=None) -> dict:
         for prev, e in zip(evs, evs[1:]):
             if _is_gemm(impl, e["name"]):
                 early.append(prev["ts"] + prev["dur"] - e["ts"])
-    row.update(step_calls_seen=len(per_call), span_us=round(statistics.median(spans), 1),
-               span_us_min=round(min(spans), 1),
+    row.update(host_us_per_call=round(statistics.median(host), 1), calls_traced=len(per_call))
+    if not per_call:
+        return row | {"outs": outs}
+    mid = per_call[len(per_call) // 2]
+    row.update(span_us=round(statistics.median(spans), 1), span_us_min=round(min(spans), 1),
                gemm_busy_us=round(statistics.median(gemm_us), 1),
                gemm_started_before_prev_end_us_median=round(statistics.median(early), 2)
-               if early else None,
-               kernels_per_call=len(per_call[0]) if per_call else 0,
-               kernel_names=sorted({e["name"][:60] for e in per_call[0]})[:8] if per_call
-               else [])
+               if early else None, kernels_per_call=len(mid),
+               # the middle call's first kernels: name, start after the previous end, length
+               first_kernels=[(e["name"][:48], round(e["ts"] - (p["ts"] + p["dur"]), 2),
+                               round(e["dur"], 2)) for p, e in zip(mid, mid[1:15])])
     return row | {"outs": outs}
 
 
@@ -302,7 +312,7 @@ def main(argv=None) -> int:
         if impl == "mgpu":
             ref = outs
         rows.append(row)
-        print_table([row], [k for k in row if k != "kernel_names"])
+        print_table([row], [k for k in row if k != "first_kernels"])
         if args.out:
             save(result, args.out, [row])
     return 0
