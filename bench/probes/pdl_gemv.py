@@ -213,6 +213,28 @@ def chain(impl: str, x, layers, interpret: bool = False, configs=None):
     return x
 
 
+def chain_gemv(impl: str, x, layers, interpret: bool = False, configs=None):
+    """The layers' GEMMs alone, back to back, each on a fixed input made from x (no glue
+    kernel between them: a PDL GEMV's predecessor is the previous GEMV, which lets it
+    launch once its x is in shared memory). Returns every GEMM's raw output."""
+    xs = {}
+    outs = []
+    for layer in layers:
+        for w_q, scale in layer:
+            k = w_q.shape[1]
+            if k not in xs:
+                row = jnp.resize(x[0], (k,))
+                xs[k] = jnp.zeros((T, k), jnp.float16).at[0].set(row.astype(jnp.float16))
+            if impl == "xla":
+                from pallas_kernels.fp8_matmul import xla_dequant_matmul
+                outs.append(xla_dequant_matmul(xs[k].astype(jnp.bfloat16), w_q, scale))
+                continue
+            cfg = (configs or CONFIGS).get((k, w_q.shape[0]), DEFAULT)
+            outs.append(gemv(w_q, xs[k], cfg=cfg, interpret=interpret,
+                             pdl={"pdl": "prefetch", "pdl_top": "top"}.get(impl, "")))
+    return outs
+
+
 def make_layers(count: int, e: int, f: int, q: int, key):
     """count layers of random e4m3 weights [N, K] with channel scales (QKV, O, gate/up, down)."""
     shapes = [(q, e), (e, e), (2 * f, e), (e, f)]
@@ -242,18 +264,25 @@ def _is_gemm(impl: str, name: str) -> bool:
     return "mosaic" in name.lower() if impl != "xla" else category(name) == "gemm"
 
 
-def measure(impl, layers, x0, calls: int, interpret: bool, ref=None) -> dict:
+def _host(out) -> np.ndarray:
+    return np.concatenate([np.ravel(np.asarray(a, np.float32)) for a in jax.tree.leaves(out)])
+
+
+def measure(impl, layers, x0, calls: int, interpret: bool, ref=None, kind="layer",
+            configs=None) -> dict:
     from bench.profile import device_events, trace_events
-    run = jax.jit(functools.partial(chain, impl, interpret=interpret))
+    fn = chain if kind == "layer" else chain_gemv
+    run = jax.jit(functools.partial(fn, impl, interpret=interpret, configs=configs))
     xs = jax.block_until_ready([x0 * (1 + 0.01 * i) for i in range(calls)])
-    outs = [np.asarray(run(x, layers)) for x in xs]
-    row = {"impl": impl, "layers": len(layers), "calls": calls,
+    outs = [_host(run(x, layers)) for x in xs]
+    row = {"impl": impl, "chain": kind, "layers": len(layers), "calls": calls,
+           "configs": {f"{k}x{n}": dataclasses.astuple(c) for (k, n), c in
+                       (configs or CONFIGS).items()} if impl != "xla" else None,
            "xla_pdl": jaxinfer.PDL_FLAG in os.environ.get("XLA_FLAGS", "")}
     if ref is not None:
         row["equal_to_ref_calls"] = sum(int(np.array_equal(a, b)) for a, b in zip(outs, ref))
         row["max_rel_diff_to_ref"] = float(max(
-            np.abs(a.astype(np.float32) - b.astype(np.float32)).max()
-            / np.abs(b.astype(np.float32)).max() for a, b in zip(outs, ref)))
+            np.abs(a - b).max() / np.abs(b).max() for a, b in zip(outs, ref)))
     if not GPU:
         return row | {"outs": outs}
     host = []
@@ -295,10 +324,18 @@ def main(argv=None) -> int:
     ap.add_argument("--calls", type=int, default=20 if GPU else 2)
     ap.add_argument("--dims", default="4096,14336,6144" if GPU else "256,512,384",
                     help="E,F,QKV width (the 8B: 4096,14336,6144)")
+    ap.add_argument("--chain", choices=("layer", "gemv"), default="layer",
+                    help="layer: the GEMMs with the glue between them; gemv: the GEMMs alone")
+    ap.add_argument("--config", action="append", default=[], metavar="KxN=m,k,stages,splits,"
+                    "per_sm", help="a Mosaic GEMV config for one weight shape (repeatable)")
     ap.add_argument("--git", default=None)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     interpret = not GPU
+    configs = dict(CONFIGS)
+    for text in args.config:
+        shape, _, cfg = text.partition("=")
+        configs[tuple(int(v) for v in shape.split("x"))] = Config.parse(cfg)
     e, f, q = (int(v) for v in args.dims.split(","))
     layers = make_layers(args.layers, e, f, q, jax.random.PRNGKey(0))
     x0 = jax.random.normal(jax.random.PRNGKey(1), (1, e), jnp.float32).astype(jnp.bfloat16)
@@ -307,12 +344,13 @@ def main(argv=None) -> int:
     ref, rows = None, []
     for impl in args.impls.split(","):
         row = measure(impl, layers, x0, args.calls, interpret,
-                      ref=ref if impl.startswith("pdl") else None)
+                      ref=ref if impl.startswith("pdl") else None, kind=args.chain,
+                      configs=configs)
         outs = row.pop("outs")
         if impl == "mgpu":
             ref = outs
         rows.append(row)
-        print_table([row], [k for k in row if k != "first_kernels"])
+        print_table([row], [k for k in row if k not in ("first_kernels", "configs")])
         if args.out:
             save(result, args.out, [row])
     return 0
