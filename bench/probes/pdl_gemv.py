@@ -278,7 +278,8 @@ def measure(impl, layers, x0, calls: int, interpret: bool, ref=None, kind="layer
     row = {"impl": impl, "chain": kind, "layers": len(layers), "calls": calls,
            "configs": {f"{k}x{n}": dataclasses.astuple(c) for (k, n), c in
                        (configs or CONFIGS).items()} if impl != "xla" else None,
-           "xla_pdl": jaxinfer.PDL_FLAG in os.environ.get("XLA_FLAGS", "")}
+           "xla_pdl": jaxinfer.PDL_FLAG in os.environ.get("XLA_FLAGS", ""),
+           "xla_flags": os.environ.get("XLA_FLAGS", "")}
     if ref is not None:
         row["equal_to_ref_calls"] = sum(int(np.array_equal(a, b)) for a, b in zip(outs, ref))
         row["max_rel_diff_to_ref"] = float(max(
