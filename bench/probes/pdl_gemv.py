@@ -32,6 +32,17 @@ new input every call (a GEMV that read x before the wait would not).
 
 On the CPU (jax 0.10, Mosaic GPU interpret mode, no wait: 0.10 has no interpret rule for
 it) the kernel is checked against a reference on small shapes (tests/test_pdl_gemv.py).
+
+H200, jax 0.11.2, 32 layers of the 8B (bench/results/pdl_gemv*.json; bench/README.md,
+thirty-eighth session): inside XLA's command buffers (the default) PDL never engages for
+the Mosaic kernel: the layer chain takes 2629-2634 us with, without or with an early
+wait (XLA's route 2272-2281), the GEMV chain 2247-2271 (XLA 2091-2095). Without command
+buffers the GEMV chain's PDL GEMVs start 5-6 us (median) before their predecessors end:
+2095 / 2118 us against 2479 without PDL and 2283 with the wait first, so the weight
+prefetch is worth ~1.3-1.5 us per GEMV, but that run launches from the host (the layer
+chain there is host-bound). XLA records a custom call in a command buffer as a traced
+child graph (its public sources), which leaves the kernel's PDL launch attribute no
+predecessor; the outputs of the PDL chains equal the plain ones bit for bit in every call.
 """
 from __future__ import annotations
 
