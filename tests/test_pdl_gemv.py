@@ -40,3 +40,17 @@ def test_chain_matches_xla_route():
     for impl in ("mgpu", "pdl"):
         got = np.asarray(pg.chain(impl, x0, layers, interpret=True), np.float32)
         assert np.abs(got - xla).max() / np.abs(xla).max() < 2e-2, impl
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pdl", ["", "prefetch", "top"])
+def test_gemv_on_gpu_at_8b_shapes(pdl):
+    """The wgmma form the H200 times (interpret mode runs a plain dot instead)."""
+    for (k, n), cfg in pg.CONFIGS.items():
+        kw, kx = jax.random.split(jax.random.PRNGKey(k + n))
+        w = jax.random.normal(kw, (n, k), jnp.float32).astype(jnp.float8_e4m3fn)
+        x = jax.random.normal(kx, (pg.T, k), jnp.float32).astype(jnp.float16)
+        got = np.asarray(pg.gemv(w, x, cfg=cfg, pdl=pdl)).sum(0)
+        ref = np.asarray(w, np.float32) @ np.asarray(x, np.float32).T
+        err = np.linalg.norm(got - ref) / np.linalg.norm(ref)
+        assert err < 1e-4, (k, n, err)

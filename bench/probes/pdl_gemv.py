@@ -280,7 +280,7 @@ def _host(out) -> np.ndarray:
 
 
 def measure(impl, layers, x0, calls: int, interpret: bool, ref=None, kind="layer",
-            configs=None) -> dict:
+            configs=None, xla_ref=None) -> dict:
     from bench.profile import device_events, trace_events
     fn = chain if kind == "layer" else chain_gemv
     run = jax.jit(functools.partial(fn, impl, interpret=interpret, configs=configs))
@@ -295,6 +295,9 @@ def measure(impl, layers, x0, calls: int, interpret: bool, ref=None, kind="layer
         row["equal_to_ref_calls"] = sum(int(np.array_equal(a, b)) for a, b in zip(outs, ref))
         row["max_rel_diff_to_ref"] = float(max(
             np.abs(a - b).max() / np.abs(b).max() for a, b in zip(outs, ref)))
+    if xla_ref is not None and kind == "layer":      # f16 against bf16 activations
+        row["max_rel_diff_to_xla"] = float(max(
+            np.abs(a - b).max() / np.abs(b).max() for a, b in zip(outs, xla_ref)))
     if not GPU:
         return row | {"outs": outs}
     host = []
@@ -353,14 +356,16 @@ def main(argv=None) -> int:
     x0 = jax.random.normal(jax.random.PRNGKey(1), (1, e), jnp.float32).astype(jnp.bfloat16)
     result = new_result("pdl_gemv", args.git, command="python -m bench.probes.pdl_gemv "
                         + " ".join(argv if argv is not None else sys.argv[1:]))
-    ref, rows = None, []
+    ref, xla_ref, rows = None, None, []
     for impl in args.impls.split(","):
         row = measure(impl, layers, x0, args.calls, interpret,
                       ref=ref if impl.startswith("pdl") else None, kind=args.chain,
-                      configs=configs)
+                      configs=configs, xla_ref=None if impl == "xla" else xla_ref)
         outs = row.pop("outs")
         if impl == "mgpu":
             ref = outs
+        if impl == "xla":
+            xla_ref = outs
         rows.append(row)
         print_table([row], [k for k in row if k not in ("first_kernels", "configs")])
         if args.out:
