@@ -47,7 +47,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from bench.common import emit_row, new_result, save
-from bench.probes.mgpu_util import GPU, num_sms, transforms, try_config, with_times
+from bench.probes.mgpu_util import (GPU, grid_kernel, num_sms, transforms, try_config,
+                                    with_times)
 
 SHAPES = "4096x6144,4096x4096,4096x28672,14336x4096"     # K x N: the 8B projections
 
@@ -174,16 +175,8 @@ def gemv_t(w, x, *, cfg: Config = Config(), interpret: bool = False):
             pl.run_scoped(acc_scope, plgpu.ACC((cfg.tile_m, t), jnp.float32))
         plgpu.wait_smem_to_gmem(0)
 
-    kw = {}
-    if interpret:
-        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
-        kw["interpret"] = InterpretGPUParams()
-    return plgpu.kernel(
-        body, out_type=jax.ShapeDtypeStruct((cfg.splits, n, t), jnp.float32),
-        grid=(programs,), grid_names=("p",), scratch_types=scratch,
-        compiler_params=plgpu.CompilerParams(
-            lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-        **kw)(w, x)
+    return grid_kernel(body, jax.ShapeDtypeStruct((cfg.splits, n, t), jnp.float32), programs,
+                       scratch, interpret)(w, x)
 
 
 def reference(w, x):

@@ -49,6 +49,20 @@ def f16(ref):
     return ref[...].astype(jnp.float16)
 
 
+def grid_kernel(body, out_type, programs: int, scratch, interpret: bool):
+    """plgpu.kernel over a 1-D grid of `programs` (axis "p"), warpgroup semantics; Mosaic
+    GPU's interpret mode on the CPU."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+    kw = {}
+    if interpret:
+        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+        kw["interpret"] = InterpretGPUParams()
+    return plgpu.kernel(
+        body, out_type=out_type, grid=(programs,), grid_names=("p",), scratch_types=scratch,
+        compiler_params=plgpu.CompilerParams(
+            lowering_semantics=plgpu.LoweringSemantics.Warpgroup), **kw)
+
+
 def launch_into(program, scratch, programs, args, y0, interpret, threads=None):
     """Run `program(*args, y, *scratch)` on a grid of `programs` (axis "p"), y starting as
     y0 and added into in place: a JAX Ref through pl.kernel on the GPU. 0.10's interpret

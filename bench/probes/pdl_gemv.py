@@ -62,7 +62,7 @@ from jax.experimental import pallas as pl
 
 import jaxinfer  # XLA's PDL flag, as in the engine (imported before JAX uses a device)
 from bench.common import new_result, print_table, save
-from bench.probes.mgpu_util import GPU, num_sms, transforms
+from bench.probes.mgpu_util import GPU, grid_kernel, num_sms, transforms
 
 T = 8                                   # padded token rows of x
 
@@ -183,15 +183,8 @@ def gemv(w, x, *, cfg: Config = Config(), pdl: str = "", interpret: bool = False
             pl.run_scoped(acc_scope, plgpu.ACC((cfg.tile_m, T), jnp.float32))
         plgpu.wait_smem_to_gmem(0)
 
-    kw = {}
-    if interpret:
-        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
-        kw["interpret"] = InterpretGPUParams()
-    return plgpu.kernel(
-        body, out_type=jax.ShapeDtypeStruct((cfg.splits, n, T), jnp.float32),
-        grid=(programs,), grid_names=("p",), scratch_types=scratch,
-        compiler_params=plgpu.CompilerParams(
-            lowering_semantics=plgpu.LoweringSemantics.Warpgroup), **kw)(w, x)
+    return grid_kernel(body, jax.ShapeDtypeStruct((cfg.splits, n, T), jnp.float32), programs,
+                       scratch, interpret)(w, x)
 
 
 def linear(impl: str, h, w_q, scale, interpret: bool = False, configs=None):

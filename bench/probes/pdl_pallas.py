@@ -53,6 +53,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from bench.common import new_result, save
+from bench.probes.mgpu_util import grid_kernel
 from bench.profile import device_events, trace_events
 from pallas_kernels import triton_params
 
@@ -109,17 +110,10 @@ def _mosaic_b(y, *, wait: bool, interpret: bool):
         plgpu.copy_smem_to_gmem(smem, z_gmem.at[p])
         plgpu.wait_smem_to_gmem(0)
 
-    kw = {}
-    if interpret:
-        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
-        kw["interpret"] = InterpretGPUParams()
     y3 = y.reshape(PROGRAMS, rows, 128)
-    return plgpu.kernel(
-        body, out_type=jax.ShapeDtypeStruct(y3.shape, y.dtype), grid=(PROGRAMS,),
-        grid_names=("p",),
-        scratch_types=[plgpu.SMEM((rows, 128), jnp.float32), plgpu.Barrier(num_barriers=1)],
-        compiler_params=plgpu.CompilerParams(
-            lowering_semantics=plgpu.LoweringSemantics.Warpgroup), **kw)(y3).reshape(y.shape)
+    scratch = [plgpu.SMEM((rows, 128), jnp.float32), plgpu.Barrier(num_barriers=1)]
+    return grid_kernel(body, jax.ShapeDtypeStruct(y3.shape, y.dtype), PROGRAMS, scratch,
+                       interpret)(y3).reshape(y.shape)
 
 
 def program(variant: str, interpret: bool, iters: int = ITERS):
