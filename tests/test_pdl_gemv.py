@@ -31,6 +31,8 @@ def test_gemv_rejects_bad_input():
     with pytest.raises(ValueError, match="does not tile"):
         pg.gemv(w, jnp.zeros((pg.T, 512), jnp.float16), cfg=pg.Config(64, 256, 2, 4, 1),
                 interpret=True)
+    with pytest.raises(ValueError, match="pdl must be"):
+        pg.gemv(w, jnp.zeros((pg.T, 512), jnp.float16), pdl="early", interpret=True)
 
 
 def test_chain_matches_xla_route():

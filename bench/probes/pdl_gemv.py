@@ -35,8 +35,8 @@ it) the kernel is checked against a reference on small shapes (tests/test_pdl_ge
 
 H200, jax 0.11.2, 32 layers of the 8B (bench/results/pdl_gemv*.json; bench/README.md,
 thirty-eighth session): inside XLA's command buffers (the default) PDL never engages for
-the Mosaic kernel: the layer chain takes 2629-2634 us with, without or with an early
-wait (XLA's route 2272-2281), the GEMV chain 2247-2271 (XLA 2091-2095). Without command
+the Mosaic kernel: the layer chain takes 2629-2634 us with PDL (either wait) or without
+(XLA's route 2272-2281), the GEMV chain 2247-2271 (XLA 2091-2095). Without command
 buffers the GEMV chain's PDL GEMVs start 5-6 us (median) before their predecessors end:
 2095 / 2118 us against 2479 without PDL and 2283 with the wait first, so the weight
 prefetch is worth ~1.3-1.5 us per GEMV, but that run launches from the host (the layer
@@ -79,10 +79,6 @@ class Config:
     def parse(cls, text: str) -> "Config":
         return cls(*(int(v) for v in text.split(",")))
 
-    def smem_bytes(self, k: int) -> int:
-        return (k // self.splits * T * 2 + self.stages * self.tile_m * self.tile_k
-                + self.tile_m * T * 4)
-
 
 # per 8B projection (K x N): configs after bench/results/mgpu_gemv.json's best, sized so that
 # x's K range, the weight stages and the output tile fit twice in an SM's shared memory
@@ -98,6 +94,8 @@ def gemv(w, x, *, cfg: Config = Config(), pdl: str = "", interpret: bool = False
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     n, k = w.shape
+    if pdl not in ("", "prefetch", "top"):
+        raise ValueError(f"pdl_gemv: pdl must be '', 'prefetch' or 'top', got {pdl!r}")
     if x.shape != (T, k) or x.dtype != jnp.float16:
         raise ValueError(f"pdl_gemv: x must be [{T}, {k}] float16, got {x.shape} {x.dtype}")
     ks = k // cfg.splits
@@ -340,6 +338,9 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     interpret = not GPU
+    impls = args.impls.split(",")
+    if not set(impls) <= {"xla", "mgpu", "pdl", "pdl_top"}:
+        ap.error(f"--impls: unknown {sorted(set(impls) - {'xla', 'mgpu', 'pdl', 'pdl_top'})}")
     configs = dict(CONFIGS)
     for text in args.config:
         shape, _, cfg = text.partition("=")
@@ -350,7 +351,7 @@ def main(argv=None) -> int:
     result = new_result("pdl_gemv", args.git, command="python -m bench.probes.pdl_gemv "
                         + " ".join(argv if argv is not None else sys.argv[1:]))
     ref, xla_ref, rows = None, None, []
-    for impl in args.impls.split(","):
+    for impl in impls:
         row = measure(impl, layers, x0, args.calls, interpret,
                       ref=ref if impl.startswith("pdl") else None, kind=args.chain,
                       configs=configs, xla_ref=None if impl == "xla" else xla_ref)
