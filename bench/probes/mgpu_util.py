@@ -1,6 +1,7 @@
-"""What the Mosaic GPU probes (mgpu_gemv.py, the mgpu_mlp*.py forms and their sweep) share: shared-
-memory transforms, the launch of a kernel that adds into an output in place, the stand-ins
-that let jax 0.10's interpret mode run their kernels on the CPU, and the sweep rows.
+"""What the Mosaic GPU probes (mgpu_gemv.py, the mgpu_mlp*.py forms and their sweep, pdl_gemv.py,
+pdl_pallas.py) share: shared-memory transforms, the launch of a kernel over a 1-D grid or of
+one that adds into an output in place, the stand-ins that let jax 0.10's interpret mode run
+their kernels on the CPU, and the sweep rows.
 
 jax 0.10 (CPU) and 0.11 (the H200) differ for Mosaic GPU where these probes met it
 (bench/README.md, twenty-third session): 0.11 has no Mosaic GPU lowering for a bare

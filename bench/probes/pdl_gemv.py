@@ -85,6 +85,8 @@ class Config:
 CONFIGS = {(4096, 6144): Config(64, 256, 4, 2, 2), (4096, 4096): Config(64, 256, 4, 4, 2),
            (4096, 28672): Config(64, 256, 4, 2, 2), (14336, 4096): Config(64, 256, 3, 4, 2)}
 DEFAULT = Config() if GPU else Config(64, 64, 2, 2, 1)     # the CPU check's small shapes
+PDL_MODES = {"mgpu": "", "pdl": "prefetch", "pdl_top": "top"}   # impl -> gemv's pdl
+IMPLS = ("xla", *PDL_MODES)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "pdl", "interpret"))
@@ -185,16 +187,20 @@ def gemv(w, x, *, cfg: Config = Config(), pdl: str = "", interpret: bool = False
                        scratch, interpret)(w, x)
 
 
+def _mosaic(impl: str, w_q, x8, interpret: bool, configs):
+    """This kernel for a Mosaic impl, with the config of w_q's shape: [splits, N, T]."""
+    cfg = (configs or CONFIGS).get((w_q.shape[1], w_q.shape[0]), DEFAULT)
+    return gemv(w_q, x8, cfg=cfg, pdl=PDL_MODES[impl], interpret=interpret)
+
+
 def linear(impl: str, h, w_q, scale, interpret: bool = False, configs=None):
     """h [1, K] bf16 -> [1, N] bf16 through one route."""
     from pallas_kernels.fp8_matmul import xla_dequant_matmul
     if impl == "xla":
         x8 = jnp.zeros((T, h.shape[1]), h.dtype).at[:1].set(h)
         return xla_dequant_matmul(x8, w_q, scale)[:1]
-    cfg = (configs or CONFIGS).get((w_q.shape[1], w_q.shape[0]), DEFAULT)
     x8 = jnp.zeros((T, h.shape[1]), jnp.float16).at[:1].set(h.astype(jnp.float16))
-    parts = gemv(w_q, x8, cfg=cfg, pdl={"pdl": "prefetch", "pdl_top": "top"}.get(impl, ""),
-                 interpret=interpret)
+    parts = _mosaic(impl, w_q, x8, interpret, configs)
     return (parts[:, :, 0].sum(0) * scale)[None].astype(h.dtype)
 
 
@@ -219,6 +225,7 @@ def chain_gemv(impl: str, x, layers, interpret: bool = False, configs=None):
     """The layers' GEMMs alone, back to back, each on a fixed input made from x (no glue
     kernel between them: a PDL GEMV's predecessor is the previous GEMV, which lets it
     launch once its x is in shared memory). Returns every GEMM's raw output."""
+    from pallas_kernels.fp8_matmul import xla_dequant_matmul
     xs = {}
     outs = []
     for layer in layers:
@@ -227,13 +234,8 @@ def chain_gemv(impl: str, x, layers, interpret: bool = False, configs=None):
             if k not in xs:
                 row = jnp.resize(x[0], (k,))
                 xs[k] = jnp.zeros((T, k), jnp.float16).at[0].set(row.astype(jnp.float16))
-            if impl == "xla":
-                from pallas_kernels.fp8_matmul import xla_dequant_matmul
-                outs.append(xla_dequant_matmul(xs[k].astype(jnp.bfloat16), w_q, scale))
-                continue
-            cfg = (configs or CONFIGS).get((k, w_q.shape[0]), DEFAULT)
-            outs.append(gemv(w_q, xs[k], cfg=cfg, interpret=interpret,
-                             pdl={"pdl": "prefetch", "pdl_top": "top"}.get(impl, "")))
+            outs.append(xla_dequant_matmul(xs[k].astype(jnp.bfloat16), w_q, scale)
+                        if impl == "xla" else _mosaic(impl, w_q, xs[k], interpret, configs))
     return outs
 
 
@@ -250,7 +252,7 @@ def make_layers(count: int, e: int, f: int, q: int, key):
 
 
 def _calls(events, gap_us: float = 40.0):
-    """Split device events (sorted by start) into calls: a new call where a kernel starts
+    """Split device events, in order of start, into calls: a new call where a kernel starts
     over gap_us after every earlier one ended (the host syncs between calls)."""
     calls, end = [], None
     for e in sorted(events, key=lambda e: e["ts"]):
@@ -270,6 +272,11 @@ def _host(out) -> np.ndarray:
     return np.concatenate([np.ravel(np.asarray(a, np.float32)) for a in jax.tree.leaves(out)])
 
 
+def _max_rel_diff(outs, refs) -> float:
+    """The largest |out - ref| over the ref's largest value, across calls."""
+    return float(max(np.abs(a - b).max() / np.abs(b).max() for a, b in zip(outs, refs)))
+
+
 def measure(impl, layers, x0, calls: int, interpret: bool, ref=None, kind="layer",
             configs=None, xla_ref=None) -> dict:
     from bench.profile import device_events, trace_events
@@ -284,11 +291,9 @@ def measure(impl, layers, x0, calls: int, interpret: bool, ref=None, kind="layer
            "xla_flags": os.environ.get("XLA_FLAGS", "")}
     if ref is not None:
         row["equal_to_ref_calls"] = sum(int(np.array_equal(a, b)) for a, b in zip(outs, ref))
-        row["max_rel_diff_to_ref"] = float(max(
-            np.abs(a - b).max() / np.abs(b).max() for a, b in zip(outs, ref)))
+        row["max_rel_diff_to_ref"] = _max_rel_diff(outs, ref)
     if xla_ref is not None and kind == "layer":      # f16 against bf16 activations
-        row["max_rel_diff_to_xla"] = float(max(
-            np.abs(a - b).max() / np.abs(b).max() for a, b in zip(outs, xla_ref)))
+        row["max_rel_diff_to_xla"] = _max_rel_diff(outs, xla_ref)
     if not GPU:
         return row | {"outs": outs}
     host = []
@@ -339,8 +344,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     interpret = not GPU
     impls = args.impls.split(",")
-    if not set(impls) <= {"xla", "mgpu", "pdl", "pdl_top"}:
-        ap.error(f"--impls: unknown {sorted(set(impls) - {'xla', 'mgpu', 'pdl', 'pdl_top'})}")
+    if not set(impls) <= set(IMPLS):
+        ap.error(f"--impls: unknown {sorted(set(impls) - set(IMPLS))}")
     configs = dict(CONFIGS)
     for text in args.config:
         shape, _, cfg = text.partition("=")
