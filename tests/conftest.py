@@ -70,7 +70,8 @@ def skipped_in_gpu_runs(path, markexpr: str) -> bool:
     """Whether a GPU run (`-m gpu`, the README's command) leaves this file uncollected: a test
     file with no gpu-marked test in its text. Such files may import packages the GPU machine
     lacks (gguf, grpc_health, grpc_reflection) and would stop the run at collection with
-    nothing of theirs selected. Any other mark expression collects everything as before."""
+    nothing of theirs selected. Any other mark expression collects everything as before, and
+    so does a file named on the command line (pytest collects those whatever this says)."""
     name = os.path.basename(str(path))
     if markexpr.strip() != "gpu" or not (name.startswith("test_") and name.endswith(".py")):
         return False
