@@ -65,7 +65,6 @@ def pytest_sessionfinish(session, exitstatus):
         shutil.rmtree(_OWN_CACHE, ignore_errors=True)
 
 
-
 def skipped_in_gpu_runs(path, markexpr: str) -> bool:
     """Whether a GPU run (`-m gpu`, the README's command) leaves this file uncollected: a test
     file with no gpu-marked test in its text. Such files may import packages the GPU machine
@@ -81,6 +80,7 @@ def skipped_in_gpu_runs(path, markexpr: str) -> bool:
 
 def pytest_ignore_collect(collection_path, config):
     return True if skipped_in_gpu_runs(collection_path, config.option.markexpr) else None
+
 
 # Longest files first. Under `-n 3 --dist loadfile` each file is one unit of work, handed out
 # in queue order, and xdist's own queue order is by number of tests: the three-test FP8
