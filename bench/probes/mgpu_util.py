@@ -50,18 +50,23 @@ def f16(ref):
     return ref[...].astype(jnp.float16)
 
 
-def grid_kernel(body, out_type, programs: int, scratch, interpret: bool):
+def _warpgroup(plgpu, threads):
+    """(compiler params with warpgroup semantics, the kwargs naming `threads` warpgroups per
+    program on axis "wg", or none)."""
+    params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup)
+    return params, (dict(num_threads=threads, thread_name="wg") if threads else {})
+
+
+def grid_kernel(body, out_type, programs: int, scratch, interpret: bool, threads=None):
     """plgpu.kernel over a 1-D grid of `programs` (axis "p"), warpgroup semantics; Mosaic
-    GPU's interpret mode on the CPU."""
+    GPU's interpret mode on the CPU. threads: warpgroups per program (axis "wg")."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
-    kw = {}
+    params, kw = _warpgroup(plgpu, threads)
     if interpret:
         from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
         kw["interpret"] = InterpretGPUParams()
-    return plgpu.kernel(
-        body, out_type=out_type, grid=(programs,), grid_names=("p",), scratch_types=scratch,
-        compiler_params=plgpu.CompilerParams(
-            lowering_semantics=plgpu.LoweringSemantics.Warpgroup), **kw)
+    return plgpu.kernel(body, out_type=out_type, grid=(programs,), grid_names=("p",),
+                        scratch_types=scratch, compiler_params=params, **kw)
 
 
 def launch_into(program, scratch, programs, args, y0, interpret, threads=None):
@@ -72,11 +77,7 @@ def launch_into(program, scratch, programs, args, y0, interpret, threads=None):
     plgpu.kernel, program 0 copying y0 into the output first (its programs run one after
     another). threads: warpgroups per program (axis "wg"; the scratch is shared by them)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
-    params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup)
-    mesh_kw = dict(num_threads=threads, thread_name="wg") if threads else {}
     if interpret:
-        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
-
         def body_i(*refs):
             *ins, y_in, y_out, scr = refs[:len(args) + 2] + (refs[len(args) + 2:],)
             first = lax.axis_index("p") == 0
@@ -88,15 +89,14 @@ def launch_into(program, scratch, programs, args, y0, interpret, threads=None):
                 y_out[...] = y_in[...]
             program(*ins, y_out, *scr)
 
-        return plgpu.kernel(
-            body_i, out_type=jax.ShapeDtypeStruct(y0.shape, jnp.float32), grid=(programs,),
-            grid_names=("p",), scratch_types=scratch, compiler_params=params,
-            interpret=InterpretGPUParams(), **mesh_kw)(*args, y0)
+        return grid_kernel(body_i, jax.ShapeDtypeStruct(y0.shape, jnp.float32), programs,
+                           scratch, True, threads)(*args, y0)
 
     def body(*refs):       # scratch through run_scoped, as plgpu.kernel does it
         pl.run_scoped(functools.partial(program, *refs), *scratch,
                       collective_axes="wg" if threads else ())
 
+    params, mesh_kw = _warpgroup(plgpu, threads)
     y = jax.new_ref(y0)
     pl.kernel(body, out_type=(), mesh=plgpu.Mesh(grid=(programs,), grid_names=("p",), **mesh_kw),
               compiler_params=params)(*args, y)

@@ -96,7 +96,7 @@ def gemv(w, x, *, cfg: Config = Config(), pdl: str = "", interpret: bool = False
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     n, k = w.shape
-    if pdl not in ("", "prefetch", "top"):
+    if pdl not in PDL_MODES.values():
         raise ValueError(f"pdl_gemv: pdl must be '', 'prefetch' or 'top', got {pdl!r}")
     if x.shape != (T, k) or x.dtype != jnp.float16:
         raise ValueError(f"pdl_gemv: x must be [{T}, {k}] float16, got {x.shape} {x.dtype}")
@@ -205,8 +205,9 @@ def linear(impl: str, h, w_q, scale, interpret: bool = False, configs=None):
 
 
 def _norm(x):
-    x32 = x.astype(jnp.float32)
-    return (x32 * lax.rsqrt(jnp.mean(x32 * x32, -1, keepdims=True) + 1e-5)).astype(x.dtype)
+    """RMSNorm with unit weights (model.RMSNorm's math)."""
+    from pallas_kernels.rmsnorm import add_rmsnorm_reference
+    return add_rmsnorm_reference(x, jnp.ones(x.shape[-1:], x.dtype), eps=1e-5)[1]
 
 
 def chain(impl: str, x, layers, interpret: bool = False, configs=None):
