@@ -35,7 +35,7 @@ import jax
 import numpy as np
 
 from bench import ceilings as ceilings_mod
-from jaxinfer import config
+from jaxinfer import config, ops
 from jaxinfer.runner import kv_page_bytes
 from pallas_kernels import tuning
 from bench.common import (burst, decode_input, dtype_name, fill_kv, load_runner, new_result,
@@ -166,7 +166,8 @@ def start_result(args, ceil: dict, skipped: list) -> dict:
                 "xla_flags": os.environ.get("XLA_FLAGS", ""),
                 "min_split_tokens": tuning.MIN_SPLIT_TOKENS,
                 "longest_first_programs": list(tuning.LONGEST_FIRST_PROGRAMS),
-                "masked_loads_min_programs": tuning.MASKED_LOADS_MIN_PROGRAMS}
+                "masked_loads_min_programs": tuning.MASKED_LOADS_MIN_PROGRAMS,
+                "front_norm": ops.FRONT_NORM, "fold_mlp_norm": ops.FOLD_MLP_NORM}
     path = Path(args.out)
     result = json.loads(path.read_text()) if args.append and path.exists() else fresh
     result.setdefault("runs", []).append(run_info)

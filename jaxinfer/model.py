@@ -120,17 +120,22 @@ class Attention(nnx.Module):
         self.wo = Linear(cfg.q_size, cfg.hidden_size, rngs=rngs, stack=stack, dtype=dtype,
                          fp8=fp8, parallel=_parallel(layout, n, "row"))
 
-    def __call__(self, x, kv: KVCache, layer, md: AttentionMetadata, cos, sin, attn_impl):
+    def __call__(self, x, kv: KVCache, layer, md: AttentionMetadata, cos, sin, attn_impl,
+                 norm: RMSNorm | None = None):
+        """x [T, E] normed; with `norm`, the residual rows that norm is still to be applied to
+        (folded into the fused front, ops.front_norm_applies, or applied here)."""
         # the QKV bias is added by attend: inside the RoPE + K/V write kernel when that runs
         cfg, w = self.cfg, self.wqkv
         bias = None if w.bias is None else w.bias[...]
         fused = ops.decode_qkv_attention(
             x, w.kernel[...], None if w.scale is None else w.scale[...], bias, kv, layer, md,
             cos, sin, num_heads=cfg.num_heads, sm_scale=cfg.head_dim ** -0.5, impl=attn_impl,
-            layout=self.layout)
+            layout=self.layout, norm=None if norm is None else (norm.weight[...], norm.eps))
         if fused is not None:     # small decode steps: QKV's sum and RoPE in the attention
             o, kv = fused
             return self.wo(o.reshape(x.shape[0], cfg.q_size)), kv
+        if norm is not None:
+            x = norm(x)
         o, kv = self.attend(self.wqkv(x, add_bias=False), kv, layer, md, cos, sin, attn_impl,
                             bias=bias)
         return self.wo(o), kv
@@ -182,16 +187,28 @@ class MLP(nnx.Module):
         self.w_down = Linear(cfg.intermediate_size, cfg.hidden_size, rngs=rngs, stack=stack,
                              dtype=dtype, fp8=fp8, parallel=_parallel(layout, m, "row"))
 
-    def __call__(self, x):
+    def __call__(self, x, norm: RMSNorm | None = None):
+        """x [T, E] normed; with `norm`, the rows that norm is still to be applied to, folded
+        in (ops.FOLD_MLP_NORM): gate/up take x times its weight, and each row's 1 / rms(x),
+        a scalar per row that commutes with the matmul, multiplies gate and up before SiLU
+        (in f32), so the norm needs no pass over x of its own."""
         t = x.shape[0]
-        if self.shards == 1 and self.w_gateup.scale is not None:
+        if norm is None and self.shards == 1 and self.w_gateup.scale is not None:
             fused = ops.fused_fp8_mlp(x, (self.w_gateup.kernel[...], self.w_gateup.scale[...]),
                                       (self.w_down.kernel[...], self.w_down.scale[...]))
             if fused is not None:
                 return fused
+        factor = None
+        if norm is not None:
+            xf = x.astype(jnp.float32)
+            factor = jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + norm.eps)
+            x = (xf * norm.weight[...].astype(jnp.float32)).astype(x.dtype)
         gu = self.w_gateup(x).reshape(t, self.shards, 2, -1)            # [T, m, 2, F/m]
         gate, up = gu[:, :, 0].reshape(t, -1), gu[:, :, 1].reshape(t, -1)  # [T, F] each
-        return self.w_down(jax.nn.silu(gate) * up)
+        if factor is None:
+            return self.w_down(jax.nn.silu(gate) * up)
+        h = jax.nn.silu(gate.astype(jnp.float32) * factor) * (up.astype(jnp.float32) * factor)
+        return self.w_down(h.astype(x.dtype))
 
 
 class DecoderLayer(nnx.Module):
@@ -213,8 +230,16 @@ class DecoderLayer(nnx.Module):
                                layout.size):
             return self._fused_fp8(x if delta is None else x + delta, kv, layer, md, cos, sin,
                                    attn_impl)
-        x, n = self.attn_norm.add_norm(x, delta, layout)
-        h, kv = self.attn(n, kv, layer, md, cos, sin, attn_impl)
+        folded = ops.front_norm_applies(x, kv, md, attn_impl, layout)
+        if folded:              # the RMSNorms folded into their consumers (ops.FRONT_NORM)
+            x = x if delta is None else x + delta
+            h, kv = self.attn(x, kv, layer, md, cos, sin, attn_impl, norm=self.attn_norm)
+        else:
+            x, n = self.attn_norm.add_norm(x, delta, layout)
+            h, kv = self.attn(n, kv, layer, md, cos, sin, attn_impl)
+        if folded and ops.FOLD_MLP_NORM:
+            x = x + h
+            return x, self.mlp(x, norm=self.mlp_norm), kv
         x, n = self.mlp_norm.add_norm(x, h, layout)
         return x, self.mlp(n), kv
 

@@ -77,6 +77,17 @@ QKV_PARTS = int(os.environ.get("JAXINFER_QKV_PARTS", "4"))   # the same (A/B)
 # (tests/test_decode_qkv.py).
 # JAXINFER_LAST_COMBINES=1 turns it on at import (A/B).
 LAST_COMBINES = os.environ.get("JAXINFER_LAST_COMBINES", "0") == "1"
+# Under the fused front, the RMSNorm before QKV folded into it (front_norm_applies): QKV's
+# partial products take x times the norm's weight, and the decode kernel scales each row's
+# sum by 1 / rms(x), a scalar per row, which it computes from x itself
+# (pallas_kernels/decode_qkv.py, norm_factor): the norm's own kernel goes, one per layer.
+# JAXINFER_FRONT_NORM=0 turns it off at import (A/B).
+FRONT_NORM = os.environ.get("JAXINFER_FRONT_NORM", "1") == "1"
+# Where FRONT_NORM folds the first RMSNorm, the MLP's is folded too (model.MLP's `norm`):
+# gate/up take x times the norm's weight and SiLU * up each row's 1 / rms(x), which XLA
+# may compute beside the residual add instead of in a norm kernel of its own.
+# JAXINFER_FOLD_MLP_NORM=0 turns it off at import (A/B).
+FOLD_MLP_NORM = os.environ.get("JAXINFER_FOLD_MLP_NORM", "1") == "1"
 
 
 def switches() -> tuple:
@@ -84,8 +95,8 @@ def switches() -> tuple:
     and masked-loads threshold), as a key for a trace cache shared across runners."""
     from pallas_kernels import tuning
     return (FUSED_FP8_MLP, PALLAS_KV_WRITE, FUSED_NORM_QUANT, BF16_PAD_M, FUSED_GLUE,
-            PALLAS_ADD_NORM, FUSED_DECODE_QKV_MAX_ROWS, QKV_PARTS, LAST_COMBINES,
-            tuning.LONGEST_FIRST_PROGRAMS, tuning.MASKED_LOADS_MIN_PROGRAMS)
+            PALLAS_ADD_NORM, FUSED_DECODE_QKV_MAX_ROWS, QKV_PARTS, LAST_COMBINES, FRONT_NORM,
+            FOLD_MLP_NORM, tuning.LONGEST_FIRST_PROGRAMS, tuning.MASKED_LOADS_MIN_PROGRAMS)
 
 
 def _on_gpu() -> bool:
@@ -148,30 +159,52 @@ def combine_counters(t: int, kv_heads: int, md: AttentionMetadata, *, impl: str,
     return jnp.zeros((t * kv_heads,), jnp.float32)
 
 
+def _front_blocks(x, kv: KVCache, md: AttentionMetadata, impl: str, layout: TPLayout):
+    """The decode table's blocks the fused front would read this cache with, or None where
+    the front does not apply (decode_qkv_attention's list)."""
+    from pallas_kernels import decode_qkv as dq
+    t = x.shape[0]
+    if not (_front_applies(t, md, impl, layout) and x.shape[1] % QKV_PARTS == 0):
+        return None
+    blocks = dq.table_blocks(kv, md.page_table, md.attend_rows or t)
+    return blocks if dq.supported(kv, blocks) else None
+
+
+def front_norm_applies(x, kv: KVCache, md: AttentionMetadata, impl: str,
+                       layout: TPLayout = TPLayout()) -> bool:
+    """Whether the decoder hands decode_qkv_attention the residual rows x [T, E] and the
+    RMSNorm before QKV (`norm`) instead of the normed rows: FRONT_NORM and the front applies."""
+    return FRONT_NORM and _front_blocks(x, kv, md, impl, layout) is not None
+
+
 def decode_qkv_attention(x, kernel, scale, bias, kv: KVCache, layer, md: AttentionMetadata,
                          cos, sin, *, num_heads: int, sm_scale: float, impl: str,
-                         layout: TPLayout = TPLayout()):
+                         layout: TPLayout = TPLayout(), norm=None):
     """QKV's projection of x [T, E] (kernel and FP8 scale as the Linear holds them, bias or
     None), RoPE, the K/V write and decode attention with the projection's sum, scales, bias
     and RoPE inside the attention kernel (pallas_kernels/decode_qkv.py) -> (out [T, H, D],
     the cache); None where that does not apply (the caller's unfused route): not a decode
     step of <= FUSED_DECODE_QKV_MAX_ROWS rows, impl "reference", tensor parallelism,
     FUSED_GLUE off, a hidden size QKV_PARTS does not divide or a head dim the kernel does
-    not take (decode_qkv.supported). FP8 KV is read as plain rows (decode_qkv.table_blocks)."""
+    not take (decode_qkv.supported). FP8 KV is read as plain rows (decode_qkv.table_blocks).
+    norm (weight [E], eps): x is the residual stream and the RMSNorm before QKV is folded
+    in (FRONT_NORM): the products take x * weight, the kernel each row's 1 / rms(x)."""
     from pallas_kernels import decode_qkv as dq
+    blocks = _front_blocks(x, kv, md, impl, layout)
+    if blocks is None:
+        return None
     t = x.shape[0]
-    if not (_front_applies(t, md, impl, layout) and x.shape[1] % QKV_PARTS == 0):
-        return None
     n = md.attend_rows or t
-    rows = n if n < t else None
-    blocks = dq.table_blocks(kv, md.page_table, rows or t)
-    if not dq.supported(kv, blocks):
-        return None
-    return dq.paged_attention_qkv(dq.partial_products(x, kernel, QKV_PARTS), scale, bias, cos,
+    u, eps = x, None
+    if norm is not None:
+        weight, eps = norm
+        u = (x.astype(jnp.float32) * weight.astype(jnp.float32)).astype(x.dtype)
+    return dq.paged_attention_qkv(dq.partial_products(u, kernel, QKV_PARTS), scale, bias, cos,
                                   sin, kv, layer, md.seq_lens, md.page_table, md.slot_mapping,
                                   num_heads=num_heads, sm_scale=sm_scale, dtype=x.dtype,
-                                  interpret=not _on_gpu(), rows=rows, longest_first=None,
-                                  blocks=blocks)
+                                  interpret=not _on_gpu(), rows=n if n < t else None,
+                                  longest_first=None, blocks=blocks,
+                                  x=None if norm is None else x, norm_eps=eps)
 
 
 def add_rmsnorm(x, delta, weight, *, eps: float, layout: TPLayout = TPLayout()):

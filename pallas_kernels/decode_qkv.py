@@ -53,6 +53,7 @@ class QKVSpec:
     scaled: bool     # FP8 weights: per-channel scales multiply the sum
     bias: bool       # the projection's bias (Qwen2)
     dtype: str       # the activations' dtype: where the unfused route rounds
+    norm_eps: float | None = None   # the RMSNorm folded (norm_factor): its eps, else None
 
 
 def partial_products(x, kernel, parts: int):
@@ -80,32 +81,60 @@ def projection_reference(partials, scale, dtype):
 
 def split_refs(refs, spec: QKVSpec):
     """The fused front's refs ahead of the kernel's q ref -> ((slots, cos, sin, channel
-    scales or None, bias or None), the rest)."""
+    scales or None, bias or None, the residual rows or None), the rest)."""
     slot_ref, cos_ref, sin_ref, rest = refs[0], refs[1], refs[2], refs[3:]
     ws_ref, rest = (rest[0], rest[1:]) if spec.scaled else (None, rest)
     b_ref, rest = (rest[0], rest[1:]) if spec.bias else (None, rest)
-    return (slot_ref, cos_ref, sin_ref, ws_ref, b_ref), rest
+    x_ref, rest = (rest[0], rest[1:]) if spec.norm_eps is not None else (None, rest)
+    return (slot_ref, cos_ref, sin_ref, ws_ref, b_ref, x_ref), rest
 
 
-def operands(spec: QKVSpec, slot_mapping, cos, sin, scale, bias, head_dim: int) -> list:
-    """split_refs' operands, in its order."""
+def operands(spec: QKVSpec, slot_mapping, cos, sin, scale, bias, head_dim: int,
+             x=None) -> list:
+    """split_refs' operands, in its order (x: the residual rows, with norm_eps)."""
     ops = [slot_mapping.astype(jnp.int32), cos.astype(F32), sin.astype(F32)]
     if spec.scaled:
         ops.append(scale.astype(F32).reshape(-1, head_dim))
     if spec.bias:
         ops.append(bias.astype(spec.dtype).reshape(-1, head_dim))
+    if spec.norm_eps is not None:
+        ops.append(x)
     return ops
+
+
+NORM_CHUNK = 2048    # the most elements of a residual row norm_factor loads at once
+
+
+def norm_factor(front, t, spec: QKVSpec):
+    """`front` for row t: with norm_eps, its residual-rows ref replaced by that row's RMSNorm
+    factor 1 / sqrt(mean(x^2) + eps) (f32, 0-d), which the projection's sum then takes
+    (_head_rows): the partials are then products of x times the norm's weight, and the
+    factor, a scalar per row, commutes with the matmul. The row is read in power-of-two
+    chunks (Triton's blocks), the largest dividing the hidden size, at most NORM_CHUNK."""
+    x_ref = front[5]
+    if x_ref is None:
+        return front
+    e = x_ref.shape[1]
+    chunk = min(e & -e, NORM_CHUNK)
+    ss = jnp.zeros((), F32)
+    for c in range(e // chunk):          # static: one load per chunk
+        x = x_ref[t, pl.ds(c * chunk, chunk)].astype(F32)
+        ss = ss + jnp.sum(x * x)
+    return front[:5] + (jax.lax.rsqrt(ss / e + spec.norm_eps),)
 
 
 def _head_rows(p_ref, front, t, heads, cols, spec: QKVSpec):
     """Head rows `heads` [R] of token t's projection at columns `cols`, as the unfused route
     has them (the parts summed in f32, times the channel scales, rounded to the activations'
-    dtype, plus the bias, rounded): [R, cols] f32."""
-    _, _, _, ws_ref, b_ref = front
+    dtype, plus the bias, rounded): [R, cols] f32. With the norm folded (norm_factor) the
+    sum first takes the row's factor."""
+    _, _, _, ws_ref, b_ref, factor = front
     dtype = jnp.dtype(spec.dtype)
     acc = p_ref[t * spec.width + heads, cols]
     for p in range(1, spec.parts):
         acc = acc + p_ref[(p * spec.tokens + t) * spec.width + heads, cols]
+    if factor is not None:
+        acc = acc * factor
     if ws_ref is not None:
         acc = acc * ws_ref[heads, cols]
     x = acc.astype(dtype)
@@ -117,7 +146,7 @@ def _head_rows(p_ref, front, t, heads, cols, spec: QKVSpec):
 def rotated(p_ref, front, t, heads, spec: QKVSpec, half: int):
     """Rows `heads` of token t, rotated (model.apply_rope's math, rounded to the activations'
     dtype as it rounds): the (low, high) halves [R, D/2] f32."""
-    _, cos_ref, sin_ref, _, _ = front
+    _, cos_ref, sin_ref = front[:3]
     dtype = jnp.dtype(spec.dtype)
     c, s = cos_ref[t][None, :], sin_ref[t][None, :]
     x1 = _head_rows(p_ref, front, t, heads, pl.ds(0, half), spec)
@@ -228,7 +257,7 @@ def paged_attention_qkv(partials, scale, bias, cos, sin, cache: KVCache, layer, 
                         page_table, slot_mapping, *, num_heads: int, sm_scale: float,
                         dtype, interpret: bool = False, rows: int | None = None,
                         longest_first: bool | None = None, masked_loads: bool | None = None,
-                        blocks=None):
+                        blocks=None, x=None, norm_eps: float | None = None):
     """Decode attention from QKV's partial products (module doc): partials [S, T, (H+2K)D]
     f32 (partial_products), scale [(H+2K)D] (FP8 weights) or None, bias [(H+2K)D] or None,
     cos/sin [T, D/2], the cache (its new tokens not written), seq_lens [T] counting each
@@ -237,7 +266,9 @@ def paged_attention_qkv(partials, scale, bias, cos, sin, cache: KVCache, layer, 
     table_blocks' choice when None. With the cache's `counters` (zeros [>= T * K] f32) a
     split grid merges its splits in its last-arriving program instead of a combine kernel
     (split_combine.last_combines_in_kernel), and they come back zero again in the returned
-    cache.
+    cache. With the RMSNorm before the projection folded (norm_eps given): partials are
+    products of x [T, E] (the residual rows, activations' dtype) times the norm's weight,
+    and each row's sum takes 1 / sqrt(mean(x^2) + norm_eps) (norm_factor).
     -> (out [T, H, D] in dtype, the cache with the new tokens written: updated in place
     inside a jit that owns it)."""
     from pallas_kernels import paged_attention as pa
@@ -248,21 +279,24 @@ def paged_attention_qkv(partials, scale, bias, cos, sin, cache: KVCache, layer, 
     if (width != (num_heads + 2 * kv_heads) * head_dim or cos.shape != (t, head_dim // 2)
             or sin.shape != cos.shape or seq_lens.shape != (t,) or slot_mapping.shape != (t,)
             or page_table.shape[0] != t or not supported(cache, blocks)
-            or (rows is not None and not 0 < rows <= t)):
+            or (rows is not None and not 0 < rows <= t)
+            or (norm_eps is not None and (x is None or x.ndim != 2 or x.shape[0] != t))):
         raise ValueError(f"paged_attention_qkv: partials {partials.shape} (want [S, T, "
                          f"{(num_heads + 2 * kv_heads) * head_dim}]), cos/sin {cos.shape}, "
                          f"seq_lens {seq_lens.shape}, slot_mapping {slot_mapping.shape}, "
-                         f"page_table {page_table.shape}, rows {rows}, blocks {blocks} "
+                         f"page_table {page_table.shape}, rows {rows}, blocks {blocks}, "
+                         f"x {None if x is None else x.shape} with norm_eps {norm_eps} "
                          f"(plain rows and a power-of-two head dim only)")
     spec = QKVSpec(num_heads, num_heads + 2 * kv_heads, t, parts, scale is not None,
-                   bias is not None, jnp.dtype(dtype).name)
+                   bias is not None, jnp.dtype(dtype).name,
+                   None if norm_eps is None else float(norm_eps))
     longest_first, masked_loads = tuning.grid_rules(t, rows, kv_heads, blocks.num_splits,
                                                     longest_first, masked_loads)
     out, written = pa._paged_attention_blocks(
         partials, cache.k, cache.v, layer, seq_lens, page_table, cache.k_scale, cache.v_scale,
         sm_scale=sm_scale, interpret=interpret, blocks=blocks, rows=rows,
         longest_first=longest_first, masked_loads=masked_loads, qkv=spec,
-        front=tuple(operands(spec, slot_mapping, cos, sin, scale, bias, head_dim)),
+        front=tuple(operands(spec, slot_mapping, cos, sin, scale, bias, head_dim, x)),
         counters=cache.counters)
     if cache.counters is None:
         return out, cache_from(cache, written)

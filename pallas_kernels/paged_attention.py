@@ -97,6 +97,7 @@ def _decode_kernel(layer_ref, lens_ref, table_ref, order_ref, trows_ref, *refs, 
     heads = h * groups + jnp.minimum(jnp.arange(rows_q, dtype=jnp.int32), groups - 1)
     q_row = jnp.maximum(tb, 0) if token_rows else b
     if qkv is not None:
+        front = dq.norm_factor(front, b, qkv)      # row b's RMSNorm factor, if folded
         q = dq.q_halves(q_ref, front, b, heads, qkv, head_dim // 2)
     else:
         q = load_q(q_ref, q_row * num_heads + heads, pairs, head_dim)

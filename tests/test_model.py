@@ -232,6 +232,8 @@ def test_fused_glue_equals_unfused(monkeypatch, unroll, bias):
         return rmsnorm.add_rmsnorm(x, weight, delta, eps=eps, interpret=True)
 
     monkeypatch.setattr(ops, "add_rmsnorm", kernel_add_rmsnorm)
+    monkeypatch.setattr(ops, "FRONT_NORM", True)
+    monkeypatch.setattr(ops, "FOLD_MLP_NORM", True)
 
     def run(fused, front=0):
         monkeypatch.setattr(ops, "FUSED_GLUE", fused)
@@ -276,8 +278,33 @@ def test_fused_glue_equals_unfused(monkeypatch, unroll, bias):
     assert "jaxinfer_rope_kv_write" not in jaxpr_u
     # the decode front: neither write kernel, the decode kernel's fused form in each layer
     assert jaxpr_q.count("jaxinfer_paged_decode_qkv") == layers
+    # with both RMSNorms folded into their consumers (ops.FRONT_NORM, FOLD_MLP_NORM) the
+    # only add + norm left is the final one (unrolled)
+    assert jaxpr_q.count("add_rmsnorm") == unroll
     assert not {"jaxinfer_rope_kv_write", "jaxinfer_kv_write"} & set(jaxpr_q)
     assert "jaxinfer_paged_decode_qkv" not in jaxpr_f + jaxpr_u
+
+
+@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 2e-2)])
+def test_mlp_with_folded_norm_equals_normed_rows(dtype, tol):
+    """model.MLP with `norm` (ops.FOLD_MLP_NORM): gate/up over x times the norm's weight,
+    each row's 1 / rms(x) on gate and up before SiLU, equals the MLP over the normed rows
+    (bf16: to its roundings); rows of very different scales, so a missing factor shows."""
+    from flax import nnx
+    from jaxinfer import model
+    cfg = standard_config("tiny")
+    mlp = model.MLP(cfg, rngs=nnx.Rngs(0), dtype=dtype)
+    norm = model.RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+    rng = np.random.default_rng(3)
+    norm.weight[...] = jnp.asarray(rng.uniform(0.5, 1.5, cfg.hidden_size), dtype)
+    x = jnp.asarray(rng.standard_normal((3, cfg.hidden_size)) * [[0.1], [1], [30]], dtype)
+    want = np.asarray(mlp(norm(x)), np.float32)
+    got = np.asarray(mlp(x, norm=norm), np.float32)
+    def rel(y):
+        return np.linalg.norm(y - want) / np.linalg.norm(want)
+
+    assert rel(got) < tol
+    assert rel(np.asarray(mlp(x * norm.weight[...]), np.float32)) > 0.5   # no factor
 
 
 def test_split_decode_combined_in_the_kernel(monkeypatch):
