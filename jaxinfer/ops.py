@@ -81,7 +81,11 @@ LAST_COMBINES = os.environ.get("JAXINFER_LAST_COMBINES", "0") == "1"
 # partial products take x times the norm's weight, and the decode kernel scales each row's
 # sum by 1 / rms(x), a scalar per row, which it computes from x itself
 # (pallas_kernels/decode_qkv.py, norm_factor): the norm's own kernel goes, one per layer.
-# JAXINFER_FRONT_NORM=0 turns it off at import (A/B).
+# H200, fortieth session (bench/results/front_norm_ab.json, device step, batch 1, context
+# 512, one machine): the 8B FP8 + int8 head step 372 -> 340 kernels but no faster (medians of
+# six interleaved pairs 2.6728 ms on vs 2.6732 off: the front took ~1 us more per layer,
+# 5.8 -> 6.8 us, by the profiles), bf16 4.124 vs 4.181 (three pairs, -1.4%), Qwen2.5-32B FP8
+# 9.662 vs 9.730 (one pair). JAXINFER_FRONT_NORM=0 turns it off at import (A/B).
 FRONT_NORM = os.environ.get("JAXINFER_FRONT_NORM", "1") == "1"
 # Where FRONT_NORM folds the first RMSNorm, fold the MLP's too (model.MLP's `norm`): gate/up
 # take x times the norm's weight and SiLU * up each row's 1 / rms(x). Off: on the H200 (8B

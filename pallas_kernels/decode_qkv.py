@@ -22,6 +22,10 @@ takes them:
   (its own loop masks it), so no program waits on another's write.
 Measured on the H200 (bench/README.md, thirty-first session): 436 -> 372 kernels per 8B FP8
 batch-1 step, the device step -2.7% (FP8 weights) and -1.1% (bf16) in same-call pairs.
+With the RMSNorm before QKV folded in as well (`norm_eps`, `norm_factor`; ops.FRONT_NORM):
+the partials are products of the residual rows times the norm's weight and every program
+computes its row's 1 / rms from those rows; 372 -> 340 kernels, the FP8 step unchanged and
+bf16 -1.4% (bench/README.md, fortieth session).
 
 Limits (`supported`): the cache read as plain rows and a power-of-two head dim. FP8 KV that
 the decode table reads as f16pairs' byte pairs (head dim 128) is read here as plain rows
