@@ -224,7 +224,9 @@ class DecoderLayer(nnx.Module):
         layer's MLP output; None for the first layer) -> (x, this layer's MLP output still to
         be added, the cache). Unrolled, the add is left to the next RMSNorm (the decoder's
         final one after the last layer), so the two run as one kernel (ops.add_rmsnorm);
-        the scan passes None and adds it in its body."""
+        the scan passes None and adds it in its body. Where the fused decode front applies
+        (ops.front_norm_applies) the first RMSNorm is folded into it instead, and with
+        ops.FOLD_MLP_NORM the second into the MLP: the adds stay plain adds."""
         layout = self.attn.layout
         if ops.fused_fp8_layer(x, self.attn.wqkv.kernel[...], self.mlp.w_down.kernel[...],
                                layout.size):

@@ -232,12 +232,12 @@ def test_fused_glue_equals_unfused(monkeypatch, unroll, bias):
         return rmsnorm.add_rmsnorm(x, weight, delta, eps=eps, interpret=True)
 
     monkeypatch.setattr(ops, "add_rmsnorm", kernel_add_rmsnorm)
-    monkeypatch.setattr(ops, "FRONT_NORM", True)
-    monkeypatch.setattr(ops, "FOLD_MLP_NORM", True)
 
-    def run(fused, front=0):
+    def run(fused, front=0, folds=(True, False)):
         monkeypatch.setattr(ops, "FUSED_GLUE", fused)
         monkeypatch.setattr(ops, "FUSED_DECODE_QKV_MAX_ROWS", front)
+        monkeypatch.setattr(ops, "FRONT_NORM", folds[0])
+        monkeypatch.setattr(ops, "FOLD_MLP_NORM", folds[1])
         runner = ModelRunner(cfg, engine, *build_model(cfg, flat, jnp.float32,
                                                        unroll_layers=unroll))
         pre = runner.all_logits(prompt, single_sequence_md(range(7), ids, 4,
@@ -260,7 +260,11 @@ def test_fused_glue_equals_unfused(monkeypatch, unroll, bias):
     pre_u, dec_u, k_u, v_u, jaxpr_u = run(False)
     pre_q, dec_q, k_q, v_q, jaxpr_q = run(True, front=8)
     pre_f, dec_f, k_f, v_f, jaxpr_f = run(True)
-    for pre, dec, k, v in ((pre_f, dec_f, k_f, v_f), (pre_q, dec_q, k_q, v_q)):
+    # the front with neither RMSNorm folded, and with both (the default folds only the first)
+    other_folds = [run(True, front=8, folds=f) for f in ((False, False), (True, True))
+                   if unroll and not bias]
+    for pre, dec, k, v in [(pre_f, dec_f, k_f, v_f), (pre_q, dec_q, k_q, v_q)] + [
+            r[:4] for r in other_folds]:
         np.testing.assert_allclose(pre, pre_u, atol=1e-4, rtol=1e-4)
         np.testing.assert_allclose(dec, dec_u, atol=1e-4, rtol=1e-4)
         np.testing.assert_allclose(k, k_u, atol=1e-5, rtol=1e-5)
@@ -278,9 +282,12 @@ def test_fused_glue_equals_unfused(monkeypatch, unroll, bias):
     assert "jaxinfer_rope_kv_write" not in jaxpr_u
     # the decode front: neither write kernel, the decode kernel's fused form in each layer
     assert jaxpr_q.count("jaxinfer_paged_decode_qkv") == layers
-    # with both RMSNorms folded into their consumers (ops.FRONT_NORM, FOLD_MLP_NORM) the
-    # only add + norm left is the final one (unrolled)
-    assert jaxpr_q.count("add_rmsnorm") == unroll
+    # the RMSNorm before QKV folded into it (ops.FRONT_NORM): of the add + norms, the MLP
+    # side's per layer and the final one (unrolled); neither folded: both per layer; with
+    # FOLD_MLP_NORM too: the final one alone
+    assert jaxpr_q.count("add_rmsnorm") == layers + unroll
+    if other_folds:
+        assert [r[4].count("add_rmsnorm") for r in other_folds] == [2 * layers + unroll, unroll]
     assert not {"jaxinfer_rope_kv_write", "jaxinfer_kv_write"} & set(jaxpr_q)
     assert "jaxinfer_paged_decode_qkv" not in jaxpr_f + jaxpr_u
 
