@@ -35,8 +35,6 @@ widened to f16 (`front_blocks`): Qwen2.5-32B FP8 + FP8 KV batch 1, device step 1
 from __future__ import annotations
 
 import dataclasses
-import functools
-import os
 
 import jax
 import jax.numpy as jnp
@@ -109,58 +107,38 @@ def operands(spec: QKVSpec, slot_mapping, cos, sin, scale, bias, head_dim: int,
 
 
 NORM_CHUNK = 2048    # the most elements of a residual row norm_factor loads at once
-# The row's loads are issued where norm_factor is called, its reduction where the first sum
-# takes the factor, after that sum's partials are loaded (`rotated` loads both halves
-# first), so the two loads' latencies overlap. False: reduced at once (the 40th session's
-# first form). JAXINFER_FRONT_NORM_LAZY=0 sets it at import (A/B).
-LAZY_NORM = os.environ.get("JAXINFER_FRONT_NORM_LAZY", "1") == "1"
-
-
-class _RowFactor:
-    """A row's RMSNorm factor 1 / sqrt(mean(x^2) + eps) from its loaded chunks, reduced on
-    the first `value()` (the traced result is kept: the kernel traces top to bottom, and
-    its first use is outside any loop or branch)."""
-
-    def __init__(self, chunks, e: int, eps: float):
-        self.chunks, self.e, self.eps, self._value = chunks, e, eps, None
-
-    def value(self):
-        if self._value is None:
-            ss = functools.reduce(lambda a, b: a + b, [jnp.sum(x * x) for x in self.chunks])
-            self._value = jax.lax.rsqrt(ss / self.e + self.eps)
-        return self._value
 
 
 def norm_factor(front, t, spec: QKVSpec):
     """`front` for row t: with norm_eps, its residual-rows ref replaced by that row's RMSNorm
-    factor 1 / sqrt(mean(x^2) + eps) (_RowFactor; f32, 0-d), which the projection's sum
-    then takes (_head_rows): the partials are then products of x times the norm's weight,
-    and the factor, a scalar per row, commutes with the matmul. The row is read in
-    power-of-two chunks (Triton's blocks), the largest dividing the hidden size, at most
-    NORM_CHUNK; reduced at once, or where first needed with LAZY_NORM."""
+    factor 1 / sqrt(mean(x^2) + eps) (f32, 0-d), which the projection's sum then takes
+    (_head_rows): the partials are then products of x times the norm's weight, and the
+    factor, a scalar per row, commutes with the matmul. The row is read in power-of-two
+    chunks (Triton's blocks), the largest dividing the hidden size, at most NORM_CHUNK."""
     x_ref = front[5]
     if x_ref is None:
         return front
     e = x_ref.shape[1]
     chunk = min(e & -e, NORM_CHUNK)
-    factor = _RowFactor([x_ref[t, pl.ds(c * chunk, chunk)].astype(F32)
-                         for c in range(e // chunk)], e, spec.norm_eps)
-    if not LAZY_NORM:
-        factor.value()
-    return front[:5] + (factor,)
+    ss = jnp.zeros((), F32)
+    for c in range(e // chunk):          # static: one load per chunk
+        x = x_ref[t, pl.ds(c * chunk, chunk)].astype(F32)
+        ss = ss + jnp.sum(x * x)
+    return front[:5] + (jax.lax.rsqrt(ss / e + spec.norm_eps),)
 
 
-def _head_rows(p_ref, front, t, heads, cols, spec: QKVSpec, acc=None):
+def _head_rows(p_ref, front, t, heads, cols, spec: QKVSpec):
     """Head rows `heads` [R] of token t's projection at columns `cols`, as the unfused route
     has them (the parts summed in f32, times the channel scales, rounded to the activations'
     dtype, plus the bias, rounded): [R, cols] f32. With the norm folded (norm_factor) the
-    sum first takes the row's factor. acc: the parts' sum (_parts_sum), if loaded already."""
+    sum first takes the row's factor."""
     _, _, _, ws_ref, b_ref, factor = front
     dtype = jnp.dtype(spec.dtype)
-    if acc is None:
-        acc = _parts_sum(p_ref, t, heads, cols, spec)
+    acc = p_ref[t * spec.width + heads, cols]
+    for p in range(1, spec.parts):
+        acc = acc + p_ref[(p * spec.tokens + t) * spec.width + heads, cols]
     if factor is not None:
-        acc = acc * factor.value()
+        acc = acc * factor
     if ws_ref is not None:
         acc = acc * ws_ref[heads, cols]
     x = acc.astype(dtype)
@@ -169,24 +147,14 @@ def _head_rows(p_ref, front, t, heads, cols, spec: QKVSpec, acc=None):
     return x.astype(F32)
 
 
-def _parts_sum(p_ref, t, heads, cols, spec: QKVSpec):
-    """The partial products' sum for head rows `heads` of token t at `cols`: [R, cols] f32."""
-    acc = p_ref[t * spec.width + heads, cols]
-    for p in range(1, spec.parts):
-        acc = acc + p_ref[(p * spec.tokens + t) * spec.width + heads, cols]
-    return acc
-
-
 def rotated(p_ref, front, t, heads, spec: QKVSpec, half: int):
     """Rows `heads` of token t, rotated (model.apply_rope's math, rounded to the activations'
-    dtype as it rounds): the (low, high) halves [R, D/2] f32. Both halves' partials are
-    loaded before either takes the norm factor."""
+    dtype as it rounds): the (low, high) halves [R, D/2] f32."""
     _, cos_ref, sin_ref = front[:3]
     dtype = jnp.dtype(spec.dtype)
     c, s = cos_ref[t][None, :], sin_ref[t][None, :]
-    cols = (pl.ds(0, half), pl.ds(half, half))
-    sums = [_parts_sum(p_ref, t, heads, x, spec) for x in cols]
-    x1, x2 = (_head_rows(p_ref, front, t, heads, x, spec, acc) for x, acc in zip(cols, sums))
+    x1 = _head_rows(p_ref, front, t, heads, pl.ds(0, half), spec)
+    x2 = _head_rows(p_ref, front, t, heads, pl.ds(half, half), spec)
     return ((x1 * c - x2 * s).astype(dtype).astype(F32),
             (x2 * c + x1 * s).astype(dtype).astype(F32))
 
