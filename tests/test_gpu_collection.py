@@ -23,5 +23,5 @@ def test_the_suites_gpu_files_are_kept():
     for name in ("test_tokenizer.py", "test_checkpoints.py", "test_serve.py",
                  "test_serve_lifecycle.py"):
         assert skipped_in_gpu_runs(HERE / name, "gpu"), name
-    for name in ("test_paged_attention.py", "test_fp8_matmul.py", "test_model.py"):
+    for name in ("test_paged_attention.py", "test_fp8_matmul.py", "test_model_glue.py"):
         assert not skipped_in_gpu_runs(HERE / name, "gpu"), name
