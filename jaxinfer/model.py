@@ -47,8 +47,17 @@ class RMSNorm(nnx.Module):
 
     def __call__(self, x):
         xf = x.astype(jnp.float32)
-        y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
-        return (y * self.weight[...].astype(jnp.float32)).astype(x.dtype)
+        return (xf * self.factor(xf) * self.weight[...].astype(jnp.float32)).astype(x.dtype)
+
+    def factor(self, x):
+        """Each row's 1 / sqrt(mean(x^2) + eps) [..., 1] f32: the norm without its weight."""
+        xf = x.astype(jnp.float32)
+        return jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+
+    def weighted(self, x):
+        """x times the weight, in x's dtype: the norm's rows before their factor (a scalar
+        per row, which commutes with a following matmul: the folded norms)."""
+        return (x.astype(jnp.float32) * self.weight[...].astype(jnp.float32)).astype(x.dtype)
 
     def add_norm(self, x, delta, layout: TPLayout = TPLayout()):
         """(x + delta, its norm); delta None: (x, its norm). One kernel on the GPU (ops)."""
@@ -128,9 +137,10 @@ class Attention(nnx.Module):
         cfg, w = self.cfg, self.wqkv
         bias = None if w.bias is None else w.bias[...]
         fused = ops.decode_qkv_attention(
-            x, w.kernel[...], None if w.scale is None else w.scale[...], bias, kv, layer, md,
-            cos, sin, num_heads=cfg.num_heads, sm_scale=cfg.head_dim ** -0.5, impl=attn_impl,
-            layout=self.layout, norm=None if norm is None else (norm.weight[...], norm.eps))
+            x if norm is None else norm.weighted(x), w.kernel[...],
+            None if w.scale is None else w.scale[...], bias, kv, layer, md, cos, sin,
+            num_heads=cfg.num_heads, sm_scale=cfg.head_dim ** -0.5, impl=attn_impl,
+            layout=self.layout, norm=None if norm is None else (x, norm.eps))
         if fused is not None:     # small decode steps: QKV's sum and RoPE in the attention
             o, kv = fused
             return self.wo(o.reshape(x.shape[0], cfg.q_size)), kv
@@ -200,9 +210,7 @@ class MLP(nnx.Module):
                 return fused
         factor = None
         if norm is not None:
-            xf = x.astype(jnp.float32)
-            factor = jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + norm.eps)
-            x = (xf * norm.weight[...].astype(jnp.float32)).astype(x.dtype)
+            factor, x = norm.factor(x), norm.weighted(x)
         gu = self.w_gateup(x).reshape(t, self.shards, 2, -1)            # [T, m, 2, F/m]
         gate, up = gu[:, :, 0].reshape(t, -1), gu[:, :, 1].reshape(t, -1)  # [T, F] each
         if factor is None:

@@ -177,8 +177,9 @@ def _front_blocks(x, kv: KVCache, md: AttentionMetadata, impl: str, layout: TPLa
 
 def front_norm_applies(x, kv: KVCache, md: AttentionMetadata, impl: str,
                        layout: TPLayout = TPLayout()) -> bool:
-    """Whether the decoder hands decode_qkv_attention the residual rows x [T, E] and the
-    RMSNorm before QKV (`norm`) instead of the normed rows: FRONT_NORM and the front applies."""
+    """Whether the decoder hands decode_qkv_attention the residual rows x [T, E] times the
+    RMSNorm's weight, with the rows and eps as `norm`, instead of the normed rows: FRONT_NORM
+    and the front applies."""
     return FRONT_NORM and _front_blocks(x, kv, md, impl, layout) is not None
 
 
@@ -192,24 +193,21 @@ def decode_qkv_attention(x, kernel, scale, bias, kv: KVCache, layer, md: Attenti
     step of <= FUSED_DECODE_QKV_MAX_ROWS rows, impl "reference", tensor parallelism,
     FUSED_GLUE off, a hidden size QKV_PARTS does not divide or a head dim the kernel does
     not take (decode_qkv.supported). FP8 KV is read as plain rows (decode_qkv.table_blocks).
-    norm (weight [E], eps): x is the residual stream and the RMSNorm before QKV is folded
-    in (FRONT_NORM): the products take x * weight, the kernel each row's 1 / rms(x)."""
+    norm (rows [T, E], eps): the RMSNorm before QKV folded in (FRONT_NORM): x is those
+    residual rows times the norm's weight, and the kernel scales each row's sum by
+    1 / rms(rows)."""
     from pallas_kernels import decode_qkv as dq
     blocks = _front_blocks(x, kv, md, impl, layout)
     if blocks is None:
         return None
     t = x.shape[0]
     n = md.attend_rows or t
-    u, eps = x, None
-    if norm is not None:
-        weight, eps = norm
-        u = (x.astype(jnp.float32) * weight.astype(jnp.float32)).astype(x.dtype)
-    return dq.paged_attention_qkv(dq.partial_products(u, kernel, QKV_PARTS), scale, bias, cos,
+    rows, eps = (None, None) if norm is None else norm
+    return dq.paged_attention_qkv(dq.partial_products(x, kernel, QKV_PARTS), scale, bias, cos,
                                   sin, kv, layer, md.seq_lens, md.page_table, md.slot_mapping,
                                   num_heads=num_heads, sm_scale=sm_scale, dtype=x.dtype,
                                   interpret=not _on_gpu(), rows=n if n < t else None,
-                                  longest_first=None, blocks=blocks,
-                                  x=None if norm is None else x, norm_eps=eps)
+                                  longest_first=None, blocks=blocks, x=rows, norm_eps=eps)
 
 
 def add_rmsnorm(x, delta, weight, *, eps: float, layout: TPLayout = TPLayout()):
