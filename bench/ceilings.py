@@ -1,18 +1,13 @@
-"""Hardware ceilings measured in the same run as the numbers they judge (shared/BENCH.md).
+"""Hardware ceilings measured in the same run as the numbers they judge (bench/README.md).
 
     copy_TBps   device-to-device copy (read + write bytes counted)
     read_TBps   read-only reduction: the fastest of READS over the buffer
     gemm_TFLOPs dense matmul rate (bf16 on the GPU, float32 on the CPU)
 
-On the GPU: 4 GiB buffers and an 8192^3 bf16 GEMM, as BENCH.md. On the CPU they just measure
-the CPU, at sizes small enough for a CI run (16 MiB, 512^3).
-
-Each kernel first runs for WARM_S seconds untimed. Before the eleventh session the read was
-one 1-D uint32 sum after a single warm-up call: 3.2-3.7 TB/s from run to run on the H200.
-Warmed, the three reductions read 3.46-3.56 TB/s there (two runs, the row sums fastest;
-bench/results/history/ceilings_warm_bb544b1.txt): still under BENCH.md's 4.27, and under what
-the 8B batch-1 decode step's weight reads reach, so an `mbu` against this ceiling can pass 1.
-`read_candidates_TBps` keeps every candidate's rate.
+On the GPU: 4 GiB buffers and an 8192^3 bf16 GEMM; on the CPU sizes small enough
+for CI (16 MiB, 512^3). Each kernel first runs WARM_S seconds untimed (GPU clocks ramp up from
+idle). An XLA reduction reads below the HBM peak a tuned kernel reaches, so an MBU against
+read_TBps can pass 1; `read_candidates_TBps` keeps every candidate's rate.
 """
 from __future__ import annotations
 
@@ -23,7 +18,7 @@ import jax.numpy as jnp
 
 from bench.common import timed
 
-WARM_S = 0.5   # untimed running of each kernel first (GPU clocks ramp up from idle)
+WARM_S = 0.5   # seconds each kernel runs untimed first
 
 # Read-only reductions of a flat uint32 buffer; the row sums write 1/4096 of what they read.
 READS = {

@@ -1,4 +1,4 @@
-"""What every bench suite shares: the results file (shared/BENCH.md's format), timing, and a
+"""What every bench suite shares: the results file (its format: bench/README.md), timing, and a
 ModelRunner built from the CLI's engine flags with synthetic decode inputs.
 
 Results file: {"suite", "device", "jax", "git", "date", "command", "ceilings", "rows", ...}.
@@ -22,11 +22,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
-
 
 def git_sha(override: str | None = None) -> str:
-    """`--git` wins (the GPU copy of the tree may have no .git), else `git rev-parse HEAD`."""
+    """`--git` wins (a copy of the tree may have no .git), else `git rev-parse HEAD`."""
     if override:
         return override
     try:
@@ -41,14 +39,13 @@ def device_name() -> str:
     return d.device_kind if d.platform == "gpu" else f"cpu ({os.cpu_count()} cores)"
 
 
-def new_result(suite: str, git: str | None = None, **extra) -> dict:
-    """A result file's header; JAXINFER_* environment overrides (experiments, e.g. the
-    tuning tables' in pallas_kernels/tuning.py) are recorded under "env"."""
+def new_result(args, **extra) -> dict:
+    """A result file's header for the suite `args` runs (bench.cli sets args.suite and
+    args.command). JAXINFER_* environment overrides are recorded under "env"."""
     env = {k: v for k, v in sorted(os.environ.items()) if k.startswith("JAXINFER_")}
-    return {"suite": suite, "device": device_name(), "jax": jax.__version__,
-            "git": git_sha(git), "date": str(datetime.date.today()),
-            "command": " ".join(["jaxinfer", "bench"] + sys.argv[sys.argv.index(suite):]
-                                if suite in sys.argv else sys.argv),
+    command = getattr(args, "command", None) or " ".join(sys.argv)
+    return {"suite": args.suite, "device": device_name(), "jax": jax.__version__,
+            "git": git_sha(args.git), "date": str(datetime.date.today()), "command": command,
             **({"env": env} if env else {}), **extra, "rows": []}
 
 
@@ -86,16 +83,6 @@ def timed(fn, reps: int = 10, min_s: float = 5e-3) -> float:
     return statistics.median(samples)
 
 
-def parse_ints(text: str) -> list[int]:
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise ValueError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise ValueError(f"expected positive integers, got {text!r}")
-    return values
-
-
 def print_table(rows: list[dict], keys: list[str]) -> None:
     """A plain aligned table of `keys` over `rows` (missing values blank)."""
     cells = [[_fmt(r.get(k, "")) for k in keys] for r in rows]
@@ -115,7 +102,7 @@ def progress(iterable, desc: str, total: int | None = None, unit: str = "case"):
     """A tqdm bar on stderr; iterable None gives a manual bar (`bar.update(n)`)."""
     from tqdm import tqdm
 
-    # Off a terminal (CI, the GPU script's log) redraw rarely: the log stays readable.
+    # Off a terminal (CI logs) redraw rarely: the log stays readable.
     return tqdm(iterable, desc=desc, total=total, unit=unit, file=sys.stderr,
                 mininterval=0.1 if sys.stderr.isatty() else 10.0)
 
@@ -146,17 +133,24 @@ def engine_argv(args) -> list[str]:
     return argv + (["--dtype", args.dtype] if args.dtype else [])
 
 
+def engine_config(args):
+    """The EngineConfig of the engine flags in `args`, its dtype resolved for this backend."""
+    from jaxinfer.args import engine_config_from_args
+
+    return engine_config_from_args(args).for_backend(jax.default_backend())
+
+
 # --- a ModelRunner from the CLI's engine flags, and synthetic decode inputs ---------------
 
 def load_runner(args, *, max_num_seqs: int, max_len: int, pairs=(), kv_budget_gb=None):
     """(ModelRunner, ModelConfig, graphdef) for args.model under the CLI's engine flags, sized
     for `max_num_seqs` rows of up to `max_len` tokens. With `pairs` ((B, C) cases) the KV pool
     holds the largest case that fits in kv_budget_gb GB."""
-    from jaxinfer.cli import engine_config_from_args
+    from jaxinfer.kv_cache import kv_page_bytes
     from jaxinfer.loading import load_model
-    from jaxinfer.runner import ModelRunner, kv_page_bytes
+    from jaxinfer.runner import ModelRunner
 
-    engine = engine_config_from_args(args)
+    engine = engine_config(args)
     engine = engine.replace(max_num_seqs=max_num_seqs,
                             max_model_len=max(max_len, engine.max_model_len))
     cfg, graphdef, params, _ = load_model(args.model, engine)
@@ -242,12 +236,9 @@ def burst(runner, inp, n: int) -> tuple[float, float]:
 
 def pipelined_step_s(runner, inp, reps: int, n: int = 8) -> float:
     """Seconds per step in a stream of steps dispatched back to back (no per-step host round
-    trip): (time of a burst of 2n steps - time of a burst of n) / n, so that what a burst
-    costs once (the first dispatch before the GPU has work, the final block) cancels. A
-    burst's time / n counted it in every step: on the H200 at batch 1 (8B bf16) that gave
-    4.50-4.60 ms per step where the engine's decode steps ran 4.16-4.20 ms (bench/README.md,
-    eleventh session). Where noise makes the difference not positive (tiny CPU models),
-    the 2n burst's time / 2n."""
+    trip): (a burst of 2n steps - a burst of n) / n, so what a burst pays once (the first
+    dispatch before the device has work, the final block) cancels. Where noise makes the
+    difference not positive (tiny CPU models), the 2n burst's time / 2n."""
     short = timed(lambda: burst(runner, inp, n), reps)
     long = timed(lambda: burst(runner, inp, 2 * n), reps)
     return (long - short) / n if long > short else long / (2 * n)

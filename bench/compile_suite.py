@@ -1,18 +1,14 @@
 """`jaxinfer bench compile`: what compiling every bucket of an engine config costs, and what
 the compiled step contains.
 
-Per bucket (the engine's `Buckets.all_buckets()`), the runner's jitted step is traced, lowered
-and compiled ahead of time (`jit.trace(...).lower().compile()`), one bucket after another,
-each phase timed apart, in this process with a fresh persistent compilation cache dir
-(`cold_serial_sum_s`: their sum).
-What a server start pays (Engine.warmup: both sampling variants of every bucket, lowered one
-by one and compiled in a thread pool, `ModelRunner.compile_ahead`), wall clock, each in a
-fresh child process:
-  cold_total_s   with a second fresh cache dir (nothing to hit);
-  warm_total_s   reusing that dir: what a restarted server pays.
-The cold executables' optimized HLO is read by bench/hlo.py: kernels per step and per
-decoder layer, fused op sets, custom calls, command-buffer coverage; plus the executable's
-memory (`compiled.memory_analysis()`).
+Per bucket (`Buckets.all_buckets()`), in this process with a fresh persistent cache dir: the
+runner's jitted step traced, lowered and compiled ahead of time, each phase timed
+(`cold_serial_sum_s`: their sum). Then what a server start pays (Engine.warmup: both sampling
+variants of every bucket, compiled in a thread pool), wall clock, each in a fresh child:
+  cold_total_s   with a second fresh cache dir (nothing to hit)
+  warm_total_s   reusing that dir: what a restarted server pays
+The executables' optimized HLO is read by bench/hlo.py (kernels per step and per decoder
+layer, fused op sets, custom calls, command-buffer coverage), plus their memory.
 """
 from __future__ import annotations
 
@@ -139,7 +135,7 @@ def run(args) -> int:
     if args.phase in ("cold", "warm"):  # a child: the start-up compile only
         Path(args.out).write_text(json.dumps(startup_compile(args)) + "\n")
         return 0
-    result = new_result("compile", args.git, model=args.model,
+    result = new_result(args, model=args.model,
                         cache_dir=args.cache_dir or "(a fresh temporary directory)")
     rows, decode_hlo = compile_all(args, analyze=True)
     result.update(cold_serial_sum_s=round(sum(r["total_s"] for r in rows), 2),

@@ -1,53 +1,43 @@
-"""`jaxinfer bench decode`: the roofline of the decode step.
+"""`jaxinfer bench decode`: the decode step against its roofline.
 
 For every batch B and context C: B rows, each decoding its token C at position C-1 over C-1
 cached tokens, run through `ModelRunner` (the serving step: forward + logits + sampling, KV
-donated) with a scheduler-free StepInput. The cache is filled with pseudo-random values
-first (never zeros). Two times per case:
-  step_ms         back-to-back `runner.step` calls, each syncing on its sampled tokens
-                  (what serving sees); median per call
-  step_ms_device  steps dispatched back to back, no host round trip: a burst of 16 less a
-                  burst of 8, over 8 (bench.common.pipelined_step_s; rows before the
-                  eleventh session: a burst of 8 over 8, which counts its start and end)
-  dispatch_ms     host time to enqueue one step (of such a burst): if it nears step_ms_device
-                  the host, not the GPU, sets the pace
-  gpu_clocks      the SM clock and board power through the case (bench/gpu_clocks.py; None
-                  off the GPU): at the H200's power cap the clock drops, and kernels slow with it
-Bytes that must move per step: every weight read once (embeddings: only the B looked-up rows;
-the LM head whole) + the KV of B x C tokens read + the new tokens' KV written.
-FLOPs: 2 x matmul params x B + attention (4 x L x H x D x C x B).
-MBU = (bytes / read_TBps) / step time; roofline_frac = max(byte floor, FLOP floor) / step
-time, against ceilings measured in the same run. The run's XLA read probe under-measures the
-H200's HBM (3.5-3.65 TB/s, where the paged-attention kernel reads 4.5 by its device time:
-bench/README.md, thirteenth session), so mbu_device can pass 1; `mbu_ref` / `mbu_device_ref`
-divide by BENCH.md's reference read ceiling instead (REF_READ_TBPS, the unit issue 8 states
-its MBU in; on other machines they judge nothing).
+donated) with a scheduler-free StepInput; the cache holds pseudo-random values (never zeros).
+  step_ms         back-to-back `runner.step` calls, each syncing on its sampled tokens (what
+                  serving sees); median per call
+  step_ms_device  steps dispatched back to back, no host round trip
+                  (bench.common.pipelined_step_s)
+  dispatch_ms     host time to enqueue one step: near step_ms_device, the host sets the pace
+  gpu_clocks      SM clock and board power through the case (bench/gpu_clocks.py)
+Bytes per step: every weight read once (embeddings: only the B looked-up rows; the LM head
+whole) + the KV of B x C tokens read + the new tokens' KV written. FLOPs: 2 x matmul params x
+B + attention (4 x L x H x D x C x B). MBU = (bytes / read_TBps) / step time; roofline_frac =
+max(byte floor, FLOP floor) / step time, against ceilings measured in the same run.
+`mbu_ref` / `mbu_device_ref` divide by the H200's measured read ceiling (REF_READ_TBPS) instead,
+since an XLA read probe under-measures HBM; on other machines they judge nothing.
 """
 from __future__ import annotations
 
 import json
 import os
 import statistics
-import sys
 from pathlib import Path
 
 import jax
 import numpy as np
 
 from bench import ceilings as ceilings_mod
-from jaxinfer import config, ops
-from jaxinfer.runner import kv_page_bytes
-from pallas_kernels import tuning
 from bench.common import (burst, decode_input, dtype_name, fill_kv, load_runner, new_result,
                           pipelined_step_s, print_table, progress, save, timed, weights_name)
 from bench.gpu_clocks import ClockMonitor
+from jaxinfer import config
+from jaxinfer.kv_cache import kv_page_bytes
 
-REF_READ_TBPS = 4.27   # shared/BENCH.md: the H200's read ceiling, the unit of issue 8's MBU
+REF_READ_TBPS = 4.27   # the H200's measured read ceiling (docs/performance.md)
 
 KEYS = ["model", "weights", "kv_dtype", "batch", "context", "step_ms", "step_ms_device",
-        "dispatch_ms",
-        "tokens_per_s", "mbu", "mbu_device", "mbu_device_ref", "intensity_flop_per_byte",
-        "achieved_TFLOPs"]
+        "dispatch_ms", "tokens_per_s", "mbu", "mbu_device", "mbu_device_ref",
+        "intensity_flop_per_byte", "achieved_TFLOPs"]
 
 
 def weight_bytes(params, cfg, batch: int, lm_head: str = "bf16") -> int:
@@ -71,7 +61,7 @@ def weight_bytes(params, cfg, batch: int, lm_head: str = "bf16") -> int:
 
 def kv_bytes_per_token(cfg, engine) -> int:
     """K and V of one token over all layers (+ FP8 per-token-head scales, if the pool has
-    them): runner.kv_page_bytes per slot."""
+    them): kv_cache.kv_page_bytes per slot."""
     return kv_page_bytes(cfg, engine) // engine.page_size
 
 
@@ -149,66 +139,17 @@ def run(args) -> int:
         save(result, args.out, [dict(row, gpu_clocks=clocks.summary(),
                                      run=len(result["runs"]) - 1)])
     print_table(result["rows"], KEYS)
-    if result["rows"]:
-        try:
-            png = plot_roofline(result, str(args.out).removesuffix(".json") + "_roofline.png")
-            print(f"roofline plot: {png}")
-        except ImportError as e:  # the numbers matter more than the picture: keep them
-            print(f"no roofline plot ({e}): install matplotlib", file=sys.stderr)
     return 0
 
 
 def start_result(args, ceil: dict, skipped: list) -> dict:
     """A new results dict, or with --append the existing file's, this run added to "runs"
     (each run's own command and ceilings; its rows carry its index as "run")."""
-    fresh = new_result("decode", args.git, ceilings=ceil, skipped=[], runs=[])
-    run_info = {"command": fresh["command"], "ceilings": ceil,
-                "xla_flags": os.environ.get("XLA_FLAGS", ""),
-                "min_split_tokens": tuning.MIN_SPLIT_TOKENS,
-                "longest_first_programs": list(tuning.LONGEST_FIRST_PROGRAMS),
-                "masked_loads_min_programs": tuning.MASKED_LOADS_MIN_PROGRAMS,
-                "front_norm": ops.FRONT_NORM, "fold_mlp_norm": ops.FOLD_MLP_NORM}
+    fresh = new_result(args, ceilings=ceil, skipped=[], runs=[])
+    run_info = {"command": fresh["command"], "git": fresh["git"], "ceilings": ceil,
+                "xla_flags": os.environ.get("XLA_FLAGS", "")}
     path = Path(args.out)
     result = json.loads(path.read_text()) if args.append and path.exists() else fresh
     result.setdefault("runs", []).append(run_info)
     result["skipped"] = result.get("skipped", []) + skipped
     return result
-
-
-def plot_roofline(result: dict, path: str) -> str:
-    """Arithmetic intensity vs achieved FLOP/s of every case, under the two measured roofs:
-    bandwidth x intensity (sloped) and the GEMM rate (flat). Decode points sit far left of
-    the ridge, on or under the sloped roof: bandwidth-bound."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows, ceil = result["rows"], result["ceilings"]
-    ai = np.array([r["intensity_flop_per_byte"] for r in rows])
-    xs = np.geomspace(min(ai.min(), 0.5) / 2, max(ai.max() * 4, 4 * ceil["gemm_TFLOPs"] /
-                                                  ceil["read_TBps"]), 200)
-    fig, ax = plt.subplots(figsize=(8, 5.5))
-    for name, bw in (("read", ceil["read_TBps"]), ("copy", ceil["copy_TBps"])):
-        ax.plot(xs, np.minimum(xs * bw, ceil["gemm_TFLOPs"]), "--",
-                label=f"roof: {name} {bw:.3g} TB/s, GEMM {ceil['gemm_TFLOPs']:.4g} TFLOP/s")
-    def series(r):  # rows of runs with --unroll-layers form their own series
-        return (r["model"], r["weights"], r["kv_dtype"]) + (
-            ("unrolled",) if r.get("unroll_layers") else ()) + (
-            (f"{r['lm_head']} head",) if r.get("lm_head") else ())
-
-    for key in sorted({series(r) for r in rows}):
-        sel = [r for r in rows if series(r) == key]
-        ax.scatter([r["intensity_flop_per_byte"] for r in sel],
-                   [r["achieved_TFLOPs"] for r in sel], label="/".join(key), zorder=3)
-        for r in sel:
-            ax.annotate(f"B{r['batch']} C{r['context']}", (r["intensity_flop_per_byte"],
-                        r["achieved_TFLOPs"]), fontsize=6, xytext=(3, 3),
-                        textcoords="offset points")
-    ax.set(xscale="log", yscale="log", xlabel="arithmetic intensity (FLOP / byte moved)",
-           ylabel="achieved TFLOP/s", title=f"decode roofline, {result['device']}")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path

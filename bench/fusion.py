@@ -16,7 +16,6 @@ cond that runs counted once, while-loop bodies once) — each is at least one ke
 """
 from __future__ import annotations
 
-import functools
 import json
 import os
 import subprocess
@@ -64,20 +63,14 @@ def count_primitives(jaxpr, layers: list) -> int:
     return n
 
 
-def unfused_row(runner, graphdef, cfg, inp, reps: int) -> dict:
-    from jaxinfer import runner as runner_mod
-    from jaxinfer.step_input import unpack
-
-    step = functools.partial(runner_mod._step, graphdef, runner.attn_impl, runner._treedef)
-    step_inp = unpack(inp.buf, inp.spec, inp.prev_tokens)   # the StepInput itself
-    args = (runner._leaves, runner.kv, step_inp, runner._rng, np.uint32(0))
+def unfused_row(runner, cfg, inp, reps: int) -> dict:
+    """The runner's own step run op by op (jax.disable_jit), and its primitives counted."""
     layers: list[tuple[int, int]] = []  # (length, primitives per iteration) of each scan
-    per_step = count_primitives(jax.make_jaxpr(step)(*args).jaxpr, layers)
+    per_step = count_primitives(runner.trace(inp).jaxpr.jaxpr, layers)
 
     def once():
         with jax.disable_jit():
-            kv, out, _ = step(*args)
-        jax.block_until_ready(out)
+            runner.step(inp)    # blocks on the sampled tokens
     once()  # compiles every primitive once
     sec = timed(once, max(2, reps // 3), min_s=0.0)
     return {"step_ms": round(sec * 1e3, 4), "kernels_per_step": per_step,
@@ -101,11 +94,11 @@ def cmdbuf_off_rows(args) -> list[dict]:
 
 def run(args) -> int:
     pairs = [(b, c) for b in args.batch_sizes for c in args.contexts]
-    runner, cfg, graphdef = load_runner(args, max_num_seqs=max(args.batch_sizes),
+    runner, cfg, _ = load_runner(args, max_num_seqs=max(args.batch_sizes),
                                         max_len=max(args.contexts) + 1, pairs=pairs,
                                         kv_budget_gb=args.kv_budget_gb)
     runner.kv = fill_kv(runner.kv)
-    result = new_result("fusion", args.git, model=args.model,
+    result = new_result(args, model=args.model,
                         xla_flags=os.environ.get("XLA_FLAGS", ""))
     rng = np.random.default_rng(0)
     for b, c in pairs:
@@ -116,7 +109,7 @@ def run(args) -> int:
                                  **fused_row(runner, cfg, inp, args.reps)}])
         if not args.child and not args.no_unfused:
             save(result, args.out, [{"variant": "unfused", **case,
-                                     **unfused_row(runner, graphdef, cfg, inp, args.reps)}])
+                                     **unfused_row(runner, cfg, inp, args.reps)}])
     if args.child:
         return 0
     if not args.no_cmdbuf_child:

@@ -1,10 +1,8 @@
 """The GPU's SM clock and board power while a benchmark runs, for its result row.
 
-Under sustained load the H200 runs at its 700 W power cap: in the nineteenth session's
-8B FP8 decode harness at 384 rows the SM clock ran mostly at 1.7-1.8 GHz instead of 1.98
-(nvidia-smi's clock-event reason "software power cap"), while a profiler's short bursts ran
-at 1.86-1.97 GHz (bench/README.md). Runs on other machines, or of other lengths, can differ by
-their clocks as much as by the code; a row that carries its clocks says which it had.
+Under sustained load an H200 can sit at its power cap with the SM clock well under its peak,
+so runs of different lengths or machines can differ by their clocks as much as by the code;
+a row that carries its clocks says which it had.
 
     with ClockMonitor() as mon:
         ...                                   # the measured work

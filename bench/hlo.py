@@ -197,7 +197,7 @@ def decode_step_analysis(model: str, engine, batch: int = 1) -> dict:
 
     from jaxinfer.buckets import Bucket
     from jaxinfer.config import standard_config
-    from jaxinfer.params import abstract_model
+    from checkpoints.model_state import abstract_model
     from jaxinfer.runner import ModelRunner
     from jaxinfer.step_input import dummy_input
 

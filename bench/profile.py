@@ -91,7 +91,8 @@ def read_events(d: str) -> list[dict]:
     for e in events:
         if e.get("ph") != "X":
             continue
-        e = dict(e, process=procs.get(e["pid"], ""), thread=threads.get((e["pid"], e.get("tid")), ""))
+        e = dict(e, process=procs.get(e["pid"], ""),
+                 thread=threads.get((e["pid"], e.get("tid")), ""))
         out.append(e)
     return out
 
@@ -117,9 +118,9 @@ def busy_seconds(events: list[dict], calls: int) -> float:
 def device_seconds(run, calls: int) -> float | None:
     """Device-side time per call of `run()` (which dispatches `calls` calls and returns their
     outputs): run once to warm up, then once under the profiler; busy_seconds of its device
-    events. The op benches' `us_device` (BENCH.md's device-side timing): unlike a host clock
-    around back-to-back dispatches, it leaves out the device's idle time between launches.
-    None off the GPU (the CPU's "device events" are host-side XLA ops)."""
+    events. The op suites' `us_device`: unlike a host clock around back-to-back dispatches,
+    it leaves out the device's idle time between launches. None off the GPU (the CPU's
+    "device events" are host-side XLA ops)."""
     if jax.default_backend() != "gpu":
         return None
     jax.block_until_ready(run())
@@ -167,7 +168,8 @@ def summarize(events: list[dict], steps: int, top: int = 25) -> dict:
         "families": [{"family": f, "calls_per_step": round(c / steps, 2),
                       "ms_per_step": round(t / 1e3 / steps, 4),
                       "gap_before_ms_per_step": round(g / 1e3 / steps, 4)}
-                     for f, (c, t, g) in sorted(families.items(), key=lambda kv: -kv[1][1] - kv[1][2])[:top]],
+                     for f, (c, t, g) in sorted(families.items(),
+                                                key=lambda kv: -kv[1][1] - kv[1][2])[:top]],
     }
 
 
@@ -177,7 +179,7 @@ def run(args) -> int:
                                  pairs=[(b, c) for b in batches for c in contexts],
                                  kv_budget_gb=args.kv_budget_gb)
     runner.kv = fill_kv(runner.kv)
-    result = new_result("profile", args.git, model=args.model, steps=args.reps)
+    result = new_result(args, model=args.model, steps=args.reps)
     rng = np.random.default_rng(0)
     for b in batches:
         for c in contexts:

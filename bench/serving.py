@@ -1,37 +1,22 @@
-"""Online serving over gRPC: Poisson arrivals at a sweep of request rates, two workloads.
-
-    # H200, Llama-3-8B shape with synthetic bf16 weights (~8 min: load + compile ~2, sweep ~6)
-    python -m bench.serving --model llama-3-8b --max-num-seqs 64 \
-        --max-num-batched-tokens 1024 --max-model-len 2048 \
-        --rates 4,8,16,24,32,48,64 --chat-rates 2,4,8,16 --duration 20 \
-        --out bench/results/serving.json
-    # CPU smoke run (tiny random model)
-    python -m bench.serving --model tiny --max-model-len 256 --rates 2,4 --duration 2 \
-        --prompt-len 8,48 --answer-len 2,8 --chat-system-len 32 --chat-user-len 4,16 \
-        --chat-answer-len 4,12 --out /tmp/serving.json
-
-Workloads (seeded, token-id prompts so any model works; greedy, ignore_eos, so each answer
-has exactly its drawn length):
-  short  prompts uniform in --prompt-len (64-512 tokens), answers in --answer-len (<= 40)
+"""`jaxinfer bench serving`: online serving over gRPC, Poisson arrivals at a sweep of request
+rates, two workloads (token-id prompts, so any model works; greedy, ignore_eos):
+  short  prompts uniform in --prompt-len, answers in --answer-len (default 64-512, 4-40)
   chat   one shared system prompt (--chat-system-len, a prefix-cache hit after the first
          request) + a user turn (--chat-user-len), longer answers (--chat-answer-len)
 Arrivals: exponential gaps at `rate` requests/s for --duration seconds. Per (workload, rate):
 throughput (completed requests / span from first send to last token), goodput (requests with
-e2e <= the budget / same span), output tokens/s, TTFT / inter-token latency / e2e p50 and p99
-as the client sees them, errors by status code, and the server's decode HBM bandwidth gauge.
-Top level: `max_rate_p99_e2e_under_500ms`, the highest short-workload rate whose e2e p99 met
-the budget with no errors. A workload's sweep stops early once the server is saturated
-(completions per arrival window + median e2e < 80% of the offered rate, and for the short
-workload its p99 over budget): higher rates only queue more.
+e2e <= the budget / same span), output tokens/s, TTFT / inter-token latency / e2e p50 and
+p99 as the client sees them, errors by status code, and the server's decode HBM bandwidth
+gauge. Top level: `max_rate_p99_e2e_under_500ms`, the highest short-workload rate whose e2e
+p99 met the budget with no errors. A workload's sweep stops once the server is saturated
+(`saturated`): higher rates only queue more.
 
-The server is started as a subprocess on this machine with the engine flags given (all
-buckets compiled before any timing), or --target names a running one.
+The server is started as a subprocess with the engine flags given (all buckets compiled
+before any timing), or --target names a running one.
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
-import datetime
 import sys
 import time
 import urllib.request
@@ -39,7 +24,7 @@ import urllib.request
 import grpc
 import numpy as np
 
-from bench.common import git_sha, parse_ints, print_table, save
+from bench.common import engine_argv, new_result, print_table, save
 from serve import jaxinfer_pb2 as pb
 from serve import jaxinfer_pb2_grpc as pb_grpc
 from serve.client import auth_metadata, build_request, channel_credentials
@@ -48,14 +33,6 @@ E2E_BUDGET_MS = 500.0
 KEYS = ["workload", "rate", "num_requests", "throughput_rps", "goodput_rps",
         "output_tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms",
         "e2e_p50_ms", "e2e_p99_ms", "errors"]
-
-
-def _pair(text: str) -> tuple[int, int]:
-    values = parse_ints(text)
-    lo, hi = values[0], values[-1]
-    if len(values) > 2 or lo > hi:
-        raise argparse.ArgumentTypeError(f"expected LO,HI with LO <= HI, got {text!r}")
-    return lo, hi
 
 
 def make_requests(workload: str, args, n: int, vocab: int, rng) -> list[tuple[list[int], int]]:
@@ -153,12 +130,12 @@ def decode_hbm_tbps(metrics_port: int | None) -> float | None:
     return None
 
 
-async def sweep(args, target: str, metrics_port: int | None, result: dict) -> None:
+async def sweep(args, token, target: str, metrics_port: int | None, result: dict) -> None:
     creds = channel_credentials(args.tls_ca)
     options = [("grpc.max_receive_message_length", 64 << 20)]
     async with (grpc.aio.secure_channel(target, creds, options) if creds
                 else grpc.aio.insecure_channel(target, options)) as channel:
-        stub, metadata = pb_grpc.InferenceStub(channel), auth_metadata(args.token)
+        stub, metadata = pb_grpc.InferenceStub(channel), auth_metadata(token)
         info = await stub.ModelInfo(pb.ModelInfoRequest(), metadata=metadata, timeout=60)
         result.update(device=info.device, jax=info.jax_version, model=info.model,
                       engine={"max_num_seqs": info.max_num_seqs, "dtype": info.dtype,
@@ -183,60 +160,33 @@ async def sweep(args, target: str, metrics_port: int | None, result: dict) -> No
                     break
 
 
-def parse_args(argv):
-    from jaxinfer.cli import add_engine_args
-
-    p = argparse.ArgumentParser(prog="python -m bench.serving", description=__doc__.split("\n")[0])
-    p.add_argument("--out", default="bench/results/serving.json", help="results JSON")
-    p.add_argument("--git", default=None, help="git sha to record (default: git rev-parse)")
-    p.add_argument("--rates", type=lambda t: [float(x) for x in t.split(",")],
-                   default=[4, 8, 16, 24, 32, 48, 64], help="request rates (per s), short")
-    p.add_argument("--chat-rates", type=lambda t: [float(x) for x in t.split(",")],
-                   default=None, help="request rates for chat (default: --rates)")
-    p.add_argument("--duration", type=float, default=20.0, help="seconds of arrivals per rate")
-    p.add_argument("--prompt-len", type=_pair, default=(64, 512), help="short: LO,HI tokens")
-    p.add_argument("--answer-len", type=_pair, default=(4, 40), help="short: LO,HI tokens")
-    p.add_argument("--chat-system-len", type=int, default=256, help="chat: shared prefix")
-    p.add_argument("--chat-user-len", type=_pair, default=(32, 256), help="chat: LO,HI")
-    p.add_argument("--chat-answer-len", type=_pair, default=(64, 256), help="chat: LO,HI")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--timeout", type=float, default=300.0, help="per-request deadline (s)")
-    p.add_argument("--no-early-stop", action="store_true",
-                   help="run every rate even after the server saturates")
-    p.add_argument("--target", default=None, help="host:port of a running server "
-                   "(default: start one here with the engine flags below)")
-    p.add_argument("--auth-token-file", default=None, help="bearer token for --target")
-    p.add_argument("--tls-ca", default=None, help="CA / certificate for a TLS --target")
-    add_engine_args(p)
-    args = p.parse_args(argv)
-    args.token = open(args.auth_token_file).read().strip() if args.auth_token_file else None
-    return args
-
-
-def main(argv=None) -> dict:
-    from bench.common import engine_argv
+def run(args) -> int:
     from serve.launcher import ServerProcess
 
-    args = parse_args(argv)
-    result = {"suite": "serving", "git": git_sha(args.git), "date": str(datetime.date.today()),
-              "command": " ".join(["python", "-m", "bench.serving",
-                                   *(sys.argv[1:] if argv is None else argv)]),
-              "e2e_budget_ms": E2E_BUDGET_MS, "max_rate_p99_e2e_under_500ms": None, "rows": []}
+    token = open(args.auth_token_file).read().strip() if args.auth_token_file else None
+    result = new_result(args, e2e_budget_ms=E2E_BUDGET_MS, max_rate_p99_e2e_under_500ms=None)
     server = None
     if args.target is None:
         server = ServerProcess([*engine_argv(args), "--max-waiting", "100000"])
         print(f"starting the server (log: {server.log_path})", file=sys.stderr)
         server.wait_serving(timeout=1800)
     try:
-        asyncio.run(sweep(args, args.target or server.target,
+        asyncio.run(sweep(args, token, args.target or server.target,
                           server.metrics_port if server else None, result))
     finally:
         if server is not None:
             server.shutdown()
     print_table(result["rows"], KEYS)
     print(f"max_rate_p99_e2e_under_500ms: {result['max_rate_p99_e2e_under_500ms']}")
-    return result
+    return 0
+
+
+def main(argv=None) -> int:
+    """`python -m bench.serving ...`, the same as `jaxinfer bench serving ...`."""
+    from bench import cli
+
+    return cli.main(["serving", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,4 +1,5 @@
-"""Reading and writing weights: GGUF, HF safetensors, orbax, FP8 quantization, synthetic weights at real shapes."""
+"""Reading and writing weights: GGUF, HF safetensors, orbax, FP8 quantization, synthetic
+weights at real shapes."""
 from __future__ import annotations
 
 import importlib.util
@@ -43,10 +44,11 @@ def load_checkpoint(source: str | Path, dtype=None, seed: int = 0, tensor_parall
     path = default_gguf_path() if str(source) == DEFAULT_MODEL else Path(source)
     if path.is_file():
         from checkpoints.gguf_loader import load_gguf, open_gguf
+        from checkpoints.gguf_tokenizer import gguf_tokenizer
 
         reader = open_gguf(path)
         cfg, params = load_gguf(path, np_dtype, reader=reader)
-        return cfg, params, Tokenizer.from_gguf(reader)
+        return cfg, params, gguf_tokenizer(reader)
     if orbax_io.is_orbax_dir(path):
         cfg, params = orbax_io.restore(path, dtype and np_dtype)
         return cfg, params, orbax_io.restore_tokenizer(path)

@@ -12,22 +12,12 @@ float format with fixed per-channel scales: max|w[:, n]| / 448, as RTN).
 
 G comes from a float32 forward of the model itself over calibration text: documentation
 strings of a fixed list of standard-library modules (text that ships with Python, and NOT
-pydoc_data.topics, on which tests/test_fp8_quality.py judges the result). Measured on SmolLM2
-through the engine's FP8 path on the CPU, 16 windows of 512 tokens, damping 0.001: top-1
-agreement with bf16 92.7% (RTN) -> 95.7%, perplexity 1.019x -> 1.0065x of bf16 (with FP8 KV
-1.032x -> 1.013x); with 8 windows 95.35% (damping 0.001) and 95.2% (0.01). The quality
-test in the thirteenth session (the same test, later code): 92.9% (RTN) -> 95.4%, perplexity
-1.020x -> 1.0059x. Tried and not adopted (weights dequantized into a bf16 model, 8
-windows): damping 0.1 95.3%; each layer calibrated on the previous layers' quantized outputs
-("sequential") 95.2% against 95.4%; rows in their original order instead of by decreasing
-activity 94.8%.
-
-Since the thirty-fifth session the default is 32 windows: on that session's CPU machine the
-same code gave 16 windows 95.25% (1.0075x), 24 95.60% (1.0017x), 32 95.99% (0.9996x), and
-with the calibrated int8 LM head 95.35% / 95.45% / 95.50% (one conversion each, the quality
-test's text); 16 windows had read 95.87% on the thirtieth session's machine. The conversion
-with int8 head took 62.7 s at 24 windows and 70.9 s at 32 there (SmolLM2; 16 windows was not
-timed on that machine: 49-50 s on the thirty-third session's).
+pydoc_data.topics, on which tests/test_fp8_quality.py judges the result). On SmolLM2 it lifts
+top-1 agreement with bf16 from 92.7% (RTN) to 96.0% (docs/performance.md). Defaults: 32
+windows of 512 tokens (better than 16 or 24, for a longer conversion) and damping 0.001.
+Measured worse and not adopted: damping 0.01 and 0.1, each layer calibrated on the previous
+layers' quantized outputs ("sequential"), rows in their original order instead of by
+decreasing activity.
 
 Cost: a float32 forward over the calibration tokens plus, per linear, an [in, in] inverse and
 a row loop: ~1 minute for SmolLM2 on two CPU cores; far more for an 8B model on a CPU. It
@@ -49,7 +39,8 @@ import numpy as np
 from checkpoints.fp8 import (FP8_DTYPE, FP8_MAX, INT8_MAX, LINEAR_NAMES, channel_scales,
                              int8_channel_scales, quantize_params)
 from checkpoints.params import SCALE_SUFFIX
-from jaxinfer.model import apply_rope, rope_inv_freq
+from jaxinfer.model import rope_inv_freq
+from pallas_kernels.rope import apply_rope
 
 # Modules whose documentation strings make the calibration text (all in every CPython 3.10+;
 # the strings themselves change a little between Python versions, and so the rounding).
@@ -180,9 +171,8 @@ def _lower_inverse(low):
 def _inverse_cholesky_upper(g):
     """Upper-triangular U with U^T U = inv(g), g symmetric positive definite, without forming
     inv(g): with J the reversal, J g J = L L^T (Cholesky), so g = R R^T for the upper
-    R = J L J and U = inv(R) = J inv(L) J, a triangular inverse. Against cholesky(inv(g)),
-    whose inverse was ~11 s of SmolLM2's ~88 s profiled conversion: 0.43 -> 0.17 s at
-    1536 x 1536, 0.036 -> 0.016 s at 576 (two cores, best of three)."""
+    R = J L J and U = inv(R) = J inv(L) J, a triangular inverse: ~2.5x faster than
+    cholesky(inv(g)), whose general inverse took an eighth of the conversion."""
     low = np.linalg.cholesky(np.ascontiguousarray(g[::-1, ::-1]))
     return np.ascontiguousarray(_lower_inverse(low)[::-1, ::-1])
 
@@ -195,9 +185,9 @@ def gptq_linear(w, gram, *, damp: float = 0.001, block: int = 128, act_order: bo
     act_order: round the inputs with the largest G diagonal first. Rows are rounded one at a
     time; each row's error reaches the rows after it through rank-1 updates within `inner`
     rows, one product per inner group within `block` rows, and one per block beyond it: the
-    same sums as updating every later row at once, grouped (float64; the profile in
-    bench/README.md, thirty-second session: the per-row updates of whole blocks took most of
-    the loop). fmt "int8": codes int8 [out, in] with max/127 scales (the LM head's form)."""
+    same sums as updating every later row at once, grouped (float64; per-row updates of
+    whole blocks would take most of the loop). fmt "int8": codes int8 [out, in] with max/127
+    scales (the LM head's form)."""
     if fmt not in ("e4m3", "int8"):
         raise ValueError(f"gptq_linear: fmt must be 'e4m3' or 'int8', got {fmt!r}")
     w = np.asarray(w, np.float64)

@@ -8,9 +8,9 @@ each device computes only its own slice, no device ever holds a whole 70B model.
 With fp8=True the decoder linears are generated already quantized (checkpoints/fp8.py's
 layout: e4m3 [L, out, in] + f32 scales [L, out]), one layer at a time, so the float weights
 of a big model never exist at once: Qwen2.5-32B in bf16 is 65 GB, and fusing its gate and up
-projections in bf16 before quantizing took one 33.75 GiB block more, which ran the H200 out
-of memory. The FP8 values are the quantization of N(0, 0.02) samples, not of the bf16
-synthetic weights of the same seed (those are drawn per stacked tensor).
+projections in bf16 before quantizing would take a 34 GiB block more, past an H200's
+memory. The FP8 values are the quantization of N(0, 0.02) samples, not of the bf16 synthetic
+weights of the same seed (those are drawn per stacked tensor).
 """
 from __future__ import annotations
 

@@ -1,13 +1,11 @@
 """jaxinfer: a JAX/XLA inference runtime for Llama-family LLMs on NVIDIA Hopper GPUs.
 
 Importing it adds `--xla_gpu_enable_pdl=true` to XLA_FLAGS (programmatic dependent launch:
-on Hopper XLA may launch a kernel before the one it depends on has finished; the CPU backend
-takes the flag and ignores it). On the H200 the Llama-3-8B bf16 batch-1
-decode step ran 1.1% faster with it and Qwen2.5-32B FP8's 0.7%, Llama-3-8B FP8's unchanged
-(same-machine pairs; bench/README.md, fifteenth session). XLA reads XLA_FLAGS once,
-when JAX first uses a device (on the CPU a flag set later was not parsed), so import
-jaxinfer before that. A flag already in XLA_FLAGS
-that names xla_gpu_enable_pdl wins; JAXINFER_XLA_PDL=0 leaves XLA_FLAGS alone.
+on Hopper XLA may launch a kernel before the one it depends on has finished; a small gain in
+the decode step, docs/performance.md; the CPU backend takes the flag and ignores it). XLA
+reads XLA_FLAGS once, when JAX first uses a device (on the CPU a flag set later is not
+parsed), so import jaxinfer before that. A flag already in XLA_FLAGS that names
+xla_gpu_enable_pdl wins; JAXINFER_XLA_PDL=0 leaves XLA_FLAGS alone.
 """
 import os
 

@@ -32,9 +32,10 @@ from typing import Iterator
 import numpy as np
 from tqdm import tqdm
 
+from jaxinfer.args import engine_config_from_args, sampling_params_from_args
+from jaxinfer.engine import Engine
 from jaxinfer.errors import InvalidRequestError, JaxinferError
 from jaxinfer.request import RequestOutput, SamplingParams
-from jaxinfer.runner import CompileCounter
 
 PROMPT_FIELDS = ("prompt", "messages", "prompt_token_ids")
 SAMPLING_FIELDS = frozenset(SamplingParams.fields())
@@ -239,14 +240,14 @@ def generate_file(engine, input_path, output_path, defaults: SamplingParams | No
     done = load_done(output_path, log)
     total = sum(1 for _ in _input_lines(input_path))
     max_queued = max_queued or 4 * engine.config.max_num_seqs
-    t0, c0, steps0 = time.perf_counter(), CompileCounter.count(), engine.num_steps
+    t0, c0, steps0 = time.perf_counter(), engine.compiles(), engine.num_steps
     with open(output_path, "ab") as out_file, tqdm(
             total=total, desc="generating", unit="req", disable=not progress, file=log) as bar:
         run = _BatchRun(engine, _input_lines(input_path), out_file, done,
                         defaults or SamplingParams(), chat, max_queued, bar, log)
         run.run()
     wall = time.perf_counter() - t0
-    return summarize(run, wall, CompileCounter.count() - c0, engine.num_steps - steps0)
+    return summarize(run, wall, engine.compiles() - c0, engine.num_steps - steps0)
 
 
 def _percentiles(name: str, values: list[float]) -> dict:
@@ -268,9 +269,7 @@ def summarize(run: _BatchRun, wall: float, compiles: int, steps: int) -> dict:
 
 
 def run_batch_file(args) -> int:
-    """`jaxinfer generate --input ... --output ...` (args from jaxinfer.cli)."""
-    from jaxinfer.cli import engine_config_from_args, sampling_params_from_args
-    from jaxinfer.engine import Engine
+    """`jaxinfer generate --input ... --output ...` (the flags of jaxinfer.args)."""
 
     if not (args.input and args.output):
         raise JaxinferError("--input and --output go together")

@@ -1,4 +1,5 @@
-"""Frozen configuration: the model's shape (ModelConfig) and how the engine runs it (EngineConfig).
+"""Frozen configuration: the model's shape (ModelConfig) and how the engine runs it
+(EngineConfig).
 
 Both are validated once at construction; nothing mutates them afterwards. Only the CLI reads
 argv/env and turns them into these objects.
@@ -156,11 +157,10 @@ def standard_config(name: str) -> ModelConfig:
     return ModelConfig.from_json(path)
 
 
-DTYPES = ("float32", "bfloat16")
+DTYPES = ("auto", "float32", "bfloat16")
 WEIGHT_FORMATS = ("bf16", "fp8")
-# The most rows a step at which the int8 LM head was measured faster than the bf16 head on the
-# H200 (Llama-3-8B's head, 64 rows: 238 against 258 us; 128: 321 against 289; 256: 690
-# against 441; bench/results/lm_head_large_m.json and history/lm_head_forms_9e7ccb8.json).
+# The most rows a step at which the int8 LM head beat the bf16 head on the H200 (Llama-3-8B's
+# head; from 128 rows the bf16 head is faster: docs/performance.md).
 INT8_HEAD_MAX_ROWS = 64
 LM_HEADS = ("bf16", "int8", "auto")
 KV_DTYPES = ("auto", "bf16", "fp8")
@@ -178,20 +178,20 @@ class EngineConfig:
     max_model_len: int = 2048
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 256
-    dtype: str = "float32"        # activations / compute dtype (the CLI picks bfloat16 on a GPU)
+    dtype: str = "auto"           # activations / compute dtype; auto: bfloat16 on a GPU, else float32
     weights: str = "bf16"         # linear weights: "bf16" (= dtype) or "fp8" (e4m3, per-channel scales)
     kv_dtype: str = "auto"        # "auto" (= dtype), "bf16", "fp8"
     # The LM head: "bf16" (= dtype, the tied embedding where the model ties it) or "int8"
     # (codes per vocab row, max/127 scales: model.Decoder's int8_head; a checkpoint's own
     # calibrated int8 head where it has one, else rounded to nearest at load). int8 is for
     # small batches: on the H200 its GEMM (XLA's, codes widened in the operand) reads half
-    # the bytes up to ~64 rows a step and runs ~1.6x the bf16 head's time at 256-512, where
-    # the head is compute-bound (bench/results/lm_head_large_m.json); hence the warning.
+    # the bytes up to ~64 rows a step but runs ~1.6x the bf16 head's time at 256-512 rows,
+    # where the head is compute-bound; hence the warning.
     # "auto": the int8 head's values everywhere, read as codes by steps of up to
     # INT8_HEAD_MAX_ROWS rows and from a bf16 copy of the dequantized codes by larger ones (a
-    # plain float dot, the bf16 head's form, which XLA ran through cuBLAS from 128 rows in
-    # bench/probes/lm_head.py): the int8 head's speed at small batches and the bf16 head's at
-    # large ones (bench/results/lm_head_auto.json), for the copy's memory (2 bytes a weight).
+    # plain float dot, the bf16 head's form, which XLA runs through cuBLAS): the int8 head's
+    # speed at small batches and the bf16 head's at large ones, for the copy's memory (2
+    # bytes a weight).
     lm_head: str = "bf16"
     # FP8 KV scales (kv_cache.py): "static", one per layer and kv head, calibrated when the
     # runner starts (kv_calibration.py); "token", one per token and kv head. bf16 KV: unused.
@@ -249,3 +249,9 @@ class EngineConfig:
 
     def replace(self, **kw) -> "EngineConfig":
         return dataclasses.replace(self, **kw)
+
+    def for_backend(self, backend: str) -> "EngineConfig":
+        """This config with dtype "auto" resolved for `backend` ("gpu", "cpu", ...)."""
+        if self.dtype != "auto":
+            return self
+        return self.replace(dtype="bfloat16" if backend == "gpu" else "float32")

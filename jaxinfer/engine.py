@@ -33,7 +33,9 @@ from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.errors import ConfigError
 from jaxinfer.engine_io import (Detokenized, build_step_input, check_params_for_model,
                                 logprob_dict, prompt_token_ids)
+from jaxinfer.loading import load_model
 from jaxinfer.request import PENDING, FinishReason, Request, RequestOutput, SamplingParams
+from jaxinfer.routes import Routes
 from jaxinfer.runner import CompileCounter, ModelRunner
 from jaxinfer.sampling import uses_penalty
 from jaxinfer.scheduler import Scheduler, SchedulerOutput
@@ -51,14 +53,17 @@ class _InFlight:
 
 class Engine:
     def __init__(self, cfg: ModelConfig, engine_cfg: EngineConfig, graphdef, params,
-                 tokenizer=None, *, model_name: str | None = None):
+                 tokenizer=None, *, model_name: str | None = None, routes: Routes | None = None):
+        """routes: the kernels' routes (tests compare them); None chooses them from
+        engine_cfg and the backend (routes.Routes.choose)."""
+        engine_cfg = engine_cfg.for_backend(jax.default_backend())
         if engine_cfg.max_model_len > cfg.max_position_embeddings:
             raise ConfigError(f"max_model_len {engine_cfg.max_model_len} exceeds the model's "
                               f"context length {cfg.max_position_embeddings}")
         self.model_config, self.config = cfg, engine_cfg
         self.model_name = model_name or cfg.name
         self.tokenizer = tokenizer
-        self.runner = ModelRunner(cfg, engine_cfg, graphdef, params)
+        self.runner = ModelRunner(cfg, engine_cfg, graphdef, params, routes)
         eos = set(cfg.eos_token_ids) | set(tokenizer.eos_token_ids if tokenizer else ())
         self.scheduler = Scheduler.from_config(engine_cfg, eos_token_ids=sorted(eos))
         self.buckets = Buckets.from_config(engine_cfg)
@@ -74,8 +79,7 @@ class Engine:
 
     @classmethod
     def from_model(cls, model: str, engine_cfg: EngineConfig) -> "Engine":
-        from jaxinfer.loading import load_model
-
+        engine_cfg = engine_cfg.for_backend(jax.default_backend())
         cfg, graphdef, params, tokenizer = load_model(model, engine_cfg)
         return cls(cfg, engine_cfg, graphdef, params, tokenizer, model_name=str(model))
 
@@ -220,6 +224,11 @@ class Engine:
             prompt=text.prompt, ttft_s=req.ttft_s, latency_s=req.latency_s)
 
     # --- driving ------------------------------------------------------------------------
+    @staticmethod
+    def compiles() -> int:
+        """XLA compiles in this process so far (steady-state serving adds none)."""
+        return CompileCounter.count()
+
     def warmup(self, progress: bool = True, variants=("plain", "full")) -> dict:
         """Compile every bucket ahead of time; returns {'compiles', 'seconds', 'buckets'}.
         variants: the sampling variants to compile (ModelRunner.warmup); a server needs

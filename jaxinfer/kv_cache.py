@@ -1,44 +1,24 @@
-"""The paged KV cache and the metadata that tells attention where each token's K/V live.
+"""The engine's KV pool and the metadata that tells attention where each token's K/V live.
 
-Layout (chosen for the decode kernel, see pallas_kernels/paged_attention.py):
-
-    k, v:       [L, K, P, S, D]   layer, kv head, page, slot in page, head dim
-    k_scale,
-    v_scale:    [L, K, P, S] f32  only for FP8 (e4m3) KV, per-token scales: one per token
-                                  and kv head
-                or [L, K] f32     static scales: one per layer and kv head (calibrated)
-
-One kv head's page is a contiguous [S, D] tile, so the decode kernel streams whole pages with
-wide loads and reads each page once for all the q heads of its group. Kernels and the K/V
-write index the layer themselves, so no layer slice is ever copied.
-
-Two forms of the pool (runner.allocate_kv picks by the decoder's layer loop):
+The arrays and their FP8 numerics are pallas_kernels/kv_pages.py's `KVCache` (the layout the
+kernels read). Two forms of the pool (allocate_kv picks by the decoder's layer loop):
 - KVCache, one array of all layers: the scanned decoder carries it through lax.scan, whose
   layer index is traced.
 - KVLayers, one KVCache of L = 1 per layer: the unrolled decoder (the GPU default) hands
   layer i's own arrays to its kernels, with index 0. Pallas's Triton lowering computes a
-  load's element offsets in 64-bit integers when the array holds >= 2**32 bytes (jax's
-  pallas/triton/lowering.py, _compute_offsets_from_indices). A stacked pool is that big at
-  serving sizes (~18 GiB per K for 8B at 384 rows of 1,536 tokens), a layer's share is not
-  (~0.6 GiB). The FP8 decode kernel took ~7% longer over the big arrays (H200, B=384
-  S=1536, us per call: 300 over a 1.1 GiB one-layer array, 321 over an 18 GiB 32-layer
-  one, 322 over a 4.06 GiB one-layer one; bench/probes/layers.py, bench/README.md).
+  load's offsets in 64-bit integers when an array holds >= 2**32 bytes, which a stacked pool
+  does at serving sizes and a layer's share does not (the FP8 decode kernel ran ~7% longer
+  over the big arrays; docs/performance.md).
 
 Page 0 is reserved (never handed out by the allocator): padded page-table entries point at
 it, so padded rows read valid memory; padded tokens (slot -1) write nothing.
 
 FP8 scales come in two forms (EngineConfig.kv_scales), told apart by the scale arrays' rank:
-- per token and kv head ("token"): a token is quantized alone when it is written, with no
-  re-quantizing of the page it lands in and nothing to calibrate; the attention kernels load
-  one scale per K and V row and apply it per logit column / p column.
+- per token and kv head ("token"): a token is quantized alone when it is written, with
+  nothing to calibrate; the attention kernels load one scale per K and V row.
 - static, one per layer and kv head ("static", the default): calibrated once when the engine
-  starts (jaxinfer/kv_calibration.py: the amax of each layer's and head's K and V over a
-  calibration forward, with headroom), codes saturate at +-448 past it. The kernels fold K's
-  scale into the logit scale and V's into the output, so their block loop is the bf16 one's
-  plus the widening: no scale loads or math per block. H200, the tuned FP8 decode kernel
-  per-token -> static, one call (bench/results/kv_scales.json, twenty-sixth session): B=64
-  S=2048 80.4 -> 75.8 us, B=256 S=2048 279.8 -> 266.4; the offline throughput run 16,570 ->
-  17,190 output tokens/s on one machine. Quality: bench/README.md and kv_calibration.py.
+  starts (kv_calibration.py), codes saturate at +-448 past it. The kernels fold K's scale
+  into the logit scale and V's into the output: no scale loads in their block loop.
 """
 from __future__ import annotations
 
@@ -49,82 +29,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer.errors import ConfigError
-
-FP8_DTYPE = jnp.float8_e4m3fn
-FP8_MAX = 448.0
-
-
-@functools.partial(
-    jax.tree_util.register_dataclass,
-    data_fields=["k", "v", "k_scale", "v_scale", "counters"], meta_fields=[])
-@dataclasses.dataclass(frozen=True)
-class KVCache:
-    k: jax.Array                    # [L, K, P, S, D]
-    v: jax.Array                    # [L, K, P, S, D]
-    k_scale: jax.Array | None = None  # [L, K, P, S] or (static) [L, K] f32, FP8 only
-    v_scale: jax.Array | None = None  # [L, K, P, S] or (static) [L, K] f32, FP8 only
-    # Within one decode step only, never in the pool: zeros [rows * K] f32 the split decode
-    # kernels count their programs on (split_combine.last_combines_in_kernel), handed from
-    # layer to layer (model.Decoder) and zero again after each kernel.
-    counters: jax.Array | None = None
-
-    @property
-    def num_pages(self) -> int:
-        return self.k.shape[2]
-
-    @property
-    def page_size(self) -> int:
-        return self.k.shape[3]
-
-    @property
-    def is_fp8(self) -> bool:
-        return self.k.dtype == FP8_DTYPE
-
-    @property
-    def dtype(self) -> jnp.dtype:
-        return self.k.dtype
-
-    @property
-    def static_scales(self) -> bool:
-        """FP8 with one scale per layer and kv head (module docstring)."""
-        return self.k_scale is not None and is_static(self.k_scale)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(self))
-
-    def stacked(self) -> "KVCache":
-        """All layers in one KVCache: this one (KVLayers.stacked's counterpart)."""
-        return self
-
-    def layer(self, i: int) -> tuple["KVCache", int]:
-        """The cache layer i reads and writes, and its index there: this one, i."""
-        return self, i
-
-    def with_layer(self, i: int, cache: "KVCache") -> "KVCache":
-        """The pool after layer i wrote `cache` (layer(i)'s cache, updated): that cache."""
-        return cache
-
-    @staticmethod
-    def allocate(num_layers: int, num_kv_heads: int, num_pages: int, page_size: int,
-                 head_dim: int, dtype, scales=None) -> "KVCache":
-        """Zeroed pages. FP8: scales (k_scale, v_scale) [L, K] makes the static form with
-        those scales; None the per-token form."""
-        shape = (num_layers, num_kv_heads, num_pages, page_size, head_dim)
-        dtype = jnp.dtype(dtype)
-        if dtype != FP8_DTYPE:
-            if scales is not None:
-                raise ConfigError(f"static KV scales are for FP8 KV, not {dtype}")
-            return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
-        if scales is None:
-            return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype),
-                           jnp.ones(shape[:-1], jnp.float32), jnp.ones(shape[:-1], jnp.float32))
-        ks, vs = (jnp.asarray(x, jnp.float32) for x in scales)
-        if ks.shape != shape[:2] or vs.shape != shape[:2]:
-            raise ConfigError(f"static KV scales must be [L, K] = {list(shape[:2])}; got "
-                              f"{list(ks.shape)} and {list(vs.shape)}")
-        return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), ks, vs)
+from jaxinfer.config import EngineConfig, ModelConfig
+from jaxinfer.sharding import TPLayout, kv_spec
+from pallas_kernels import FP8_DTYPE
+from pallas_kernels.kv_pages import KVCache
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["layers"], meta_fields=[])
@@ -243,55 +151,38 @@ def pad_decode_rows(tokens: jax.Array, md: AttentionMetadata, rows: int):
         decode_only=True, attend_rows=t)
 
 
-def is_static(scale) -> bool:
-    """Whether an FP8 scale array is the static form ([L, K]) rather than per token
-    ([L, K, P, S])."""
-    return scale.ndim == 2
+def kv_dtype_for(engine: EngineConfig):
+    if engine.kv_dtype == "fp8":
+        return FP8_DTYPE
+    if engine.kv_dtype == "bf16":
+        return jnp.bfloat16
+    return jnp.dtype(engine.dtype)
 
 
-def quantize_static(x: jax.Array, scale: jax.Array) -> jax.Array:
-    """x [..., K, D] over static per-kv-head scales [K] -> e4m3 codes, saturated at +-448 (a
-    value past the calibrated range keeps its sign and the largest code)."""
-    y = x.astype(jnp.float32) / scale[:, None]
-    return jnp.clip(y, -FP8_MAX, FP8_MAX).astype(FP8_DTYPE)
+def kv_page_bytes(cfg: ModelConfig, engine: EngineConfig) -> int:
+    """One page's bytes over all layers: K and V, and with per-token FP8 scales those (f32;
+    static ones are [L, K] for the whole pool)."""
+    dtype = jnp.dtype(kv_dtype_for(engine))
+    token_scales = dtype == FP8_DTYPE and engine.kv_scales == "token"
+    per_slot = cfg.head_dim * dtype.itemsize + (4 if token_scales else 0)
+    return 2 * cfg.num_layers * cfg.num_kv_heads * engine.page_size * per_slot
 
 
-def fp8_scale(amax: jax.Array) -> jax.Array:
-    """A K/V vector's e4m3 scale from its amax (pallas_kernels/kv_write.py uses it too)."""
-    return jnp.maximum(amax, 1e-12) / FP8_MAX
+def kv_pool_gib(cfg: ModelConfig, engine: EngineConfig) -> float:
+    """The whole KV pool's size in GiB (kv_page_bytes x the pool's pages)."""
+    return kv_page_bytes(cfg, engine) * engine.total_pages / 2 ** 30
 
 
-def quantize_fp8(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Per-vector (last axis) symmetric e4m3 quantization: x ~= q * scale."""
-    scale = fp8_scale(jnp.max(jnp.abs(x.astype(jnp.float32)), axis=-1))
-    q = (x.astype(jnp.float32) / scale[..., None]).astype(FP8_DTYPE)
-    return q, scale
-
-
-def write_kv(cache: KVCache, layer: jax.Array, k: jax.Array, v: jax.Array,
-             slot_mapping: jax.Array) -> KVCache:
-    """Scatter the new tokens' K/V ([T, K, D]) into their slots of `layer`: a tiny scatter
-    of T*K*D elements into the donated cache, no pass over the rest of it. The reference
-    route; with Pallas attention ops.write_kv runs pallas_kernels/kv_write.py instead."""
-    s, p = cache.page_size, cache.num_pages
-    page = jnp.where(slot_mapping < 0, p, slot_mapping // s)  # p is out of bounds -> dropped
-    slot = slot_mapping % s
-    if cache.static_scales:
-        return dataclasses.replace(
-            cache,
-            k=cache.k.at[layer, :, page, slot].set(quantize_static(k, cache.k_scale[layer]),
-                                                   mode="drop"),
-            v=cache.v.at[layer, :, page, slot].set(quantize_static(v, cache.v_scale[layer]),
-                                                   mode="drop"))
-    if cache.is_fp8:
-        kq, ks = quantize_fp8(k)
-        vq, vs = quantize_fp8(v)
-        return dataclasses.replace(
-            cache,
-            k=cache.k.at[layer, :, page, slot].set(kq, mode="drop"),
-            v=cache.v.at[layer, :, page, slot].set(vq, mode="drop"),
-            k_scale=cache.k_scale.at[layer, :, page, slot].set(ks, mode="drop"),
-            v_scale=cache.v_scale.at[layer, :, page, slot].set(vs, mode="drop"))
-    return dataclasses.replace(
-        cache, k=cache.k.at[layer, :, page, slot].set(k.astype(cache.k.dtype), mode="drop"),
-        v=cache.v.at[layer, :, page, slot].set(v.astype(cache.v.dtype), mode="drop"))
+def allocate_kv(cfg: ModelConfig, engine: EngineConfig, layout: TPLayout, scales=None
+                ) -> KVCache | KVLayers:
+    """The engine's page pool: KVLayers for the unrolled decoder (engine.unroll_layers
+    resolved), one KVCache of all layers for the scanned one (kv_cache.py says why); on a
+    mesh each device allocates only its own kv heads. scales: static FP8 scales (k, v) [L, K]
+    (kv_calibration.py), or None."""
+    form = KVLayers if engine.unroll_layers else KVCache
+    alloc = functools.partial(form.allocate, cfg.num_layers, cfg.num_kv_heads,
+                              engine.total_pages, engine.page_size, cfg.head_dim,
+                              kv_dtype_for(engine), scales=scales)
+    if layout.mesh is None:
+        return alloc()
+    return jax.jit(alloc, out_shardings=layout.named(kv_spec(layout)))()

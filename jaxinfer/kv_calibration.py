@@ -6,21 +6,18 @@ same weights give the same scales at every start) through the model itself, with
 unquantized cache in the activations' dtype, through the runner's own teacher-forcing
 program (its attention; the logits it also computes are dropped); each layer's and kv
 head's amax of the K (after RoPE, as the cache holds it) and V written there, times HEADROOM,
-is mapped to e4m3's 448. Values past it saturate at +-448 (kv_cache.quantize_static).
+is mapped to e4m3's 448. Values past it saturate at +-448 (pallas_kernels/kv_pages.py's
+quantize_static).
 
-Why random ids and a headroom of 4 (CPU, SmolLM2 bf16, 512 calibration tokens against the
-4,096 tokens of pydoc_data text tests/test_fp8_quality.py scores): the text's per-head amax
-exceeded the random ids' by at most 1.64x for K and 2.08x for V (median 1.11x / 1.22x);
-standard-library docstrings (checkpoints/calibrate.py's text) did only a little better, 1.34x
-/ 1.55x, and need a tokenizer the runner does not have. RoPE can also lift an element of a
+Why random ids and a headroom of 4: on SmolLM2, real text's per-head amax (the pydoc_data
+text tests/test_fp8_quality.py scores) exceeded the random ids' by at most 1.64x for K and
+2.08x for V; standard-library docstrings (checkpoints/calibrate.py's text) did only a little
+better and need a tokenizer the runner does not have. RoPE can also lift an element of a
 rotating pair up to the pair's norm (up to sqrt 2) at positions the calibration did not reach.
 Headroom costs e4m3 (a float: 3 mantissa bits at any magnitude in its normal range) nothing
 but the bottom of that range: elements under ~1.4e-4 of the head's amax (2^-6 codes at this
 scale) go subnormal and lose mantissa bits, and they weigh next to nothing in q.k or p.v.
-Perplexity against bf16 on that text, bf16 weights + FP8 KV, headroom 1 / 2 / 4 / 8 / 32:
-1.0220 / 1.0173 / 1.0171 / 1.0156 / 1.0139x (headroom 1 saturates; the rest differ as
-another rounding pattern would), per-token scales 1.0094x; with FP8 weights 1.0278x static
-against 1.0274x per-token (bench/README.md, twenty-sixth session).
+Headroom 1 saturates; 2 to 32 score alike, close to per-token scales (docs/performance.md).
 """
 from __future__ import annotations
 
@@ -28,8 +25,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer.kv_cache import (FP8_DTYPE, FP8_MAX, KVCache, KVLayers,
+from jaxinfer.kv_cache import (KVCache, KVLayers, allocate_kv, kv_dtype_for,
                                single_sequence_metadata)
+from pallas_kernels import FP8_DTYPE, FP8_MAX
 
 CALIBRATION_TOKENS = 512
 HEADROOM = 4.0
@@ -78,7 +76,6 @@ def engine_scales(cfg, engine, layout, forward):
     scales. forward(kv, tokens, md) -> kv: the runner's teacher-forcing executable (the
     model's forward and logits; the calibration cache is laid out as the pool is, in the
     activations' dtype)."""
-    from jaxinfer.runner import allocate_kv, kv_dtype_for
     if kv_dtype_for(engine) != FP8_DTYPE or engine.kv_scales != "static":
         return None
 

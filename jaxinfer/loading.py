@@ -1,4 +1,5 @@
-"""Model source + EngineConfig -> (ModelConfig, graphdef, params, tokenizer).
+"""Model source + EngineConfig -> (ModelConfig, graphdef, params, tokenizer): the runtime's one
+entry into checkpoints/.
 
 With tensor_parallel > 1 the weights go straight to their shards: file checkpoints are read
 to host memory and each device receives only its slices; synthetic weights (standard shapes)
@@ -9,9 +10,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from checkpoints import load_checkpoint
+from checkpoints.model_state import build_model
 from jaxinfer import config
 from jaxinfer.config import EngineConfig
-from jaxinfer.params import build_model
 from jaxinfer.sharding import make_layout
 
 
@@ -21,8 +23,7 @@ def resolve_unroll(unroll_layers: bool | None) -> bool:
 
 
 def load_model(model: str, engine_cfg: EngineConfig):
-    from checkpoints import load_checkpoint
-
+    engine_cfg = engine_cfg.for_backend(jax.default_backend())
     dtype = jnp.dtype(engine_cfg.dtype)
     cfg, flat, tokenizer = load_checkpoint(model, dtype=dtype, seed=engine_cfg.seed,
                                            tensor_parallel=engine_cfg.tensor_parallel,

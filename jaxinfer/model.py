@@ -17,10 +17,12 @@ Under tensor parallelism (`layout`, see sharding.py) the fused outputs are laid 
 shard-major — [n shards, (own q, k, v heads)] and [n, (own gate, up)] — and split after a
 reshape to [T, n, ...], so each device keeps its own heads and GSPMD moves nothing; n=1 is
 the plain [q | k | v] and [gate | up] layout.
+
+Which kernel runs each part (attention, the fused decode front, the FP8 routes) is the
+static `Routes` (routes.py) the runner hands to every call; ops.py applies it.
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -31,9 +33,11 @@ from flax import nnx
 from jaxinfer import ops
 from jaxinfer.config import ModelConfig
 from jaxinfer.errors import ConfigError
-from jaxinfer.kv_cache import (FP8_DTYPE, AttentionMetadata, KVCache, KVLayers,
-                               pad_decode_rows)
+from jaxinfer.kv_cache import AttentionMetadata, KVCache, KVLayers, pad_decode_rows
+from jaxinfer.routes import Routes
 from jaxinfer.sharding import TPLayout
+from pallas_kernels import FP8_DTYPE
+from pallas_kernels.rope import apply_rope
 
 
 def _normal(rngs: nnx.Rngs, shape, dtype, std=0.02):
@@ -59,9 +63,10 @@ class RMSNorm(nnx.Module):
         per row, which commutes with a following matmul: the folded norms)."""
         return (x.astype(jnp.float32) * self.weight[...].astype(jnp.float32)).astype(x.dtype)
 
-    def add_norm(self, x, delta, layout: TPLayout = TPLayout()):
-        """(x + delta, its norm); delta None: (x, its norm). One kernel on the GPU (ops)."""
-        return ops.add_rmsnorm(x, delta, self.weight[...], eps=self.eps, layout=layout)
+    def add_norm(self, x, delta):
+        """(x + delta, its norm); delta None: (x, its norm). XLA fuses the add and the norm."""
+        x = x if delta is None else x + delta
+        return x, self(x)
 
 
 class Linear(nnx.Module):
@@ -82,11 +87,11 @@ class Linear(nnx.Module):
             self.scale = None
         self.bias = nnx.Param(jnp.zeros(stack + (dout,), dtype)) if bias else None
 
-    def __call__(self, x, add_bias: bool = True):
+    def __call__(self, x, routes: Routes, add_bias: bool = True):
         """add_bias=False: the product alone (a caller that adds self.bias itself)."""
         scale = None if self.scale is None else self.scale[...]
         bias = None if self.bias is None or not add_bias else self.bias[...]
-        return ops.linear(x, self.kernel[...], scale, bias, parallel=self.parallel)
+        return ops.linear(x, self.kernel[...], scale, bias, routes, parallel=self.parallel)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
@@ -107,13 +112,6 @@ def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
     return scaled.astype(np.float32)
 
 
-def apply_rope(x, cos, sin):
-    """x [T, N, D]; cos/sin [T, D/2]. rotate_half convention (HF)."""
-    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-    c, s = cos[:, None, :], sin[:, None, :]
-    return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)
-
-
 def _parallel(layout: TPLayout, shards: int, kind: str):
     return (layout, kind) if shards > 1 else None
 
@@ -129,28 +127,28 @@ class Attention(nnx.Module):
         self.wo = Linear(cfg.q_size, cfg.hidden_size, rngs=rngs, stack=stack, dtype=dtype,
                          fp8=fp8, parallel=_parallel(layout, n, "row"))
 
-    def __call__(self, x, kv: KVCache, layer, md: AttentionMetadata, cos, sin, attn_impl,
+    def __call__(self, x, kv: KVCache, layer, md: AttentionMetadata, cos, sin, routes: Routes,
                  norm: RMSNorm | None = None):
         """x [T, E] normed; with `norm`, the residual rows that norm is still to be applied to
-        (folded into the fused front, ops.front_norm_applies, or applied here)."""
-        # the QKV bias is added by attend: inside the RoPE + K/V write kernel when that runs
+        (folded into the fused front, ops.front_norm_applies)."""
         cfg, w = self.cfg, self.wqkv
         bias = None if w.bias is None else w.bias[...]
         fused = ops.decode_qkv_attention(
             x if norm is None else norm.weighted(x), w.kernel[...],
             None if w.scale is None else w.scale[...], bias, kv, layer, md, cos, sin,
-            num_heads=cfg.num_heads, sm_scale=cfg.head_dim ** -0.5, impl=attn_impl,
+            num_heads=cfg.num_heads, sm_scale=cfg.head_dim ** -0.5, routes=routes,
             layout=self.layout, norm=None if norm is None else (x, norm.eps))
         if fused is not None:     # small decode steps: QKV's sum and RoPE in the attention
             o, kv = fused
-            return self.wo(o.reshape(x.shape[0], cfg.q_size)), kv
+            return self.wo(o.reshape(x.shape[0], cfg.q_size), routes), kv
         if norm is not None:
             x = norm(x)
-        o, kv = self.attend(self.wqkv(x, add_bias=False), kv, layer, md, cos, sin, attn_impl,
-                            bias=bias)
-        return self.wo(o), kv
+        # the QKV bias is added by attend: inside the RoPE + K/V write kernel where that runs
+        o, kv = self.attend(self.wqkv(x, routes, add_bias=False), kv, layer, md, cos, sin,
+                            routes, bias=bias)
+        return self.wo(o, routes), kv
 
-    def attend(self, qkv, kv: KVCache, layer, md: AttentionMetadata, cos, sin, attn_impl,
+    def attend(self, qkv, kv: KVCache, layer, md: AttentionMetadata, cos, sin, routes: Routes,
                bias=None, scales=None):
         """qkv [T, (H+2K)D] (the fused projection's output, without `bias` [(H+2K)D] if
         that is given, and unscaled if `scales` (x_scale [T, 1], w_scale [(H+2K)D]) are:
@@ -160,7 +158,7 @@ class Attention(nnx.Module):
         cfg, n = self.cfg, self.layout.attn
         t = qkv.shape[0]
         fused = ops.rope_write_kv(kv, layer, qkv, cos, sin, md.slot_mapping,
-                                  num_heads=cfg.num_heads, impl=attn_impl, layout=self.layout,
+                                  num_heads=cfg.num_heads, routes=routes, layout=self.layout,
                                   bias=bias, scales=scales)
         if fused is not None:
             q, kv = fused
@@ -168,13 +166,13 @@ class Attention(nnx.Module):
             if scales is not None:
                 qkv = ops.tc_scaled(qkv, *scales, qkv.dtype)
             qkv = ops.with_bias(qkv, bias)
-            q, kv = self._rope_write(qkv.reshape(t, n, -1), kv, layer, md, cos, sin,
-                                     attn_impl)
-        o = ops.attention(q, kv, layer, md, sm_scale=cfg.head_dim ** -0.5, impl=attn_impl,
+            q, kv = self._rope_write(qkv.reshape(t, n, -1), kv, layer, md, cos, sin, routes)
+        o = ops.attention(q, kv, layer, md, sm_scale=cfg.head_dim ** -0.5, routes=routes,
                           layout=self.layout)
         return o.reshape(t, cfg.q_size), kv
 
-    def _rope_write(self, qkv, kv: KVCache, layer, md: AttentionMetadata, cos, sin, attn_impl):
+    def _rope_write(self, qkv, kv: KVCache, layer, md: AttentionMetadata, cos, sin,
+                    routes: Routes):
         """qkv [T, n, (H+2K)D/n] -> (q [T, H, D] rotated, the cache with k and v written)."""
         cfg, n = self.cfg, self.layout.attn
         t = qkv.shape[0]
@@ -183,8 +181,7 @@ class Attention(nnx.Module):
         q = apply_rope(q.reshape(t, cfg.num_heads, cfg.head_dim), cos, sin)     # [T, H, D]
         k = apply_rope(k.reshape(t, cfg.num_kv_heads, cfg.head_dim), cos, sin)  # [T, K, D]
         v = v.reshape(t, cfg.num_kv_heads, cfg.head_dim)                        # [T, K, D]
-        return q, ops.write_kv(kv, layer, k, v, md.slot_mapping, impl=attn_impl,
-                               layout=self.layout)
+        return q, ops.write_kv(kv, layer, k, v, md.slot_mapping, routes, layout=self.layout)
 
 
 class MLP(nnx.Module):
@@ -197,26 +194,17 @@ class MLP(nnx.Module):
         self.w_down = Linear(cfg.intermediate_size, cfg.hidden_size, rngs=rngs, stack=stack,
                              dtype=dtype, fp8=fp8, parallel=_parallel(layout, m, "row"))
 
-    def __call__(self, x, norm: RMSNorm | None = None):
-        """x [T, E] normed; with `norm`, the rows that norm is still to be applied to, folded
-        in (ops.FOLD_MLP_NORM): gate/up take x times its weight, and each row's 1 / rms(x),
-        a scalar per row that commutes with the matmul, multiplies gate and up before SiLU
-        (in f32), so the norm needs no pass over x of its own."""
+    def __call__(self, x, routes: Routes):
+        """x [T, E] normed -> [T, E]."""
         t = x.shape[0]
-        if norm is None and self.shards == 1 and self.w_gateup.scale is not None:
+        if self.shards == 1 and self.w_gateup.scale is not None:
             fused = ops.fused_fp8_mlp(x, (self.w_gateup.kernel[...], self.w_gateup.scale[...]),
-                                      (self.w_down.kernel[...], self.w_down.scale[...]))
+                                      (self.w_down.kernel[...], self.w_down.scale[...]), routes)
             if fused is not None:
                 return fused
-        factor = None
-        if norm is not None:
-            factor, x = norm.factor(x), norm.weighted(x)
-        gu = self.w_gateup(x).reshape(t, self.shards, 2, -1)            # [T, m, 2, F/m]
+        gu = self.w_gateup(x, routes).reshape(t, self.shards, 2, -1)    # [T, m, 2, F/m]
         gate, up = gu[:, :, 0].reshape(t, -1), gu[:, :, 1].reshape(t, -1)  # [T, F] each
-        if factor is None:
-            return self.w_down(jax.nn.silu(gate) * up)
-        h = jax.nn.silu(gate.astype(jnp.float32) * factor) * (up.astype(jnp.float32) * factor)
-        return self.w_down(h.astype(x.dtype))
+        return self.w_down(jax.nn.silu(gate) * up, routes)
 
 
 class DecoderLayer(nnx.Module):
@@ -227,64 +215,56 @@ class DecoderLayer(nnx.Module):
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, stack=stack, dtype=dtype)
         self.mlp = MLP(cfg, rngs=rngs, stack=stack, dtype=dtype, fp8=fp8, layout=layout)
 
-    def __call__(self, x, delta, kv, layer, md, cos, sin, attn_impl):
+    def __call__(self, x, delta, kv, layer, md, cos, sin, routes: Routes):
         """The residual stream x [T, E] with delta still to be added to it (the previous
         layer's MLP output; None for the first layer) -> (x, this layer's MLP output still to
         be added, the cache). Unrolled, the add is left to the next RMSNorm (the decoder's
-        final one after the last layer), so the two run as one kernel (ops.add_rmsnorm);
-        the scan passes None and adds it in its body. Where the fused decode front applies
-        (ops.front_norm_applies) the first RMSNorm is folded into it instead, and with
-        ops.FOLD_MLP_NORM the second into the MLP: the adds stay plain adds."""
+        final one after the last layer), which XLA fuses with it; the scan passes None and
+        adds it in its body. Where the fused decode front applies (ops.front_norm_applies)
+        the first RMSNorm is folded into it instead."""
         layout = self.attn.layout
         if ops.fused_fp8_layer(x, self.attn.wqkv.kernel[...], self.mlp.w_down.kernel[...],
-                               layout.size):
+                               layout.size, routes):
             return self._fused_fp8(x if delta is None else x + delta, kv, layer, md, cos, sin,
-                                   attn_impl)
-        folded = ops.front_norm_applies(x, kv, md, attn_impl, layout)
-        if folded:              # the RMSNorms folded into their consumers (ops.FRONT_NORM)
+                                   routes)
+        if ops.front_norm_applies(x, kv, md, routes, layout):
             x = x if delta is None else x + delta
-            h, kv = self.attn(x, kv, layer, md, cos, sin, attn_impl, norm=self.attn_norm)
+            h, kv = self.attn(x, kv, layer, md, cos, sin, routes, norm=self.attn_norm)
         else:
-            x, n = self.attn_norm.add_norm(x, delta, layout)
-            h, kv = self.attn(n, kv, layer, md, cos, sin, attn_impl)
-        if folded and ops.FOLD_MLP_NORM:
-            x = x + h
-            return x, self.mlp(x, norm=self.mlp_norm), kv
-        x, n = self.mlp_norm.add_norm(x, h, layout)
-        return x, self.mlp(n), kv
+            x, n = self.attn_norm.add_norm(x, delta)
+            h, kv = self.attn(n, kv, layer, md, cos, sin, routes)
+        x, n = self.mlp_norm.add_norm(x, h)
+        return x, self.mlp(n, routes), kv
 
-    def _fused_fp8(self, x, kv, layer, md, cos, sin, attn_impl):
+    def _fused_fp8(self, x, kv, layer, md, cos, sin, routes: Routes):
         """__call__'s math on the FP8 tensor-core route (ops.fused_fp8_layer) with each
         RMSNorm fused into the quantization of its output, and the attention's residual add
         (with wo's product scales) into the MLP side's: pallas_kernels/norm_quant.py."""
         a, m = self.attn, self.mlp
-        _, xq, xs = ops.norm_quant(x, self.attn_norm.weight[...], eps=self.attn_norm.eps)
+        _, xq, xs = ops.norm_quant(x, self.attn_norm.weight[...], eps=self.attn_norm.eps,
+                                   routes=routes)
         bias = None if a.wqkv.bias is None else a.wqkv.bias[...]
         # QKV's scales (and bias) are applied in the RoPE + K/V write kernel, not in an XLA
-        # fusion of their own (a pass over the product: bench/README.md, 21st session)
+        # fusion of their own, which would read and write the whole product once more
         qkv = ops.fp8_tc_product_q(xq, a.wqkv.kernel[...], x.dtype)
-        o, kv = a.attend(qkv, kv, layer, md, cos, sin, attn_impl, bias=bias,
+        o, kv = a.attend(qkv, kv, layer, md, cos, sin, routes, bias=bias,
                          scales=(xs, a.wqkv.scale[...]))
-        o_product, o_scale = ops.fp8_tc_product(o, a.wo.kernel[...], x.dtype)
+        o_product, o_scale = ops.fp8_tc_product(o, a.wo.kernel[...], x.dtype, routes)
         x, xq, xs = ops.norm_quant(x, self.mlp_norm.weight[...],
-                                   (o_product, o_scale, a.wo.scale[...]), eps=self.mlp_norm.eps)
+                                   (o_product, o_scale, a.wo.scale[...]), eps=self.mlp_norm.eps,
+                                   routes=routes)
         y = ops.fp8_mlp_quantized(xq, xs, (m.w_gateup.kernel[...], m.w_gateup.scale[...]),
-                                  (m.w_down.kernel[...], m.w_down.scale[...]), x.dtype)
+                                  (m.w_down.kernel[...], m.w_down.scale[...]), x.dtype, routes)
         return x, y, kv
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2))
-def _unrolled_layer(graphdef, attn_impl, switches, state, x, delta, kv, layer, md, cos, sin):
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _unrolled_layer(graphdef, routes, state, x, delta, kv, layer, md, cos, sin):
     """One decoder layer of the unrolled model as its own (inner) jit: every layer has the
-    same structure and shapes, so tracing it once serves all of them (the trace of the whole
-    step was ~0.5 s per executable on the H200 host, start-up compiles serial on it). XLA
-    inlines the calls: on the CPU the compiled step has the same kernels as without the inner
-    jit (tiny model, when this went in: 75 kernels per step and 20 per layer either way), and
-    on the H200 the 8B decode step keeps its 13 kernels per layer (bench/results/compile.json);
-    warm start-up went 15.7 -> 6.4 s there. `switches` (ops.switches()) only keys the trace
-    cache: a runner built after an ops switch changed traces the layer anew."""
-    del switches
-    return nnx.merge(graphdef, state)(x, delta, kv, layer, md, cos, sin, attn_impl)
+    same structure and shapes, so tracing it once serves all of them (tracing the whole
+    step layer by layer cost seconds per executable at start-up). XLA inlines the call: the
+    compiled step has the same kernels as without it."""
+    return nnx.merge(graphdef, state)(x, delta, kv, layer, md, cos, sin, routes)
 
 
 class Decoder(nnx.Module):
@@ -298,8 +278,8 @@ class Decoder(nnx.Module):
         logits reads for more rows than this (EngineConfig.lm_head "auto").
         unroll_layers: one weight buffer per layer and a Python loop over layers instead of
         stacked weights under lax.scan. The scan dynamic-slices each layer's weights out of
-        the stacked arrays, which XLA materializes as per-layer copies (measured on the H200:
-        see bench/README.md); per-layer buffers are read in place. Costs longer compiles.
+        the stacked arrays, which XLA materializes as per-layer copies (docs/performance.md);
+        per-layer buffers are read in place. Costs longer compiles.
         layout: the tensor-parallel split (sharding.py); the weights' placement must match."""
         self.cfg = cfg
         self.unroll_layers, self.layout = unroll_layers, layout
@@ -323,16 +303,16 @@ class Decoder(nnx.Module):
         self.inv_freq = nnx.Variable(jnp.asarray(rope_inv_freq(cfg)))  # [D/2], not a param
 
     def __call__(self, tokens, kv: KVCache | KVLayers, md: AttentionMetadata,
-                 attn_impl: str = "reference"):
+                 routes: Routes = Routes()):
         """tokens [T] -> final hidden states [T, E] (normed) and the updated cache: scanned,
         one KVCache of all layers; unrolled, that or KVLayers (kv_cache.py; the runner's
         pool). A decode step of fewer rows than ops.decode_rows asks for runs padded to that
         (GPU: one pad here instead of a pad and a slice around every small linear)."""
         t = tokens.shape[0]
-        rows = ops.decode_rows(t) if md.decode_only else t
+        rows = ops.decode_rows(t, routes) if md.decode_only else t
         if rows > t:
             padded, md_padded = pad_decode_rows(tokens, md, rows)
-            h, kv = self(padded, kv, md_padded, attn_impl)
+            h, kv = self(padded, kv, md_padded, routes)
             return h[:t], kv
         x = self.embed[...][tokens]                                     # [T, E]
         freqs = md.positions.astype(jnp.float32)[:, None] * self.inv_freq[...][None, :]
@@ -342,39 +322,31 @@ class Decoder(nnx.Module):
             if isinstance(kv, KVLayers) and len(kv.layers) != self.cfg.num_layers:
                 raise ConfigError(f"a KV pool of {len(kv.layers)} layers for a model of "
                                   f"{self.cfg.num_layers}")
-            # the split decode's counters, handed from layer to layer (ops.combine_counters)
-            counters = ops.combine_counters(t, self.cfg.num_kv_heads, md, impl=attn_impl,
-                                            layout=self.layout)
             for i, layer in enumerate(self.layers):
                 graphdef, state = nnx.split(layer)
                 cache, index = kv.layer(i)      # KVLayers: layer i's own arrays, at index 0
-                if counters is not None:
-                    cache = dataclasses.replace(cache, counters=counters)
                 with jax.named_scope("decoder_layer"):  # bench/hlo.py counts kernels by it
-                    x, delta, cache = _unrolled_layer(graphdef, attn_impl, ops.switches(),
-                                                      state, x, delta, cache,
+                    x, delta, cache = _unrolled_layer(graphdef, routes, state, x, delta, cache,
                                                       jnp.int32(index), md, cos, sin)
-                if counters is not None:        # not part of the pool
-                    counters, cache = cache.counters, dataclasses.replace(cache, counters=None)
                 kv = kv.with_layer(i, cache)
-            return self.final_norm.add_norm(x, delta, self.layout)[1], kv
+            return self.final_norm.add_norm(x, delta)[1], kv
         if isinstance(kv, KVLayers):
             raise ConfigError("the scanned decoder takes the pool as one KVCache of all layers "
-                              "(runner.allocate_kv), not KVLayers")
+                              "(kv_cache.allocate_kv), not KVLayers")
         graphdef, state = nnx.split(self.layers)
 
         def body(carry, xs):     # the MLP's add stays in the layer's body (XLA fuses it)
             h, kv = carry
             layer_state, layer = xs
             h, delta, kv = nnx.merge(graphdef, layer_state)(h, None, kv, layer, md, cos, sin,
-                                                            attn_impl)
+                                                            routes)
             return (h + delta, kv), None
 
         layer_ids = jnp.arange(self.cfg.num_layers, dtype=jnp.int32)
         (x, kv), _ = jax.lax.scan(body, (x, kv), (state, layer_ids))
         return self.final_norm(x), kv
 
-    def logits(self, h):
+    def logits(self, h, routes: Routes = Routes()):
         """h [B, E] -> [B, V] f32. The int8 head with a dense copy: the copy for B over
         dense_head_above (B is static: the step's bucket)."""
         if self.lm_head is None:
@@ -384,5 +356,5 @@ class Decoder(nnx.Module):
             return jnp.dot(h, self.lm_head_dense[...].T.astype(h.dtype),
                            preferred_element_type=jnp.float32)
         if self.lm_head.kernel.dtype == jnp.int8:
-            return ops.int8_head(h, self.lm_head.kernel[...], self.lm_head.scale[...])
-        return self.lm_head(h).astype(jnp.float32)
+            return ops.int8_head(h, self.lm_head.kernel[...], self.lm_head.scale[...], routes)
+        return self.lm_head(h, routes).astype(jnp.float32)

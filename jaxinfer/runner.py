@@ -1,18 +1,16 @@
 """The device side of a step: ONE jitted call per bucket — forward + logits of each row's last
 token + sampling — with the KV cache donated (updated in place, never copied).
 
-Static (a change compiles a new executable): the model graph, the attention impl, and the
+Static (a change compiles a new executable): the model graph, the `Routes`, and the
 shapes of StepInput (= the bucket: T tokens, B rows, pages_per_seq) plus
 `AttentionMetadata.decode_only` and the sampling arrays' static flags. Dynamic: every value.
 
 Ahead-of-time executables (`compile_ahead`, used by Engine.warmup): every bucket's step is
-lowered (Python tracing: one at a time) and then compiled in a thread pool (on the H200,
-26 executables in 45 s where 13 took 61 s one after another; 6.4 s from the persistent
-cache); `dispatch` then calls the executable matching the input's signature (PackedInput:
+lowered (Python tracing: one at a time) and then compiled in a thread pool; `dispatch` then calls the executable matching the input's signature (PackedInput:
 tree structure + shapes + dtypes) and falls back to the jitted function (which compiles, and
 is counted) for anything else. Step inputs reach the device as one packed int32 buffer
-(step_input.py), copied into a persistent slot; the step's results are written into
-persistent donated buffers and copied out for the caller (_packed_step says why).
+(step_input.py), copied into a persistent slot; on the GPU the step's results are written
+into persistent donated buffers and copied out for the caller (_packed_step says why).
 
 Tensor parallel (EngineConfig.tensor_parallel > 1): params arrive sharded (loading.py), the
 cache is allocated sharded by kv head and pinned to that layout across the step (so the
@@ -34,17 +32,11 @@ from flax import nnx
 from jaxinfer import kv_calibration, sampling
 from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.errors import ConfigError
-from jaxinfer.kv_cache import FP8_DTYPE, AttentionMetadata, KVCache, KVLayers
-from jaxinfer.ops import resolve_attention_impl
-from jaxinfer.sharding import TPLayout, kv_spec, make_layout
+from jaxinfer.kv_cache import (AttentionMetadata, KVCache, KVLayers, allocate_kv,
+                               kv_pool_gib)
+from jaxinfer.routes import Routes
+from jaxinfer.sharding import kv_spec, make_layout
 from jaxinfer.step_input import PackedInput, StepInput, pack_host, unpack, warmup_inputs
-
-# The step's results written into donated buffers that keep their addresses (_packed_step):
-# None = where XLA runs the step as a command buffer (the GPU); elsewhere the copy-out only
-# adds host time (~35 us a step for the tests' tiny model on the CPU). True / False force it
-# (tests, the A/B); read when a runner is built.
-PERSISTENT_OUTPUTS: bool | None = None
-
 
 class CompileCounter:
     """Counts XLA backend compiles process-wide (jax.monitoring), so tests and metrics can
@@ -73,31 +65,30 @@ class CompileCounter:
         return cls._count
 
 
-def _forward_hidden(graphdef, attn_impl, params, kv, tokens, md, kv_sharding=None):
+def _forward_hidden(graphdef, routes, params, kv, tokens, md, kv_sharding=None):
     model = nnx.merge(graphdef, params)
-    h, kv = model(tokens, kv, md, attn_impl)
+    h, kv = model(tokens, kv, md, routes)
     if kv_sharding is not None:
         kv = jax.lax.with_sharding_constraint(kv, kv_sharding)
     return model, h, kv
 
 
-def _step(graphdef, attn_impl, treedef, leaves, kv, inp: StepInput, rng, step_index,
+def _step(graphdef, routes, treedef, leaves, kv, inp: StepInput, rng, step_index,
           kv_sharding=None):
     # The params travel as a flat list of arrays: flattening the nnx.State (hundreds of
     # leaves with per-layer weights) in Python on every dispatch cost more than the rest.
     params = jax.tree_util.tree_unflatten(treedef, leaves)
     tokens = jnp.where(inp.prev_index >= 0,
                        inp.prev_tokens[jnp.maximum(inp.prev_index, 0)], inp.tokens)
-    model, h, kv = _forward_hidden(graphdef, attn_impl, params, kv, tokens, inp.md,
-                                   kv_sharding)
-    logits = model.logits(h[inp.logits_index])                          # [B, V] f32
+    model, h, kv = _forward_hidden(graphdef, routes, params, kv, tokens, inp.md, kv_sharding)
+    logits = model.logits(h[inp.logits_index], routes)                  # [B, V] f32
     out = sampling.sample(logits, inp.sampling, jax.random.fold_in(rng, step_index))
     # The sampled tokens padded to [S]: the next step's prev_tokens (one shape for all buckets).
     next_tokens = jnp.zeros_like(inp.prev_tokens).at[:out.tokens.shape[0]].set(out.tokens)
     return kv, out, next_tokens
 
 
-def _packed_step(graphdef, attn_impl, treedef, leaves, kv, slot, outs, buf, prev_tokens, rng,
+def _packed_step(graphdef, routes, treedef, leaves, kv, slot, outs, buf, prev_tokens, rng,
                  step_index, spec, kv_sharding=None):
     """The step on a packed input, its values kept at fixed device addresses: XLA updates a
     command buffer's (CUDA graph's) kernels whose buffers moved since the last call, and a
@@ -110,12 +101,12 @@ def _packed_step(graphdef, attn_impl, treedef, leaves, kv, slot, outs, buf, prev
       donated and the step's results written into them. Fresh outputs moved on every call,
       and XLA places step-wide values (the RoPE tables, the unpacked metadata) in output
       allocations whose live ranges allow it: on the H200 every layer's K/V write and
-      attention kernels were updated on each batch-1 call (bench/README.md). The caller
+      attention kernels were updated on each batch-1 call (docs/performance.md). The caller
       copies the results out (ModelRunner.dispatch) before the next call overwrites them.
     Returns (kv, slot, (SampleOutput, next_tokens)): the donated ones in their argument
     order, so jit pairs each output with its own buffer."""
     slot = jax.lax.optimization_barrier(jax.lax.dynamic_update_slice(slot, buf, (0,)))
-    kv, out, next_tokens = _step(graphdef, attn_impl, treedef, leaves, kv,
+    kv, out, next_tokens = _step(graphdef, routes, treedef, leaves, kv,
                                  unpack(slot, spec, prev_tokens), rng, step_index, kv_sharding)
     results = (out, next_tokens)
     if outs is not None:
@@ -149,31 +140,9 @@ def output_shapes(spec, vocab_size: int, num_seqs: int):
     return out, jax.ShapeDtypeStruct((num_seqs,), jnp.int32)
 
 
-def _all_logits(graphdef, attn_impl, params, kv, tokens, md, kv_sharding=None):
-    model, h, kv = _forward_hidden(graphdef, attn_impl, params, kv, tokens, md, kv_sharding)
-    return kv, model.logits(h)                                           # [T, V] f32
-
-
-def kv_dtype_for(engine: EngineConfig):
-    if engine.kv_dtype == "fp8":
-        return FP8_DTYPE
-    if engine.kv_dtype == "bf16":
-        return jnp.bfloat16
-    return jnp.dtype(engine.dtype)
-
-
-def kv_page_bytes(cfg: ModelConfig, engine: EngineConfig) -> int:
-    """One page's bytes over all layers: K and V, and with per-token FP8 scales those (f32;
-    static ones are [L, K] for the whole pool)."""
-    dtype = jnp.dtype(kv_dtype_for(engine))
-    token_scales = dtype == FP8_DTYPE and engine.kv_scales == "token"
-    per_slot = cfg.head_dim * dtype.itemsize + (4 if token_scales else 0)
-    return 2 * cfg.num_layers * cfg.num_kv_heads * engine.page_size * per_slot
-
-
-def kv_pool_gib(cfg: ModelConfig, engine: EngineConfig) -> float:
-    """The whole KV pool's size in GiB (kv_page_bytes x the pool's pages)."""
-    return kv_page_bytes(cfg, engine) * engine.total_pages / 2 ** 30
+def _all_logits(graphdef, routes, params, kv, tokens, md, kv_sharding=None):
+    model, h, kv = _forward_hidden(graphdef, routes, params, kv, tokens, md, kv_sharding)
+    return kv, model.logits(h, routes)                                   # [T, V] f32
 
 
 @contextlib.contextmanager
@@ -192,40 +161,29 @@ def pool_oom_as_config_error(cfg: ModelConfig, engine: EngineConfig, where: str)
             f"max_num_batched_tokens. XLA said: {str(e).splitlines()[0][:200]}") from e
 
 
-def allocate_kv(cfg: ModelConfig, engine: EngineConfig, layout: TPLayout, scales=None
-                ) -> KVCache | KVLayers:
-    """The engine's page pool: KVLayers for the unrolled decoder (engine.unroll_layers
-    resolved), one KVCache of all layers for the scanned one (kv_cache.py says why); on a
-    mesh each device allocates only its own kv heads. scales: static FP8 scales (k, v) [L, K]
-    (kv_calibration.py), or None."""
-    form = KVLayers if engine.unroll_layers else KVCache
-    alloc = functools.partial(form.allocate, cfg.num_layers, cfg.num_kv_heads,
-                              engine.total_pages, engine.page_size, cfg.head_dim,
-                              kv_dtype_for(engine), scales=scales)
-    if layout.mesh is None:
-        return alloc()
-    return jax.jit(alloc, out_shardings=layout.named(kv_spec(layout)))()
-
-
 class ModelRunner:
     """Owns params, the KV cache and the compiled step. Host code hands it numpy arrays."""
 
-    def __init__(self, cfg: ModelConfig, engine: EngineConfig, graphdef, params):
+    def __init__(self, cfg: ModelConfig, engine: EngineConfig, graphdef, params,
+                 routes: Routes | None = None):
+        """routes: the kernels' routes; None chooses them from `engine` and the backend."""
         CompileCounter.install()
+        engine = engine.for_backend(jax.default_backend())
         self.cfg, self.engine = cfg, engine
         self.params = params
         self._leaves, self._treedef = jax.tree_util.tree_flatten(params)
         self._executables: dict = {}  # input signature -> compiled step (compile_ahead)
-        self.attn_impl = resolve_attention_impl(engine.attention_impl)
+        self.routes = routes or Routes.choose(engine, jax.default_backend())
         self.layout = make_layout(cfg, engine.tensor_parallel)
         model = nnx.merge(graphdef, params)
         self.engine = engine.replace(unroll_layers=model.unroll_layers)  # auto resolved
         if model.layout != self.layout:
             raise ConfigError(f"the params were built for another tensor-parallel layout than "
                               f"tensor_parallel={engine.tensor_parallel}: build them with "
-                              f"params.build_model(..., layout=sharding.make_layout(cfg, tp))")
+                              f"checkpoints.model_state.build_model(..., "
+                              f"layout=sharding.make_layout(cfg, tp))")
         kv_sharding = None if self.layout.mesh is None else self.layout.named(kv_spec(self.layout))
-        self._logits_fn = jax.jit(functools.partial(_all_logits, graphdef, self.attn_impl,
+        self._logits_fn = jax.jit(functools.partial(_all_logits, graphdef, self.routes,
                                                     kv_sharding=kv_sharding),
                                   donate_argnums=(1,))
         # (k, v) [L, K] numpy f32 for FP8 KV with static scales (kv_calibration.py), else None
@@ -236,11 +194,9 @@ class ModelRunner:
             self.kv = allocate_kv(cfg, self.engine, self.layout, self.static_kv_scales)
         self._rng = jax.random.key(engine.seed)
         self._num_steps = 0
-        self._step_fn = jax.jit(functools.partial(_packed_step, graphdef, self.attn_impl,
+        self._step_fn = jax.jit(functools.partial(_packed_step, graphdef, self.routes,
                                                   self._treedef, kv_sharding=kv_sharding),
                                 donate_argnums=(1, 2, 3), static_argnames=("spec",))
-        self._persistent_outputs = (jax.default_backend() == "gpu" if PERSISTENT_OUTPUTS is None
-                                    else PERSISTENT_OUTPUTS)
         self._buffers: dict = {}  # input signature -> (slot, output buffers or None)
 
     def step(self, inp: StepInput | PackedInput) -> sampling.SampleOutput:
@@ -267,7 +223,7 @@ class ModelRunner:
 
     def dispatch(self, kv: KVCache | KVLayers, inp: StepInput | PackedInput, step_index: int):
         """(new kv, SampleOutput, next_tokens) on the device: the compiled step, dispatched
-        without waiting; with PERSISTENT_OUTPUTS on, its results copied out of the step's
+        without waiting; with routes.persistent_outputs, its results copied out of the step's
         persistent buffers, so the caller may keep them across later steps either way. `kv`
         is donated. For the bench's back to back runs."""
         p = self.prepare(inp)
@@ -291,11 +247,11 @@ class ModelRunner:
     def _step_buffers(self, p: PackedInput):
         """The persistent buffers of `p`'s signature (see _packed_step), made on first use:
         (the input slot, one int32 longer than the packed input; the output buffers, or None
-        with PERSISTENT_OUTPUTS off), replicated on a mesh."""
+        without routes.persistent_outputs), replicated on a mesh."""
         bufs = self._buffers.get(p.signature)
         if bufs is None:
             outs = None
-            if self._persistent_outputs:
+            if self.routes.persistent_outputs:
                 shapes = output_shapes(p.spec, self.cfg.vocab_size, np.shape(p.prev_tokens)[0])
                 outs = jax.tree.map(lambda a: np.zeros(a.shape, a.dtype), shapes)
             bufs = (np.zeros(p.buf.shape[0] + 1, np.int32), outs)

@@ -4,7 +4,7 @@
 Megatron-style split, one all-reduce per half layer:
     column-parallel  wqkv, w_gateup   output axis sharded (each shard computes its own heads /
                                       its own slice of F; the fused columns are laid out
-                                      shard-major by params.fused_tree)
+                                      shard-major by model_state.fused_tree)
     row-parallel     wo, w_down       input axis sharded; the partial sums are all-reduced
     vocab-parallel   embed, lm_head (and its dense copy)   V sharded
     KV cache         [L, K, P, S, D]  K sharded: each device writes and reads only its kv heads
@@ -28,6 +28,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.errors import ConfigError
+from pallas_kernels import FP8_DTYPE
 
 AXIS = "tp"
 
@@ -111,8 +112,7 @@ def _key(k) -> str:
 
 def state_specs(layout: TPLayout, tree):
     """PartitionSpecs for the model state `tree` (a pure dict of arrays or ShapeDtypeStructs
-    from params.abstract_model), mirroring its structure."""
-    from jaxinfer.kv_cache import FP8_DTYPE
+    from checkpoints.model_state.abstract_model), mirroring its structure."""
 
     def spec(path, leaf):
         names = [_key(k) for k in path]

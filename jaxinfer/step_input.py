@@ -34,8 +34,8 @@ class StepInput:
 @dataclasses.dataclass(frozen=True)
 class PackedInput:
     """A StepInput as it travels to the device: every leaf but prev_tokens bit-cast to int32
-    and concatenated into ONE buffer (one host->device transfer instead of ~20; on the CPU
-    that was a third of the host's time per step at 256 rows), unpacked inside the jitted
+    and concatenated into ONE buffer (one host->device transfer instead of ~20, which on the
+    CPU take a third of the host's time per step at 256 rows), unpacked inside the jitted
     step by static offsets. prev_tokens stays apart: it is usually the previous step's
     output, already on the device."""
     buf: jax.Array          # [N] i32

@@ -2,18 +2,19 @@
 ragged: pallas_kernels/ragged_paged_attention.py): one online-softmax step over `block_tokens`
 KV rows gathered through the page table, the q preparation, the cache views and the checks.
 
-Cache layout (jaxinfer/kv_cache.py): k, v [L, K, P, S, D]; FP8 e4m3 KV carries f32 scales,
-k_scale/v_scale, either one per page slot and kv head, [L, K, P, S] (a token's K row is q8 *
-scale, so a token is quantized alone when written), or static, one per layer and kv head,
+Cache layout (pallas_kernels/kv_pages.py): k, v [L, K, P, S, D]; FP8 e4m3 KV carries f32
+scales, k_scale/v_scale, either one per page slot and kv head, [L, K, P, S] (a token's K row is
+q8 * scale, so a token is quantized alone when written), or static, one per layer and kv head,
 [L, K]. The kernels view the cache as rows [L*K*P*S, D] (cache_views) and read the layer's
 pages in place.
+
 FP8 KV: only the FP8 bytes (and per-token scales) are read; K/V are widened in registers to
 the dtype `blocks.fp8_compute` names (pallas_kernels/tuning.py). Per-token scales are applied
 in f32 inside the block step (K's per logit column after the dot, V's per p column before
 it); static ones once per program (static_factors: K's joins the logit scale, V's multiplies
 the accumulator at the end), so the block step is the bf16 one plus the widening.
-- "bfloat16": q and p * v_scale in bf16. Per-token work (widening, softmax bookkeeping), not
-  bytes, bounds it: 184 us at B=64 S=2048 (Hq 32, Hkv 8, D 128, page 16) vs 180 us bf16 KV.
+- "bfloat16": q and p * v_scale in bf16; per-token work (widening, softmax bookkeeping), not
+  bytes, bounds it.
 - "float16" (the decode choice at head dim 64): every e4m3 value (3 mantissa bits, 2^-9..448)
   is an f16 normal (10 bits, 2^-14..65504): widening is exact, and a cheap convert. Two
   normalizations keep f16's narrow range safe. q is divided by its row's max |q| before the
@@ -23,26 +24,20 @@ the accumulator at the end), so the block step is the bf16 one plus the widening
   overflow); the block's p v is multiplied back by max_scale / 2^15 in f32. A term stays an
   f16 normal while p * v_scale / max_scale >= 2^-29: V magnitudes 1e6 apart in one block lose
   nothing (bare p * v_scale would go subnormal below 6e-5). q and p round to 2^-11..2^-12
-  relative (bf16: 2^-8..2^-9), so this path is the more accurate (tests: scale stress cases
-  ~3e-4 per sequence with f32 q; bf16 widening ~2.3e-3). Speed on the H200, 3 pipeline stages
-  (bench/results/history/paged_attention_8de99ec.json, bfloat16-widened rows beside it): B=64
-  S=2048 151.7 us (bf16 widening 178.2), B=256 S=2048 572.5 (904.9), B=64 S=8192 533.6
-  (801.8); the current numbers are in bench/results/paged_attention.json.
+  relative (bf16: 2^-8..2^-9), so this path is the more accurate, and faster than bf16
+  widening (docs/performance.md).
 - "f16pairs" (decode default for head dim 128; the same programs with q, the outputs and the
   accumulator in (even, odd) halves, see attend_block): the f16 numerics above, but K/V are
   read as u16 rows [L*K*P*S, D/2] (a bitcast of the pages), each element two e4m3 bytes (even
   and odd head dim). An e4m3 tile cannot be read from shared memory with ldmatrix (16-bit
-  only), and where the dot wants it transposed (V's reduction dim is the token) Triton read it
-  byte by byte: the widening kernel's SASS had 253 scalar shared loads, 128 of them single
-  bytes, and 241 registers. As u16 the tiles load like bf16 ones; one byte permute plus one
-  cvt.rn.f16x2.e4m3x2 (inline PTX, two packed elements) splits a pair of u16 into the even
-  (odd) dims' f16. q is split the same way (qe = q[:, 0::2], qo = q[:, 1::2], read inside
-  the kernel with stride-2 loads: load_q), logits = qe ke^T + qo ko^T, and the two output
-  halves are interleaved back by stride-2 stores (store_rows).
-  ptxas: 168 registers, 53 shared loads. H200, 4 warps, 2 stages, 128 tokens
-  (bench/results/attn_tune.txt, one process): B=256 S=2048 481.3 -> 345.4 us, B=64 S=2048
-  135.1 -> 120.6. Interpret mode (no PTX) splits the pairs with a bitcast to bytes; the gpu-
-  marked tests run the PTX.
+  only), and where the dot wants it transposed (V's reduction dim is the token) Triton reads
+  it byte by byte; as u16 the tiles load like bf16 ones, with fewer registers. One byte
+  permute plus one cvt.rn.f16x2.e4m3x2 (inline PTX, two packed elements) splits a pair of u16
+  into the even (odd) dims' f16. q is split the same way (qe = q[:, 0::2], qo = q[:, 1::2],
+  read inside the kernel with stride-2 loads: load_q), logits = qe ke^T + qo ko^T, and the two
+  output halves are interleaved back by stride-2 stores (store_rows). Faster than the f16
+  widening at every measured shape (docs/performance.md). Interpret mode (no PTX) splits the
+  pairs with a bitcast to bytes; the gpu-marked tests run the PTX.
 """
 from __future__ import annotations
 
@@ -54,8 +49,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxinfer.errors import ConfigError
-from jaxinfer.kv_cache import FP8_DTYPE
+from pallas_kernels import FP8_DTYPE
 from pallas_kernels import tuning
 
 M_INIT = -1e30  # finite, so an empty split combines to 0 instead of NaN
@@ -68,7 +62,7 @@ def compute_dtype(kv_dtype, fp8_compute: str = "bfloat16") -> jnp.dtype:
     """The dtype K/V are widened to for the two dots (e4m3 -> bf16 or f16 is exact)."""
     if kv_dtype == FP8_DTYPE:
         if fp8_compute not in tuning.FP8_COMPUTE:
-            raise ConfigError(f"fp8_compute {fp8_compute!r} is not one of {tuning.FP8_COMPUTE}")
+            raise ValueError(f"fp8_compute {fp8_compute!r} is not one of {tuning.FP8_COMPUTE}")
         return jnp.dtype(jnp.float16 if fp8_compute == "f16pairs" else fp8_compute)
     return jnp.dtype(jnp.float32 if kv_dtype == jnp.float32 else jnp.bfloat16)
 
@@ -78,7 +72,7 @@ def uses_pairs(kv_dtype, fp8_compute: str, head_dim: int) -> bool:
     if kv_dtype != FP8_DTYPE or fp8_compute != "f16pairs":
         return False
     if head_dim % 2:
-        raise ConfigError(f"fp8_compute f16pairs needs an even head dim, got {head_dim}")
+        raise ValueError(f"fp8_compute f16pairs needs an even head dim, got {head_dim}")
     return True
 
 
@@ -133,9 +127,8 @@ def kernel_refs(refs, fp8: bool):
 
 def load_q(q_ref, idx, pairs: bool, head_dim: int):
     """q rows `idx` of q_ref [N, D]: [M, D], or with pairs the (even dims, odd dims) [M, D/2]
-    each, read with stride-2 loads (q is split inside the kernel: split outside, XLA's
-    fusion that wrote the halves took 9.6 us per layer in the 8B FP8 decode step at 256 rows
-    and joining the outputs back another 3.7; H200 profile, ninth session)."""
+    each, read with stride-2 loads (split inside the kernel: split outside, XLA runs a
+    fusion to write the halves and another to join the outputs back)."""
     if not pairs:
         return q_ref[idx]
     half = head_dim // 2
@@ -317,23 +310,23 @@ def _weighted_values(p, v, vs):
 def validate(q, k_pages, v_pages, k_scale, v_scale, interpret: bool, block_tokens: int):
     """Shape, dtype and block checks shared with the ragged kernel; returns (K, P, S, D)."""
     if q.ndim != 3 or k_pages.ndim != 5 or k_pages.shape != v_pages.shape:
-        raise ConfigError(f"paged attention wants q [*, H, D] and k/v pages [L, K, P, S, D] "
+        raise ValueError(f"paged attention wants q [*, H, D] and k/v pages [L, K, P, S, D] "
                           f"of one shape; got {q.shape}, {k_pages.shape}, {v_pages.shape}")
     _, kv_heads, num_pages, page_size, head_dim = k_pages.shape
     if q.shape[1] % kv_heads or q.shape[2] != head_dim:
-        raise ConfigError(f"q heads {q.shape[1]} must be a multiple of kv heads {kv_heads} "
+        raise ValueError(f"q heads {q.shape[1]} must be a multiple of kv heads {kv_heads} "
                           f"and head dims must match ({q.shape[2]} vs {head_dim})")
     fp8 = k_pages.dtype == FP8_DTYPE
     if fp8 and (k_scale is None or v_scale is None or v_scale.shape != k_scale.shape
                 or k_scale.shape not in (k_pages.shape[:-1], k_pages.shape[:2])):
-        raise ConfigError("FP8 KV pages need k_scale and v_scale of one shape: [L, K, P, S] "
+        raise ValueError("FP8 KV pages need k_scale and v_scale of one shape: [L, K, P, S] "
                           "(per token) or [L, K] (static)")
     pow2 = all(x & (x - 1) == 0 for x in (page_size, head_dim))
     if not interpret and not pow2:
-        raise ConfigError(f"page size {page_size} and head dim {head_dim} must be powers of "
+        raise ValueError(f"page size {page_size} and head dim {head_dim} must be powers of "
                           "two for the GPU kernel")
     if block_tokens % page_size or (block_tokens < MIN_BLOCK_TOKENS and not interpret):
-        raise ConfigError(f"block_tokens {block_tokens} must be a multiple of the page size "
+        raise ValueError(f"block_tokens {block_tokens} must be a multiple of the page size "
                           f"{page_size} and >= {MIN_BLOCK_TOKENS} on the GPU")
     return kv_heads, num_pages, page_size, head_dim
 

@@ -4,14 +4,12 @@ token's K/V written and attended, all inside the paged decode kernel (paged_atte
 
 Unfused, a small decode step runs three kernels per layer before attention: XLA's QKV GEMM
 (split 4 ways along the hidden dim, writing f32 partials), XLA's fusion summing them (times
-the FP8 channel scales, rounded to bf16), and the RoPE + K/V write kernel (kv_write.py). On
-the H200 those two glue kernels took 1.59 + 2.58 us per layer of the 8B FP8 batch-1 step
-(bench/results/profile_b1_fp8.json, sixteenth session). Here the model computes the split
-products itself (`partial_products`: a batched dot over slices of the hidden dim, which XLA
-runs as fast as its own split-K GEMM: bench/README.md, twelfth session) and the decode kernel
+the FP8 channel scales, rounded to bf16), and the RoPE + K/V write kernel (kv_write.py). Here
+the model computes the split products itself (`partial_products`: a batched dot over slices
+of the hidden dim, which XLA runs as fast as its own split-K GEMM) and the decode kernel
 takes them:
 - every program sums its kv head's q rows from the partials (f32), applies the channel scales
-  and the bias, rotates them, rounding where the unfused route rounds (model.apply_rope,
+  and the bias, rotates them, rounding where the unfused route rounds (rope.apply_rope,
   kv_write.rope_write_kv), and keeps q as its two rotary halves: the logits are q_lo k_lo^T
   + q_hi k_hi^T with K read as two half-rows (attention_block.attend_block's `q_halves`);
 - the cache does not hold the new token yet: the programs attend over seq_len - 1 cached
@@ -20,17 +18,14 @@ takes them:
   writes them into their page slot (the cache arrays are aliased in and out) and folds the
   token into its online softmax from registers (`fold`). No other program reads that slot
   (its own loop masks it), so no program waits on another's write.
-Measured on the H200 (bench/README.md, thirty-first session): 436 -> 372 kernels per 8B FP8
-batch-1 step, the device step -2.7% (FP8 weights) and -1.1% (bf16) in same-call pairs.
-With the RMSNorm before QKV folded in as well (`norm_eps`, `norm_factor`; ops.FRONT_NORM):
-the partials are products of the residual rows times the norm's weight and every program
-computes its row's 1 / rms from those rows; 372 -> 340 kernels, the FP8 step unchanged and
-bf16 -1.4% (bench/README.md, fortieth session).
+The RMSNorm before QKV can be folded in as well (`norm_eps`, `norm_factor`;
+ops.front_norm_applies): the partials are products of the residual rows times the norm's
+weight and every program computes its row's 1 / rms from those rows. Kernel counts and step
+times: docs/performance.md.
 
 Limits (`supported`): the cache read as plain rows and a power-of-two head dim. FP8 KV that
 the decode table reads as f16pairs' byte pairs (head dim 128) is read here as plain rows
-widened to f16 (`front_blocks`): Qwen2.5-32B FP8 + FP8 KV batch 1, device step 10.03 ->
-9.75 ms (four interleaved pairs on one machine, bench/README.md, thirty-second session).
+widened to f16 (`front_blocks`).
 """
 from __future__ import annotations
 
@@ -40,7 +35,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from jaxinfer.kv_cache import FP8_DTYPE, KVCache
+from pallas_kernels.kv_pages import FP8_DTYPE, KVCache
 from pallas_kernels import tuning
 from pallas_kernels.kv_write import cache_from, quantized
 
@@ -148,7 +143,7 @@ def _head_rows(p_ref, front, t, heads, cols, spec: QKVSpec):
 
 
 def rotated(p_ref, front, t, heads, spec: QKVSpec, half: int):
-    """Rows `heads` of token t, rotated (model.apply_rope's math, rounded to the activations'
+    """Rows `heads` of token t, rotated (rope.apply_rope's math, rounded to the activations'
     dtype as it rounds): the (low, high) halves [R, D/2] f32."""
     _, cos_ref, sin_ref = front[:3]
     dtype = jnp.dtype(spec.dtype)
@@ -230,9 +225,9 @@ def front_blocks(blocks, kv_dtype, head_dim: int):
     """`blocks` as the fused front reads the cache: FP8 KV that the table reads as f16pairs'
     byte pairs (its choice at head dim 128) is read as plain rows widened to f16 instead,
     with the same f16 numerics (attention_block's "float16"): q's rotary halves
-    (attend_block's q_halves) and the pairs' even/odd halves do not compose. Measured only
-    at batch 1, context 512 (the step got faster: module doc); at long contexts the plain
-    rows' FP8 reads may cost more than the pairs'."""
+    (attend_block's q_halves) and the pairs' even/odd halves do not compose. Faster at
+    batch 1, context 512, the only shape measured; at long contexts the plain rows' FP8
+    reads may cost more than the pairs'."""
     from pallas_kernels.attention_block import uses_pairs
     if uses_pairs(kv_dtype, blocks.fp8_compute, head_dim):
         return dataclasses.replace(blocks, fp8_compute="float16")
@@ -267,12 +262,10 @@ def paged_attention_qkv(partials, scale, bias, cos, sin, cache: KVCache, layer, 
     cos/sin [T, D/2], the cache (its new tokens not written), seq_lens [T] counting each
     row's new token, page_table [T, pages], slot_mapping [T] (-1: padding), dtype the
     activations'. rows, longest_first, masked_loads: as paged_attention_blocks'. blocks:
-    table_blocks' choice when None. With the cache's `counters` (zeros [>= T * K] f32) a
-    split grid merges its splits in its last-arriving program instead of a combine kernel
-    (split_combine.last_combines_in_kernel), and they come back zero again in the returned
-    cache. With the RMSNorm before the projection folded (norm_eps given): partials are
-    products of x [T, E] (the residual rows, activations' dtype) times the norm's weight,
-    and each row's sum takes 1 / sqrt(mean(x^2) + norm_eps) (norm_factor).
+    table_blocks' choice when None. With the RMSNorm before the projection folded (norm_eps
+    given): partials are products of x [T, E] (the residual rows, activations' dtype) times
+    the norm's weight, and each row's sum takes 1 / sqrt(mean(x^2) + norm_eps)
+    (norm_factor).
     -> (out [T, H, D] in dtype, the cache with the new tokens written: updated in place
     inside a jit that owns it)."""
     from pallas_kernels import paged_attention as pa
@@ -300,9 +293,5 @@ def paged_attention_qkv(partials, scale, bias, cos, sin, cache: KVCache, layer, 
         partials, cache.k, cache.v, layer, seq_lens, page_table, cache.k_scale, cache.v_scale,
         sm_scale=sm_scale, interpret=interpret, blocks=blocks, rows=rows,
         longest_first=longest_first, masked_loads=masked_loads, qkv=spec,
-        front=tuple(operands(spec, slot_mapping, cos, sin, scale, bias, head_dim, x)),
-        counters=cache.counters)
-    if cache.counters is None:
-        return out, cache_from(cache, written)
-    *written, counters = written
-    return out, dataclasses.replace(cache_from(cache, written), counters=counters)
+        front=tuple(operands(spec, slot_mapping, cos, sin, scale, bias, head_dim, x)))
+    return out, cache_from(cache, written)

@@ -5,12 +5,10 @@ K-major, the layout cuBLASLt's FP8 GEMM and Hopper's FP8 wgmma want) and a per-o
 f32 scale [N], so W[k, n] ~= w_q[n, k] * scale[n]. Here M counts tokens (T in model.py),
 K the input features and N the output features of one projection.
 
-Routes (M is static, so each bucket compiles exactly one), set from bench/fp8_matmul.py on
-one H200 (bench/results/fp8_matmul.json):
+Routes (M is static, so each bucket compiles exactly one; measured in docs/performance.md):
 - M <= DEQUANT_MAX_M: x @ upcast(w_q) left to XLA, which fuses the fp8 -> bf16 convert into
   its own Triton GEMM; M < DEQUANT_PAD_M is padded to DEQUANT_PAD_M rows first: at M = 8
-  XLA picks a faster GEMM than at M = 1 (4096x28672: 36.7 vs 44.0 us; 14336x4096: 21.2 vs
-  24.2 us; our Pallas GEMV takes 48.3 and 25.5 us).
+  XLA picks a faster GEMM than at M = 1 (and than our Pallas GEMV).
 - M > DEQUANT_MAX_M (prefill): XLA's cuBLASLt FP8 GEMM (`__cublas$lt$matmul$f8` in the HLO)
   on x quantized per token to e4m3, writing a bf16 product (f32 for f32 x) that both scales
   are applied to. The model's FP8 MLP on this route fuses its middle (SiLU * up and the down
@@ -21,9 +19,8 @@ one H200 (bench/results/fp8_matmul.json):
   channels ([BN, K] of w_q), and when N // BN alone gives too few programs for the 132 SMs,
   K is split too and XLA adds the f32 partial sums. M == 1 is a GEMV on CUDA cores (tiles in
   pallas_kernels/tuning.py); M > 1 pads x to a power of two >= 16 and uses bf16 tensor-core
-  dots. Nineteen tilings measured on the H200 (bench/results/fp8_tune.json) top out at
-  ~2.5 TB/s of fp8 bytes, below XLA's route above, so it is not the default; it stays built,
-  tested and timed by the bench (`skinny_kernel`).
+  dots. Its best tilings stay below XLA's route above, so it is not the default; it stays
+  built and tested (`skinny_fp8_matmul`).
 
 `layer` lets a decoder that scans over layers pass the whole stacked weight ([L, N, K], [L, N])
 plus the layer index: the kernel then indexes the layer itself, so XLA never copies a layer's
@@ -42,20 +39,17 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels import pow2_ceil, pow2_divisor, triton_params
+from pallas_kernels import FP8_DTYPE, FP8_MAX, pow2_ceil, pow2_divisor, triton_params
 from pallas_kernels.tuning import FP8_GEMV
 
-FP8_DTYPE = jnp.float8_e4m3fn
-FP8_MAX = 448.0
 PALLAS_MAX_M = 0     # the Pallas kernel only for stacked weights (`layer`); see above
 DEQUANT_PAD_M = 8    # M < 8 padded to 8 rows for XLA's fused-dequant GEMM
 DEQUANT_MAX_M = 64   # M > 64: the FP8 tensor-core GEMM wins (2048: 1.1-1.2x over bf16)
 TC_PRODUCT_DTYPE = jnp.bfloat16   # the tensor-core GEMM's output for bf16 x (see below)
 # x's quantization (x_q, x_scale) materialized behind an optimization barrier. Without it XLA
 # fuses x_scale's whole computation (x's producer, e.g. residual add + RMSNorm, then the row
-# amax) into the product's consumers and recomputes it for every output tile: in the 8B
-# FP8 step the SiLU * up fusion redid the MLP input's RMSNorm and amax (H200 HLO dump). The
-# 256-row decode step: 13.14 / 13.04 -> 12.96 / 12.90 ms (bench/README.md, eighth session).
+# amax) into the product's consumers and recomputes it for every output tile (e.g. the SiLU *
+# up fusion redoing the MLP input's RMSNorm and amax); docs/performance.md has the gain.
 QUANT_BARRIER = True
 _MIN_PROGRAMS = 2 * 132    # two programs per H200 SM, so one slow SM does not set the pace
 _CONTRACT_K = (((1,), (1,)), ((), ()))   # x [M, K] . w [N, K] -> [M, N]
@@ -82,7 +76,7 @@ def skinny_tiles(m: int, k: int, n: int, *, bn_cap: int | None = None,
                  tensor_cores: bool = False, num_stages: int = 3) -> Tiles | None:
     """Tile choice for the decode kernel, or None when the shape does not tile.
     Defaults for M == 1 come from pallas_kernels/tuning.py's FP8_GEMV; the arguments
-    override them (bench/fp8_matmul.py --tune-only compares variants). tensor_cores: M == 1
+    override them (to compare tile variants). tensor_cores: M == 1
     too goes through the tensor-core dot path, x padded to 16 rows."""
     g = FP8_GEMV
     mp = 1 if m == 1 and not tensor_cores else max(16, pow2_ceil(m))
@@ -227,7 +221,7 @@ def tensor_core_fp8_matmul(x, w_q, scale, product_dtype=None, per_token=True):
     product_dtype: the GEMM's output; default TC_PRODUCT_DTYPE for bf16 x, else f32. A bf16
     product halves the bytes the GEMM writes and its consumers (scales, SiLU, the next
     quantization) read back; its rounding (2^-9) is far below e4m3's (2^-4).
-    per_token=False quantizes x with one scale for the whole [M, K] (a bench variant)."""
+    per_token=False quantizes x with one scale for the whole [M, K] (a variant to compare)."""
     x_q, x_scale = tc_quantize(x, per_token)
     return tc_scaled(tc_product(x_q, w_q, x.dtype, product_dtype), x_scale, scale, x.dtype)
 

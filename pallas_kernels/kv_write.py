@@ -1,41 +1,32 @@
 """The new tokens' K/V written into their pages in one kernel (FP8: quantized on the way).
 
-jaxinfer/kv_cache.py's write_kv left to XLA is, for FP8 KV, one fusion taking each token-head
-row's amax for K and V and four scatters (K codes, V codes, their scales) that recompute their
-inputs from the QKV product (the one read in the HLO: RoPE and the scale): ~12.7 us per layer
-in the 8B FP8 decode step at 256 rows on the H200 (2.4 us for the amax fusion, 10.2 for the
-scatters; profile and HLO of the same process, ninth session). Here one program per new token
-reads its K and V rows [K, D], takes each head's amax, and stores the e4m3 codes and the f32
-scales (bf16/f32 caches: the cast rows) straight into the cache, whose four arrays are aliased
-in and out: nothing but the new tokens' slots is touched, as with the scatter. Tokens with
-slot -1 (padding) write nothing.
+Left to XLA, the reference write (kv_pages.write_kv) is for FP8 KV one fusion taking each
+token-head row's amax for K and V and four scatters (K codes, V codes, their scales) that
+recompute their inputs from the QKV product. Here one program per new token reads its K and
+V rows [K, D], takes each head's amax, and stores the e4m3 codes and the f32 scales (bf16/f32
+caches: the cast rows) straight into the cache, whose four arrays are aliased in and out:
+nothing but the new tokens' slots is touched, as with the scatter. Tokens with slot -1
+(padding) write nothing.
 
-Numerics: those of kv_cache.quantize_fp8 (its fp8_scale: max(amax, 1e-12) / 448; codes rounded to
-nearest), up to the division's last bit on the GPU.
+Numerics: those of kv_pages.quantize_fp8 (its fp8_scale: max(amax, 1e-12) / 448; codes
+rounded to nearest), up to the division's last bit on the GPU.
 
 Cache layout and views: k, v [L, K, P, S, D] viewed as rows [L*K*P*S, D] and scales as
 [L*K*P*S] (pallas_kernels/attention_block.py's cache_views, free reshapes); a token's rows
 are ((layer * K + head) * P + page) * S + slot, one per kv head. K is padded to a power of
 two inside the kernel (Triton's tiles): the extra rows repeat the last head, which writes the
 same values to the same places twice instead of needing masked stores.
+
 `rope_write_kv` is the same write with RoPE in front: it takes the fused QKV projection's
-output, rotates q and k (model.apply_rope's math and rounding: f32, then the activations'
-dtype) and writes k and v; q comes back [T, H, D] for attention. In XLA's hands the rotation
-and the slices feeding the write and attention ran as kernels of their own beside the write
-(8B decode step at batch 1, H200 profile, eleventh session: a concatenate fusion and two
-slice fusions per layer, read by their names, ~1.3-1.5 us each, for a few KB of work). This
-kernel takes 2.5 us per call there (twelfth session); the step's time did not move
-(ops.FUSED_GLUE). With `bias` (Qwen2's QKV bias) the projection's bias is added here too, as
-the Linear would have (rounded to the activations' dtype before the rotation), instead of in a
-kernel of its own: XLA ran that add as a 1.76 us fusion per layer in the Qwen2.5-32B FP8
-batch-1 step (bench/results/profile_b1_qwen_fp8.json, read by its name and count); that
-step ran 9.893 ms back to back with the add here against 10.002 with XLA's (one A/B,
-fourteenth session). With `scales` (the fused FP8 layer's route, above 64 rows) qkv is the
-FP8 tensor-core GEMM's unscaled product and the per-token and per-channel scales are applied
-here (fp8_matmul.tc_scaled's math, rounded to the activations' dtype before the bias),
-instead of by an XLA fusion that read and wrote the whole product: in the 8B 384-row decode
-step the fusion's 4.0 us per layer went and this kernel took 0.7 us more (two profile pairs,
-twenty-first session).
+output, rotates q and k (rope.apply_rope's math and rounding: f32, then the activations'
+dtype) and writes k and v; q comes back [T, H, D] for attention. XLA would run the rotation
+and the slices feeding the write and attention as small kernels of their own. With `bias`
+(Qwen2's QKV bias) the projection's bias is added here too, as the Linear would have (rounded
+to the activations' dtype before the rotation), instead of in an XLA fusion of its own. With
+`scales` (the fused FP8 layer's route, above 64 rows) qkv is the FP8 tensor-core GEMM's
+unscaled product and the per-token and per-channel scales are applied here
+(fp8_matmul.tc_scaled's math, rounded to the activations' dtype before the bias), instead of
+by an XLA fusion that reads and writes the whole product. Measurements: docs/performance.md.
 
 Backend: Pallas Triton, as the attention kernels (pallas_kernels/paged_attention.py says why).
 """
@@ -48,15 +39,17 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from jaxinfer.kv_cache import FP8_MAX, KVCache, fp8_scale, write_kv as write_kv_reference
+from pallas_kernels.kv_pages import FP8_MAX, KVCache, fp8_scale, write_kv as write_kv_reference
 from pallas_kernels import pow2_ceil, triton_params
+from pallas_kernels.fp8_matmul import tc_scaled
+from pallas_kernels.rope import apply_rope
 
 
 def quantized(parts, fp8: bool, static=None):
     """K/V pieces ([K', d] f32) as the cache stores them, before the cast to its dtype: ->
     (the pieces, the per-row scale [K'] to store or None). FP8: divided by one scale per row
     over all its pieces (fp8_scale of the row's amax), or with `static` [K'] (the rows' heads'
-    static scales) saturated at +-448 (kv_cache.quantize_static), no scale stored; else as
+    static scales) saturated at +-448 (kv_pages.quantize_static), no scale stored; else as
     they are."""
     if static is not None:
         return [jnp.clip(x / static[:, None], -FP8_MAX, FP8_MAX) for x in parts], None
@@ -118,7 +111,7 @@ def _kernel(layer_ref, slot_ref, k_ref, v_ref, *refs, kv_heads: int, heads_p2: i
 
 @functools.partial(jax.jit, static_argnames=("interpret",))
 def write_kv(cache: KVCache, layer, k, v, slot_mapping, *, interpret: bool = False) -> KVCache:
-    """kv_cache.write_kv as one Pallas kernel: k, v [T, K, D] (the new tokens, any float
+    """kv_pages.write_kv as one Pallas kernel: k, v [T, K, D] (the new tokens, any float
     dtype), slot_mapping [T] (page * S + slot, -1 = padding), layer an int32 scalar. Inside
     a jit that owns (or was donated) the cache, its buffers are updated in place; called on
     its own, XLA copies the cache first (the caller keeps the old one)."""
@@ -199,7 +192,7 @@ def _rope_kernel(layer_ref, slot_ref, qkv_ref, cos_ref, sin_ref, *refs, num_head
             x = (x.astype(jnp.float32) + b_ref[head, cols].astype(jnp.float32)).astype(dtype)
         return x.astype(jnp.float32)
 
-    def rotated(head):    # model.apply_rope on head rows of qkv: f32, rounded to its dtype
+    def rotated(head):    # rope.apply_rope on head rows of qkv: f32, rounded to its dtype
         x1, x2 = row(head, lo), row(head, hi)
         return [(x1 * c - x2 * s).astype(dtype).astype(jnp.float32),
                 (x2 * c + x1 * s).astype(dtype).astype(jnp.float32)]
@@ -234,8 +227,6 @@ def rope_write_kv_reference(cache: KVCache, layer, qkv, cos, sin, slot_mapping, 
     """Plain jnp (model.Attention's route): -> (cache with the new K/V, q [T, H, D]); scales
     (x_scale [T, 1], w_scale [(H + 2K) D], or None) multiply qkv first, as
     fp8_matmul.tc_scaled; bias [(H + 2K) D] (or None) is added next, as ops.linear adds it."""
-    from jaxinfer.model import apply_rope
-    from pallas_kernels.fp8_matmul import tc_scaled
     _, kv_heads, _, _, head_dim = cache.k.shape
     if scales is not None:
         qkv = tc_scaled(qkv, *scales, qkv.dtype)

@@ -8,12 +8,11 @@ layer's inputs to QKV and to the MLP are
     n  = bf16(rmsnorm(x) * w)
     n_q, n_scale = quantize_rows(n)                  # per token, for the next FP8 GEMM
 
-which XLA ran as three kernels per use (8B FP8 decode step at 256 rows on the H200, HLO and
-profile of one process, ninth session): the residual add with the product's scales (3.1-3.4
-us), a Triton fusion for the rows' scales (RMSNorm and amax, 2.7 us) and one for the cast
-(RMSNorm again, 2.5 us): ~17 us per layer for the two uses. `norm_quant` does each use in one
-kernel: a program owns BM rows, holds their E values in registers (static chunks of BF
-columns), writes x (with the add) and the e4m3 codes and scales; nothing else goes to memory.
+which XLA runs as three kernels per use: the residual add with the product's scales, a
+fusion for the rows' scales (RMSNorm and amax) and one for the cast (RMSNorm again).
+`norm_quant` does each use in one kernel: a program owns BM rows, holds their E values in
+registers (static chunks of BF columns), writes x (with the add) and the e4m3 codes and
+scales; nothing else goes to memory.
 
 `quant_rows` is the same kernel without the norm: a row's own per-token e4m3 codes (the
 attention output before the O projection).
@@ -38,7 +37,7 @@ from pallas_kernels.fp8_matmul import (FP8_DTYPE, amax_scale, e4m3_codes, quanti
                                        tc_scaled)
 from pallas_kernels.swiglu_quant import chunk
 
-NUM_WARPS = 8   # 4 took 5.4 / 3.7 us per use against 5.0 / 3.45 in the 8B decode step (H200)
+NUM_WARPS = 8   # faster than 4 in the 8B decode step (H200)
 LIVE_PER_THREAD = 64     # values of x one thread holds (E * BM / threads)
 
 
@@ -130,9 +129,8 @@ def norm_quant(x, w, delta=None, *, eps: float, interpret: bool = False):
 def quant_rows(x, *, interpret: bool = False):
     """fp8_matmul.quantize_rows in one kernel (the same amax_scale and e4m3_codes): x [M, E]
     -> (e4m3 [M, E], f32 scales [M, 1]). The fused FP8 layer quantizes the attention output
-    with it before the O projection, where XLA ran an amax reduce, a select for zero rows'
-    scales and the convert (2.6 + 1.0 + 3.0 us per layer in the 8B 384-row decode step;
-    this kernel 2.9 us; two profile pairs, twenty-first session)."""
+    with it before the O projection, in place of XLA's three kernels (an amax reduce, a
+    select for zero rows' scales and the convert)."""
     m, e = x.shape
     if not supported(e):
         return quantize_rows(x)

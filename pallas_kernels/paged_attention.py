@@ -1,10 +1,10 @@
 """Paged flash-decode attention: one query token per sequence over the paged KV cache.
 
-Cache layout (jaxinfer/kv_cache.py): k, v [L, K, P, S, D]; FP8 e4m3 KV carries f32 scales,
-one per page slot and kv head, k_scale/v_scale [L, K, P, S] (a token's K row is q8 * scale),
-or static, one per layer and kv head, [L, K] (applied once per program). The layer index is
-a traced scalar: the kernel reads the layer's pages in place, no slice of the cache is ever
-copied.
+Cache layout (pallas_kernels/kv_pages.py): k, v [L, K, P, S, D]; FP8 e4m3 KV carries f32
+scales, one per page slot and kv head, k_scale/v_scale [L, K, P, S] (a token's K row is q8 *
+scale), or static, one per layer and kv head, [L, K] (applied once per program). The layer
+index is a traced scalar: the kernel reads the layer's pages in place, no slice of the cache
+is ever copied.
 
 Kernel: grid (B, K, splits), or (K, B, 1) with the rows longest first (the window
 tuning.LONGEST_FIRST_PROGRAMS). One program owns one sequence, one kv head and one split of the
@@ -12,24 +12,20 @@ context, and holds all G = H/K q heads of that kv head as the rows of one tile (
 rows for the tensor cores by repeating the last head), so each K/V page is read from HBM
 once. Per step it gathers `block_tokens` KV rows through the page table (with
 blocks.prefetch_table, the next block's page ids are read one step ahead: see
-attention_block.paged_loop), computes
-logits = q k^T (f32 accumulate), runs the online softmax in f32 (base 2, scale folded in),
-and accumulates p v. Full blocks run unmasked; only the tail block of a split masks
-positions >= seq_len (and zeroes their V rows, so stale slot contents never leak; on grids of
-tuning.MASKED_LOADS_MIN_PROGRAMS or more its loads skip those rows instead).
+attention_block.paged_loop), computes logits = q k^T (f32 accumulate), runs the online
+softmax in f32 (base 2, scale folded in), and accumulates p v. Full blocks run unmasked;
+only the tail block of a split masks positions >= seq_len (and zeroes their V rows, so stale
+slot contents never leak; on grids of tuning.MASKED_LOADS_MIN_PROGRAMS or more its loads skip
+those rows instead).
 With splits > 1 each split writes its unnormalized accumulator and (max, sum); a second
-small kernel (split_combine.py, one program per row and q head) merges them, or, with
-`counters` (the fused front under ops.LAST_COMBINES, off: it measured slower on the H200),
-the last program of each row and kv head to finish merges them itself
-(split_combine.last_combines_in_kernel).
+small kernel (split_combine.py, one program per row and q head) merges them.
 Padded rows (seq_len 0) output zeros.
 
 `rows` (static) says that only q's first rows are real (a decode step padded on the device,
 kv_cache.pad_decode_rows): the split of the context is chosen for those rows, the grid runs
 over them only when the context is split (the padding rows would each cost a program and
 its partials), and the combine writes the padding rows' zeros, so the output has q's shape
-without a pad or slice around the kernels (XLA ran those as ~1.4 us kernels of their own
-in the 8B batch-1 step, eleventh session).
+without a pad or slice around the kernels (XLA runs those as kernels of their own).
 
 `token_rows` (with `out`) is the ragged path's form (a mixed step's decode rows): q is the
 step's token array, row b reads token token_rows[b]'s q and writes its output into that row
@@ -42,10 +38,9 @@ With `qkv` (pallas_kernels/decode_qkv.py, small decode steps) q comes as QKV's s
 partial products: the kernel sums, scales and rotates them, and writes and attends the new
 token's K/V itself, so no RoPE or K/V write kernel runs before it.
 
-Backend: the Pallas Triton backend, chosen because it compiles on jax 0.10.2 and 0.11.x and
-runs in interpret mode on the CPU for the tests; the numbers it reaches on the H200 are in
-bench/results/paged_attention.json. A Mosaic GPU version was not built or measured; the
-public functions take no backend argument, so one can replace the kernel later.
+Backend: the Pallas Triton backend, because it compiles on jax 0.10.2 and 0.11.x and runs in
+interpret mode on the CPU for the tests; its numbers on the H200 are in docs/performance.md.
+The public functions take no backend argument, so another backend can replace the kernel.
 """
 from __future__ import annotations
 
@@ -55,11 +50,10 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from jaxinfer.errors import ConfigError
-from jaxinfer.kv_cache import FP8_DTYPE, is_static
+from pallas_kernels.kv_pages import FP8_DTYPE, is_static
 from pallas_kernels import LOG2E, pow2_ceil, triton_params, tuning
 from pallas_kernels import decode_qkv as dq
-from pallas_kernels.split_combine import combine_call, last_combines_in_kernel
+from pallas_kernels.split_combine import combine_call
 from pallas_kernels.attention_block import (MIN_ROWS, attend_block, block_pages,
                                             cache_views, compute_dtype, empty_carry,
                                             kernel_refs, kv_rows, load_q, paged_loop,
@@ -72,8 +66,7 @@ def _decode_kernel(layer_ref, lens_ref, table_ref, order_ref, trows_ref, *refs, 
                    num_kv_heads: int, num_pages: int, page_size: int, num_heads: int,
                    head_dim: int, batch: int, qk_scale: float, fp8: bool, static: bool,
                    cdt, pairs: bool, longest_first: bool, masked_loads: bool,
-                   token_rows: bool, interpret: bool, qkv: dq.QKVSpec | None = None,
-                   splits: int = 1, total: int = 0, last_combines: bool = False):
+                   token_rows: bool, interpret: bool, qkv: dq.QKVSpec | None = None):
     # with pairs, q and the accumulator are (even, odd) halves (load_q, store_rows); with
     # qkv, q_ref holds QKV's partial products and the cache views are outputs too
     front, refs = dq.split_refs(refs, qkv) if qkv is not None else (None, refs)
@@ -81,8 +74,6 @@ def _decode_kernel(layer_ref, lens_ref, table_ref, order_ref, trows_ref, *refs, 
     if qkv is not None:
         written = 4 if fp8 and not static else 2      # aliased cache views, after the outputs
         outs, cache_outs = outs[:-written], (outs[-written:] + (None, None))[:4]
-    if last_combines:    # the counters' input (aliased), the output, partials, counters
-        _, final_ref, *outs, cnt_ref = outs
     if longest_first:   # grid (K, B, 1): a row's kv heads side by side, rows by rank
         h, b, s = pl.program_id(0), order_ref[pl.program_id(1)], pl.program_id(2)
     else:
@@ -158,11 +149,6 @@ def _decode_kernel(layer_ref, lens_ref, table_ref, order_ref, trows_ref, *refs, 
         store_rows(o_ref, flat, acc, head_dim)
         m_ref[flat] = m
         l_ref[flat] = l
-        if last_combines:
-            last_combines_in_kernel(final_ref, o_ref, m_ref, l_ref, cnt_ref, b=b, h=h, s=s,
-                                    splits=splits, batch=batch, total=total, groups=groups,
-                                    num_heads=num_heads, num_kv_heads=num_kv_heads,
-                                    head_dim=head_dim, interpret=interpret)
 
 
 def paged_attention_blocks(q, k_pages, v_pages, layer, seq_lens, page_table, k_scale=None,
@@ -170,7 +156,7 @@ def paged_attention_blocks(q, k_pages, v_pages, layer, seq_lens, page_table, k_s
                            blocks: tuning.DecodeBlocks, rows: int | None = None,
                            longest_first: bool | None = False,
                            masked_loads: bool | None = None, token_rows=None, out=None):
-    """paged_attention with explicit block sizes (the benchmark's tuning and the tests);
+    """paged_attention with explicit block sizes (for tuning and the tests);
     longest_first: the rows longest first (unsplit grids only; None: within
     tuning.LONGEST_FIRST_PROGRAMS, counting the real rows' programs); masked_loads: the last
     blocks' loads masked (None: from tuning.MASKED_LOADS_MIN_PROGRAMS, counting the grid's). Both
@@ -181,13 +167,13 @@ def paged_attention_blocks(q, k_pages, v_pages, layer, seq_lens, page_table, k_s
                         blocks.block_tokens)[0]
     total = q.shape[0] if token_rows is None else token_rows.shape[0]
     if seq_lens.shape != (total,) or page_table.ndim != 2 or page_table.shape[0] != total:
-        raise ConfigError(f"seq_lens {seq_lens.shape} / page_table {page_table.shape} do not "
+        raise ValueError(f"seq_lens {seq_lens.shape} / page_table {page_table.shape} do not "
                           f"match batch {total}")
     if rows is not None and not 0 < rows <= total:
-        raise ConfigError(f"rows {rows}: want 1..{total} (q's rows)")
+        raise ValueError(f"rows {rows}: want 1..{total} (q's rows)")
     if (token_rows is None) != (out is None) or (token_rows is not None and (
             rows is not None or token_rows.ndim != 1 or out.shape != q.shape)):
-        raise ConfigError(f"token_rows and out go together (token_rows [B], out of q's shape "
+        raise ValueError(f"token_rows and out go together (token_rows [B], out of q's shape "
                           f"{q.shape}, no rows); got {getattr(token_rows, 'shape', None)}, "
                           f"{getattr(out, 'shape', None)}, rows {rows}")
     longest_first, masked_loads = tuning.grid_rules(total, rows, kv_heads, blocks.num_splits,
@@ -204,13 +190,10 @@ def _paged_attention_blocks(q, k_pages, v_pages, layer, seq_lens, page_table, k_
                             v_scale, *, sm_scale: float, interpret: bool,
                             blocks: tuning.DecodeBlocks, rows: int | None,
                             longest_first: bool, masked_loads: bool, token_rows=None,
-                            out=None, qkv: dq.QKVSpec | None = None, front=(), counters=None):
+                            out=None, qkv: dq.QKVSpec | None = None, front=()):
     """paged_attention_blocks after its checks and rules: the kernel call. With `qkv`
     (decode_qkv.py) q is QKV's partial products [S, T, N] and `front` decode_qkv.operands;
-    -> (the output, the cache views written). counters (qkv only): zeros [>= rows * K] f32;
-    a split grid then combines in the kernel (split_combine.last_combines_in_kernel), not in
-    split_combine's kernel; the counters (zero again, or as given where unused) come back
-    after the cache views."""
+    -> (the output, the cache views written)."""
     _, kv_heads, num_pages, page_size, head_dim = k_pages.shape
     total = seq_lens.shape[0]
     if qkv is None:
@@ -228,7 +211,6 @@ def _paged_attention_blocks(q, k_pages, v_pages, layer, seq_lens, page_table, k_
     groups = num_heads // kv_heads
     rows_q = max(MIN_ROWS, pow2_ceil(groups))
     pairs = uses_pairs(k_pages.dtype, blocks.fp8_compute, head_dim)
-    last_combines = counters is not None and qkv is not None and n > 1 and not scatter
     lens = seq_lens.astype(jnp.int32)
     order = (jnp.argsort(-lens).astype(jnp.int32) if longest_first
              else jnp.zeros((1,), jnp.int32))     # the rows by rank (else not read)
@@ -240,7 +222,7 @@ def _paged_attention_blocks(q, k_pages, v_pages, layer, seq_lens, page_table, k_
         static=k_scale is not None and is_static(k_scale),
         cdt=compute_dtype(k_pages.dtype, blocks.fp8_compute), pairs=pairs,
         longest_first=longest_first, masked_loads=masked_loads, token_rows=scatter,
-        interpret=interpret, qkv=qkv, splits=n, total=total, last_combines=last_combines)
+        interpret=interpret, qkv=qkv)
     heads_rows = batch * num_heads
     views = cache_views(k_pages, v_pages, k_scale, v_scale, pairs)
     args = [jnp.asarray(layer, jnp.int32).reshape(1), lens,
@@ -257,18 +239,10 @@ def _paged_attention_blocks(q, k_pages, v_pages, layer, seq_lens, page_table, k_
     else:
         ml = jax.ShapeDtypeStruct((n * heads_rows,), jnp.float32)
         out_shape = (jax.ShapeDtypeStruct((n * heads_rows, head_dim), jnp.float32), ml, ml)
-    if last_combines:           # the output first, the counters (aliased) after the partials
-        if counters.shape[0] < batch * kv_heads or counters.dtype != jnp.float32:
-            raise ConfigError(f"counters {counters.shape} {counters.dtype}: want f32 "
-                              f"[>= {batch * kv_heads}]")
-        aliases = {len(args): len(out_shape) + 1}
-        args.append(counters)
-        out_shape = ((jax.ShapeDtypeStruct((total * num_heads, head_dim), q_dtype),)
-                     + out_shape + (jax.ShapeDtypeStruct(counters.shape, counters.dtype),))
     written = 0
     if qkv is not None:         # the cache views (per-token scales too) aliased in and out
         written = 4 if len(views) == 4 and not is_static(k_scale) else 2
-        first = len(args) - len(views) - last_combines
+        first = len(args) - len(views)
         aliases.update({first + i: len(out_shape) + i for i in range(written)})
         out_shape += tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in views[:written])
     grid = (kv_heads, batch, n) if longest_first else (batch, kv_heads, n)
@@ -279,11 +253,7 @@ def _paged_attention_blocks(q, k_pages, v_pages, layer, seq_lens, page_table, k_
         name="jaxinfer_paged_decode" + ("_pairs" if pairs else "") + ("_qkv" if qkv else ""),
     )(*args)
     outs, cache_out = (outs[:len(outs) - written], outs[len(outs) - written:])
-    if counters is not None and qkv is not None:
-        cache_out += (outs[-1] if last_combines else counters,)
-    if last_combines:
-        res = outs[0]
-    elif n == 1:
+    if n == 1:
         res = outs[0]
     else:
         res = combine_call(*outs, splits=n, rows=batch, batch=total, num_heads=num_heads,
@@ -307,8 +277,7 @@ def paged_attention(q, k_pages, v_pages, layer, seq_lens, page_table, k_scale=No
     Returns [B, H, D] in q.dtype.
     token_rows [B] int32 with out [T, H, D] (module doc): q [T, H, D] is a token array; the
     rows' outputs land in out's token rows in place and out is returned, its other rows as
-    they were (XLA's gather and scatter this replaces: ~4 + ~18 us per layer in a profiled
-    mixed step of the offline run on the H200, twenty-seventh session).
+    they were (no XLA gather of q or scatter of outputs runs around the kernel).
     Block sizes come from pallas_kernels/tuning.py; shapes and dtypes are static (a new one
     recompiles)."""
     _, kv_heads, _, page_size, head_dim = k_pages.shape

@@ -2,7 +2,7 @@
 hits, mixed steps) over the paged KV cache, causal within the chunk.
 
 Token t attends to positions 0..positions[t] of sequence token_seq[t]; its own K/V are already
-in the cache (jaxinfer.kv_cache.write_kv runs first, a scatter of T*K*D elements). Cache
+in the cache (kv_pages.write_kv runs first, a scatter of T*K*D elements). Cache
 layout, FP8 scales, the FP8 compute dtype (RaggedBlocks.fp8_compute, same numerics) and the
 block step are those of pallas_kernels/attention_block.py, shared with the decode kernel.
 
@@ -17,12 +17,11 @@ zeros the output starts from.
 The work list (work_list below, a few XLA ops on [B] vectors) names the (sequence, q block)
 of each program: sequence b has cdiv(q_len_b, block_q) blocks, so W = min(B * cdiv(T,
 block_q), B + cdiv(T, block_q)) bounds the total for any split of T tokens over B rows;
-entries past the real total exit at once. The grid used to be (B, K, cdiv(T, block_q)):
-at a mixed step of 256 rows and 2048 tokens that is 262,144 programs per layer, all but
-~3,000 empty, each still scheduled on an SM (W = 384 here). With blocks.heavy_first each
-row's q blocks are listed last first: programs start in grid order, so the causally heaviest
-ones (most KV blocks) start first and the grid's tail holds light ones (Nsight Compute had the
-SMs idle ~22% of the kernel's time before; bench/README.md, twenty-first session).
+entries past the real total exit at once. A dense grid (B, K, cdiv(T, block_q)) would be
+almost all empty programs, each still scheduled on an SM (a mixed step of 256 rows and 2048
+tokens: 262,144 programs per layer against W = 384). With blocks.heavy_first each row's q
+blocks are listed last first: programs start in grid order, so the causally heaviest ones
+(most KV blocks) start first and the grid's tail holds light ones, not idle SMs.
 
 Split over the context (blocks.num_splits, tuning.ragged_splits): a chunk of T tokens is
 cdiv(T, block_q) * K programs whatever its prefix, so a short chunk over a long context (the
@@ -46,8 +45,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jaxinfer.errors import ConfigError
-from jaxinfer.kv_cache import FP8_DTYPE, is_static
+from pallas_kernels.kv_pages import FP8_DTYPE, is_static
 from pallas_kernels import LOG2E, pow2_ceil, triton_params, tuning
 from pallas_kernels.attention_block import (MIN_ROWS, attend_block, block_pages,
                                             cache_views, compute_dtype, empty_carry,
@@ -154,7 +152,7 @@ def _ragged_kernel(layer_ref, row_ref, blk_ref, qstart_ref, pos_ref, table_ref, 
 def _check_metadata(q, md):
     t, b = q.shape[0], md.page_table.shape[0]
     if md.positions.shape != (t,) or md.query_start.shape != (b + 1,):
-        raise ConfigError(f"metadata does not match q [T={t}, H, D]: positions "
+        raise ValueError(f"metadata does not match q [T={t}, H, D]: positions "
                           f"{md.positions.shape}, query_start {md.query_start.shape}, "
                           f"page_table {md.page_table.shape}")
 
@@ -163,8 +161,8 @@ def _check_metadata(q, md):
 def ragged_paged_attention_blocks(q, k_pages, v_pages, layer, md, k_scale=None, v_scale=None,
                                   *, sm_scale: float, interpret: bool = False,
                                   blocks: tuning.RaggedBlocks, skip_single: bool = False):
-    """The ragged kernel alone with explicit block sizes, over every row (the benchmark and
-    the tests); skip_single leaves rows with one new token at zero."""
+    """The ragged kernel alone with explicit block sizes, over every row (for tuning and the
+    tests); skip_single leaves rows with one new token at zero."""
     kv_heads, num_pages, page_size, head_dim = validate(q, k_pages, v_pages, k_scale, v_scale,
                                                         interpret, blocks.block_tokens)
     _check_metadata(q, md)

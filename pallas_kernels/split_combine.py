@@ -1,9 +1,7 @@
 """The split decode's combine: the partial results of a context split over several programs
 (each split's unnormalized accumulator and its base-2 running max and sum) merged into one
 output row per (row, q head). The decode kernel (paged_attention.py) and the ragged kernel's
-split path (ragged_paged_attention.py) call it; `_combine` is its plain-jnp reference.
-`last_combines_in_kernel` is the same merge inside the decode kernel, by the last program of
-a row and kv head to finish (ops.LAST_COMBINES; off, measured slower on the H200)."""
+split path (ragged_paged_attention.py) call it; `_combine` is its plain-jnp reference."""
 from __future__ import annotations
 
 import functools
@@ -88,63 +86,3 @@ def combine_call(acc, m, l, *, splits: int, rows: int, batch: int, num_heads: in
         out_shape=jax.ShapeDtypeStruct((batch * num_heads, head_dim), dtype),
         name=name, **triton_params(interpret, 1, 1),
     )(*(() if live is None else (live,)), acc, m, l)
-
-
-LAST_COMBINE_CHUNK = 4    # splits the last program merges at once ([chunk, G, D] f32)
-
-
-def last_combines_in_kernel(final_ref, o_ref, m_ref, l_ref, cnt_ref, *, b, h, s, splits: int,
-                            batch: int, total: int, groups: int, num_heads: int,
-                            num_kv_heads: int, head_dim: int, interpret: bool):
-    """_combine inside the decode kernel (paged_attention.py, `counters`): after its partials
-    are stored, each program counts itself in (an f32 atomic add on its row and kv head's
-    counter, acquire-release at GPU scope, after a CTA barrier so that every thread's stores
-    precede it); the program that arrives last reads all the splits' partials (volatile
-    loads, past L1), merges them as _combine does and writes the row's G output heads, then
-    zeroes the counter for the next kernel that uses it (the next layer's). Split 0 of row 0
-    also writes the padding rows' zeros (rows batch..total). The counters start at zero (the
-    caller's)."""
-    from jax.experimental.pallas import triton as plt
-
-    if not interpret:        # interpret mode runs the programs one after another
-        plt.debug_barrier()
-    at = (pl.ds(b * num_kv_heads + h, 1),)
-    ticket = plt.atomic_add(cnt_ref, at, jnp.ones((1,), jnp.float32))
-    g = pow2_ceil(groups)
-    heads = h * groups + jnp.minimum(jnp.arange(g, dtype=jnp.int32), groups - 1)
-
-    @pl.when(ticket[0] == splits - 1)
-    def _():
-        plt.atomic_add(cnt_ref, at, jnp.full((1,), -splits, jnp.float32))   # back to 0
-
-        def read(ref, idx):   # volatile: another program's rows may sit stale in this L1
-            return ref[idx] if interpret else plt.load(ref.at[idx], volatile=True)
-
-        chunk = min(LAST_COMBINE_CHUNK, pow2_ceil(splits))
-        top = denom = out = None
-        for c in range(0, splits, chunk):
-            part = jnp.minimum(c + jnp.arange(chunk, dtype=jnp.int32), splits - 1)
-            idx = ((part[:, None] * batch + b) * num_heads + heads[None, :]).reshape(-1)
-            live = (c + jnp.arange(chunk) < splits)[:, None]                  # [C, 1]
-            m = jnp.where(live, read(m_ref, idx).reshape(chunk, g), M_INIT)
-            l = read(l_ref, idx).reshape(chunk, g)
-            acc = read(o_ref, idx).reshape(chunk, g, head_dim)
-            new_top = jnp.max(m, axis=0) if top is None else jnp.maximum(top, jnp.max(m, 0))
-            w = jnp.exp2(m - new_top[None, :])                                # [C, G]
-            part_denom = jnp.sum(w * l, axis=0)
-            part_out = jnp.sum(w[:, :, None] * acc, axis=0)                   # [G, D]
-            if top is None:
-                denom, out = part_denom, part_out
-            else:
-                old = jnp.exp2(top - new_top)
-                denom, out = denom * old + part_denom, out * old[:, None] + part_out
-            top = new_top
-        out = out / jnp.where(denom > 0, denom, 1.0)[:, None]
-        final_ref[b * num_heads + heads] = out.astype(final_ref.dtype)
-
-    if total > batch:
-        @pl.when((b == 0) & (s == 0))
-        def _():
-            zeros = jnp.zeros((g, head_dim), final_ref.dtype)
-            for r in range(batch, total):
-                final_ref[r * num_heads + heads] = zeros

@@ -8,25 +8,19 @@ On the FP8 tensor-core route (pallas_kernels/fp8_matmul.py, M > DEQUANT_MAX_M) t
     h_q, h_scale = quantize_rows(h)                      # per token, for the down GEMM
     out = (h_q @ w_down_q) * h_scale * w_down_scale
 
-Left to XLA, the middle two lines are three kernels on the H200 (8B FP8 decode step at
-M=256, bench/results/history/profile_b256_fp8_ab.json): SiLU * up writing h in bf16, the
-rows' amax reading h back, and the cast reading it again (by the kernels' names and sizes,
-~8.1 us for the first and ~5.6 us for the cast; that module's HLO was not read).
-`swiglu_quant` reads y once and writes h_q and h_scale: each program owns BM rows, keeps
-their F values of h in registers (F / BF static chunks of BF columns), takes the amax and
-stores the e4m3 values; nothing of h goes to memory. (A two-pass form, `Tiles.two_pass`,
-takes the amax first and recomputes h from y for the stores; it measured slower, see
-TILES.) Measured there: 12.4-12.6 us per layer, i.e. ~1.5 TB/s of the 18 MB it moves,
-while the step's other kernels lost 0.145 ms (~4.5 us per layer). The whole step: 12.93 /
-12.97 -> 12.87 / 12.91 ms. The block variants timed since are at TILES.
+Left to XLA, the middle two lines are three kernels: SiLU * up writing h in bf16, the
+rows' amax reading h back, and the cast reading it again. `swiglu_quant` reads y once and
+writes h_q and h_scale: each program owns BM rows, keeps their F values of h in registers
+(F / BF static chunks of BF columns), takes the amax and stores the e4m3 values; nothing of
+h goes to memory. (A two-pass form, `Tiles.two_pass`, takes the amax first and recomputes h
+from y for the stores; it measured slower.) Measurements: docs/performance.md.
 
 From LARGE_M rows (a mixed step's chunk), where it fits (tiles_for), TILES_LARGE runs a row
 loop instead: each program takes up to 8 rows one after another as 1-D tiles and loads the
 next row's y before this row's math, so loads are in flight while it computes (h and that
 row both in registers: F <= max_live / 2), with the sigmoid in four PTX instructions
 (`SIGMOID_PTX`), one amax reduction per row and the token scale applied to the gate only
-(`Tiles.fold_xs`). JAXINFER_SWIGLU_TILES / JAXINFER_SWIGLU_TILES_LARGE replace either set
-for an A/B (`parse_tiles`).
+(`Tiles.fold_xs`).
 
 Numerics: everything in f32 from the bf16 product on (XLA's route rounds g | u and h to
 bf16 between steps), then round to nearest e4m3 with scale = amax / 448, as
@@ -47,7 +41,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
@@ -94,68 +87,25 @@ class Tiles:
     evict_first: bool = False  # y's loads marked evict-first (read once; w_scale stays cached)
 
 
-# rows 1, 16 warps, one pass, fast_math, no clip. The ninth session's sweep (bench/swiglu_quant.py
-# on one H200 at F = 14336, history/swiglu_quant_6ef3735.json) liked rows 2 and 16 warps at M = 256
-# and 16 warps at M = 2048 alone, but inside the 8B FP8 decode step (M = 256, y just written by the
-# GEMM, in L2) rows 2 / 16 warps lost to rows 1 / 8 warps (13.25 / 13.23 us per layer against 12.72
-# / 12.48), so 8 warps stayed. The twentieth session (history/swiglu_quant_d23b27f.json, two passes,
-# us at M = 512 / 2048): 8 warps 22.2-22.3 / 81.9-82.4, fast_math 22.0-25.0 / 79.0-79.4, 16 warps
-# 20.9-22.0 / 77.4-78.5, both 20.5-21.9 / 74.1-74.9; XLA's unfused route 28.2-28.9 / 106. In the
-# 384-row decode step (profile suite, one process each, one call;
-# history/profile_b384_swiglu_*_f6910b6.json) the kernel took 0.729 / 0.739 ms per step with rows 1
-# / 8 warps, 0.722 with fast_math and 0.597 with fast_math and 16 warps (-19%), so these. Why the
-# kernel stays far from the bandwidth (~1.7-1.9 TB/s), by Nsight Compute at M = 512 / 2048 with rows
-# 1 / 8 warps (history/ncu_swiglu_m{512,2048}_6709054.txt): 103 registers, 2 programs per SM (25%
-# occupancy), 0.43-0.47 instructions issued per cycle per scheduler, no eligible warp 53-57% of the
-# cycles, DRAM 28-36% of peak: latency-bound. Issuing all of a row's loads before its math did not
-# help (history/swiglu_quant_6709054.json). The twenty-second session dropped the clip (a no-op:
-# Tiles.clip): in the 384-row decode step, two interleaved pairs, 0.468 / 0.471 -> 0.447 /
-# 0.442 ms per step (history/profile_b384_swiglu_{clip,noclip}*_025e997.json); alone
-# (bench/results/swiglu_quant.json) M = 384 / 488 / 2048: 15.6-16.8 / 18.9 / 66.3-66.9 -> 15.0-16.7
-# / 18.0-18.1 / 63.1-63.8 us.
+# rows 1, 16 warps, one pass, fast_math, no clip (a no-op: Tiles.clip): inside the decode
+# step (y just written by the GEMM, in L2) rows 1 beat rows 2, and fast_math with 16 warps beat
+# 8 warps. The kernel stays latency-bound (2 programs per SM), well below the bandwidth.
+# Measurements: docs/performance.md.
 TILES = Tiles(num_warps=16, fast_math=True, clip=False)
 # From LARGE_M rows (a mixed step's 2,048 tokens; a decode step's <= 512 rows stay on TILES)
-# where the row loop fits (tiles_for):
-# sigmoid in PTX, no clip, 1-D row tiles, one amax reduction per row, the
-# token scale folded out of up, and 8 rows per program with the next row's loads in flight.
-# Twenty-second session, us at M = 2048, two passes in one process: TILES (with the clip)
-# 66.3-66.9, these 56.6-58.8 (bench/results/swiglu_quant.json; 57.6-57.7 on another machine,
-# history/swiglu_variants_e5cea1a.json); Nsight Compute: 33.6M -> 18.8M warp instructions
-# executed (history/ncu_swiglu_sass_summary_e5cea1a.txt). In the offline throughput run, one
-# call: 16,269 -> 16,397 output tok/s, steps with a prefill chunk 40.75 -> 40.34 ms. At M =
-# 384 in the decode step (y in L2 after its GEMM; row_loop lowered to 2 rows, 192 programs)
-# they lost: 0.48 -> 0.56 ms per step (history/profile_b384_swiglu_*_e5cea1a.json).
+# where the row loop fits (tiles_for): sigmoid in PTX, no clip, 1-D row tiles, one amax
+# reduction per row, the token scale folded out of up, and 8 rows per program with the next
+# row's loads in flight. Fewer instructions and faster at M = 2048; slower at M = 384 in the
+# decode step, where y is in L2 and the row loop drops to 2 rows (docs/performance.md).
 LARGE_M = 1024
 TILES_LARGE = Tiles(num_warps=16, asm=True, clip=False, flat=True, vec_amax=True,
                     row_loop=8, fold_xs=True)
 
 
-def parse_tiles(text: str) -> Tiles:
-    """Tiles from "field=value,..." (JAXINFER_SWIGLU_TILES: an A/B of the model's step without
-    an edit), e.g. "fast_math=1,num_warps=16"; unknown fields and bad values raise."""
-    defaults = dataclasses.asdict(Tiles())
-    kw = {}
-    for item in filter(None, (p.strip() for p in text.split(","))):
-        name, sep, value = item.partition("=")
-        if not sep or name not in defaults:
-            raise ValueError(f"JAXINFER_SWIGLU_TILES: {item!r} is not field=value with a "
-                             f"field of {sorted(defaults)}")
-        kw[name] = (value.strip().lower() in ("1", "true", "yes")
-                    if isinstance(defaults[name], bool) else int(value))
-    return Tiles(**kw)
-
-
-if os.environ.get("JAXINFER_SWIGLU_TILES"):
-    TILES = parse_tiles(os.environ["JAXINFER_SWIGLU_TILES"])
-if os.environ.get("JAXINFER_SWIGLU_TILES_LARGE"):
-    TILES_LARGE = parse_tiles(os.environ["JAXINFER_SWIGLU_TILES_LARGE"])
-
-
 def tiles_for(m: int, f: int) -> Tiles:
     """The default tiles for M rows of F: TILES_LARGE from LARGE_M rows where its row loop
     fits (2F <= max_live: Llama-3-8B's 14,336, not Qwen2.5-32B's 27,648; without the loop
-    its form measured slower than TILES, 77-81 against 66-67 us at M = 2048 in
-    bench/results/swiglu_quant.json), TILES otherwise."""
+    its form is slower than TILES), TILES otherwise."""
     return TILES_LARGE if m >= LARGE_M and 2 * f <= max_live(TILES_LARGE) else TILES
 
 
@@ -322,7 +272,7 @@ def swiglu_quant_kernel(y_ref, xs_ref, ws_ref, q_ref, s_ref, *, f: int, bf: int,
 def swiglu_quant(y, x_scale, w_scale, *, interpret: bool = False, tiles: Tiles | None = None):
     """y [M, 2F] bf16 gate|up product (no scales), x_scale [M, 1] f32 (per token), w_scale
     [2F] f32 (per channel) -> (h_q e4m3 [M, F], h_scale f32 [M, 1]): see the module doc.
-    tiles: the kernel's blocks (default tiles_for(M, F); the bench compares others). Shapes
+    tiles: the kernel's blocks (default tiles_for(M, F); others to compare variants). Shapes
     the kernel does not take (`supported`) run the reference."""
     m, two_f = y.shape
     if two_f % 2 or x_scale.shape != (m, 1) or w_scale.shape != (two_f,):

@@ -1,7 +1,7 @@
 """`jaxinfer serve` and `jaxinfer client`: argparse setup and the two commands.
 
 Wired into jaxinfer/cli.py (`add_serve_arguments` + `run_serve`, `add_client_arguments` +
-`run_client`); `python -m serve.server ...` runs the same `serve` command without it.
+`run_client`); `python -m serve.cli ...` runs the same `serve` command without it.
 """
 from __future__ import annotations
 
@@ -11,6 +11,13 @@ import logging
 import os
 import sys
 from pathlib import Path
+
+from jaxinfer.args import (add_engine_args, add_sampling_args, engine_config_from_args,
+                           sampling_params_from_args)
+from jaxinfer.engine import Engine
+from jaxinfer.errors import ConfigError, JaxinferError
+from serve.client import Client
+from serve.server import ServeConfig, serve
 
 TOKEN_ENV = "JAXINFER_AUTH_TOKEN"
 
@@ -24,8 +31,6 @@ def _token(args) -> str | None:
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
-    from jaxinfer.cli import add_engine_args
-
     add_engine_args(p)
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: all)")
@@ -48,8 +53,6 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def serve_config_from_args(args):
-    from jaxinfer.errors import ConfigError
-    from serve.server import ServeConfig
 
     if (args.tls_cert is None) != (args.tls_key is None):
         raise ConfigError("--tls-cert and --tls-key go together")
@@ -64,9 +67,6 @@ def serve_config_from_args(args):
 
 def _engine_factory(args):
     def make_engine():  # runs on the engine thread
-        from jaxinfer.cli import engine_config_from_args
-        from jaxinfer.engine import Engine
-
         log = logging.getLogger("jaxinfer.serve")
         engine = Engine.from_model(args.model, engine_config_from_args(args))
         log.info("loaded %s; compiling %d buckets", args.model, len(engine.buckets.all_buckets()))
@@ -78,16 +78,12 @@ def _engine_factory(args):
 
 
 def run_serve(args) -> int:
-    from serve.server import serve
-
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return asyncio.run(serve(serve_config_from_args(args), _engine_factory(args)))
 
 
 def add_client_arguments(p: argparse.ArgumentParser) -> None:
-    from jaxinfer.cli import add_sampling_args
-
     p.add_argument("prompt", help="prompt text (or token ids with --token-ids: '1 15 27')")
     p.add_argument("--target", default="127.0.0.1:50051", help="server host:port")
     p.add_argument("--chat", action="store_true", help="send PROMPT as a user chat message")
@@ -104,9 +100,6 @@ def add_client_arguments(p: argparse.ArgumentParser) -> None:
 def run_client(args) -> int:
     """Stream the answer to stdout as it arrives; usage goes to stderr."""
     import grpc
-
-    from jaxinfer.cli import sampling_params_from_args
-    from serve.client import Client
 
     if args.token_ids:
         prompt = {"prompt_token_ids": [int(t) for t in args.prompt.split()]}
@@ -132,10 +125,8 @@ def run_client(args) -> int:
 
 
 def main(argv=None) -> int:
-    """`python -m serve.server` (before, or without, the jaxinfer CLI)."""
-    from jaxinfer.errors import JaxinferError
-
-    p = argparse.ArgumentParser(prog="python -m serve.server",
+    """`python -m serve.cli`: the server alone (= `jaxinfer serve`)."""
+    p = argparse.ArgumentParser(prog="python -m serve.cli",
                                 description="Serve a model over gRPC (= `jaxinfer serve`).")
     add_serve_arguments(p)
     try:
@@ -143,3 +134,7 @@ def main(argv=None) -> int:
     except JaxinferError as e:
         print(f"jaxinfer serve: error: {e}", file=sys.stderr)
         return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -6,8 +6,8 @@ nobody edits them by hand):
 
 The generator version is pinned because generated code refuses any runtime older than its
 generator: stubs from grpcio-tools 1.75.1 need grpcio >= 1.75.1 and protobuf >= 6.31.1, which
-both the CPU machines and the H200 image (grpcio 1.84) have; stubs from a newer grpcio-tools
-would not import on the H200. To regenerate with a different grpcio-tools installed:
+every supported runtime has (the H200 image ships grpcio 1.84); stubs from a newer
+grpcio-tools would not import there. To regenerate with a different grpcio-tools installed:
     python -m venv /tmp/gen && /tmp/gen/bin/pip install grpcio-tools==1.75.1
     /tmp/gen/bin/python serve/gen_stubs.py
 

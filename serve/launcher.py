@@ -1,4 +1,4 @@
-"""Start `python -m serve.server` in a subprocess and find its ports (for tests and benches).
+"""Start `python -m serve.cli` in a subprocess and find its ports (for tests and benches).
 
     with ServerProcess(["--model", "tiny", "--max-num-seqs", "4"]) as srv:
         srv.wait_serving(timeout=120)
@@ -26,7 +26,7 @@ class ServerProcess:
     def __init__(self, args: list[str], env: dict | None = None, log_path: Path | None = None):
         self.log_path = Path(log_path or tempfile.mkstemp(prefix="jaxinfer-serve-",
                                                           suffix=".log")[1])
-        cmd = [sys.executable, "-m", "serve.server", "--host", "127.0.0.1", "--port", "0",
+        cmd = [sys.executable, "-m", "serve.cli", "--host", "127.0.0.1", "--port", "0",
                "--metrics-port", "0", *args]
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,

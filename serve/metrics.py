@@ -56,9 +56,7 @@ class StepObserver:
     def __init__(self, metrics: Metrics, engine):
         import jax
 
-        from jaxinfer.runner import CompileCounter
-
-        self.m, self.engine, self._compiles = metrics, engine, CompileCounter.count
+        self.m, self.engine, self._compiles = metrics, engine, engine.compiles
         self._weight_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(engine.runner.params))
         kv = engine.runner.kv
         self._kv_bytes_per_token = kv.nbytes / (kv.num_pages * kv.page_size)

@@ -6,7 +6,7 @@ the engine thread loads the weights and compiles every bucket; then SERVING. On 
 SIGINT: health NOT_SERVING, new requests UNAVAILABLE, in-flight requests get `grace_period_s`
 to finish (the rest are cancelled and told so), then the process exits 0.
 
-    python -m serve.server --model tiny --port 50051     # same flags as `jaxinfer serve`
+    python -m serve.cli --model tiny --port 50051     # same flags as `jaxinfer serve`
 """
 from __future__ import annotations
 
@@ -16,7 +16,6 @@ import dataclasses
 import logging
 import os
 import signal
-import sys
 from pathlib import Path
 from typing import Callable
 
@@ -140,8 +139,3 @@ async def serve(cfg: ServeConfig, make_engine: Callable[[], object]) -> int:
         os._exit(0)
     return 0
 
-
-if __name__ == "__main__":
-    from serve.cli import main
-
-    sys.exit(main())

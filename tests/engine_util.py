@@ -5,20 +5,21 @@ import numpy as np
 from dense_reference import random_flat
 from jaxinfer.config import EngineConfig, standard_config
 from jaxinfer.engine import Engine
-from jaxinfer.params import build_model
+from checkpoints.model_state import build_model
 
 TINY = standard_config("tiny")
 _TINY_MODEL = {}
 
 
-def tiny_engine(**engine_kw) -> Engine:
-    """The tiny twin with random weights large enough that greedy outputs vary by prompt."""
+def tiny_engine(routes=None, **engine_kw) -> Engine:
+    """The tiny twin with random weights large enough that greedy outputs vary by prompt;
+    routes: the kernels' routes (None: chosen from the config and the backend)."""
     if not _TINY_MODEL:
         _TINY_MODEL["m"] = build_model(TINY, random_flat(TINY, seed=11, std=0.08), jnp.float32)
     graphdef, params = _TINY_MODEL["m"]
     cfg = EngineConfig(**{"max_model_len": 128, "max_num_seqs": 8,
                           "max_num_batched_tokens": 64, "page_size": 4, **engine_kw})
-    return Engine(TINY, cfg, graphdef, params)
+    return Engine(TINY, cfg, graphdef, params, routes=routes)
 
 
 def random_prompts(n, lo=3, hi=40, seed=0, vocab=TINY.vocab_size):

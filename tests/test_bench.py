@@ -1,8 +1,11 @@
 """Every bench suite runs end to end on the tiny model on the CPU and writes a valid results
-file (shared/BENCH.md's format). No timing asserts: only that the numbers exist and add up."""
+file (bench/README.md), by default outside the tree. No timing asserts: only that
+the numbers exist and add up. (batching, throughput: test_bench_batching.py,
+test_bench_throughput.py; serving: tests/test_serve.py, against its server.)"""
 import json
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -18,6 +21,7 @@ def _load(path: Path, suite: str) -> dict:
     for key in ("suite", "device", "jax", "git", "date", "command", "rows"):
         assert key in result, key
     assert result["suite"] == suite and result["git"] == "test-sha"
+    assert result["command"].startswith("jaxinfer bench ")
     assert result["rows"]
     return result
 
@@ -33,6 +37,51 @@ def _rounded_ratio(value, num, den):
     the ratio by percent."""
     lo, hi = num / (den + 5e-5), num / max(den - 5e-5, 1e-9)
     assert lo - 5e-5 <= value <= hi + 5e-5, (value, num, den)
+
+
+def _snapshot(folder: Path) -> dict:
+    return {p.relative_to(folder): (p.stat().st_mtime_ns, p.read_bytes())
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_default_output_is_outside_the_tree(tmp_path, monkeypatch):
+    """Without --out a run leaves bench/results alone and writes the default place (a temp
+    folder: monkeypatched here so parallel runs do not meet)."""
+    assert cli.default_out("decode") == (Path(tempfile.gettempdir()) / "jaxinfer-bench" /
+                                         "decode.json")
+    assert ROOT not in cli.default_out("decode").parents
+    monkeypatch.setattr(cli, "DEFAULT_OUT_DIR", tmp_path / "jaxinfer-bench")
+    before = _snapshot(cli.RESULTS_DIR)
+    assert cli.main(["fp8_matmul", "--git", "test-sha", "--shapes", "64x128", "--ms", "1",
+                     "--samples", "1", "--max-rotate", "2"]) == 0
+    assert _snapshot(cli.RESULTS_DIR) == before
+    result = _load(tmp_path / "jaxinfer-bench" / "fp8_matmul.json", "fp8_matmul")
+    assert result["command"] == ("jaxinfer bench fp8_matmul --git test-sha --shapes 64x128 "
+                                 "--ms 1 --samples 1 --max-rotate 2")
+
+
+def test_committed_results_name_their_command_git_and_device():
+    paths = sorted(cli.RESULTS_DIR.glob("*.json"))
+    assert {p.stem for p in paths} == set(cli.SUITES)   # one current record per suite
+    for path in paths:
+        result = json.loads(path.read_text())
+        assert result["suite"] == path.stem, path
+        assert result["command"] and result["git"] and result["device"], path
+        assert result["rows"], path
+
+
+def test_help_lists_every_suite_and_shows_defaults(capsys):
+    from jaxinfer.cli import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bench", "--help"])
+    text = capsys.readouterr().out
+    assert all(name in text for name in cli.SUITES) and "kernels" in text
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bench", "decode", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "(default: 1,8,64,256 on a GPU, 1,4 on the CPU)" in text
+    assert "(default: 10)" in text and "bench/decode.json" in text
 
 
 def test_decode_suite_rows_and_plot(tmp_path):
@@ -58,6 +107,17 @@ def test_decode_suite_rows_and_plot(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_decode_append_keeps_each_runs_command(tmp_path):
+    out = tmp_path / "decode.json"
+    for git in ("first", "second"):
+        assert cli.main(["decode", "--model", "tiny", "--git", git, "--reps", "2", "--out",
+                         str(out), "--batch-sizes", "1", "--contexts", "9", "--page-size",
+                         "4", "--append"]) == 0
+    result = json.loads(out.read_text())
+    assert [r["git"] for r in result["runs"]] == ["first", "second"]
+    assert [r["run"] for r in result["rows"]] == [0, 1] and result["git"] == "first"
+
+
 def test_fusion_suite_compares_fused_unfused_and_cmdbuf_off(tmp_path):
     out = tmp_path / "fusion.json"
     assert cli.main(["fusion", *ENGINE, "--out", str(out), "--batch-sizes", "1",
@@ -72,23 +132,10 @@ def test_fusion_suite_compares_fused_unfused_and_cmdbuf_off(tmp_path):
         rows["unfused"]["step_ms"] / rows["fused"]["step_ms"], rel=1e-2)
 
 
-def test_prefill_suite_ttft_and_padding(tmp_path):
-    out = tmp_path / "prefill.json"
-    assert cli.main(["prefill", *ENGINE, "--out", str(out), "--contexts", "5,20",
-                     "--max-num-batched-tokens", "16"]) == 0
-    rows = _load(out, "prefill")["rows"]
-    assert [r["prompt_len"] for r in rows] == [5, 20]
-    for r in rows:
-        _positive(r, "ttft_ms", "prefill_tokens_per_s")
-        assert 0 <= r["padding_fraction"] < 1
-    assert rows[0]["steps"] == 1 and rows[1]["steps"] == 2   # 20 tokens: two 16-token chunks
-    assert rows[0]["padding_fraction"] == pytest.approx(11 / 16)
-
-
 def test_compile_suite_cold_and_warm(tmp_path):
     # A child process: the suite sets the process-wide persistent cache dir.
     out = tmp_path / "compile.json"
-    subprocess.run([sys.executable, "-m", "bench.cli", "compile", *ENGINE, "--out", str(out),
+    subprocess.run([sys.executable, "-m", "bench.cli", "compile", *ENGINE[:4], "--out", str(out),
                     "--max-num-seqs", "1", "--max-num-batched-tokens", "16",
                     "--cache-dir", str(tmp_path / "cache")], check=True, cwd=ROOT)
     result = _load(out, "compile")
@@ -122,9 +169,43 @@ def test_profile_suite_breaks_the_step_down(tmp_path):
         assert r["top"] and r["families"] and r["host_top_ms_per_step"]
 
 
-def test_host_step_times_every_phase():
-    from bench import host_step
-    result = host_step.main(["--rows", "8", "--context", "200", "--steps", "3"])
-    assert set(result) == {*host_step.PHASES, "total"}
-    _positive(result, *host_step.PHASES)
-    assert result["total"] == pytest.approx(sum(result[p] for p in host_step.PHASES), abs=0.01)
+def test_paged_attention_suite_rows_and_plot(tmp_path):
+    """Under its alias `kernels`: the Pallas kernel in interpret mode beside the reference,
+    bf16 and both FP8 scale forms, with the FP8-over-bf16 ratio."""
+    out = tmp_path / "paged_attention.json"
+    assert cli.main(["kernels", "--git", "test-sha", "--out", str(out), "--batch-sizes", "1",
+                     "--contexts", "32"]) == 0
+    result = _load(out, "paged_attention")
+    assert result["command"].startswith("jaxinfer bench kernels")
+    got = [(r["impl"], r["kv_dtype"], r.get("kv_scales")) for r in result["rows"]]
+    assert got == [("jaxinfer", "bf16", None), ("xla_reference", "bf16", None),
+                   ("jaxinfer", "fp8", "static"), ("jaxinfer", "fp8", "token"),
+                   ("xla_reference", "fp8", "token")]
+    for r in result["rows"]:
+        assert "error" not in r and r["us"] > 0 and not any(k.endswith("_device") for k in r)
+    assert all(r["vs_bf16_kv"] > 0 for r in result["rows"][2:4])
+    assert (tmp_path / "paged_attention_bandwidth.png").stat().st_size > 0
+
+
+def test_fp8_matmul_suite_rows(tmp_path):
+    out = tmp_path / "fp8_matmul.json"
+    assert cli.main(["fp8_matmul", "--git", "test-sha", "--out", str(out), "--shapes",
+                     "128x64,64x32", "--ms", "1,8", "--samples", "1", "--max-rotate",
+                     "2"]) == 0
+    result = _load(out, "fp8_matmul")
+    assert [(r["K"], r["N"], r["M"], r["impl"]) for r in result["rows"]][:3] == [
+        (128, 64, 1, "jaxinfer"), (128, 64, 1, "xla_bf16"), (128, 64, 1, "xla_fp8_dequant")]
+    assert len(result["rows"]) == 2 * 2 * 3
+    for r in result["rows"]:
+        assert r["us"] > 0 and r["rel_err"] < 2e-2 and r["vs_bf16"] > 0, r
+    assert (tmp_path / "fp8_matmul_time.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("suite", ["decode", "serving", "paged_attention", "fp8_matmul"])
+def test_plots_draw_from_the_committed_records(suite, tmp_path):
+    from bench import plots
+
+    path = tmp_path / f"{suite}.json"
+    path.write_text((cli.RESULTS_DIR / f"{suite}.json").read_text())
+    png = plots.write(path)
+    assert png.parent == tmp_path and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -9,7 +9,7 @@ import pytest
 
 from bench import gpu_clocks
 
-# the nineteenth session's H200 samples, as --format=csv,noheader,nounits writes them
+# H200 samples as --format=csv,noheader,nounits writes them
 LINES = ["1980, 120.56, 0, 0x0000000000000000",         # idle: left out
          "1755, 690.39, 100, 0x0000000000000004",        # at the power cap
          "1845, 689.64, 97, 0x0000000000000004",

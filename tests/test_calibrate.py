@@ -11,6 +11,7 @@ from pydoc_data.topics import topics
 from checkpoints.calibrate import _layer_grams, calibration_text, gptq_linear
 from checkpoints.fp8 import dequantize_linear, quantize_linear
 from dense_reference import dense_logits, random_flat
+from checkpoints.gguf_tokenizer import gguf_tokenizer
 from jaxinfer.cli import main
 from jaxinfer.config import standard_config
 
@@ -161,7 +162,7 @@ def test_too_many_windows_is_a_clear_error():
     from checkpoints import default_gguf_path
     from checkpoints.calibrate import calibration_windows
 
-    tok = Tokenizer.from_gguf(default_gguf_path())
+    tok = gguf_tokenizer(default_gguf_path())
     assert calibration_windows(tok, 2, 64).shape == (2, 64)
     with pytest.raises(ValueError, match="calibration text has"):
         calibration_windows(tok, 10_000, 512)

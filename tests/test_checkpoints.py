@@ -16,9 +16,9 @@ from checkpoints.gguf_loader import load_gguf, open_gguf, unpermute_rope_rows
 from checkpoints.hf_loader import load_hf_dir
 from checkpoints.params import param_shapes
 from checkpoints.synthetic import synthetic_params
+from checkpoints.gguf_tokenizer import gguf_tokenizer
 from jaxinfer.config import STANDARD_CONFIGS_DIR, ModelConfig, RopeScaling, standard_config
 from jaxinfer.errors import ConfigError, ModelLoadError
-from jaxinfer.tokenizer import Tokenizer
 
 HF_LINEAR = {"wq": "self_attn.q_proj", "wk": "self_attn.k_proj", "wv": "self_attn.v_proj",
              "wo": "self_attn.o_proj", "w_gate": "mlp.gate_proj", "w_up": "mlp.up_proj",
@@ -35,7 +35,7 @@ def reader():
 @pytest.fixture(scope="module")
 def smollm(reader):
     cfg, params = load_gguf(default_gguf_path(), reader=reader)
-    return cfg, params, Tokenizer.from_gguf(reader)
+    return cfg, params, gguf_tokenizer(reader)
 
 
 @pytest.fixture(scope="module")

@@ -9,18 +9,14 @@ split (or the table's last slot), and a padded row (seq_len 0, slot -1). The cac
 with stale contents, so a slot read before its write or a write in the wrong place shows;
 its other slots must come back unchanged. Tolerance as tests/test_paged_attention.py
 (relative L2 1e-2; the cache to one e4m3 step, as tests/test_kv_write.py)."""
-
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxinfer.kv_cache import FP8_DTYPE, KVCache
+from pallas_kernels.kv_pages import FP8_DTYPE, KVCache
 from pallas_kernels import decode_qkv as dq
 from pallas_kernels import kv_write as kw
-from pallas_kernels import split_combine as sc
 from pallas_kernels.fp8_matmul import fp8_linear_reference
 from pallas_kernels.paged_attention import paged_attention_reference
 from pallas_kernels.tuning import DecodeBlocks
@@ -29,6 +25,13 @@ from test_kv_write import STATIC, stale_cache
 MODES = [pytest.param(True, id="interpret"),
          pytest.param(False, id="gpu", marks=pytest.mark.gpu)]
 PAGES_PER_SEQ, LAYERS = 8, 2
+
+
+def rms_normed(x, w, eps):
+    """RMSNorm(x) * w in x's dtype (model.RMSNorm's math: f32, rounded once)."""
+    xf = x.astype(jnp.float32)
+    n = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return (n * w.astype(jnp.float32)).astype(x.dtype)
 
 
 def make_case(seed, num_heads, kv_heads, head_dim, dtype, page_size, split_tokens, fp8_w,
@@ -200,37 +203,6 @@ def test_partial_products_sum_to_the_projection(fp8_w):
         dq.partial_products(x[:, :-1], w, 4)
 
 
-@pytest.mark.parametrize("interpret", MODES)
-@pytest.mark.parametrize("kv,tokens,splits,rows", [
-    (jnp.bfloat16, 16, 4, None), (FP8_DTYPE, 16, 3, 5), (STATIC, 16, 16, 5),
-    (jnp.bfloat16, 32, 2, 2), (jnp.bfloat16, 16, 1, None)])
-def test_last_arriving_program_combines(kv, tokens, splits, rows, interpret):
-    """With counters the split grid merges its splits in the last program to finish
-    (split_combine.last_combines_in_kernel): the unfused result, the padding rows' zeros
-    written by the kernel, and the counters back at zero for the next layer. 16 splits of 16 tokens
-    over rows of up to 115: merge chunks of live splits (LAST_COMBINE_CHUNK), then empty
-    ones; 3: a chunk not full; 1: no split, the counters passed through."""
-    assert sc.LAST_COMBINE_CHUNK < 8    # the 16-split case's live splits span two chunks
-    case = make_case(7 + splits, 8, 2, 128, kv, 16, 40 if splits == 16 else 128 // splits,
-                     True, True)
-    partials, scale, b, cos, sin, cache, lens, table, slots, _ = case
-    t = len(lens)
-    counters = jnp.zeros((t * 2,), jnp.float32)
-    want_out, want_cache = unfused(case, 8, 1)
-    n = rows or t
-    out, got = dq.paged_attention_qkv(
-        partials, scale, b, cos, sin, dataclasses.replace(cache, counters=counters),
-        jnp.int32(1), lens, table, slots, num_heads=8, sm_scale=128 ** -0.5,
-        dtype=jnp.bfloat16, interpret=interpret, rows=rows,
-        blocks=DecodeBlocks(tokens, splits, 4, 2, "float16"))
-    assert rel_err(out[:n], want_out[:n]) < 1e-2
-    np.testing.assert_array_equal(np.asarray(out[n:], np.float32), 0)   # rows past `rows`
-    np.testing.assert_array_equal(np.asarray(out[-1], np.float32), 0)   # seq_len 0
-    np.testing.assert_array_equal(np.asarray(got.counters), 0)
-    if n >= t - 1:      # rows=2 leaves real tokens past it unwritten, as it should
-        assert_cache_equal(dataclasses.replace(got, counters=None), want_cache)
-
-
 def written_and_rest(cache: KVCache, layer: int, slots):
     """(the new tokens' K and V rows of `layer` [K, n, D] f32 each, every other entry of both
     caches with those rows zeroed)."""
@@ -259,7 +231,6 @@ def test_folded_norm_matches_normed_rows(hidden, dtype, fp8_w, interpret):
     too (CPU, these cases; the softmax of this random data is peaked, so one rounding moves
     the output by up to ~1%). Every other cache entry is untouched, and without the factor
     the output is far off."""
-    from pallas_kernels.rmsnorm import add_rmsnorm_reference
     case = make_case(13, 8, 2, 64, dtype, 16, 32, fp8_w, True, hidden=hidden)
     _, scale, b, cos, sin, cache, lens, table, slots, (_, w) = case
     rng = np.random.default_rng(14)
@@ -271,7 +242,7 @@ def test_folded_norm_matches_normed_rows(hidden, dtype, fp8_w, interpret):
     exact = jnp.einsum("te,ne->tn" if fp8_w else "te,en->tn", exact, wf,
                        precision=jax.lax.Precision.HIGHEST)[None]
     routes = [unfused((p,) + case[1:], 8, 1) for p in
-              (exact, dq.partial_products(add_rmsnorm_reference(x, g, eps=1e-5)[1], w, 4))]
+              (exact, dq.partial_products(rms_normed(x, g, 1e-5), w, 4))]
     u = (xf * g.astype(jnp.float32)).astype(x.dtype)
     args = (dq.partial_products(u, w, 4), scale, b, cos, sin, cache, jnp.int32(1), lens,
             table, slots)

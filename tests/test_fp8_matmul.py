@@ -86,8 +86,8 @@ def test_skinny_kernel_matches_reference(k, n):
 @pytest.mark.parametrize("reduce_each_step,prefetch,bn,bk", [
     (True, 1, 16, 128), (False, 2, 8, 64), (True, 3, 4, 256), (True, 2, 32, 64)])
 def test_gemv_variants_match_reference(reduce_each_step, prefetch, bn, bk):
-    """The GEMV's tuning variants (per-step reduction, deeper load prefetch, other tiles;
-    bench/fp8_matmul.py --tune times them) compute the same product, splits included."""
+    """The GEMV's tuning variants (per-step reduction, deeper load prefetch, other tiles)
+    compute the same product, splits included."""
     k, n = 1024, 96
     rng = np.random.default_rng(bn * bk + prefetch)
     w_q, scale = ckpt_fp8.quantize_linear(jnp.asarray(_weights(rng, k, n)))
@@ -102,7 +102,7 @@ def test_gemv_variants_match_reference(reduce_each_step, prefetch, bn, bk):
 
 
 def test_gemv_on_tensor_cores_matches_reference():
-    """M = 1 through the dot path (x padded to 16 rows): a --tune-only variant."""
+    """M = 1 through the dot path (x padded to 16 rows)."""
     k, n = 512, 128
     rng = np.random.default_rng(5)
     w_q, scale = ckpt_fp8.quantize_linear(jnp.asarray(_weights(rng, k, n)))
@@ -114,18 +114,14 @@ def test_gemv_on_tensor_cores_matches_reference():
     assert y.shape == (1, n) and _rel(y, fm.fp8_linear_reference(x, w_q, scale)) < 5e-3
 
 
-def test_tune_variants_all_tile():
-    """Every variant bench/fp8_matmul.py --tune-only times is a valid tiling of its shapes,
-    and the default is tuning.FP8_GEMV."""
-    from bench import fp8_matmul as bench_fp8
+def test_default_gemv_tiles_are_the_tuned_ones():
+    """On Llama-3-8B's projection shapes the default M = 1 tiling is a valid one and is
+    tuning.FP8_GEMV."""
     from pallas_kernels.tuning import FP8_GEMV
 
-    for shape in bench_fp8.TUNE_SHAPES:
-        k, n = (int(v) for v in shape.split("x"))
-        for variant in bench_fp8.TUNE:
-            t = fm.skinny_tiles(1, k, n, **variant)
-            assert t is not None and (k // t.splits) % t.bk == 0, (shape, variant)
+    for k, n in ((4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096)):
         t = fm.skinny_tiles(1, k, n)
+        assert t is not None and (k // t.splits) % t.bk == 0, (k, n)
         assert (t.bn, t.bk, t.reduce_each_step) == (FP8_GEMV.bn, FP8_GEMV.bk,
                                                     FP8_GEMV.reduce_each_step)
 

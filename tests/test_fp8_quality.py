@@ -32,13 +32,60 @@ the calibrated conversion ~70 s, each of its six teacher-forced passes ~15 s wit
 (~1 s a window, since the attention reference gathers each row's pages once:
 ragged_paged_attention_reference).
 """
+import functools
+
 import numpy as np
 import pytest
 
-from bench.lm_head_quality import WINDOW, teacher_forced
-from bench.lm_head_quality import windows as _windows
+from checkpoints.gguf_tokenizer import gguf_tokenizer
+from jaxinfer.config import EngineConfig
+from jaxinfer.kv_cache import single_sequence_metadata
+from jaxinfer.loading import load_model
+from jaxinfer.runner import ModelRunner
 
 NUM_WINDOWS = 8   # 8 x 511 predicted tokens = 4088 scored, 4096 fed
+WINDOW = 512
+
+
+def _windows(count: int) -> np.ndarray:
+    """count windows of WINDOW tokens of pydoc_data.topics, SmolLM2-tokenized."""
+    from pydoc_data.topics import topics
+
+    from checkpoints import default_gguf_path
+    from jaxinfer.tokenizer import Tokenizer
+    text = "\n\n".join(topics[k] for k in sorted(topics))
+    ids = gguf_tokenizer(default_gguf_path()).encode(text[:200_000])
+    assert len(ids) >= WINDOW * count, f"only {len(ids)} tokens for {count} windows"
+    return np.asarray(ids[:WINDOW * count], np.int32).reshape(count, WINDOW)
+
+
+def _engine(weights: str, kv_dtype: str, lm_head: str = "bf16") -> EngineConfig:
+    return EngineConfig(dtype="bfloat16", weights=weights, kv_dtype=kv_dtype, page_size=16,
+                        max_model_len=WINDOW, max_num_seqs=1, lm_head=lm_head)
+
+
+@functools.lru_cache(maxsize=1)
+def _load(model: str, weights: str, lm_head: str = "bf16"):
+    """The last model loaded: the KV dtype leaves the weights alone, so back-to-back passes
+    over one model share its load. The runner donates only the KV cache."""
+    return load_model(model, _engine(weights, "bf16", lm_head))[:3]
+
+
+def teacher_forced(ws, model: str, weights: str, kv_dtype: str, lm_head: str = "bf16"):
+    """(perplexity, top-1 ids [T]) of `model` over the windows ws, teacher-forced."""
+    engine = _engine(weights, kv_dtype, lm_head)
+    cfg, graphdef, params = _load(model, weights, lm_head)
+    runner = ModelRunner(cfg, engine, graphdef, params)
+    md = single_sequence_metadata(range(WINDOW), range(1, engine.pages_per_seq + 1),
+                                  engine.page_size, engine.pages_per_seq)
+    nll, top1 = [], []
+    for w in ws:
+        logits = runner.all_logits(w, md)[:-1]
+        top = logits.max(-1)   # log-sum-exp by the row max
+        lse = top + np.log(np.exp(logits - top[:, None]).sum(-1, dtype=np.float64))
+        nll.append(lse - logits[np.arange(WINDOW - 1), w[1:]])
+        top1.append(logits.argmax(-1))
+    return float(np.exp(np.concatenate(nll).mean())), np.concatenate(top1)
 
 
 @pytest.fixture(scope="module")
@@ -91,8 +138,8 @@ def test_calibrated_fp8_perplexity_and_agreement(windows, bf16, calibrated):
 
 def test_calibrated_fp8_with_int8_head(windows, bf16, calibrated):
     """The calibrated int8 LM head (half the bf16 head's bytes) beside calibrated FP8 layers
-    keeps the bars, with FP8 KV too. bench/lm_head_quality.py (thirty-fourth session, one
-    machine): round-to-nearest int8 per vocab row gives 94.62% there, GPTQ rounding 95.52%."""
+    keeps the bars, with FP8 KV too (round-to-nearest int8 per vocab row gave 94.62% on one
+    machine, GPTQ rounding 95.52%)."""
     ppl_bf16, top_bf16 = bf16
     ppl, top = teacher_forced(windows, calibrated, "fp8", "bf16", lm_head="int8")
     ppl_kv, _ = teacher_forced(windows, calibrated, "fp8", "fp8", lm_head="int8")

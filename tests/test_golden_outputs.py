@@ -20,7 +20,7 @@ from engine_util import TINY, random_prompts
 from jaxinfer import LLM, SamplingParams
 from jaxinfer.config import EngineConfig
 from jaxinfer.engine import Engine
-from jaxinfer.params import build_model
+from checkpoints.model_state import build_model
 
 FIXTURE = Path(__file__).resolve().parent / "fixtures" / "greedy_outputs.json"
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)

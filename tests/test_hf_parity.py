@@ -10,7 +10,7 @@ import pytest
 from checkpoints import default_gguf_path, load_checkpoint
 from jaxinfer import LLM, SamplingParams
 from jaxinfer.config import EngineConfig
-from jaxinfer.params import build_model
+from checkpoints.model_state import build_model
 from jaxinfer.runner import ModelRunner
 from test_model import single_sequence_md
 

@@ -15,6 +15,7 @@ from jaxinfer import ops
 from jaxinfer.config import EngineConfig
 from jaxinfer.errors import ConfigError, ModelLoadError
 from jaxinfer.loading import load_model
+from jaxinfer.routes import Routes
 
 
 def _deq(codes, scale):
@@ -42,7 +43,7 @@ def test_int8_head_gemv_matches_its_dequantized_weight(m):
     w = rng.standard_normal((64, 200)).astype(np.float32)
     codes, scale = quantize_int8_linear(jnp.asarray(w))
     x = jnp.asarray(rng.standard_normal((m, 64)), jnp.float32)
-    got = ops.int8_head(x, codes, scale)
+    got = ops.int8_head(x, codes, scale, Routes())
     assert got.shape == (m, 200) and got.dtype == jnp.float32
     np.testing.assert_allclose(np.asarray(got), np.asarray(x) @ _deq(codes, scale),
                                rtol=1e-5, atol=1e-4)
@@ -220,7 +221,8 @@ def test_int8_head_on_the_gpu_reads_the_codes_in_the_gemm(m):
     x = jax.random.normal(jax.random.fold_in(key, 1), (m, e), jnp.bfloat16)
     from bench import hlo
 
-    fn = jax.jit(ops.int8_head)
+    routes = Routes.choose(EngineConfig(), "gpu")
+    fn = jax.jit(lambda x, codes, scale: ops.int8_head(x, codes, scale, routes))
     comps, _ = hlo.parse(fn.lower(x, codes, scale).compile().as_text())
     fused = {c for instrs in comps.values() for i in instrs if i.opcode == "fusion"
              for c in i.called("calls")}

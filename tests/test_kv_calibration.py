@@ -72,9 +72,9 @@ def test_static_scales_follow_the_layer_form():
     assert pool.static_scales
     for i, layer in enumerate(pool.layers):
         np.testing.assert_array_equal(np.asarray(layer.k_scale), scales[0][i:i + 1])
-    with pytest.raises(ConfigError, match=r"\[L, K\]"):
+    with pytest.raises(ValueError, match=r"\[L, K\]"):
         KVCache.allocate(3, 2, 5, 4, 16, jnp.float8_e4m3fn, scales=(scales[0][:2], scales[1]))
-    with pytest.raises(ConfigError, match="FP8"):
+    with pytest.raises(ValueError, match="FP8"):
         KVCache.allocate(3, 2, 5, 4, 16, jnp.bfloat16, scales=scales)
     with pytest.raises(ConfigError, match="kv_scales"):
         tiny_engine(kv_dtype="fp8", kv_scales="page")

@@ -4,7 +4,7 @@ integers, over the stacked pool in 64-bit ones. Pallas's Triton lowering switche
 offsets for arrays of >= 4 GiB (kv_cache.py), which the stacked pool is at the throughput
 run's size and one layer's share is not; the H200 ran the FP8 decode kernel ~7% slower over
 such arrays (bench/probes/layers.py). The calls go through jaxinfer.ops as the model
-makes them, with the GPU's choices (ops._on_gpu patched to True): the decode kernel, the
+makes them, with the GPU's choices (the GPU's routes): the decode kernel, the
 mixed step's ragged + decode kernels, and the RoPE + K/V write."""
 import contextlib
 import functools
@@ -17,12 +17,16 @@ import pytest
 from jax.experimental import pallas as pl
 
 from jaxinfer import ops
-from jaxinfer.kv_cache import FP8_DTYPE, AttentionMetadata, KVCache, KVLayers
+from jaxinfer.config import EngineConfig
+from jaxinfer.kv_cache import AttentionMetadata, KVCache, KVLayers
+from jaxinfer.routes import Routes
+from pallas_kernels import FP8_DTYPE
 
 # Llama-3-8B's attention shapes and pools of about the throughput run's size (64,001 pages;
 # each test its own page count, so no trace cached without the debug output is reused)
 LAYERS, HQ, HKV, D, PAGE = 32, 32, 8, 128, 16
 ROWS, WIDTH = 64, 96                    # rows of the step, page-table width (1,536 tokens)
+GPU = Routes.choose(EngineConfig(), "gpu")
 
 
 def pools(pages: int):
@@ -41,7 +45,6 @@ def metadata(tokens: int, decode_only: bool) -> AttentionMetadata:
 def triton_ir(monkeypatch, fn, *args) -> str:
     """The Triton IR of every Pallas call in fn(*args), lowered for CUDA (pallas_call's debug
     output)."""
-    monkeypatch.setattr(ops, "_on_gpu", lambda: True)
     monkeypatch.setattr(pl, "pallas_call", functools.partial(pl.pallas_call, debug=True))
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
@@ -57,7 +60,7 @@ def i64_count(text: str) -> int:
 
 def attend(tokens: int, decode_only: bool):
     def fn(q, kv, md):
-        return ops.attention(q, kv, jnp.int32(0), md, sm_scale=D ** -0.5, impl="pallas")
+        return ops.attention(q, kv, jnp.int32(0), md, sm_scale=D ** -0.5, routes=GPU)
     q = jax.ShapeDtypeStruct((tokens, HQ, D), jnp.bfloat16)
     return fn, q, metadata(tokens, decode_only)
 
@@ -83,7 +86,7 @@ def test_kv_write_uses_32_bit_offsets_on_one_layer(monkeypatch):
 
     def fn(kv, qkv, cos, sin, slots):
         return ops.rope_write_kv(kv, jnp.int32(0), qkv, cos, sin, slots, num_heads=HQ,
-                                 impl="pallas")
+                                 routes=GPU)
     args = (jax.ShapeDtypeStruct((t, (HQ + 2 * HKV) * D), jnp.bfloat16),
             *[jax.ShapeDtypeStruct((t, D // 2), jnp.float32)] * 2,
             jax.ShapeDtypeStruct((t,), jnp.int32))

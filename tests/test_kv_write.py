@@ -11,10 +11,13 @@ import numpy as np
 import pytest
 
 from jaxinfer import ops
-from jaxinfer.kv_cache import FP8_DTYPE, KVCache, write_kv
+from jaxinfer.config import EngineConfig
+from jaxinfer.routes import Routes
 from pallas_kernels import kv_write as kw
+from pallas_kernels.kv_pages import FP8_DTYPE, KVCache, write_kv
 
 ON_GPU = jax.default_backend() == "gpu"
+PALLAS = Routes.choose(EngineConfig(attention_impl="pallas"), jax.default_backend())
 
 
 STATIC = "fp8_static"   # FP8 KV with static per-(layer, kv head) scales
@@ -96,8 +99,8 @@ def test_static_quantization_matches_numpy():
 def test_ops_route_and_errors():
     cache, k, v, slots = _case(np.random.default_rng(1), 2, 64, FP8_DTYPE, 4)
     want = write_kv(cache, jnp.int32(1), k, v, slots)
-    _equal(ops.write_kv(cache, jnp.int32(1), k, v, slots, impl="pallas"), want, exact=not ON_GPU)
-    _equal(ops.write_kv(cache, jnp.int32(1), k, v, slots, impl="reference"), want, exact=True)
+    _equal(ops.write_kv(cache, jnp.int32(1), k, v, slots, PALLAS), want, exact=not ON_GPU)
+    _equal(ops.write_kv(cache, jnp.int32(1), k, v, slots, Routes()), want, exact=True)
     assert not kw.supported(KVCache.allocate(1, 2, 4, 16, 48, jnp.bfloat16))
     with pytest.raises(ValueError, match="slot_mapping"):
         kw.write_kv(cache, jnp.int32(0), k, v, slots[:3], interpret=True)
@@ -112,7 +115,7 @@ def test_gpu_8b_shape_in_place(dtype):
     cache, k, v, slots = _case(rng, 8, 128, dtype, 256, layers=2, pages=64)
     _equal(kw.write_kv(cache, jnp.int32(1), k, v, slots),
            write_kv(cache, jnp.int32(1), k, v, slots), exact=False)
-    step = jax.jit(lambda c, k, v, s: ops.write_kv(c, jnp.int32(1), k, v, s, impl="pallas"),
+    step = jax.jit(lambda c, k, v, s: ops.write_kv(c, jnp.int32(1), k, v, s, PALLAS),
                    donate_argnums=0)
     hlo = step.lower(cache, k, v, slots).compile().as_text()
     assert "jaxinfer_kv_write" in hlo or "__gpu$xla.gpu.triton" in hlo
@@ -137,7 +140,7 @@ def _rope_case(rng, num_heads, kv_heads, head_dim, dtype, tokens):
     (4, 4, 32, jnp.float32, 3, False), (40, 8, 128, FP8_DTYPE, 5, True),
     (9, 3, 64, jnp.bfloat16, 4, True), (32, 8, 128, STATIC, 5, False)])
 def test_rope_kernel_matches_reference(num_heads, kv_heads, head_dim, dtype, tokens, bias):
-    """RoPE + K/V write in one kernel against model.apply_rope + XLA's scatter: the cache
+    """RoPE + K/V write in one kernel against rope.apply_rope + XLA's scatter: the cache
     (codes, scales, untouched slots) and the rotated q; padding tokens (slot -1) write
     nothing but still get their q. q differs by at most one bf16 rounding (the kernel's f32
     products may be fused differently). With a QKV bias (Qwen2's heads: 40 q, 8 kv) added
@@ -190,16 +193,16 @@ def test_rope_route_and_errors():
     rng = np.random.default_rng(5)
     cache, qkv, cos, sin, slots = _rope_case(rng, 4, 2, 64, jnp.bfloat16, 4)
     got = ops.rope_write_kv(cache, jnp.int32(1), qkv, cos, sin, slots, num_heads=4,
-                            impl="pallas")
+                            routes=PALLAS)
     want_cache, want_q = kw.rope_write_kv_reference(cache, jnp.int32(1), qkv, cos, sin, slots,
                                                     num_heads=4)
     np.testing.assert_allclose(np.asarray(got[0], np.float32), np.asarray(want_q, np.float32),
                                rtol=2 ** -7)
     _equal(got[1], want_cache, exact=False)
     assert ops.rope_write_kv(cache, jnp.int32(1), qkv, cos, sin, slots, num_heads=4,
-                             impl="reference") is None
+                             routes=Routes()) is None
     assert ops.rope_write_kv(KVCache.allocate(1, 2, 4, 16, 48, jnp.bfloat16), jnp.int32(0),
-                             qkv, cos, sin, slots, num_heads=4, impl="pallas") is None
+                             qkv, cos, sin, slots, num_heads=4, routes=PALLAS) is None
     with pytest.raises(ValueError, match="rope_write_kv"):
         kw.rope_write_kv(cache, jnp.int32(0), qkv[:, :-64], cos, sin, slots, num_heads=4,
                          interpret=True)
@@ -227,7 +230,7 @@ def test_gpu_rope_8b_shape(dtype, tokens, num_heads, bias):
                                rtol=2 ** -7, atol=1e-6)
     _equal(got_cache, want_cache, exact=False)
     step = jax.jit(lambda c, x: ops.rope_write_kv(c, jnp.int32(1), x, cos, sin, slots,
-                                                  num_heads=num_heads, impl="pallas", bias=b),
+                                                  num_heads=num_heads, routes=PALLAS, bias=b),
                    donate_argnums=0)
     hlo = step.lower(cache, qkv).compile().as_text()
     shape = re.escape(",".join(map(str, cache.k.shape)))

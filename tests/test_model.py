@@ -9,7 +9,8 @@ from dense_reference import dense_logits, random_flat
 from jaxinfer.config import EngineConfig, RopeScaling, standard_config
 from jaxinfer.kv_cache import AttentionMetadata
 from jaxinfer.kv_cache import single_sequence_metadata as single_sequence_md
-from jaxinfer.params import build_model
+from checkpoints.model_state import build_model
+from jaxinfer.routes import Routes
 from jaxinfer.runner import ModelRunner
 
 
@@ -110,35 +111,34 @@ def test_unrolled_layers_equal_scanned(monkeypatch):
 
 
 @pytest.mark.parametrize("m", [1, 3, 8, 16])
-def test_bf16_linear_pads_few_rows_on_gpu(monkeypatch, m):
-    """On the GPU a bf16 linear with M < BF16_PAD_M runs its dot on M padded to that many
-    rows (XLA's M = 8 GEMM is faster): the rows come back unchanged, and bigger M is not
-    padded. Forced here by pretending to be on the GPU."""
+def test_bf16_linear_pads_few_rows_on_gpu(m):
+    """On the GPU a bf16 linear with M < Routes.min_gemm_rows runs its dot on M padded to
+    that many rows (XLA's M = 8 GEMM is faster): the rows come back unchanged, and bigger M
+    is not padded. The GPU's routes, here on the CPU."""
     import jax
     from jaxinfer import ops
-    monkeypatch.setattr(ops, "_on_gpu", lambda: True)
+    routes = Routes.choose(EngineConfig(), "gpu")
     rng = np.random.default_rng(m)
     x = jnp.asarray(rng.standard_normal((m, 64)), jnp.bfloat16)
     w = jnp.asarray(rng.standard_normal((64, 96)) * 0.1, jnp.bfloat16)
     want = (np.asarray(x, np.float32) @ np.asarray(w, np.float32)).astype(jnp.bfloat16)
-    got = ops.linear(x, w)
+    got = ops.linear(x, w, None, None, routes)
     assert got.shape == (m, 96) and got.dtype == jnp.bfloat16
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
                                rtol=2 ** -7, atol=1e-3)
-    dots = [e for e in jax.make_jaxpr(ops.linear)(x, w).jaxpr.eqns
-            if e.primitive.name == "dot_general"]
-    assert [d.invars[0].aval.shape[0] for d in dots] == [max(m, ops.BF16_PAD_M)]
+    dots = [e for e in jax.make_jaxpr(lambda x, w: ops.linear(x, w, None, None, routes))(
+        x, w).jaxpr.eqns if e.primitive.name == "dot_general"]
+    assert [d.invars[0].aval.shape[0] for d in dots] == [max(m, routes.min_gemm_rows)]
 
 
-def test_decode_step_padded_to_min_rows_equals_unpadded(monkeypatch):
-    """On the GPU a decode step of fewer than ops.DECODE_MIN_ROWS rows runs padded to that
+def test_decode_step_padded_to_min_rows_equals_unpadded():
+    """On the GPU a decode step of fewer than Routes.decode_min_rows rows runs padded to that
     many (kv_cache.pad_decode_rows): the real rows' logits and everything written to the
     cache are the same as unpadded, the padding rows write nothing, and attention runs on the
-    real rows only. Forced on the CPU by replacing ops.decode_rows; the step's jaxpr shows
-    8-row activations and the attention call's row count."""
+    real rows only. Forced on the CPU by the routes; the step's jaxpr shows 8-row activations
+    and the attention call's row count."""
     import jax
     import jax.extend
-    from jaxinfer import ops
     cfg = standard_config("tiny")
     flat = random_flat(cfg, seed=6)
     engine = EngineConfig(page_size=4, max_model_len=32, max_num_seqs=2)
@@ -158,8 +158,8 @@ def test_decode_step_padded_to_min_rows_equals_unpadded(monkeypatch):
         decode_only=True)
 
     def run(min_rows):
-        monkeypatch.setattr(ops, "decode_rows", lambda r: max(r, min_rows))
-        runner = ModelRunner(cfg, engine, *build_model(cfg, flat, jnp.float32))
+        runner = ModelRunner(cfg, engine, *build_model(cfg, flat, jnp.float32),
+                             Routes(decode_min_rows=min_rows))
         for p, ids in zip(prompts, pages):
             runner.all_logits(p, single_sequence_md(range(len(p)), ids, 4,
                                                     engine.pages_per_seq))

@@ -114,10 +114,10 @@ def _fused_vs_unfused_model(monkeypatch, attention_impl="auto"):
 
     from jaxinfer import ops
     from jaxinfer.config import EngineConfig, standard_config
-    from jaxinfer.params import build_model
+    from checkpoints.model_state import build_model
+    from jaxinfer.routes import Routes
     from jaxinfer.runner import ModelRunner
     from pallas_kernels import fp8_matmul as fm
-    from pallas_kernels import swiglu_quant as sq
 
     cfg = standard_config("tiny")
     flat = random_flat(cfg, seed=11)
@@ -127,22 +127,21 @@ def _fused_vs_unfused_model(monkeypatch, attention_impl="auto"):
                           attention_impl=attention_impl)
     md = single_sequence_md(range(72), list(range(1, 19)), 4, engine.pages_per_seq)
 
-    def logits():
-        return ModelRunner(cfg, engine, graphdef, params).all_logits(tokens, md)
+    def logits(routes):
+        return ModelRunner(cfg, engine, graphdef, params, routes).all_logits(tokens, md)
 
+    routes = Routes.choose(engine, jax.default_backend())
+    if not ON_GPU:
+        monkeypatch.setattr(ops, "_fp8_linear", lambda x, k, s, routes:
+                            fm.tensor_core_fp8_matmul(x, k, s))
+        routes = routes.replace(fp8_mlp=True)
+    unfused = logits(routes.replace(fp8_norm_quant=False))
     decide, calls = ops.fused_fp8_layer, []
 
-    def fused_layer(x, wqkv, w_down, shards):
-        calls.append(decide(x, wqkv, w_down, shards) if ON_GPU else shards == 1)
+    def fused_layer(*args):
+        calls.append(decide(*args))
         return calls[-1]
 
-    if not ON_GPU:
-        monkeypatch.setattr(ops, "_fp8_linear", fm.tensor_core_fp8_matmul)
-        monkeypatch.setattr(ops, "fused_fp8_mlp", lambda x, gu, d: sq.fp8_mlp(
-            x, *gu, *d, interpret=True))
-    monkeypatch.setattr(ops, "FUSED_NORM_QUANT", False)
-    unfused = logits()
-    monkeypatch.setattr(ops, "FUSED_NORM_QUANT", True)
     monkeypatch.setattr(ops, "fused_fp8_layer", fused_layer)
     from pallas_kernels import kv_write as kw
     rope, scaled = kw.rope_write_kv, []
@@ -152,7 +151,7 @@ def _fused_vs_unfused_model(monkeypatch, attention_impl="auto"):
         return rope(*args, scales=scales, **kwargs)
 
     monkeypatch.setattr(kw, "rope_write_kv", rope_spy)
-    fused = logits()
+    fused = logits(routes.replace(fp8_norm_quant=True))
     assert any(calls), "the fused layer was not traced"
     # with Pallas attention the QKV product's scales go to the RoPE kernel
     assert any(scaled) == (attention_impl == "pallas" or ON_GPU)

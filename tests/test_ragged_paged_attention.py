@@ -237,14 +237,3 @@ def test_fp8_scale_stress(q_mag, compute, interpret):
     ref = ragged_paged_attention_reference(*args, sm_scale=128 ** -0.5)
     assert row_rel_err(out, ref) < 4e-3
     np.testing.assert_array_equal(np.asarray(out[18:]), 0.0)
-
-
-def test_parse_ragged_blocks():
-    assert tuning.parse_ragged("32,32,4,2,bfloat16") == (32, 32, 4, 2, "bfloat16", False)
-    assert tuning.parse_ragged("16,64,4,3,f16pairs,1") == (16, 64, 4, 3, "f16pairs", True)
-    assert tuning.parse_ragged("16,64,4,2,bfloat16,0,1") == (16, 64, 4, 2, "bfloat16", False,
-                                                             True)
-    for bad in ("16,64,4,3", "16,64,4,3,float8", "16,64,4,3,bfloat16,2",
-                "16,64,4,2,bfloat16,0,1,1"):
-        with pytest.raises(ValueError, match="ragged blocks"):
-            tuning.parse_ragged(bad)

@@ -11,8 +11,9 @@ import pytest
 
 from engine_util import random_prompts, run_staggered, tiny_engine
 from jaxinfer.buckets import Bucket
+from jaxinfer.config import EngineConfig
 from jaxinfer.request import SamplingParams
-from jaxinfer import runner as runner_mod
+from jaxinfer.routes import Routes
 from jaxinfer.runner import ModelRunner
 from jaxinfer.step_input import PackedInput, StepInput, dummy_input, pack_host, unpack
 
@@ -96,17 +97,21 @@ def test_step_reads_the_fresh_input_only_through_its_persistent_slot():
     assert runner._buffers[p.signature][0].unsafe_buffer_pointer() == first
 
 
+def _routes(**kw) -> Routes:
+    """This backend's routes for the tiny engine, with `kw` replaced."""
+    return Routes.choose(EngineConfig(), jax.default_backend()).replace(**kw)
+
+
 def _addresses(tree):
     return [x.unsafe_buffer_pointer() for x in jax.tree_util.tree_leaves(tree)]
 
 
-def test_step_writes_its_results_into_persistent_buffers_and_copies_them_out(monkeypatch):
+def test_step_writes_its_results_into_persistent_buffers_and_copies_them_out():
     """Every output of the compiled step is aliased to a donated argument (none lands in
     fresh memory, where XLA may also place step-wide values), the output buffers keep their
     addresses across steps, and what dispatch returns is a copy the next steps do not touch:
     the same tokens as a runner with fresh outputs. (On by default on the GPU only.)"""
-    monkeypatch.setattr(runner_mod, "PERSISTENT_OUTPUTS", True)
-    engine = tiny_engine()
+    engine = tiny_engine(routes=_routes(persistent_outputs=True))
     runner = engine.runner
     bucket = engine.buckets.all_buckets()[0]
     p = runner.prepare(dummy_input(bucket, max_num_seqs=runner.engine.max_num_seqs))
@@ -149,16 +154,14 @@ def test_step_writes_its_results_into_persistent_buffers_and_copies_them_out(mon
                                   jax.device_get(next_tokens))
 
 
-def test_fresh_outputs_switch_gives_the_same_steps(monkeypatch):
-    """PERSISTENT_OUTPUTS off (the A/B's other arm, and the CPU's default): no output
-    buffers, the same answers (staggered arrivals, greedy and seeded sampling, logprobs)."""
+def test_fresh_outputs_give_the_same_steps():
+    """Without persistent outputs (the CPU's route): no output buffers, the same answers (staggered arrivals, greedy and seeded sampling, logprobs)."""
     prompts = random_prompts(4, seed=3)
     params = [SamplingParams(max_tokens=6), SamplingParams(max_tokens=5, temperature=0.9, seed=1),
               SamplingParams(max_tokens=7, logprobs=2), SamplingParams(max_tokens=4)]
     results = []
     for persistent in (True, False):
-        monkeypatch.setattr(runner_mod, "PERSISTENT_OUTPUTS", persistent)
-        engine = tiny_engine()
+        engine = tiny_engine(routes=_routes(persistent_outputs=persistent))
         outs = run_staggered(engine, prompts, params, [0, 0, 2, 3])
         results.append([(o.token_ids, o.logprobs) for o in outs])
         buffers = [b for _, b in engine.runner._buffers.values()]
@@ -166,7 +169,8 @@ def test_fresh_outputs_switch_gives_the_same_steps(monkeypatch):
     assert results[0] == results[1]
 
 
-def test_persistent_outputs_default_to_the_gpu(monkeypatch):
-    monkeypatch.setattr(runner_mod, "PERSISTENT_OUTPUTS", None)
+def test_persistent_outputs_default_to_the_gpu():
     runner = tiny_engine().runner
-    assert runner._persistent_outputs == (jax.default_backend() == "gpu")
+    assert runner.routes.persistent_outputs == (jax.default_backend() == "gpu")
+    assert Routes.choose(EngineConfig(), "gpu").persistent_outputs
+    assert not Routes.choose(EngineConfig(), "cpu").persistent_outputs

@@ -139,13 +139,3 @@ def test_large_m_tiles_on_gpu(f, tiles):
     q, s = sq.swiglu_quant(y, xs, ws, tiles=tiles)
     _check(q, s, *sq.swiglu_quant_reference(y, xs, ws))
     assert float(s[5, 0]) == 1.0
-
-
-def test_parse_tiles():
-    assert sq.parse_tiles("fast_math=1, num_warps=16") == sq.Tiles(fast_math=True,
-                                                                    num_warps=16)
-    assert sq.parse_tiles("two_pass=true,rows=2") == sq.Tiles(two_pass=True, rows=2)
-    assert sq.parse_tiles("") == sq.Tiles()
-    for bad in ("warps=4", "rows", "rows=two"):
-        with pytest.raises(ValueError):
-            sq.parse_tiles(bad)

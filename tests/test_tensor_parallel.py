@@ -64,7 +64,7 @@ def _tiny(tp: int, **kw):
     from engine_util import TINY
     from jaxinfer.config import EngineConfig
     from jaxinfer.engine import Engine
-    from jaxinfer.params import build_model
+    from checkpoints.model_state import build_model
     from jaxinfer.sharding import make_layout
 
     fp8 = kw.get("weights") == "fp8"
@@ -105,7 +105,7 @@ def _layout_mismatch_error() -> str:
     from engine_util import TINY
     from jaxinfer.config import EngineConfig
     from jaxinfer.errors import ConfigError
-    from jaxinfer.params import build_model
+    from checkpoints.model_state import build_model
     from jaxinfer.runner import ModelRunner
 
     graphdef, params = build_model(TINY, random_flat(TINY, seed=1), jnp.float32)

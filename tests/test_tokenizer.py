@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from checkpoints import default_gguf_path
+from checkpoints.gguf_tokenizer import gguf_tokenizer
 from jaxinfer.errors import ConfigError, ModelLoadError
 from jaxinfer.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -32,7 +33,7 @@ CHATS = [
 
 @pytest.fixture(scope="module")
 def tok():
-    return Tokenizer.from_gguf(default_gguf_path())
+    return gguf_tokenizer(default_gguf_path())
 
 
 @pytest.fixture(scope="module")
@@ -137,4 +138,4 @@ def test_errors(tok, tmp_path):
     w.write_tensors_to_file()
     w.close()
     with pytest.raises(ModelLoadError, match="only byte-level BPE"):
-        Tokenizer.from_gguf(tmp_path / "spm.gguf")
+        gguf_tokenizer(tmp_path / "spm.gguf")

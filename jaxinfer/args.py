@@ -1,0 +1,83 @@
+"""The engine and sampling flags shared by every command line (`jaxinfer generate`, `serve`,
+`bench`): argparse groups and the frozen configs they describe."""
+from __future__ import annotations
+
+import argparse
+
+from jaxinfer.config import DTYPES, LM_HEADS, EngineConfig
+from jaxinfer.request import SamplingParams
+
+DEFAULT_MODEL = "smollm2"
+
+
+def add_engine_args(p: argparse.ArgumentParser):
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default=DEFAULT_MODEL,
+                   help="'smollm2' (the embedded default), a .gguf file, an HF directory "
+                        "(config.json + *.safetensors), an orbax directory written by "
+                        "`jaxinfer convert`, or a standard shape with synthetic weights "
+                        "(llama-3-8b, qwen2.5-32b, smollm2-135m, tiny)")
+    g.add_argument("--dtype", choices=DTYPES, default="auto",
+                   help="compute dtype (auto: bfloat16 on a GPU, float32 elsewhere)")
+    g.add_argument("--weights", choices=("bf16", "fp8"), default="bf16",
+                   help="linear weight format: as loaded, or FP8 e4m3 with per-channel scales")
+    g.add_argument("--kv-dtype", choices=("auto", "bf16", "fp8"), default="auto",
+                   help="KV cache dtype (auto = compute dtype)")
+    g.add_argument("--lm-head", choices=LM_HEADS, default="bf16",
+                   help="LM head: as loaded, int8 codes with a scale per vocab row (half the "
+                        "bytes; for small batches), or auto (int8 for steps of up to 64 rows, "
+                        "a bf16 copy of it for larger ones)")
+    g.add_argument("--kv-scales", choices=("static", "token"), default="static",
+                   help="FP8 KV scales: one per layer and kv head calibrated at start-up, "
+                        "or one per token and kv head")
+    g.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
+    g.add_argument("--max-model-len", type=int, default=2048,
+                   help="longest sequence (prompt + output) served")
+    g.add_argument("--max-num-seqs", type=int, default=32, help="rows per step")
+    g.add_argument("--max-num-batched-tokens", type=int, default=256,
+                   help="token budget per step (decode tokens + prefill chunks)")
+    g.add_argument("--num-pages", type=int, default=0,
+                   help="KV pages in the pool (0: enough for max-num-seqs full sequences)")
+    g.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
+    g.add_argument("--attention", choices=("auto", "reference", "pallas"), default="auto",
+                   help="attention implementation (auto: Pallas on GPU, jnp reference on CPU)")
+    g.add_argument("--tensor-parallel", type=int, default=1, help="GPUs to shard the model over")
+    g.add_argument("--layer-loop", choices=("auto", "scan", "unroll"), default="auto",
+                   help="decoder layers as lax.scan over stacked weights, or unrolled with one "
+                        "weight buffer per layer (auto: unrolled on a GPU, scanned elsewhere)")
+    g.add_argument("--unroll-layers", dest="layer_loop", action="store_const", const="unroll",
+                   help="same as --layer-loop unroll")
+    g.add_argument("--no-async-scheduling", action="store_true",
+                   help="wait for each step's tokens before preparing the next (default: the "
+                        "host prepares step t+1 while step t runs)")
+
+
+def engine_config_from_args(args) -> EngineConfig:
+    """The EngineConfig the engine flags (add_engine_args) describe."""
+    return EngineConfig(
+        page_size=args.page_size, num_pages=args.num_pages, max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        dtype=args.dtype, weights=args.weights, kv_dtype=args.kv_dtype, kv_scales=args.kv_scales,
+        lm_head=args.lm_head,
+        attention_impl=args.attention, enable_prefix_caching=not args.no_prefix_caching,
+        tensor_parallel=args.tensor_parallel,
+        unroll_layers={"auto": None, "scan": False, "unroll": True}[args.layer_loop],
+        async_scheduling=not args.no_async_scheduling)
+
+
+def add_sampling_args(p: argparse.ArgumentParser):
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1]")
+    g.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
+    g.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p * p_max")
+    g.add_argument("--seed", type=int, default=None, help="per-request sampling seed")
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+
+
+def sampling_params_from_args(args) -> SamplingParams:
+    """The SamplingParams the sampling flags (add_sampling_args) describe."""
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                          top_p=args.top_p, top_k=args.top_k, min_p=args.min_p, seed=args.seed,
+                          stop=tuple(args.stop))

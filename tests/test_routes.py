@@ -1,0 +1,34 @@
+"""EngineConfig's backend-dependent defaults and the kernel routes chosen from them."""
+import jax
+
+from jaxinfer.config import EngineConfig
+from jaxinfer.routes import Routes
+
+
+def test_dtype_auto_is_bfloat16_on_a_gpu_only():
+    cfg = EngineConfig()
+    assert cfg.dtype == "auto"
+    assert cfg.for_backend("gpu").dtype == "bfloat16"
+    assert cfg.for_backend("cpu").dtype == "float32"
+    assert EngineConfig(dtype="float32").for_backend("gpu").dtype == "float32"
+
+
+def test_engine_resolves_the_dtype_for_its_backend():
+    from engine_util import tiny_engine
+    engine = tiny_engine()
+    assert engine.config.dtype == ("bfloat16" if jax.default_backend() == "gpu" else "float32")
+    assert engine.runner.engine.dtype == engine.config.dtype
+
+
+def test_routes_by_backend_and_attention():
+    gpu = Routes.choose(EngineConfig(), "gpu")
+    assert gpu.pallas and not gpu.interpret and gpu.fused_glue and gpu.front_max_rows == 8
+    assert gpu.decode_min_rows == gpu.min_gemm_rows == 8 and gpu.fp8_mlp and gpu.persistent_outputs
+    cpu = Routes.choose(EngineConfig(), "cpu")
+    assert cpu == Routes()
+    assert not cpu.pallas and cpu.interpret and not cpu.fused_glue and cpu.decode_min_rows == 1
+    interpreted = Routes.choose(EngineConfig(attention_impl="pallas"), "cpu")
+    assert interpreted.pallas and interpreted.interpret and interpreted.fused_glue
+    assert not interpreted.fp8_mlp and interpreted.decode_min_rows == 1
+    assert not Routes.choose(EngineConfig(attention_impl="reference"), "gpu").fused_glue
+    assert hash(gpu) != hash(cpu)      # static: a jit cache key
