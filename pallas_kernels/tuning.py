@@ -13,7 +13,8 @@ docs/performance.md.
 from __future__ import annotations
 
 import dataclasses
-
+import json
+from pathlib import Path
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,25 +49,21 @@ class RaggedBlocks:
 FP8_COMPUTE = ("bfloat16", "float16", "f16pairs")
 
 
-# (kv itemsize, head dim) -> (block_tokens, num_warps, num_stages, fp8_compute[, prefetch_table])
-DECODE_TABLE = {
-    (1, 64): (128, 4, 3, "float16"),
-    (1, 128): (128, 4, 3, "f16pairs", True),
-    (2, 64): (128, 4, 3, "bfloat16"),
-    (2, 128): (64, 4, 3, "bfloat16"),
-    (4, 64): (32, 4, 2, "bfloat16"),
-    (4, 128): (32, 4, 2, "bfloat16"),
-}
-# (kv itemsize, head dim) -> (block_q, block_tokens, num_warps, num_stages, fp8_compute[,
-#  prefetch_table[, heavy_first]])
-RAGGED_TABLE = {
-    (1, 64): (16, 64, 4, 2, "bfloat16"),
-    (1, 128): (16, 64, 4, 2, "f16pairs", False, True),
-    (2, 64): (16, 64, 4, 2, "bfloat16"),
-    (2, 128): (16, 64, 4, 3, "bfloat16", True, True),
-    (4, 64): (16, 32, 4, 1, "bfloat16"),
-    (4, 128): (16, 32, 4, 1, "bfloat16"),
-}
+# The measured tables (tuning_h200.json): (kv itemsize, head dim) -> the fields below, in order
+_TABLES = json.loads((Path(__file__).resolve().parent / "tuning_h200.json").read_text())
+DECODE_FIELDS = ("block_tokens", "num_warps", "num_stages", "fp8_compute", "prefetch_table")
+RAGGED_FIELDS = ("block_q", "block_tokens", "num_warps", "num_stages", "fp8_compute",
+                 "prefetch_table", "heavy_first")
+
+
+def _table(name: str, fields: tuple[str, ...]) -> dict[tuple[int, int], tuple]:
+    defaults = {"prefetch_table": False, "heavy_first": False}
+    return {(r["kv_bytes"], r["head_dim"]): tuple(r.get(f, defaults.get(f)) for f in fields)
+            for r in _TABLES[name]}
+
+
+DECODE_TABLE = _table("decode", DECODE_FIELDS)
+RAGGED_TABLE = _table("ragged", RAGGED_FIELDS)
 
 # Split the context until the grid holds about this many programs (2 per SM of 132), but
 # never below MIN_SPLIT_TOKENS per split: the combine must stay cheap.
@@ -76,9 +73,7 @@ MIN_SPLIT_TOKENS = 64
 
 # Unsplit FP8 decode grids of ONE_WAVE_PROGRAMS programs take these blocks instead: half the
 # warps and tokens of the table's, so 4 programs fit per SM and up to 528 run in one wave.
-ONE_WAVE_TABLE = {
-    (1, 128): (64, 2, 3, "f16pairs", True),
-}
+ONE_WAVE_TABLE = _table("decode_one_wave", DECODE_FIELDS)
 ONE_WAVE_PROGRAMS = (TARGET_PROGRAMS + 1, 528)
 
 # Unsplit decode grids of this many programs (one per row and kv head) run the rows longest
@@ -168,4 +163,4 @@ class GemvTiles:
 
 # The FP8 GEMV's tiles (fp8_matmul.py's Pallas kernel at M = 1), the best measured on the
 # Llama-3-8B projections. No tiling beat XLA's route at M = 1, so fp8_linear sends M = 1 to XLA.
-FP8_GEMV = GemvTiles(bn=8, bk=1024, num_warps=4, reduce_each_step=True, prefetch=1)
+FP8_GEMV = GemvTiles(**_TABLES["fp8_gemv"])
