@@ -10,13 +10,10 @@ ON_GPU = os.environ.get("JAXINFER_TEST_GPU") == "1"
 os.environ.setdefault("JAX_PLATFORMS", "" if ON_GPU else "cpu")
 
 # CPU runs share JAX's persistent compilation cache, in a directory of their own: engines of
-# the same configuration (a sync/async pair, each test's tiny engine) compile each executable
-# once per run, not once per engine (tests/test_async_scheduling.py: 99 -> 47 s). Every
-# executable is kept, however quick to compile. Set before jax is imported, so its config
-# reads it; child processes (servers, the tensor-parallel run) inherit it. An executable
-# loaded from the cache still counts as a compile for runner.CompileCounter (jax times the
-# load as a backend compile), so "steady state compiles nothing" keeps its meaning. A cache
-# directory the environment already names is used as it is and kept.
+# the same configuration compile each executable once per run, not once per engine. Set
+# before jax is imported; child processes (servers, the tensor-parallel run) inherit it. A
+# load from the cache still counts as a compile for runner.CompileCounter, so "steady state
+# compiles nothing" keeps its meaning. A cache directory the environment names is kept.
 _OWN_CACHE = None
 if not ON_GPU and "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     _OWN_CACHE = tempfile.mkdtemp(prefix="jaxinfer-test-jit-cache-")
@@ -25,17 +22,11 @@ if not ON_GPU and "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
 
 # XLA's CPU backend compiles with LLVM at -O0 on all but one worker: most of the suite's
-# CPU time is compiling small executables (tiny engines, interpret-mode kernels) it runs a
-# few times, and -O0 takes ~25-35% off those files (test_paged_attention.py 215 -> 154 s,
-# test_engine.py 227 -> 176 s in one suite run each, two cores, 32nd session). The files
-# that run the real model (SmolLM2's teacher-forced passes, calibration, HF parity, the
-# servers) run its compiled code long enough that -O0 made them 1.07-1.72x slower
-# (test_fp8_quality.py 542 -> 889 s, test_hf_parity.py 171 -> 294): they go to worker
-# OPTIMIZED_WORKER, which compiles as XLA does by default (pytest_xdist_make_scheduler),
-# and the other workers take them only when nothing else is left. The optimization level
-# is LLVM's, after XLA's own passes: the same HLO, fusions and kernels; the whole suite
-# passed with every file at -O0 too.
-# Runs outside xdist, and runs whose XLA_FLAGS name an optimization level, keep theirs.
+# time is compiling small executables it runs a few times, and -O0 takes ~25-35% off those
+# files. The files that run the real model long enough to lose by it (OPTIMIZED_FILES) go
+# to worker OPTIMIZED_WORKER, which compiles as XLA does by default
+# (pytest_xdist_make_scheduler). The level is LLVM's, after XLA's own passes: the same HLO,
+# fusions and kernels. Runs outside xdist, and XLA_FLAGS naming a level, keep theirs.
 OPTIMIZED_WORKER = "gw0"
 OPTIMIZED_FILES = frozenset((
     "test_fp8_quality.py", "test_hf_parity.py", "test_serve_lifecycle.py", "test_convert.py",
@@ -47,14 +38,9 @@ if (not ON_GPU and _WORKER not in (None, OPTIMIZED_WORKER)
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                                + " --xla_backend_optimization_level=0").strip()
 
-# Torch (Hugging Face transformers in tests/test_hf_parity.py and test_checkpoints.py) runs its
-# CPU ops on OpenMP threads that by default spin while they wait for work. With three xdist
-# workers on two cores the spinning takes the cores from the other workers: HF's greedy
-# continuation of one prompt took 75 s (75 s of CPU) beside two busy processes, against 5 s
-# with PASSIVE (idle threads sleep), and test_hf_parity.py ~280 s of the whole suite's run
-# against ~60 s alone. The threads and the split of the work are the same, so the results
-# are too (SmolLM2's logits bitwise equal under both policies); alone, passive waits cost
-# ~1 s per greedy prompt. Set before torch is imported; workers and children inherit it.
+# Torch (the HF transformers oracle) runs its CPU ops on OpenMP threads that spin while they
+# wait; with three xdist workers on two cores the spinning starves the other workers. Idle
+# threads sleep instead (same threads, same results). Set before torch is imported.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
@@ -83,26 +69,21 @@ def pytest_ignore_collect(collection_path, config):
 
 
 # Longest files first. Under `-n 3 --dist loadfile` each file is one unit of work, handed out
-# in queue order, and xdist's own queue order is by number of tests: the three-test FP8
-# quality file (~220 s alone then, three times the next longest) came among the last units and
-# the run ended with it alone on a worker, the other two idle. Listed here: the files of
-# ~30 s and more alone on 2 cores (seconds measured alone with a fresh compilation cache;
-# within ~10% from run to run), longest first; every other file follows in xdist's order
-# (most tests first). Only the order in which files start changes: each file's tests run in
-# their own order, on one worker, as before.
+# in queue order; xdist's own order (most tests first) would leave a long file with few tests
+# to run alone at the end. Listed: the files of ~30 s and more alone on 2 cores, longest
+# first; every other file follows in xdist's order. Each file's tests keep their order.
 LONGEST_FIRST = (
-    "test_fp8_quality.py",              # ~165 s (~220 s before the 30th session)
+    "test_fp8_quality.py",              # ~165 s
     "test_tensor_parallel.py",          # ~70 s (one child process)
     "test_engine.py",                   # ~65 s
     "test_paged_attention.py",          # ~65 s
     "test_hf_parity.py",                # ~60 s
-    "test_model_glue.py",               # ~50 s (split from test_model.py, now ~17 s)
+    "test_model_glue.py",               # ~50 s
     "test_ragged_paged_attention.py",   # ~50 s
     "test_serve_lifecycle.py",          # ~50 s
     "test_async_scheduling.py",         # ~45 s
     "test_decode_qkv.py",               # ~45 s
     "test_bench.py",                    # ~40 s
-    "test_mgpu_probes.py",              # ~35 s
     "test_checkpoints.py",              # ~35 s
     "test_kv_write.py",                 # ~33 s
     "test_batch_generate.py",           # ~32 s

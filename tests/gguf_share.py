@@ -8,11 +8,11 @@ def share_the_embedded_gguf_parse():
     process gets one shared gguf.GGUFReader: the gguf package parses the file's ~100k
     tokenizer strings one field at a time, 3-5 s on the CPU per parse, and the same file is
     parsed again by every load: ours (checkpoints.gguf_loader.open_gguf) and transformers'
-    (test_hf_parity.py alone parsed it 4 times, test_fp8_quality.py 5). Only the parse is
-    shared: every load still builds its config, dequantized weights and tokenizer from the
-    reader as before; the reader's arrays are read-only memory maps, so no load can change
-    what the next one reads. Every other file (temporary GGUFs, missing or corrupt ones) gets
-    a reader of its own as before; servers and CLI runs in child processes parse their own
+    (unshared, test_hf_parity.py alone would parse it 4 times, test_fp8_quality.py 5). Only
+    the parse is shared: every load still builds its config, dequantized weights and
+    tokenizer from the reader; the reader's arrays are read-only memory maps, so no load can
+    change what the next one reads. Every other file (temporary GGUFs, missing or corrupt
+    ones) gets a reader of its own; servers and CLI runs in child processes parse their own
     (the tensor-parallel test's child calls this itself)."""
     import threading
     from pathlib import Path

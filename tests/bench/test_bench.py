@@ -1,7 +1,7 @@
 """Every bench suite runs end to end on the tiny model on the CPU and writes a valid results
 file (bench/README.md), by default outside the tree. No timing asserts: only that
 the numbers exist and add up. (batching, throughput: test_bench_batching.py,
-test_bench_throughput.py; serving: tests/test_serve.py, against its server.)"""
+test_bench_throughput.py; serving: tests/serve/test_serve.py, against its server.)"""
 import json
 import subprocess
 import sys
@@ -12,7 +12,7 @@ import pytest
 
 from bench import cli, decode
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 ENGINE = ["--model", "tiny", "--git", "test-sha", "--reps", "2"]
 
 
@@ -32,7 +32,7 @@ def _positive(row, *keys):
 
 
 def _rounded_ratio(value, num, den):
-    """value was round(num / d, 4) for a d that the row keeps as den = round(d, 4) (ms): on a
+    """value is round(num / d, 4) for a d that the row keeps as den = round(d, 4) (ms): on a
     noisy CPU the back-to-back step can come out at a few us, where den's rounding alone moves
     the ratio by percent."""
     lo, hi = num / (den + 5e-5), num / max(den - 5e-5, 1e-9)

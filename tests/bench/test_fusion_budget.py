@@ -10,7 +10,7 @@ import pytest
 from bench import hlo
 from jaxinfer.config import EngineConfig, standard_config
 
-BUDGET = json.loads((Path(__file__).resolve().parent.parent / "bench" /
+BUDGET = json.loads((Path(__file__).resolve().parents[2] / "bench" /
                      "fusion_budget.json").read_text())["budgets"]
 
 SYNTHETIC = """HloModule m

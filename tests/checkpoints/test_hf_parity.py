@@ -12,7 +12,7 @@ from jaxinfer import LLM, SamplingParams
 from jaxinfer.config import EngineConfig
 from checkpoints.model_state import build_model
 from jaxinfer.runner import ModelRunner
-from test_model import single_sequence_md
+from jaxinfer.kv_cache import single_sequence_metadata as single_sequence_md
 
 PROMPTS = [
     "The capital of France is",

@@ -18,7 +18,7 @@ from jaxinfer.errors import JaxinferError
 from jaxinfer.request import SamplingParams
 
 DEFAULTS = SamplingParams(temperature=0.0, max_tokens=6)
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 SUMMARY_KEYS = {"requests", "skipped_done", "rejected", "rejected_lines", "prompt_tokens",
                 "output_tokens", "wall_s", "requests_per_s", "output_tokens_per_s",
                 "ttft_p50_s", "ttft_p99_s", "per_token_latency_p50_s",

@@ -144,9 +144,9 @@ def test_other_runtime_errors_pass_through(monkeypatch):
 
 
 def test_kv_pool_size():
-    # Llama-3-8B, FP8 KV, 96,001 pages of 16: K and V 46.88 GiB each (the H200's failed
-    # request in bench/README.md's sixteenth session) plus, with per-token scales, two f32
-    # scale arrays (static scales: [L, K] for the whole pool, not counted per page)
+    # Llama-3-8B, FP8 KV, 96,001 pages of 16: K and V 46.88 GiB each (the allocation
+    # _exhausted fails) plus, with per-token scales, two f32 scale arrays (static scales:
+    # [L, K] for the whole pool, not counted per page)
     cfg = EngineConfig(page_size=16, num_pages=96001, max_model_len=2001, max_num_seqs=768,
                        kv_dtype="fp8", dtype="bfloat16", kv_scales="token")
     k = 32 * 8 * 96001 * 16 * 128 / 2 ** 30

@@ -4,7 +4,7 @@ The fixture (tests/fixtures/greedy_outputs.json) holds the greedy token ids of t
 random-weight model in float32 under each kernel route the CPU can run (the scanned reference
 decoder; the unrolled decoder with the Pallas kernels in interpret mode, with float and with
 FP8 weights and KV) and of the embedded SmolLM2 model. Regenerate it only for a change that is
-meant to move outputs: `python tests/test_golden_outputs.py --write`.
+meant to move outputs: `PYTHONPATH=tests python tests/engine/test_golden_outputs.py --write`.
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from jaxinfer.config import EngineConfig
 from jaxinfer.engine import Engine
 from checkpoints.model_state import build_model
 
-FIXTURE = Path(__file__).resolve().parent / "fixtures" / "greedy_outputs.json"
+FIXTURE = Path(__file__).resolve().parent.parent / "fixtures" / "greedy_outputs.json"
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
 # name -> (EngineConfig fields, build_model fields) of the tiny model's routes
@@ -77,7 +77,7 @@ def test_smollm2_greedy_outputs_match_fixture(fixture):
 
 if __name__ == "__main__":
     if sys.argv[1:] != ["--write"]:
-        sys.exit("usage: python tests/test_golden_outputs.py --write")
+        sys.exit("usage: PYTHONPATH=tests python tests/engine/test_golden_outputs.py --write")
     FIXTURE.parent.mkdir(exist_ok=True)
     FIXTURE.write_text(json.dumps(generate(), indent=1) + "\n")
     print(f"wrote {FIXTURE}")

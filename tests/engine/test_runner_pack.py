@@ -71,8 +71,7 @@ def _users(entry: str, name: str) -> list[str]:
 def test_step_reads_the_fresh_input_only_through_its_persistent_slot():
     """The compiled step reads the per-call packed buffer in ONE instruction (its copy into
     the donated slot), the slot is aliased to an output, and the slot keeps its device
-    buffer across steps: what lets a command buffer skip updating the other kernels. (Before
-    the thirtieth session it failed on the GPU backend, which fuses that copy.)"""
+    buffer across steps: what lets a command buffer skip updating the other kernels."""
     engine = tiny_engine()
     runner = engine.runner
     bucket = engine.buckets.all_buckets()[0]
@@ -124,7 +123,7 @@ def test_step_writes_its_results_into_persistent_buffers_and_copies_them_out():
     assert set(alias) == set(range(n_out)), header
     # The buffers are only written: the program reads none of them (the select that keeps
     # them from being pruned is folded away), and the greedy variant's unread rng and step
-    # index are pruned as before.
+    # index are pruned as with fresh outputs.
     entry = text[text.index("ENTRY"):]
     params = {int(i): name for name, i in re.findall(r"(\S+) = \S+ parameter\((\d+)\)", entry)}
     for o in range(n_out - 5, n_out):
@@ -155,7 +154,8 @@ def test_step_writes_its_results_into_persistent_buffers_and_copies_them_out():
 
 
 def test_fresh_outputs_give_the_same_steps():
-    """Without persistent outputs (the CPU's route): no output buffers, the same answers (staggered arrivals, greedy and seeded sampling, logprobs)."""
+    """Without persistent outputs (the CPU's route): no output buffers, the same answers
+    (staggered arrivals, greedy and seeded sampling, logprobs)."""
     prompts = random_prompts(4, seed=3)
     params = [SamplingParams(max_tokens=6), SamplingParams(max_tokens=5, temperature=0.9, seed=1),
               SamplingParams(max_tokens=7, logprobs=2), SamplingParams(max_tokens=4)]

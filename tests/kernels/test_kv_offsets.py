@@ -2,8 +2,8 @@
 over one layer's arrays of KVLayers they compute their load and store offsets in 32-bit
 integers, over the stacked pool in 64-bit ones. Pallas's Triton lowering switches to 64-bit
 offsets for arrays of >= 4 GiB (kv_cache.py), which the stacked pool is at the throughput
-run's size and one layer's share is not; the H200 ran the FP8 decode kernel ~7% slower over
-such arrays (bench/probes/layers.py). The calls go through jaxinfer.ops as the model
+run's size and one layer's share is not; over such arrays the FP8 decode kernel runs ~7%
+slower on the H200 (docs/performance.md). The calls go through jaxinfer.ops as the model
 makes them, with the GPU's choices (the GPU's routes): the decode kernel, the
 mixed step's ragged + decode kernels, and the RoPE + K/V write."""
 import contextlib

@@ -1,5 +1,5 @@
 """The K/V write kernel (pallas_kernels/kv_write.py) against XLA's scatter
-(jaxinfer/kv_cache.py's write_kv): interpret mode on the CPU; the gpu-marked cases run the
+(pallas_kernels/kv_pages.py's write_kv): interpret mode on the CPU; the gpu-marked cases run the
 Triton kernel and check that the cache is updated in place (no copy in the compiled HLO)."""
 import dataclasses
 import re

@@ -110,7 +110,7 @@ def _fused_vs_unfused_model(monkeypatch, attention_impl="auto"):
     Pallas glue there too (interpret mode), so the fused layer's QKV scales are applied in
     the RoPE + K/V write kernel as on the GPU."""
     from dense_reference import dense_logits, random_flat
-    from test_model import single_sequence_md
+    from jaxinfer.kv_cache import single_sequence_metadata as single_sequence_md
 
     from jaxinfer import ops
     from jaxinfer.config import EngineConfig, standard_config

@@ -1,6 +1,6 @@
 """Where the decode kernel's outputs go: padding rows after the real ones (`rows`), token
 rows of a mixed step's arrays written in place (`token_rows`/`out`), and the split combine
-that merges partials into them. Cases and tolerances: tests/test_paged_attention.py."""
+that merges partials into them. Cases and tolerances: tests/kernels/test_paged_attention.py."""
 import jax.numpy as jnp
 import numpy as np
 import pytest

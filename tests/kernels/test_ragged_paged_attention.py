@@ -1,6 +1,6 @@
 """Ragged paged attention (several new tokens per sequence, causal within the chunk) vs its
 plain-jnp reference, and against the decode kernel where the two must agree. Same tolerance
-reasoning as tests/test_paged_attention.py."""
+reasoning as tests/kernels/test_paged_attention.py."""
 import functools
 
 import jax
@@ -227,7 +227,7 @@ def test_mixed_step_splits_decode_rows_off(kv_dtype, interpret):
 @pytest.mark.parametrize("interpret", MODES)
 @pytest.mark.parametrize("q_mag,compute", [(2e5, HF), (1e-6, HF), (2e5, PR)])
 def test_fp8_scale_stress(q_mag, compute, interpret):
-    """The f16 path's range corners (tests/test_paged_attention.py's stress_cache, wide V
+    """The f16 path's range corners (tests/kernels/test_paged_attention.py's stress_cache, wide V
     scales) with causal chunks: every token's own relative error."""
     q, (k, _, _, _), md = make_ragged(23, 16, 4, 128, "fp8", [12, 1, 0, 5], 20)
     q, (k, v, ks, vs) = stress_cache(np.random.default_rng(29), q, k.shape, "wide_v", q_mag)

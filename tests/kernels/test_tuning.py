@@ -1,5 +1,5 @@
 """The decode kernel's block rules (pallas_kernels/tuning.py): which blocks a grid gets. The
-kernels' correctness under those blocks is tests/test_paged_attention.py's."""
+kernels' correctness under those blocks is tests/kernels/test_paged_attention.py's."""
 
 from pallas_kernels import tuning
 from pallas_kernels.tuning import DecodeBlocks

@@ -1,6 +1,7 @@
 """The int8 LM head: codes per vocab row with max/127 scales (checkpoints.fp8), its GEMV
 (ops.int8_head), the model and loaders that carry it, and its calibrated rounding
-(checkpoints/calibrate.py). Its answer quality on SmolLM2 is tests/test_fp8_quality.py's."""
+(checkpoints/calibrate.py). Its answer quality on SmolLM2 is
+tests/checkpoints/test_fp8_quality.py's."""
 import re
 import warnings
 

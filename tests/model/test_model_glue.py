@@ -42,8 +42,8 @@ def test_fused_glue_equals_unfused(unroll, bias):
     before QKV folded in) against the unfused route, with Pallas attention in interpret mode:
     a prefill and a decode step padded to 8 rows give the same logits and the same cache, and
     the decode step's jaxpr holds each route's kernels. (The tiny context is not split: the
-    combine kernel has its own tests in test_paged_attention.py.) With a QKV bias (Qwen2) the
-    fused routes add it in their kernels, the unfused one in the projection."""
+    combine kernel has its own tests in test_paged_attention_outputs.py.) With a QKV bias
+    (Qwen2) the fused routes add it in their kernels, the unfused one in the projection."""
     cfg = dataclasses.replace(standard_config("tiny"), qkv_bias=bias)
     flat = random_flat(cfg, seed=8)
     engine = EngineConfig(page_size=4, max_model_len=32, max_num_seqs=2,
@@ -134,10 +134,10 @@ def test_gpu_fused_glue_equals_unfused(unroll):
     logits_u, k_u, v_u = run(False)
     logits_f, k_f, v_f = run(True)
     # f32 dots run as TF32 on the GPU (10-bit mantissa): q differing in its last f32 bit
-    # between the routes moves a logit by up to ~1e-3 relative (the scan's run: 2.8e-4 abs).
-    # The decode steps' K/V come from QKV's partial products (ops.decode_qkv_attention), a
-    # GEMM of its own under TF32: 3.0e-4 abs from the unfused route's on the H200 (their
-    # values ~0.02-1); the prefill's slots (positions 0-8) are written alike
+    # between the routes moves a logit by up to ~1e-3 relative. The decode steps' K/V come
+    # from QKV's partial products (ops.decode_qkv_attention), a GEMM of its own under TF32
+    # (~3e-4 abs from the unfused route's, on values of ~0.02-1); the prefill's slots
+    # (positions 0-8) are written alike
     np.testing.assert_allclose(logits_f, logits_u, atol=2e-3, rtol=2e-3)
     np.testing.assert_allclose(k_f, k_u, atol=2e-3, rtol=2e-3)
     np.testing.assert_allclose(v_f, v_u, atol=2e-3, rtol=2e-3)

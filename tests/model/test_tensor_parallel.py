@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 HERE = Path(__file__).resolve().parent
+TESTS = HERE.parent      # the shared helpers (dense_reference, engine_util)
 TINY_PROMPTS, TINY_ARRIVALS = 4, [0, 0, 2, 5]
 
 
@@ -84,7 +85,7 @@ def _synthetic_logits(tp: int, spec_of=("lm_head", "kernel"), **kw):
 
     from jaxinfer.config import EngineConfig
     from jaxinfer.engine import Engine
-    from test_model import single_sequence_md
+    from jaxinfer.kv_cache import single_sequence_metadata as single_sequence_md
 
     engine = Engine.from_model("tiny", EngineConfig(max_model_len=32, max_num_seqs=1,
                                                     page_size=4, tensor_parallel=tp, **kw))
@@ -173,9 +174,10 @@ def results():
                      if not f.startswith("--xla_force_host_platform_device_count"))
     env = dict(os.environ, JAX_PLATFORMS="cpu",
                XLA_FLAGS=f"{flags} --xla_force_host_platform_device_count=8".strip())
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE), env.get("PYTHONPATH")]))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE), str(TESTS),
+                                                      env.get("PYTHONPATH")]))
     proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True,
-                          timeout=600, cwd=HERE.parent)
+                          timeout=600, cwd=TESTS.parent)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 

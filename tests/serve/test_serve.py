@@ -276,8 +276,9 @@ def test_server_log_has_no_errors(server):
 
 
 def test_serving_bench_saturation_rule():
-    """Long answers that keep up are not 'saturated' (the chat sweep stopped after its first
-    rate on the H200 before this rule); completions falling behind the arrivals are."""
+    """Long answers that keep up are not 'saturated' (their end-to-end latency is long at
+    any rate, so counting it would stop a chat sweep at its first rate); completions falling
+    behind the arrivals are."""
     from bench.serving import saturated, summarize
 
     def run(done_at):  # 19 requests sent 0.53 s apart at 2/s, 170 tokens each
