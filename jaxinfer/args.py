@@ -4,30 +4,32 @@ from __future__ import annotations
 
 import argparse
 
-from jaxinfer.config import DTYPES, LM_HEADS, EngineConfig
+from jaxinfer.config import (ATTENTION_IMPLS, DTYPES, KV_DTYPES, KV_SCALES, LM_HEADS,
+                             STANDARD_CONFIGS_DIR, WEIGHT_FORMATS, EngineConfig)
 from jaxinfer.request import SamplingParams
 
 DEFAULT_MODEL = "smollm2"
 
 
 def add_engine_args(p: argparse.ArgumentParser):
+    shapes = ", ".join(sorted(f.stem for f in STANDARD_CONFIGS_DIR.glob("*.json")))
     g = p.add_argument_group("engine")
     g.add_argument("--model", default=DEFAULT_MODEL,
                    help="'smollm2' (the embedded default), a .gguf file, an HF directory "
                         "(config.json + *.safetensors), an orbax directory written by "
-                        "`jaxinfer convert`, or a standard shape with synthetic weights "
-                        "(llama-3-8b, qwen2.5-32b, smollm2-135m, tiny)")
+                        f"`jaxinfer convert`, or a standard shape with synthetic weights "
+                        f"({shapes})")
     g.add_argument("--dtype", choices=DTYPES, default="auto",
                    help="compute dtype (auto: bfloat16 on a GPU, float32 elsewhere)")
-    g.add_argument("--weights", choices=("bf16", "fp8"), default="bf16",
+    g.add_argument("--weights", choices=WEIGHT_FORMATS, default="bf16",
                    help="linear weight format: as loaded, or FP8 e4m3 with per-channel scales")
-    g.add_argument("--kv-dtype", choices=("auto", "bf16", "fp8"), default="auto",
+    g.add_argument("--kv-dtype", choices=KV_DTYPES, default="auto",
                    help="KV cache dtype (auto = compute dtype)")
     g.add_argument("--lm-head", choices=LM_HEADS, default="bf16",
                    help="LM head: as loaded, int8 codes with a scale per vocab row (half the "
                         "bytes; for small batches), or auto (int8 for steps of up to 64 rows, "
                         "a bf16 copy of it for larger ones)")
-    g.add_argument("--kv-scales", choices=("static", "token"), default="static",
+    g.add_argument("--kv-scales", choices=KV_SCALES, default="static",
                    help="FP8 KV scales: one per layer and kv head calibrated at start-up, "
                         "or one per token and kv head")
     g.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
@@ -39,7 +41,7 @@ def add_engine_args(p: argparse.ArgumentParser):
     g.add_argument("--num-pages", type=int, default=0,
                    help="KV pages in the pool (0: enough for max-num-seqs full sequences)")
     g.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
-    g.add_argument("--attention", choices=("auto", "reference", "pallas"), default="auto",
+    g.add_argument("--attention", choices=ATTENTION_IMPLS, default="auto",
                    help="attention implementation (auto: Pallas on GPU, jnp reference on CPU)")
     g.add_argument("--tensor-parallel", type=int, default=1, help="GPUs to shard the model over")
     g.add_argument("--layer-loop", choices=("auto", "scan", "unroll"), default="auto",

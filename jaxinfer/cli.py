@@ -8,10 +8,12 @@ import argparse
 import sys
 
 from bench.cli import add_bench_arguments, run_bench
+from checkpoints.calibrate import DEFAULT_WINDOWS
 from checkpoints.convert import convert
 from jaxinfer.args import (add_engine_args, add_sampling_args, engine_config_from_args,
                            sampling_params_from_args)
 from jaxinfer.batch_generate import run_batch_file
+from jaxinfer.config import WEIGHT_FORMATS
 from jaxinfer.errors import JaxinferError
 from jaxinfer.llm import LLM
 from serve.cli import add_client_arguments, add_serve_arguments, run_client, run_serve
@@ -47,9 +49,15 @@ def build_parser() -> argparse.ArgumentParser:
                     "NVIDIA GPU; with no --model it uses the embedded SmolLM2-135M-Instruct.")
     sub = p.add_subparsers(dest="command", required=True)
 
-    g = sub.add_parser("generate", formatter_class=HELP, help="complete a prompt, or a JSONL file of prompts",
-                       description="Complete PROMPT and print it, or run a JSONL batch "
-                                   "(--input/--output) with a progress bar and a summary.")
+    def command(name: str, summary: str, description: str, func):
+        parser = sub.add_parser(name, help=summary, description=description,
+                                formatter_class=HELP)
+        parser.set_defaults(func=func)
+        return parser
+
+    g = command("generate", "complete a prompt, or a JSONL file of prompts",
+                "Complete PROMPT and print it, or run a JSONL batch (--input/--output) with a "
+                "progress bar and a summary.", cmd_generate)
     g.add_argument("prompt", nargs="?", help="prompt text")
     g.add_argument("--chat", action="store_true",
                    help="wrap PROMPT as a user message in the model's chat template")
@@ -59,48 +67,37 @@ def build_parser() -> argparse.ArgumentParser:
                                     "re-running skips ids already there")
     add_engine_args(g)
     add_sampling_args(g)
-    g.set_defaults(func=cmd_generate)
 
-    c = sub.add_parser("convert", formatter_class=HELP, help="convert a checkpoint to the fast-loading orbax form",
-                       description="Load SRC (.gguf, HF dir, or 'smollm2') and write DST as an "
-                                   "orbax checkpoint (+ config and tokenizer) that loads fast.")
+    c = command("convert", "convert a checkpoint to the fast-loading orbax form",
+                "Load SRC (.gguf, HF dir, or 'smollm2') and write DST as an orbax checkpoint "
+                "(+ config and tokenizer) that loads fast.", cmd_convert)
     c.add_argument("src")
     c.add_argument("dst")
-    c.add_argument("--weights", choices=("bf16", "fp8"), default="bf16",
+    c.add_argument("--weights", choices=WEIGHT_FORMATS, default="bf16",
                    help="store linear weights as-is or quantized to FP8 e4m3")
     c.add_argument("--calibrate", action="store_true",
                    help="with --weights fp8: round each weight knowing its inputs (GPTQ-style "
-                        "error compensation over calibration text from Python's own "
-                        "documentation strings): same format and speed, closer to bf16 "
-                        "(SmolLM2 top-1 agreement 92.7%% -> 96.0%%); ~1 min on a CPU for "
-                        "SmolLM2, far longer for billions of parameters")
-    c.add_argument("--calibration-windows", type=int, default=None, metavar="N",
-                   help="calibration sequences of 512 tokens (default 32: more windows, "
-                        "closer to bf16, a longer conversion)")
+                        "error compensation over calibration text): same format and speed, "
+                        "closer to bf16")
+    c.add_argument("--calibration-windows", type=int, default=DEFAULT_WINDOWS, metavar="N",
+                   help="calibration sequences of 512 tokens (more: closer to bf16, a longer "
+                        "conversion)")
     c.add_argument("--lm-head", choices=("bf16", "int8"), default="bf16",
                    help="store the LM head as-is or as int8 codes per vocab row (load it "
                         "with --lm-head int8); with --calibrate rounded the same way as the "
                         "FP8 layers")
-    c.set_defaults(func=cmd_convert)
 
-    s = sub.add_parser("serve", formatter_class=HELP, help="serve a model over gRPC (streaming, health, reflection, "
-                                     "metrics)",
-                       description="Serve --model over gRPC (jaxinfer.v1.Inference, "
-                                   "grpc.health.v1, reflection); Prometheus metrics on "
-                                   "--metrics-port.")
-    add_serve_arguments(s)
-    s.set_defaults(func=run_serve)
-    cl = sub.add_parser("client", formatter_class=HELP, help="stream a completion from a jaxinfer server",
-                        description="Send PROMPT to a jaxinfer server and stream the answer.")
-    add_client_arguments(cl)
-    cl.set_defaults(func=run_client)
-
-    b = sub.add_parser("bench", formatter_class=HELP, help="benchmark suites (compile, decode, kernels, throughput, "
-                                     "serving, ...)",
-                       description="Run a benchmark suite; its JSON result goes outside the "
-                                   "tree unless --out names a path.")
-    add_bench_arguments(b)
-    b.set_defaults(func=run_bench)
+    add_serve_arguments(command(
+        "serve", "serve a model over gRPC (streaming, health, reflection, metrics)",
+        "Serve --model over gRPC (jaxinfer.v1.Inference, grpc.health.v1, reflection); "
+        "Prometheus metrics on --metrics-port.", run_serve))
+    add_client_arguments(command(
+        "client", "stream a completion from a jaxinfer server",
+        "Send PROMPT to a jaxinfer server and stream the answer.", run_client))
+    add_bench_arguments(command(
+        "bench", "benchmark suites (compile, decode, paged_attention, throughput, serving, ...)",
+        "Run a benchmark suite; its JSON result goes outside the tree unless --out names a "
+        "path.", run_bench))
     return p
 
 

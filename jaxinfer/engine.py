@@ -79,7 +79,6 @@ class Engine:
 
     @classmethod
     def from_model(cls, model: str, engine_cfg: EngineConfig) -> "Engine":
-        engine_cfg = engine_cfg.for_backend(jax.default_backend())
         cfg, graphdef, params, tokenizer = load_model(model, engine_cfg)
         return cls(cfg, engine_cfg, graphdef, params, tokenizer, model_name=str(model))
 

@@ -6,9 +6,10 @@ shapes of StepInput (= the bucket: T tokens, B rows, pages_per_seq) plus
 `AttentionMetadata.decode_only` and the sampling arrays' static flags. Dynamic: every value.
 
 Ahead-of-time executables (`compile_ahead`, used by Engine.warmup): every bucket's step is
-lowered (Python tracing: one at a time) and then compiled in a thread pool; `dispatch` then calls the executable matching the input's signature (PackedInput:
-tree structure + shapes + dtypes) and falls back to the jitted function (which compiles, and
-is counted) for anything else. Step inputs reach the device as one packed int32 buffer
+lowered (Python tracing: one at a time) and then compiled in a thread pool; `dispatch`
+then calls the executable matching the input's signature (PackedInput: tree structure +
+shapes + dtypes) and falls back to the jitted function (which compiles, and is counted) for
+anything else. Step inputs reach the device as one packed int32 buffer
 (step_input.py), copied into a persistent slot; on the GPU the step's results are written
 into persistent donated buffers and copied out for the caller (_packed_step says why).
 
@@ -37,6 +38,7 @@ from jaxinfer.kv_cache import (AttentionMetadata, KVCache, KVLayers, allocate_kv
 from jaxinfer.routes import Routes
 from jaxinfer.sharding import kv_spec, make_layout
 from jaxinfer.step_input import PackedInput, StepInput, pack_host, unpack, warmup_inputs
+
 
 class CompileCounter:
     """Counts XLA backend compiles process-wide (jax.monitoring), so tests and metrics can
