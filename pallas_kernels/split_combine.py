@@ -11,7 +11,6 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels import pow2_ceil, triton_params
-from pallas_kernels.attention_block import M_INIT
 
 
 def _combine(acc, m, l):

@@ -158,7 +158,6 @@ def test_convert_calibrate_needs_fp8_and_a_tokenizer(tmp_path):
 
 
 def test_too_many_windows_is_a_clear_error():
-    from jaxinfer.tokenizer import Tokenizer
     from checkpoints import default_gguf_path
     from checkpoints.calibrate import calibration_windows
 

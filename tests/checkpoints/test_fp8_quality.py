@@ -42,7 +42,6 @@ def _windows(count: int) -> np.ndarray:
     from pydoc_data.topics import topics
 
     from checkpoints import default_gguf_path
-    from jaxinfer.tokenizer import Tokenizer
     text = "\n\n".join(topics[k] for k in sorted(topics))
     ids = gguf_tokenizer(default_gguf_path()).encode(text[:200_000])
     assert len(ids) >= WINDOW * count, f"only {len(ids)} tokens for {count} windows"
