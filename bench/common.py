@@ -41,8 +41,8 @@ def device_name() -> str:
 
 def new_result(args, **extra) -> dict:
     """A result file's header for the suite `args` runs (bench.cli sets args.suite and
-    args.command). JAXINFER_* environment overrides are recorded under "env"."""
-    env = {k: v for k, v in sorted(os.environ.items()) if k.startswith("JAXINFER_")}
+    args.command). XLA_FLAGS, when set, is recorded under "env"."""
+    env = {k: os.environ[k] for k in ("XLA_FLAGS",) if os.environ.get(k)}
     command = getattr(args, "command", None) or " ".join(sys.argv)
     return {"suite": args.suite, "device": device_name(), "jax": jax.__version__,
             "git": git_sha(args.git), "date": str(datetime.date.today()), "command": command,

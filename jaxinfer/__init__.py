@@ -5,7 +5,7 @@ on Hopper XLA may launch a kernel before the one it depends on has finished; a s
 the decode step, docs/performance.md; the CPU backend takes the flag and ignores it). XLA
 reads XLA_FLAGS once, when JAX first uses a device (on the CPU a flag set later is not
 parsed), so import jaxinfer before that. A flag already in XLA_FLAGS that names
-xla_gpu_enable_pdl wins; JAXINFER_XLA_PDL=0 leaves XLA_FLAGS alone.
+xla_gpu_enable_pdl wins (`XLA_FLAGS=--xla_gpu_enable_pdl=false` turns it off).
 """
 import os
 
@@ -16,7 +16,7 @@ PDL_FLAG = "--xla_gpu_enable_pdl=true"
 
 def _default_xla_flags(env=os.environ) -> None:
     flags = env.get("XLA_FLAGS", "")
-    if env.get("JAXINFER_XLA_PDL", "1") != "0" and "xla_gpu_enable_pdl" not in flags:
+    if "xla_gpu_enable_pdl" not in flags:
         env["XLA_FLAGS"] = f"{flags} {PDL_FLAG}".strip()
 
 
