@@ -49,8 +49,17 @@ def add_engine_args(p: argparse.ArgumentParser):
                         "weight buffer per layer (auto: unrolled on a GPU, scanned elsewhere)")
     g.add_argument("--unroll-layers", dest="layer_loop", action="store_const", const="unroll",
                    help="same as --layer-loop unroll")
+    g.add_argument("--compile-cache-dir", default="auto", metavar="DIR",
+                   help="JAX's persistent compilation cache: a restart loads the compiled "
+                        "steps instead of compiling them (auto: JAX_COMPILATION_CACHE_DIR, "
+                        "else ~/.cache/jaxinfer/xla)")
+    g.add_argument("--no-compile-cache", action="store_true",
+                   help="compile everything afresh and keep nothing on disk")
+    g.add_argument("--warmup", choices=("auto", "on", "off"), default="auto",
+                   help="compile every bucket before the first request, so none compiles "
+                        "later (auto: on a GPU)")
     g.add_argument("--no-async-scheduling", action="store_true",
-                   help="wait for each step's tokens before preparing the next (default: the "
+                   help="wait for each step's tokens before preparing the next (otherwise the "
                         "host prepares step t+1 while step t runs)")
 
 
@@ -64,7 +73,9 @@ def engine_config_from_args(args) -> EngineConfig:
         attention_impl=args.attention, enable_prefix_caching=not args.no_prefix_caching,
         tensor_parallel=args.tensor_parallel,
         unroll_layers={"auto": None, "scan": False, "unroll": True}[args.layer_loop],
-        async_scheduling=not args.no_async_scheduling)
+        async_scheduling=not args.no_async_scheduling,
+        compile_cache="off" if args.no_compile_cache else args.compile_cache_dir,
+        warmup={"auto": None, "on": True, "off": False}[args.warmup])
 
 
 def add_sampling_args(p: argparse.ArgumentParser):

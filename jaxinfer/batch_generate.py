@@ -281,6 +281,8 @@ def run_batch_file(args) -> int:
         raise JaxinferError("--output must not be the --input file")
     defaults = sampling_params_from_args(args)  # before loading: bad flags fail fast
     engine = Engine.from_model(args.model, engine_config_from_args(args))
+    if engine.config.warmup:
+        engine.warmup(progress=True)
     summary = generate_file(engine, args.input, args.output, defaults, progress=True,
                             chat=args.chat)
     print(json.dumps(summary, indent=1))

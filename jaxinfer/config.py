@@ -206,6 +206,12 @@ class EngineConfig:
     # Prepare step t+1 on the host while step t runs on the device (engine.py's module doc).
     async_scheduling: bool = True
     seed: int = 0
+    # JAX's persistent compilation cache (compile_cache.py): "auto" (the directory JAX is
+    # configured with, else ~/.cache/jaxinfer/xla), "off", or a directory.
+    compile_cache: str = "auto"
+    # Compile every bucket when the engine is built (LLM, `jaxinfer generate`), so no request
+    # compiles; None: on a GPU. The server always warms up before it reports SERVING.
+    warmup: bool | None = None
 
     def __post_init__(self):
         def check(cond, msg):
@@ -238,6 +244,10 @@ class EngineConfig:
         check(self.tensor_parallel >= 1, f"tensor_parallel must be >= 1, got {self.tensor_parallel}")
         check(self.unroll_layers in (None, True, False),
               f"unroll_layers must be None (auto), True or False, got {self.unroll_layers!r}")
+        check(self.warmup in (None, True, False),
+              f"warmup must be None (auto), True or False, got {self.warmup!r}")
+        check(isinstance(self.compile_cache, str) and self.compile_cache.strip() != "",
+              f"compile_cache must be 'auto', 'off' or a directory, got {self.compile_cache!r}")
 
     @property
     def pages_per_seq(self) -> int:
@@ -251,7 +261,11 @@ class EngineConfig:
         return dataclasses.replace(self, **kw)
 
     def for_backend(self, backend: str) -> "EngineConfig":
-        """This config with dtype "auto" resolved for `backend` ("gpu", "cpu", ...)."""
-        if self.dtype != "auto":
+        """This config with its backend-dependent defaults (dtype "auto", warmup None)
+        resolved for `backend` ("gpu", "cpu", ...)."""
+        gpu = backend == "gpu"
+        dtype = ("bfloat16" if gpu else "float32") if self.dtype == "auto" else self.dtype
+        warmup = gpu if self.warmup is None else self.warmup
+        if (dtype, warmup) == (self.dtype, self.warmup):
             return self
-        return self.replace(dtype="bfloat16" if backend == "gpu" else "float32")
+        return self.replace(dtype=dtype, warmup=warmup)

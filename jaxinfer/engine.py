@@ -27,7 +27,7 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
-from jaxinfer import batch
+from jaxinfer import batch, compile_cache
 from jaxinfer.buckets import Buckets
 from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.errors import ConfigError
@@ -57,6 +57,7 @@ class Engine:
         """routes: the kernels' routes (tests compare them); None chooses them from
         engine_cfg and the backend (routes.Routes.choose)."""
         engine_cfg = engine_cfg.for_backend(jax.default_backend())
+        compile_cache.enable(engine_cfg.compile_cache)
         if engine_cfg.max_model_len > cfg.max_position_embeddings:
             raise ConfigError(f"max_model_len {engine_cfg.max_model_len} exceeds the model's "
                               f"context length {cfg.max_position_embeddings}")
@@ -79,6 +80,7 @@ class Engine:
 
     @classmethod
     def from_model(cls, model: str, engine_cfg: EngineConfig) -> "Engine":
+        compile_cache.enable(engine_cfg.compile_cache)    # loading compiles too
         cfg, graphdef, params, tokenizer = load_model(model, engine_cfg)
         return cls(cfg, engine_cfg, graphdef, params, tokenizer, model_name=str(model))
 
@@ -225,22 +227,30 @@ class Engine:
     # --- driving ------------------------------------------------------------------------
     @staticmethod
     def compiles() -> int:
-        """XLA compiles in this process so far (steady-state serving adds none)."""
+        """Executables XLA handed out in this process so far, compiled or loaded from the
+        persistent compilation cache (steady-state serving adds none)."""
         return CompileCounter.count()
 
-    def warmup(self, progress: bool = True, variants=("plain", "full")) -> dict:
-        """Compile every bucket ahead of time; returns {'compiles', 'seconds', 'buckets'}.
+    def warmup(self, progress: bool = True, variants=("plain", "full"),
+               on_done=None) -> dict:
+        """Compile every bucket ahead of time (or load it from the persistent compilation
+        cache); returns {'compiles', 'loaded_from_cache', 'seconds', 'buckets'}.
         variants: the sampling variants to compile (ModelRunner.warmup); a server needs
-        both, an all-greedy offline run only `plain`."""
-        t0, c0 = time.perf_counter(), CompileCounter.count()
+        both, an all-greedy offline run only `plain`. progress: a progress bar on stderr;
+        on_done(done, total): called after each executable (a server's log)."""
+        t0, c0, l0 = time.perf_counter(), CompileCounter.count(), CompileCounter.loaded()
         buckets = self.buckets.all_buckets()
-        with tqdm(total=len(variants) * len(buckets),
-                  desc=f"compiling buckets (x{len(variants)} sampling variants)",
+        total = len(variants) * len(buckets)
+        with tqdm(total=total, desc=f"compiling buckets (x{len(variants)} sampling variants)",
                   disable=not progress, unit="step") as bar:
-            self.runner.warmup(buckets, on_done=lambda: bar.update(1), variants=variants)
-        return {"compiles": CompileCounter.count() - c0,
-                "seconds": time.perf_counter() - t0,
-                "buckets": len(buckets)}
+            def done():
+                bar.update(1)
+                if on_done is not None:
+                    on_done(bar.n, total)
+            self.runner.warmup(buckets, on_done=done, variants=variants)
+        loaded = CompileCounter.loaded() - l0
+        return {"compiles": CompileCounter.count() - c0 - loaded, "loaded_from_cache": loaded,
+                "seconds": time.perf_counter() - t0, "buckets": len(buckets)}
 
     def run_until_done(self, use_tqdm: bool = True) -> dict[str, RequestOutput]:
         """Step until no request is left; returns each request's final output by id."""

@@ -23,6 +23,8 @@ class LLM:
         if engine_kwargs:
             cfg = cfg.replace(**engine_kwargs)
         self.engine = Engine.from_model(model, cfg)
+        if self.engine.config.warmup:     # so that no generate() compiles
+            self.engine.warmup(progress=True)
 
     @property
     def tokenizer(self):

@@ -41,11 +41,13 @@ from jaxinfer.step_input import PackedInput, StepInput, pack_host, unpack, warmu
 
 
 class CompileCounter:
-    """Counts XLA backend compiles process-wide (jax.monitoring), so tests and metrics can
-    prove that steady-state serving compiles nothing."""
+    """Counts the executables XLA hands out process-wide (jax.monitoring), so tests and
+    metrics can prove that steady-state serving compiles nothing: count() all of them,
+    loaded() those read from the persistent compilation cache instead of compiled."""
 
     _lock = threading.Lock()
     _count = 0
+    _loaded = 0
     _installed = False
 
     @classmethod
@@ -60,11 +62,21 @@ class CompileCounter:
                 with cls._lock:
                     cls._count += 1
 
+        def on_event(name, **_kw):
+            if name == "/jax/compilation_cache/cache_hits":
+                with cls._lock:
+                    cls._loaded += 1
+
         jax.monitoring.register_event_duration_secs_listener(on_duration)
+        jax.monitoring.register_event_listener(on_event)
 
     @classmethod
     def count(cls) -> int:
         return cls._count
+
+    @classmethod
+    def loaded(cls) -> int:
+        return cls._loaded
 
 
 def _forward_hidden(graphdef, routes, params, kv, tokens, md, kv_sharding=None):

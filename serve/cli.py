@@ -10,6 +10,7 @@ import asyncio
 import logging
 import os
 import sys
+import time
 from pathlib import Path
 
 from jaxinfer.args import (add_engine_args, add_sampling_args, engine_config_from_args,
@@ -68,10 +69,15 @@ def serve_config_from_args(args):
 def _engine_factory(args):
     def make_engine():  # runs on the engine thread
         log = logging.getLogger("jaxinfer.serve")
+        t0 = time.perf_counter()
         engine = Engine.from_model(args.model, engine_config_from_args(args))
-        log.info("loaded %s; compiling %d buckets", args.model, len(engine.buckets.all_buckets()))
-        stats = engine.warmup(progress=False)
-        log.info("compiled %d buckets in %.1f s", stats["buckets"], stats["seconds"])
+        log.info("loaded %s in %.1f s; compiling %d buckets", args.model,
+                 time.perf_counter() - t0, len(engine.buckets.all_buckets()))
+        stats = engine.warmup(progress=False, on_done=lambda done, total: log.info(
+            "compiled %d/%d step executables (%.1f s)", done, total, time.perf_counter() - t0))
+        log.info("compiled %d buckets in %.1f s (%d compiled, %d from the compilation cache); "
+                 "ready %.1f s after start", stats["buckets"], stats["seconds"],
+                 stats["compiles"], stats["loaded_from_cache"], time.perf_counter() - t0)
         return engine
 
     return make_engine
@@ -93,7 +99,11 @@ def add_client_arguments(p: argparse.ArgumentParser) -> None:
                    help="connect with TLS, trusting this PEM CA / self-signed certificate")
     p.add_argument("--auth-token-file", default=None,
                    help=f"bearer token file (or ${TOKEN_ENV})")
-    p.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
+    p.add_argument("--timeout", type=float, default=None,
+                   help="the request's deadline in seconds")
+    p.add_argument("--ready-timeout", type=float, default=600.0,
+                   help="seconds to wait for a server that is still starting (loading, "
+                        "compiling) to report SERVING")
     add_sampling_args(p)
 
 
@@ -108,6 +118,7 @@ def run_client(args) -> int:
     sampling = sampling_params_from_args(args)
     try:
         with Client(args.target, token=_token(args), tls_ca=args.tls_ca) as client:
+            client.wait_until_ready(args.ready_timeout)   # a server still loading: wait
             for resp in client.generate(prompt, sampling, timeout=args.timeout):
                 # Models without a tokenizer stream no text: show their token ids.
                 sys.stdout.write("".join(f"{t} " for t in resp.token_ids) if args.token_ids

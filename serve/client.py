@@ -72,6 +72,16 @@ def auth_metadata(token: str | None) -> tuple:
     return (("authorization", f"Bearer {token}"),) if token else ()
 
 
+class NotReadyError(grpc.RpcError):
+    """The health stream ended without SERVING (the server is shutting down)."""
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.UNAVAILABLE
+
+    def details(self) -> str:
+        return str(self)
+
+
 @dataclasses.dataclass
 class Completion:
     text: str
@@ -116,6 +126,20 @@ class Client:
     def model_info(self, timeout: float | None = None) -> pb.ModelInfoResponse:
         return self.stub.ModelInfo(pb.ModelInfoRequest(), timeout=timeout,
                                    metadata=self._metadata)
+
+    def wait_until_ready(self, timeout: float | None = None, service: str = "") -> None:
+        """Block until the server reports SERVING: through a port not open yet and a model
+        still loading or compiling. Raises grpc.RpcError (DEADLINE_EXCEEDED after `timeout`
+        seconds, or UNAVAILABLE when the server stops before it is ready)."""
+        stream = self._health.Watch(health_pb2.HealthCheckRequest(service=service),
+                                    timeout=timeout, wait_for_ready=True)
+        try:
+            for resp in stream:
+                if resp.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+        finally:
+            stream.cancel()
+        raise NotReadyError("the server stopped before it was ready")
 
     def health(self, service: str = "", timeout: float | None = 5.0) -> str:
         """'SERVING', 'NOT_SERVING', ... (the grpc.health.v1 status name)."""

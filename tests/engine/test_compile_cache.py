@@ -1,10 +1,18 @@
-"""The CPU suite's shared persistent compilation cache (tests/conftest.py) must not hide
-compiles: an executable loaded from it still counts for runner.CompileCounter, so the
-engine's "steady state compiles nothing" tests keep their meaning under the cache."""
+"""The persistent compilation cache: on by default for every engine (jaxinfer/compile_cache.py),
+a restart on the same cache compiles nothing, a corrupt entry is skipped, and the suite's own
+shared cache (tests/conftest.py) does not hide compiles from runner.CompileCounter."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 
 from jaxinfer.runner import CompileCounter
+
+TESTS = Path(__file__).resolve().parents[1]
 
 
 def test_an_executable_loaded_from_the_cache_counts_as_a_compile():
@@ -25,3 +33,90 @@ def test_an_executable_loaded_from_the_cache_counts_as_a_compile():
     jax.jit(f)(x).block_until_ready()
     assert hits, "no persistent-cache hit: the suite's cache is not on (tests/conftest.py)"
     assert compiled > before and CompileCounter.count() > compiled
+
+
+# A fresh process builds the tiny engine with `compile_cache`, compiles every bucket and runs
+# one greedy and one sampled request; it prints what XLA compiled and what it loaded.
+_START = """
+import json, sys
+import jax.numpy as jnp
+from dense_reference import random_flat
+from engine_util import TINY
+from checkpoints.model_state import build_model
+from jaxinfer import SamplingParams
+from jaxinfer.config import EngineConfig
+from jaxinfer.engine import Engine
+from jaxinfer.runner import CompileCounter
+cfg = EngineConfig(max_model_len=64, max_num_seqs=2, max_num_batched_tokens=16, page_size=4,
+                   compile_cache=sys.argv[1])
+engine = Engine(TINY, cfg, *build_model(TINY, random_flat(TINY, seed=3), jnp.float32))
+warm = engine.warmup(progress=False)
+for p in (SamplingParams(max_tokens=4, temperature=0.0), SamplingParams(max_tokens=4, seed=1)):
+    engine.add_request({"prompt_token_ids": [5, 6, 7]}, p)
+tokens = [o.token_ids for o in engine.run_until_done(use_tqdm=False).values()]
+print(json.dumps({"compiled": CompileCounter.count() - CompileCounter.loaded(),
+                  "loaded": CompileCounter.loaded(), "warm": warm, "tokens": tokens}))
+"""
+
+
+def _start(setting: str, cache_env: str | None = None):
+    env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
+    if cache_env:
+        env["JAX_COMPILATION_CACHE_DIR"] = cache_env
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS), env.get("PYTHONPATH")]))
+    proc = subprocess.run([sys.executable, "-c", _START, setting], env=env, text=True,
+                          capture_output=True, timeout=600, cwd=TESTS.parent)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1]), proc.stderr
+
+
+def test_a_restart_on_the_same_cache_compiles_nothing(tmp_path):
+    """Engine start-up against an empty cache compiles; the same start in a new process on
+    that cache loads every executable (0 compiled) and answers the same."""
+    cache = tmp_path / "xla"
+    first, _ = _start(str(cache))
+    assert first["compiled"] > 0 and first["warm"]["compiles"] > 0
+    assert any(cache.iterdir()), "nothing written to the cache"
+    again, _ = _start(str(cache))
+    assert again["compiled"] == 0 and again["warm"]["compiles"] == 0
+    assert again["loaded"] >= first["warm"]["compiles"] > 0
+    assert again["tokens"] == first["tokens"]
+
+
+def test_a_corrupt_cache_entry_is_skipped_with_a_warning(tmp_path):
+    cache = tmp_path / "xla"
+    first, _ = _start(str(cache))
+    entries = [f for f in cache.rglob("*") if f.is_file()]
+    assert entries
+    for f in entries:
+        f.write_bytes(b"not an executable")
+    again, stderr = _start(str(cache))
+    assert "Error reading persistent compilation cache entry" in stderr
+    assert again["compiled"] > 0 and again["tokens"] == first["tokens"]
+
+
+def test_auto_keeps_the_configured_directory_and_off_writes_nothing(tmp_path):
+    named = tmp_path / "named"
+    _start("auto", cache_env=str(named))
+    assert any(named.iterdir()), "auto did not use JAX_COMPILATION_CACHE_DIR"
+    off = tmp_path / "off"
+    result, _ = _start("off", cache_env=str(off))
+    assert result["loaded"] == 0
+    assert not off.exists() or not any(off.iterdir())
+
+
+def test_the_first_generate_after_llm_compiles_nothing():
+    """LLM(...) with warm-up (the GPU's default) compiles every bucket and both sampling
+    variants before it returns: its first generate, greedy and sampled rows of every length
+    the config allows, compiles nothing."""
+    from jaxinfer import LLM, SamplingParams
+
+    llm = LLM("tiny", max_model_len=64, max_num_seqs=4, max_num_batched_tokens=16,
+              page_size=4, warmup=True)
+    before = CompileCounter.count()
+    prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (1, 5, 17, 40)]
+    params = [SamplingParams(max_tokens=8, temperature=t, seed=1, ignore_eos=True)
+              for t in (0.0, 0.7, 0.0, 1.0)]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [len(o.token_ids) for o in outs] == [8] * 4
+    assert CompileCounter.count() == before

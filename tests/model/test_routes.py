@@ -5,12 +5,15 @@ from jaxinfer.config import EngineConfig
 from jaxinfer.routes import Routes
 
 
-def test_dtype_auto_is_bfloat16_on_a_gpu_only():
+def test_backend_defaults_dtype_and_warmup():
     cfg = EngineConfig()
     assert cfg.dtype == "auto"
     assert cfg.for_backend("gpu").dtype == "bfloat16"
     assert cfg.for_backend("cpu").dtype == "float32"
     assert EngineConfig(dtype="float32").for_backend("gpu").dtype == "float32"
+    assert cfg.warmup is None and cfg.for_backend("gpu").warmup is True
+    assert cfg.for_backend("cpu").warmup is False
+    assert EngineConfig(warmup=True).for_backend("cpu").warmup is True
 
 
 def test_engine_resolves_the_dtype_for_its_backend():

@@ -136,3 +136,24 @@ def test_sigterm_while_loading_exits_zero():
             assert c.health() == "NOT_SERVING"
         srv.terminate()
         assert srv.proc.wait(60) == 0, srv.log()
+
+
+def test_client_waits_for_a_server_still_loading():
+    """A client that arrives while the server loads and compiles (health NOT_SERVING) waits
+    for SERVING instead of failing: a short wait ends in DEADLINE_EXCEEDED, a long one in
+    the answer."""
+    with ServerProcess(["--model", "tiny", "--max-model-len", "64", "--max-num-seqs", "2",
+                        "--max-num-batched-tokens", "16"]) as srv:
+        srv.wait_listening()
+        with Client(srv.target) as c:
+            assert c.health() == "NOT_SERVING"
+            with pytest.raises(grpc.RpcError) as waited:
+                c.wait_until_ready(timeout=0.2)
+            assert waited.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            c.wait_until_ready(timeout=300)
+            assert c.health() == "SERVING"
+            done = c.complete({"prompt_token_ids": [5, 6, 7]}, {"max_tokens": 3,
+                                                                "temperature": 0.0})
+            assert len(done.token_ids) == 3 and done.finish_reason == "length"
+        srv.terminate()
+        assert srv.proc.wait(60) == 0, srv.log()
