@@ -181,6 +181,9 @@ def _throughput(p):
                    help="run those steps of the timed run under the profiler and add their "
                         "device time by kernel category to the row (slows them: not for "
                         "headline numbers)")
+    p.add_argument("--api", action="store_true",
+                   help="also measure the workload through the public API in the same run: "
+                        "LLM(...) (load + warm-up), then its first generate() call")
     p.set_defaults(model="llama-3-8b", weights="fp8", kv_dtype="fp8", max_num_seqs=512,
                    max_num_batched_tokens=2048)
 

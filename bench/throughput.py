@@ -16,9 +16,14 @@ preemptions during the run (both should be 0), `step_kinds` (decode-only steps v
 ones carrying a prefill chunk; needs async scheduling, the default) and `gpu_clocks`.
 --time-limit-s bounds the whole run (load and warmup included): once spent, no further step
 is dispatched and the row is written with `partial: true`.
+
+--api adds a second row for the same workload through the public API, the way a user runs
+it: `LLM(...)` (load and warm-up, timed as `construct_s`), then the first `generate()` call
+on all the prompts (`output_tokens_per_s` from its wall time; `compiles` during it).
 """
 from __future__ import annotations
 
+import gc
 import shutil
 import statistics
 import sys
@@ -33,6 +38,7 @@ from bench.batching import phase_medians, pool_pages
 from bench.common import (dtype_name, engine_config, new_result, print_table, progress, save,
                           weights_name)
 from bench.gpu_clocks import ClockMonitor
+from jaxinfer import LLM
 from jaxinfer.engine import Engine
 from jaxinfer.kv_cache import kv_dtype_for
 from jaxinfer.loading import load_model
@@ -178,7 +184,7 @@ def run(args) -> int:
     print(f"loaded in {load_s:.1f}s; compiled {warm['buckets']} buckets in "
           f"{warm['seconds']:.1f}s", file=sys.stderr, flush=True)
     result = new_result(args)
-    row = {"model": args.model, "weights": weights_name(ecfg),
+    row = {"path": "harness", "model": args.model, "weights": weights_name(ecfg),
            "kv_dtype": dtype_name(kv_dtype_for(ecfg)), "dtype": ecfg.dtype,
            **({"kv_scales": ecfg.kv_scales} if ecfg.kv_dtype == "fp8" else {}),
            **({"lm_head": ecfg.lm_head} if ecfg.lm_head != "bf16" else {}),
@@ -195,5 +201,31 @@ def run(args) -> int:
                load_s=round(load_s, 1), warmup_s=round(warm["seconds"], 1),
                gpu_clocks=clocks.summary())
     save(result, args.out, [row])
+    if args.api:
+        del engine                # its KV pool and weights: the API's engine needs the room
+        gc.collect()
+        save(result, args.out, [api_row(args, ecfg, workload, row)])
     print_table(result["rows"], KEYS)
     return 0
+
+
+def api_row(args, ecfg, workload, harness: dict) -> dict:
+    """The workload through LLM(...) and its first generate(): the user's path."""
+    t0 = time.perf_counter()
+    llm = LLM(args.model, engine_config=ecfg.replace(warmup=True))
+    construct_s = time.perf_counter() - t0
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+              for _, n in workload]
+    c0, t1 = CompileCounter.count(), time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p, _ in workload], params, use_tqdm=False)
+    wall = time.perf_counter() - t1
+    tokens = sum(len(o.token_ids) for o in outs)
+    prompt_tokens = sum(len(p) for p, _ in workload)
+    return {**{k: harness[k] for k in ("model", "weights", "kv_dtype", "dtype", "input_len",
+                                      "output_len", "num_requests", "max_num_seqs",
+                                      "max_num_batched_tokens")},
+            "path": "LLM.generate", "output_tokens_per_s": round(tokens / wall, 2),
+            "total_tokens_per_s": round((tokens + prompt_tokens) / wall, 2),
+            "wall_s": round(wall, 3), "output_tokens": tokens, "construct_s": round(construct_s, 1),
+            "compiles": CompileCounter.count() - c0, "steps": llm.engine.num_steps,
+            "wrong_length": sum(len(o.token_ids) != n for o, (_, n) in zip(outs, workload))}

@@ -50,6 +50,18 @@ def test_throughput_suite_schema(tmp_path):
     assert row["profile"]["kernels_per_step"] > 0 and row["profile"]["top"]
 
 
+def test_api_row_beside_the_harness_row(tmp_path):
+    """--api: the same workload through LLM(...) and its first generate() in the same run,
+    every request complete, nothing compiled inside the call (LLM warmed every bucket)."""
+    out = tmp_path / "throughput.json"
+    assert cli.main(ARGV + ["--api", "--out", str(out)]) == 0
+    harness, api = json.loads(out.read_text())["rows"]
+    assert (harness["path"], api["path"]) == ("harness", "LLM.generate")
+    assert api["output_tokens"] == harness["output_tokens"] == 5 * 6
+    assert api["wrong_length"] == 0 and api["compiles"] == 0
+    assert api["output_tokens_per_s"] > 0 and api["construct_s"] >= 0 and api["steps"] > 0
+
+
 class _Clock:
     """perf_counter advancing one second per call: the deadline falls at a known call."""
 
