@@ -243,10 +243,12 @@ class Engine:
         total = len(variants) * len(buckets)
         with tqdm(total=total, desc=f"compiling buckets (x{len(variants)} sampling variants)",
                   disable=not progress, unit="step") as bar:
-            def done():
+            finished = itertools.count(1)
+
+            def done():      # the bar counts nothing when disabled
                 bar.update(1)
                 if on_done is not None:
-                    on_done(bar.n, total)
+                    on_done(next(finished), total)
             self.runner.warmup(buckets, on_done=done, variants=variants)
         loaded = CompileCounter.loaded() - l0
         return {"compiles": CompileCounter.count() - c0 - loaded, "loaded_from_cache": loaded,

@@ -1,5 +1,6 @@
 """A TLS server with the real SmolLM2 (text and chat prompts): text equals LLM.generate's, the
 `jaxinfer client` command, reflection, and the SIGTERM drain (last: it ends the server)."""
+import re
 import subprocess
 import threading
 import time
@@ -157,3 +158,7 @@ def test_client_waits_for_a_server_still_loading():
             assert len(done.token_ids) == 3 and done.finish_reason == "length"
         srv.terminate()
         assert srv.proc.wait(60) == 0, srv.log()
+    # the log shows the compile's progress, executable by executable, and the time to ready
+    log = srv.log()
+    total = int(re.search(r"compiled 1/(\d+) step executables", log).group(1))
+    assert f"compiled {total}/{total} step executables" in log and "ready" in log
