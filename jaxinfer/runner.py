@@ -79,29 +79,6 @@ class CompileCounter:
         return cls._loaded
 
 
-def _forward_hidden(graphdef, routes, params, kv, tokens, md, kv_sharding=None):
-    model = nnx.merge(graphdef, params)
-    h, kv = model(tokens, kv, md, routes)
-    if kv_sharding is not None:
-        kv = jax.lax.with_sharding_constraint(kv, kv_sharding)
-    return model, h, kv
-
-
-def _step(graphdef, routes, treedef, leaves, kv, inp: StepInput, rng, step_index,
-          kv_sharding=None):
-    # The params travel as a flat list of arrays: flattening the nnx.State (hundreds of
-    # leaves with per-layer weights) in Python on every dispatch cost more than the rest.
-    params = jax.tree_util.tree_unflatten(treedef, leaves)
-    tokens = jnp.where(inp.prev_index >= 0,
-                       inp.prev_tokens[jnp.maximum(inp.prev_index, 0)], inp.tokens)
-    model, h, kv = _forward_hidden(graphdef, routes, params, kv, tokens, inp.md, kv_sharding)
-    logits = model.logits(h[inp.logits_index], routes)                  # [B, V] f32
-    out = sampling.sample(logits, inp.sampling, jax.random.fold_in(rng, step_index))
-    # The sampled tokens padded to [S]: the next step's prev_tokens (one shape for all buckets).
-    next_tokens = jnp.zeros_like(inp.prev_tokens).at[:out.tokens.shape[0]].set(out.tokens)
-    return kv, out, next_tokens
-
-
 def _packed_step(graphdef, routes, treedef, leaves, kv, slot, outs, buf, prev_tokens, rng,
                  step_index, spec, kv_sharding=None):
     """The step on a packed input, its values kept at fixed device addresses: XLA updates a
@@ -120,8 +97,19 @@ def _packed_step(graphdef, routes, treedef, leaves, kv, slot, outs, buf, prev_to
     Returns (kv, slot, (SampleOutput, next_tokens)): the donated ones in their argument
     order, so jit pairs each output with its own buffer."""
     slot = jax.lax.optimization_barrier(jax.lax.dynamic_update_slice(slot, buf, (0,)))
-    kv, out, next_tokens = _step(graphdef, routes, treedef, leaves, kv,
-                                 unpack(slot, spec, prev_tokens), rng, step_index, kv_sharding)
+    inp = unpack(slot, spec, prev_tokens)
+    # The params travel as a flat list of arrays: flattening the nnx.State (hundreds of
+    # leaves with per-layer weights) in Python on every dispatch cost more than the rest.
+    model = nnx.merge(graphdef, jax.tree_util.tree_unflatten(treedef, leaves))
+    tokens = jnp.where(inp.prev_index >= 0,
+                       inp.prev_tokens[jnp.maximum(inp.prev_index, 0)], inp.tokens)
+    h, kv = model(tokens, kv, inp.md, routes)
+    if kv_sharding is not None:     # pinned, so the donated buffers are reused in place
+        kv = jax.lax.with_sharding_constraint(kv, kv_sharding)
+    logits = model.logits(h[inp.logits_index], routes)                  # [B, V] f32
+    out = sampling.sample(logits, inp.sampling, jax.random.fold_in(rng, step_index))
+    # The sampled tokens padded to [S]: the next step's prev_tokens (one shape for all buckets).
+    next_tokens = jnp.zeros_like(inp.prev_tokens).at[:out.tokens.shape[0]].set(out.tokens)
     results = (out, next_tokens)
     if outs is not None:
         # A use of `outs` that XLA folds away (a select on a constant): jit drops an argument
@@ -155,7 +143,10 @@ def output_shapes(spec, vocab_size: int, num_seqs: int):
 
 
 def _all_logits(graphdef, routes, params, kv, tokens, md, kv_sharding=None):
-    model, h, kv = _forward_hidden(graphdef, routes, params, kv, tokens, md, kv_sharding)
+    model = nnx.merge(graphdef, params)
+    h, kv = model(tokens, kv, md, routes)
+    if kv_sharding is not None:
+        kv = jax.lax.with_sharding_constraint(kv, kv_sharding)
     return kv, model.logits(h, routes)                                   # [T, V] f32
 
 
