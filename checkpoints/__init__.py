@@ -45,7 +45,7 @@ def load_checkpoint(source: str | Path, dtype=None, seed: int = 0, tensor_parall
 
     np_dtype = jnp.dtype(dtype or "float32")
     path = default_gguf_path() if str(source) == DEFAULT_MODEL else Path(source)
-    if hub.is_repo_id(str(source)) and not (STANDARD_CONFIGS_DIR / f"{source}.json").is_file():
+    if hub.is_repo_id(str(source)):      # "org/name": no standard shape has a slash
         path = hub.cached_snapshot(str(source))
     if path.is_file():
         from checkpoints.gguf_loader import load_gguf, open_gguf
