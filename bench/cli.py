@@ -33,7 +33,7 @@ SUITES = {
                  "tokens/s on a mixed-length workload"),
     "throughput": ("bench.throughput", "offline output tokens/s of the engine on a "
                    "fixed-length workload"),
-    "serving": ("bench.serving", "gRPC serving under Poisson arrivals: latency percentiles "
+    "serving": ("bench.serving", "gRPC / HTTP serving under Poisson arrivals: latency percentiles "
                 "vs request rate"),
 }
 ALIASES = {"paged_attention": ["kernels"]}
@@ -203,8 +203,12 @@ def _serving(p):
     p.add_argument("--timeout", type=float, default=300.0, help="per-request deadline (s)")
     p.add_argument("--no-early-stop", action="store_true",
                    help="run every rate even after the server saturates")
+    p.add_argument("--protocol", choices=("grpc", "http", "both"), default="grpc",
+                   help="drive the gRPC service, the OpenAI HTTP API, or both in turn")
     p.add_argument("--target", default=None, help="host:port of a running server (default: "
                    "start one here with the engine flags)")
+    p.add_argument("--http-target", default=None,
+                   help="host:port (or URL) of the running server's HTTP API, with --target")
     p.add_argument("--auth-token-file", default=None, help="bearer token for --target")
     p.add_argument("--tls-ca", default=None, help="CA / certificate for a TLS --target")
 

@@ -1,5 +1,5 @@
-"""`jaxinfer bench serving`: online serving over gRPC, Poisson arrivals at a sweep of request
-rates, two workloads (token-id prompts, so any model works; greedy, ignore_eos):
+"""`jaxinfer bench serving`: online serving over gRPC and/or the OpenAI HTTP API (--protocol),
+Poisson arrivals at a sweep of request rates, two workloads (token-id prompts, so any model works; greedy, ignore_eos):
   short  prompts uniform in --prompt-len, answers in --answer-len (default 64-512, 4-40)
   chat   one shared system prompt (--chat-system-len, a prefix-cache hit after the first
          request) + a user turn (--chat-user-len), longer answers (--chat-answer-len)
@@ -8,15 +8,20 @@ throughput (completed requests / span from first send to last token), goodput (r
 e2e <= the budget / same span), output tokens/s, TTFT / inter-token latency / e2e p50 and
 p99 as the client sees them, errors by status code, and the server's decode HBM bandwidth
 gauge. Top level: `max_rate_p99_e2e_under_500ms`, the highest short-workload rate whose e2e
-p99 met the budget with no errors. A workload's sweep stops once the server is saturated
-(`saturated`): higher rates only queue more.
+p99 met the budget with no errors (per protocol in `max_rate_by_protocol`). A workload's
+sweep stops once the server is saturated (`saturated`): higher rates only queue more.
+
+Over HTTP each request is a streamed POST /v1/completions with `return_token_ids` (token
+ids: synthetic-weight models have no tokenizer, so no text), read with aiohttp. With
+`--protocol both` the two sweeps run one after the other against the same server.
 
 The server is started as a subprocess with the engine flags given (all buckets compiled
-before any timing), or --target names a running one.
+before any timing), or --target / --http-target name a running one.
 """
 from __future__ import annotations
 
 import asyncio
+import json
 import sys
 import time
 import urllib.request
@@ -30,7 +35,7 @@ from serve import jaxinfer_pb2_grpc as pb_grpc
 from serve.client import auth_metadata, build_request, channel_credentials
 
 E2E_BUDGET_MS = 500.0
-KEYS = ["workload", "rate", "num_requests", "throughput_rps", "goodput_rps",
+KEYS = ["protocol", "workload", "rate", "num_requests", "throughput_rps", "goodput_rps",
         "output_tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms",
         "e2e_p50_ms", "e2e_p99_ms", "errors"]
 
@@ -64,13 +69,43 @@ async def one_request(stub, metadata, prompt, answer_len, timeout) -> dict:
         return {"sent": sent, "times": times, "code": e.code().name}
 
 
-async def run_rate(stub, metadata, requests, rate: float, rng, timeout: float) -> list[dict]:
-    """Fire `requests` at Poisson arrival times of `rate` per second; wait for all."""
+class HttpSender:
+    """One streamed POST /v1/completions per request, over one aiohttp session."""
+
+    def __init__(self, session, base_url: str, token: str | None):
+        self.session, self.url = session, base_url + "/v1/completions"
+        self.headers = {"authorization": f"Bearer {token}"} if token else {}
+
+    async def __call__(self, prompt, answer_len, timeout) -> dict:
+        import aiohttp
+
+        body = {"prompt": prompt, "max_tokens": answer_len, "temperature": 0.0,
+                "ignore_eos": True, "stream": True, "return_token_ids": True}
+        sent, times = time.perf_counter(), []
+        try:
+            async with self.session.post(self.url, json=body, headers=self.headers,
+                                         timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+                if resp.status != 200:
+                    return {"sent": sent, "times": times, "code": f"HTTP_{resp.status}"}
+                async for line in resp.content:
+                    if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
+                        continue
+                    now = time.perf_counter()
+                    for choice in json.loads(line[6:])["choices"]:
+                        times.extend([now] * len(choice.get("token_ids", ())))
+            return {"sent": sent, "times": times, "code": "OK"}
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            return {"sent": sent, "times": times, "code": type(e).__name__}
+
+
+async def run_rate(send, requests, rate: float, rng, timeout: float) -> list[dict]:
+    """Fire `requests` at Poisson arrival times of `rate` per second through `send(prompt,
+    answer_len, timeout)`; wait for all."""
     gaps = rng.exponential(1.0 / rate, len(requests))
     start, tasks = time.perf_counter(), []
     for at, (prompt, n) in zip(np.cumsum(gaps) - gaps[0], requests):
         await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
-        tasks.append(asyncio.create_task(one_request(stub, metadata, prompt, n, timeout)))
+        tasks.append(asyncio.create_task(send(prompt, n, timeout)))
     return await asyncio.gather(*tasks)
 
 
@@ -114,8 +149,9 @@ def saturated(row: dict) -> bool:
     return behind and (p99 is None or p99 > E2E_BUDGET_MS)
 
 
-def max_rate_under_budget(rows: list[dict]) -> float | None:
+def max_rate_under_budget(rows: list[dict], protocol: str | None = None) -> float | None:
     good = [r["rate"] for r in rows if r["workload"] == "short" and not r["errors"]
+            and protocol in (None, r.get("protocol"))
             and r["e2e_p99_ms"] is not None and r["e2e_p99_ms"] <= E2E_BUDGET_MS]
     return max(good) if good else None
 
@@ -130,7 +166,30 @@ def decode_hbm_tbps(metrics_port: int | None) -> float | None:
     return None
 
 
-async def sweep(args, token, target: str, metrics_port: int | None, result: dict) -> None:
+async def _sweep_protocol(args, protocol: str, send, vocab: int, metrics_port, result) -> None:
+    rng = np.random.default_rng(args.seed)
+    for workload, rates in (("short", args.rates), ("chat", args.chat_rates or args.rates)):
+        # Warm the path (and, for chat, the shared prefix) outside the timing.
+        await run_rate(send, make_requests(workload, args, 4, vocab, rng), 1e3, rng,
+                       args.timeout)
+        for rate in rates:
+            n = max(1, int(rng.poisson(rate * args.duration)))
+            reqs = make_requests(workload, args, n, vocab, rng)
+            row = {"protocol": protocol, **summarize(workload, rate, await run_rate(
+                send, reqs, rate, rng, args.timeout))}
+            row["decode_hbm_TBps"] = decode_hbm_tbps(metrics_port)
+            rows = result["rows"] + [row]
+            result["max_rate_by_protocol"][protocol] = max_rate_under_budget(rows, protocol)
+            result["max_rate_p99_e2e_under_500ms"] = result["max_rate_by_protocol"].get(
+                "grpc", result["max_rate_by_protocol"][protocol])
+            save(result, args.out, [row])
+            if saturated(row) and not args.no_early_stop:
+                break
+
+
+async def sweep(args, token, target: str | None, http_url: str | None,
+                metrics_port: int | None, result: dict) -> None:
+    protocols = ("grpc", "http") if args.protocol == "both" else (args.protocol,)
     creds = channel_credentials(args.tls_ca)
     options = [("grpc.max_receive_message_length", 64 << 20)]
     async with (grpc.aio.secure_channel(target, creds, options) if creds
@@ -142,42 +201,46 @@ async def sweep(args, token, target: str, metrics_port: int | None, result: dict
                               "max_num_batched_tokens": info.max_num_batched_tokens,
                               "weights": info.weights_dtype, "kv_dtype": info.kv_dtype,
                               "max_model_len": info.context_length})
-        rng = np.random.default_rng(args.seed)
-        for workload, rates in (("short", args.rates), ("chat", args.chat_rates or args.rates)):
-            # Warm the path (and, for chat, the shared prefix) outside the timing.
-            await run_rate(stub, metadata, make_requests(workload, args, 4, info.vocab_size, rng),
-                           1e3, rng, args.timeout)
-            for rate in rates:
-                n = max(1, int(rng.poisson(rate * args.duration)))
-                reqs = make_requests(workload, args, n, info.vocab_size, rng)
-                row = summarize(workload, rate, await run_rate(stub, metadata, reqs, rate, rng,
-                                                               args.timeout))
-                row["decode_hbm_TBps"] = decode_hbm_tbps(metrics_port)
-                result["max_rate_p99_e2e_under_500ms"] = max_rate_under_budget(
-                    result["rows"] + [row])
-                save(result, args.out, [row])
-                if saturated(row) and not args.no_early_stop:
-                    break
+        if "grpc" in protocols:
+            async def send(prompt, n, timeout):
+                return await one_request(stub, metadata, prompt, n, timeout)
+
+            await _sweep_protocol(args, "grpc", send, info.vocab_size, metrics_port, result)
+    if "http" in protocols:
+        import aiohttp
+
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+            await _sweep_protocol(args, "http", HttpSender(session, http_url, token),
+                                  info.vocab_size, metrics_port, result)
 
 
 def run(args) -> int:
     from serve.launcher import ServerProcess
 
     token = open(args.auth_token_file).read().strip() if args.auth_token_file else None
-    result = new_result(args, e2e_budget_ms=E2E_BUDGET_MS, max_rate_p99_e2e_under_500ms=None)
+    result = new_result(args, e2e_budget_ms=E2E_BUDGET_MS, max_rate_p99_e2e_under_500ms=None,
+                        max_rate_by_protocol={})
     server = None
     if args.target is None:
-        server = ServerProcess([*engine_argv(args), "--max-waiting", "100000"])
+        server = ServerProcess([*engine_argv(args), "--max-waiting", "100000",
+                                *(["--http-port", "0"] if args.protocol != "grpc" else [])])
         print(f"starting the server (log: {server.log_path})", file=sys.stderr)
         server.wait_serving(timeout=1800)
+    elif args.protocol != "grpc" and args.http_target is None:
+        print("jaxinfer bench serving: --protocol http/both with --target needs --http-target",
+              file=sys.stderr)
+        return 2
+    http_url = (server.http_url if server else
+                args.http_target if "://" in (args.http_target or "://") else
+                f"http://{args.http_target}")
     try:
-        asyncio.run(sweep(args, token, args.target or server.target,
+        asyncio.run(sweep(args, token, args.target or server.target, http_url,
                           server.metrics_port if server else None, result))
     finally:
         if server is not None:
             server.shutdown()
     print_table(result["rows"], KEYS)
-    print(f"max_rate_p99_e2e_under_500ms: {result['max_rate_p99_e2e_under_500ms']}")
+    print(f"max_rate_p99_e2e_under_500ms: {result['max_rate_by_protocol']}")
     return 0
 
 

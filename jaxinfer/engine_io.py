@@ -56,7 +56,7 @@ def prompt_token_ids(prompt, tokenizer, vocab_size: int) -> list[int]:
         return ids
     if tokenizer is None:
         raise InvalidRequestError("this model has no tokenizer: pass {'prompt_token_ids': [...]}",
-                                  field="prompt")
+                                  field="messages" if isinstance(prompt, list) else "prompt")
     if isinstance(prompt, str):
         if not prompt:
             raise InvalidRequestError("prompt is empty", field="prompt")

@@ -14,7 +14,8 @@ import grpc
 OPEN_PREFIXES = ("/grpc.health.v1.Health/",)
 
 
-def _digest(value: str) -> bytes:
+def digest(value: str) -> bytes:
+    """What is compared: SHA-256 of the header value (the HTTP API compares the same way)."""
     return hashlib.sha256(value.encode("utf-8", "surrogateescape")).digest()
 
 
@@ -22,7 +23,7 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
     def __init__(self, token: str):
         if not token:
             raise ValueError("the auth token is empty")
-        self._expected = _digest(f"Bearer {token}")
+        self._expected = digest(f"Bearer {token}")
 
     async def intercept_service(self, continuation, details):
         handler = await continuation(details)
@@ -31,7 +32,7 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
         sent = dict(details.invocation_metadata or ()).get("authorization", "")
         if isinstance(sent, bytes):
             sent = sent.decode("latin-1")
-        if hmac.compare_digest(_digest(sent), self._expected):
+        if hmac.compare_digest(digest(sent), self._expected):
             return handler
         return _denied(handler)
 

@@ -36,17 +36,24 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: all)")
     g.add_argument("--port", type=int, default=50051, help="gRPC port (0: any free port)")
+    g.add_argument("--no-grpc", action="store_true", help="serve no gRPC (HTTP only)")
+    g.add_argument("--http-port", type=int, default=None,
+                   help="serve the OpenAI-compatible HTTP API on this port (0: any free port; "
+                        "default: off)")
+    g.add_argument("--served-model-name", default=None,
+                   help="the model name the HTTP API answers to (default: --model)")
     g.add_argument("--metrics-port", type=int, default=None,
                    help="serve Prometheus metrics over HTTP on this port (default: off)")
     g.add_argument("--max-waiting", type=int, default=256,
-                   help="requests waiting to be scheduled beyond this get RESOURCE_EXHAUSTED")
+                   help="requests waiting to be scheduled beyond this get RESOURCE_EXHAUSTED "
+                        "(HTTP 429)")
     g.add_argument("--auth-token-file", default=None,
                    help=f"require 'authorization: Bearer <token>' with the token in this file "
                         f"(or in ${TOKEN_ENV})")
     g.add_argument("--tls-cert", type=Path, default=None, help="PEM certificate chain (TLS)")
     g.add_argument("--tls-key", type=Path, default=None, help="PEM private key (TLS)")
     g.add_argument("--max-message-bytes", type=int, default=4 << 20,
-                   help="largest request or response message")
+                   help="largest gRPC message or HTTP request body")
     g.add_argument("--grace-period", type=float, default=30.0,
                    help="seconds in-flight requests get to finish after SIGTERM")
     g.add_argument("--log-prompts", action="store_true",
@@ -54,12 +61,15 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def serve_config_from_args(args):
-
     if (args.tls_cert is None) != (args.tls_key is None):
         raise ConfigError("--tls-cert and --tls-key go together")
     if args.max_waiting < 1:
         raise ConfigError(f"--max-waiting must be >= 1, got {args.max_waiting}")
-    return ServeConfig(host=args.host, port=args.port, metrics_port=args.metrics_port,
+    if args.no_grpc and args.http_port is None:
+        raise ConfigError("--no-grpc leaves nothing to serve: add --http-port")
+    return ServeConfig(host=args.host, port=None if args.no_grpc else args.port,
+                       http_port=args.http_port, served_model_name=args.served_model_name,
+                       metrics_port=args.metrics_port,
                        max_waiting=args.max_waiting, auth_token=_token(args),
                        tls_cert=args.tls_cert, tls_key=args.tls_key,
                        max_message_bytes=args.max_message_bytes,
@@ -138,7 +148,8 @@ def run_client(args) -> int:
 def main(argv=None) -> int:
     """`python -m serve.cli`: the server alone (= `jaxinfer serve`)."""
     p = argparse.ArgumentParser(prog="python -m serve.cli",
-                                description="Serve a model over gRPC (= `jaxinfer serve`).")
+                                description="Serve a model over gRPC and/or the OpenAI HTTP API "
+                                            "(= `jaxinfer serve`).")
     add_serve_arguments(p)
     try:
         return run_serve(p.parse_args(argv))

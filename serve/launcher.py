@@ -18,7 +18,8 @@ import tempfile
 import time
 from pathlib import Path
 
-_LISTENING = re.compile(r"listening on (\S+):(\d+) \((\w+)\); metrics on port (\w+)")
+_LISTENING = re.compile(r"listening on (\S+): grpc port (\w+), http port (\w+), "
+                        r"metrics port (\w+)")
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -31,11 +32,17 @@ class ServerProcess:
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
                                          env={**os.environ, **(env or {})})
-        self.port = self.metrics_port = None
+        self.port = self.http_port = self.metrics_port = None
 
     @property
     def target(self) -> str:
+        """The gRPC target."""
         return f"127.0.0.1:{self.port}"
+
+    @property
+    def http_url(self) -> str:
+        """The HTTP API's base URL (with --http-port); the OpenAI client's is + '/v1'."""
+        return f"http://127.0.0.1:{self.http_port}"
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -46,7 +53,8 @@ class ServerProcess:
         while time.monotonic() < deadline:
             m = _LISTENING.search(self.log())
             if m:
-                self.port, self.metrics_port = int(m.group(2)), int(m.group(4))
+                self.port, self.http_port, self.metrics_port = (
+                    None if g == "off" else int(g) for g in m.group(2, 3, 4))
                 return self
             if self.proc.poll() is not None:
                 break
@@ -55,11 +63,13 @@ class ServerProcess:
 
     def wait_serving(self, timeout: float = 300.0, **client_kw) -> list[str]:
         """Poll health until SERVING; returns every status seen on the way. `client_kw`
-        go to Client (tls_ca=... for a TLS server)."""
+        go to Client (tls_ca=... for a TLS server). Without gRPC: GET /health (200)."""
         from serve.client import Client
 
-        if self.port is None:
+        if self.port is None and self.http_port is None:
             self.wait_listening()
+        if self.port is None:
+            return self._wait_http_ready(timeout)
         seen, deadline = [], time.monotonic() + timeout
         with Client(self.target, **client_kw) as c:
             while time.monotonic() < deadline and self.proc.poll() is None:
@@ -68,6 +78,21 @@ class ServerProcess:
                     return seen
                 time.sleep(0.1)
         raise RuntimeError(f"server not SERVING after {timeout} s (exit {self.proc.poll()}):"
+                           f"\n{self.log()}")
+
+    def _wait_http_ready(self, timeout: float) -> list[str]:
+        import urllib.error
+        import urllib.request
+
+        seen, deadline = [], time.monotonic() + timeout
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            try:
+                urllib.request.urlopen(self.http_url + "/health", timeout=5)
+                return [*seen, "SERVING"]
+            except urllib.error.HTTPError as e:   # 503 while loading
+                seen.append("NOT_SERVING" if e.code == 503 else str(e.code))
+            time.sleep(0.1)
+        raise RuntimeError(f"server not ready after {timeout} s (exit {self.proc.poll()}):"
                            f"\n{self.log()}")
 
     def terminate(self) -> None:

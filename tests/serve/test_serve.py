@@ -33,7 +33,7 @@ def server(tmp_path_factory):
     token_file = tmp_path_factory.mktemp("auth") / "token"
     token_file.write_text(TOKEN)
     srv = ServerProcess([*ENGINE_ARGS, "--max-waiting", str(MAX_WAITING),
-                         "--auth-token-file", str(token_file)])
+                         "--auth-token-file", str(token_file), "--http-port", "0"])
     try:
         srv.wait_listening()
         with Client(srv.target, token=TOKEN) as c:
@@ -248,20 +248,24 @@ def test_metrics(server, client):
 
 
 def test_serving_bench_smoke(server, tmp_path):
-    """bench/serving.py against this server: a tiny sweep writes the documented fields."""
+    """bench/serving.py against this server over gRPC and HTTP: a tiny sweep of each writes
+    the documented fields."""
     from bench import serving
 
     (tmp_path / "token").write_text(TOKEN)
     out = tmp_path / "serving.json"
-    serving.main(["--target", server.target, "--auth-token-file", str(tmp_path / "token"),
+    serving.main(["--target", server.target, "--http-target", f"127.0.0.1:{server.http_port}",
+                  "--protocol", "both", "--auth-token-file", str(tmp_path / "token"),
                   "--rates", "3,12", "--chat-rates", "6", "--duration", "1", "--prompt-len",
                   "8,40", "--answer-len", "2,6", "--chat-system-len", "16", "--chat-user-len",
                   "4,12", "--chat-answer-len", "4,10", "--out", str(out)])
     saved = json.loads(out.read_text())
     assert saved["suite"] == "serving" and saved["model"] == "tiny"
-    assert "max_rate_p99_e2e_under_500ms" in saved
-    assert [(r["workload"], r["rate"]) for r in saved["rows"]] == [
-        ("short", 3.0), ("short", 12.0), ("chat", 6.0)]
+    assert set(saved["max_rate_by_protocol"]) == {"grpc", "http"}
+    assert saved["max_rate_p99_e2e_under_500ms"] == saved["max_rate_by_protocol"]["grpc"]
+    assert [(r["protocol"], r["workload"], r["rate"]) for r in saved["rows"]] == [
+        (p, w, r) for p in ("grpc", "http") for w, r in (("short", 3.0), ("short", 12.0),
+                                                          ("chat", 6.0))]
     for r in saved["rows"]:
         assert r["throughput_rps"] > 0 and r["ttft_p50_ms"] <= r["ttft_p99_ms"]
         assert r["itl_p99_ms"] > 0 and r["e2e_p99_ms"] >= r["ttft_p50_ms"]

@@ -1,9 +1,13 @@
 """A TLS server with the real SmolLM2 (text and chat prompts): text equals LLM.generate's, the
 `jaxinfer client` command, reflection, and the SIGTERM drain (last: it ends the server)."""
+import json
 import re
+import ssl
 import subprocess
 import threading
 import time
+import urllib.error
+import urllib.request
 
 import grpc
 import pytest
@@ -35,7 +39,7 @@ def cert(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(cert):
     srv = ServerProcess([*ENGINE_ARGS, "--tls-cert", str(cert[0]), "--tls-key", str(cert[1]),
-                         "--grace-period", "60"])
+                         "--grace-period", "60", "--http-port", "0"])
     try:
         srv.wait_listening()
         srv.wait_serving(timeout=300, tls_ca=cert[0])
@@ -66,6 +70,22 @@ def test_tls_text_and_chat_equal_llm_generate(client, llm):
         got = client.complete(p, sp, timeout=120)
         assert (got.text, got.token_ids, got.finish_reason) == (
             w.text, w.token_ids, str(w.finish_reason))
+
+
+def test_https_chat_equals_grpc(server, cert, client):
+    """The HTTP API shares the TLS certificate; plain HTTP gets no answer from it."""
+    body = json.dumps({"messages": [{"role": "user", "content": "Name three colors."}],
+                       "max_tokens": 12, "temperature": 0}).encode()
+    url = f"https://localhost:{server.http_port}/v1/chat/completions"
+    req = urllib.request.Request(url, body, {"content-type": "application/json"})
+    ctx = ssl.create_default_context(cafile=str(cert[0]))
+    with urllib.request.urlopen(req, timeout=120, context=ctx) as r:
+        got = json.loads(r.read())
+    want = client.complete([{"role": "user", "content": "Name three colors."}],
+                           {"max_tokens": 12, "temperature": 0.0}, timeout=120)
+    assert got["choices"][0]["message"]["content"] == want.text
+    with pytest.raises((urllib.error.URLError, ConnectionError)):
+        urllib.request.urlopen(url.replace("https://", "http://"), body, timeout=10)
 
 
 def test_plaintext_client_cannot_talk_to_tls_server(server):

@@ -1,0 +1,114 @@
+"""What the front ends (gRPC, HTTP) share on the asyncio loop: whether requests are taken
+(loading, draining, queue full), the requests in flight, and each one's stream of outputs
+from the engine thread.
+
+    admission.check()                         # Refused while loading or draining
+    deltas = admission.submit(rid, prompt, params)   # an asyncio.Queue of RequestOutput | Exception
+    ...
+    admission.release(rid, finished)          # not finished: aborted, its pages freed
+
+The drain on SIGTERM waits for `idle` (no request in flight on any front end).
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+
+from jaxinfer.errors import InvalidRequestError
+from serve.engine_thread import EngineThread
+from serve.metrics import Metrics
+
+
+class Refused(Exception):
+    """A request the server does not take now: `reason` is loading, draining or queue_full."""
+
+    def __init__(self, reason: str, message: str):
+        super().__init__(message)
+        self.reason = reason
+
+
+class Admission:
+    def __init__(self, engine: EngineThread, metrics: Metrics):
+        self.engine, self.metrics = engine, metrics
+        self.draining = False
+        self._active: set[str] = set()
+        self.idle = asyncio.Event()  # set while no request is in flight
+        self.idle.set()
+
+    @property
+    def num_active(self) -> int:
+        return len(self._active)
+
+    @property
+    def ready(self) -> bool:
+        """Loaded, warm and not draining: what health checks report."""
+        return (self.engine.ready.is_set() and self.engine.error is None
+                and self.engine.alive and not self.draining)
+
+    def check(self) -> None:
+        if self.draining:
+            raise Refused("draining", "the server is shutting down")
+        if not self.engine.ready.is_set() or self.engine.error is not None:
+            raise Refused("loading", "the model is still loading")
+
+    def submit(self, rid: str, prompt, params,
+               deltas: asyncio.Queue | None = None) -> asyncio.Queue:
+        """Hand a request to the engine thread; its outputs (and an exception, if it fails)
+        arrive on `deltas` (default: a new queue), which is returned. Several requests may
+        share one queue (RequestOutput.request_id tells them apart). Raises Refused or
+        InvalidRequestError (id in use)."""
+        self.check()
+        if rid in self._active:
+            raise InvalidRequestError(f"request id {rid!r} is already in use", field="request_id")
+        loop = asyncio.get_running_loop()
+        deltas = asyncio.Queue() if deltas is None else deltas
+        if not self.engine.submit(rid, prompt, params,
+                                  lambda item: loop.call_soon_threadsafe(deltas.put_nowait, item)):
+            raise Refused("queue_full", f"the waiting queue is full "
+                                        f"({self.engine.max_waiting} requests); retry later")
+        self._active.add(rid)
+        self.idle.clear()
+        return deltas
+
+    def release(self, rid: str, finished: bool) -> None:
+        """The front end is done with a request; an unfinished one is aborted in the engine
+        (its pages are free for the next step). Idempotent."""
+        if rid not in self._active:
+            return
+        self._active.discard(rid)
+        if not self._active:
+            self.idle.set()
+        if not finished:
+            self.engine.abort(rid)
+
+    def abort_all(self) -> None:
+        """End every in-flight request now; each gets a final `cancelled` output."""
+        for rid in list(self._active):
+            self.engine.abort(rid, notify=True)
+
+
+class RequestClock:
+    """One request's latency metrics (TTFT, inter-token, end-to-end, outcome) as its outputs
+    reach the front end."""
+
+    def __init__(self, metrics: Metrics, arrival: float):
+        self.metrics, self.arrival = metrics, arrival
+        self.first = self.last = None
+
+    def output(self, out) -> float:
+        """Observe one output; returns now."""
+        now, m = time.monotonic(), self.metrics
+        if out.new_token_ids:
+            if self.first is None:
+                self.first = now
+                m.ttft.observe(now - self.arrival)
+            else:
+                m.itl.observe(now - self.last)
+            self.last = now
+        if out.finished:
+            m.e2e.observe(now - self.arrival)
+            m.requests.labels(str(out.finish_reason)).inc()
+        return now
+
+    def disconnected(self) -> None:
+        self.metrics.requests.labels("disconnected").inc()

@@ -1,0 +1,420 @@
+"""The OpenAI-compatible HTTP API (FastAPI), beside the gRPC service on the same engine thread.
+
+    POST /v1/completions        POST /v1/chat/completions     (stream: server-sent events)
+    GET  /v1/models             GET  /v1/models/{model}
+    POST /tokenize              POST /detokenize
+    GET  /health                200 when ready; 503 while loading or draining
+    GET  /metrics               the server's Prometheus registry
+
+Errors have OpenAI's shape, {"error": {"message", "type", "param", "code"}}: 400 for an invalid
+field (`param` names it), 401 for a missing or wrong bearer token (when auth is on; /health and
+/metrics stay open, as health probes and scrapers expect), 404 for an unknown model or path,
+413 for a body over the size limit, 429 when the waiting queue is full, 503 while loading or
+draining. A client that disconnects (mid-stream or while waiting) has its requests aborted;
+their pages are free for the next step.
+
+A streamed response starts once every prompt of the request has its first output, so an
+error the engine finds in a prompt (too long, a token outside the vocabulary) still gets its
+status code rather than a broken stream.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hmac
+import json
+import logging
+import time
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from jaxinfer import openai_protocol as oai
+from jaxinfer.errors import InvalidRequestError
+from serve.admission import Admission, Refused, RequestClock
+from serve.auth import digest
+
+log = logging.getLogger("jaxinfer.serve")
+OPEN_PATHS = frozenset(("/health", "/metrics"))
+_GONE = object()   # put on a request's queue when its client disconnects
+_REFUSED = {"loading": (503, "service_unavailable"), "draining": (503, "service_unavailable"),
+            "queue_full": (429, "rate_limit_exceeded")}
+_ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error",
+                404: "invalid_request_error", 405: "invalid_request_error",
+                413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error",
+                503: "server_error"}
+
+
+@dataclasses.dataclass(frozen=True)
+class HttpSettings:
+    served_model_name: str | None = None   # None: the engine's model name
+    auth_token: str | None = None
+    max_body_bytes: int = 4 << 20
+    log_prompts: bool = False
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.param, self.code = status, param, code
+
+
+def error_response(status: int, message: str, param: str | None = None,
+                   code: str | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": _ERROR_TYPES.get(status, "error"),
+                                   "param": param, "code": code}}, status_code=status)
+
+
+def _sse(obj) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+class _EventStream(StreamingResponse):
+    """A text/event-stream response over an async generator of chunks; `on_close` runs however
+    it ends (finished, client gone, server stopping). The generator itself notices a client
+    that disconnects (_Call watches for it), so the response does not listen as well."""
+
+    def __init__(self, events, on_close):
+        super().__init__(events, media_type="text/event-stream",
+                         headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
+        self._events, self._on_close = events, on_close
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await self.stream_response(send)
+        finally:
+            await self._events.aclose()
+            self._on_close()
+
+
+class _Call:
+    """One HTTP request's engine requests (one per prompt) and their merged outputs."""
+
+    def __init__(self, api: "OpenAIApi", request: Request, rid: str, arrival: float):
+        self.api, self.request, self.rid, self.arrival = api, request, rid, arrival
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.index: dict[str, int] = {}          # engine request id -> choice index
+        self.clocks: dict[str, RequestClock] = {}
+        self.unfinished: set[str] = set()
+        self.early: list = []                    # outputs read before the response started
+        self._watch = None
+
+    def submit(self, prompts, params) -> None:
+        for i, prompt in enumerate(prompts):
+            erid = self.rid if len(prompts) == 1 else f"{self.rid}-{i}"
+            self.api.admission.submit(erid, prompt, params, self.queue)
+            self.index[erid] = i
+            self.clocks[erid] = RequestClock(self.api.admission.metrics, self.arrival)
+            self.unfinished.add(erid)
+        self._watch = asyncio.ensure_future(self._watch_disconnect())
+
+    async def _watch_disconnect(self) -> None:
+        while (await self.request.receive())["type"] != "http.disconnect":
+            pass
+        self.queue.put_nowait(_GONE)
+
+    async def next(self):
+        """The next output (an exception is raised); None once the client is gone."""
+        item = self.early.pop(0) if self.early else await self.queue.get()
+        if item is _GONE:
+            for erid in self.unfinished:
+                self.clocks[erid].disconnected()
+            return None
+        if isinstance(item, Exception):
+            raise item
+        self.clocks[item.request_id].output(item)
+        if item.finished:
+            self.unfinished.discard(item.request_id)
+        return item
+
+    async def started(self) -> bool:
+        """Wait until every prompt has its first output (or the client is gone: False)."""
+        seen: set[str] = set()
+        while len(seen) < len(self.index):
+            item = await self.queue.get()
+            if item is _GONE:
+                for erid in self.unfinished:
+                    self.clocks[erid].disconnected()
+                return False
+            if isinstance(item, Exception):
+                raise item
+            seen.add(item.request_id)
+            self.early.append(item)
+        return True
+
+    def close(self) -> None:
+        """Abort what has not finished (its pages freed) and stop watching the client."""
+        for erid in self.index:
+            self.api.admission.release(erid, finished=erid not in self.unfinished)
+        if self._watch is not None:
+            self._watch.cancel()
+
+
+class OpenAIApi:
+    def __init__(self, admission: Admission, settings: HttpSettings):
+        self.admission, self.settings = admission, settings
+        self._expected = (digest(f"Bearer {settings.auth_token}") if settings.auth_token
+                          else None)
+        self._token_text = None
+
+    # --- helpers ------------------------------------------------------------------------
+    @property
+    def _engine(self):
+        return self.admission.engine.engine
+
+    @property
+    def model_name(self) -> str:
+        return self.settings.served_model_name or self._engine.model_name
+
+    def authorize(self, request: Request) -> None:
+        if self._expected is None:
+            return
+        sent = request.headers.get("authorization", "")
+        if not hmac.compare_digest(digest(sent), self._expected):
+            raise ApiError(401, "missing or wrong bearer token (send the header "
+                                "'Authorization: Bearer <token>')", code="invalid_api_key")
+
+    async def read_json(self, request: Request):
+        limit = self.settings.max_body_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise ApiError(413, f"the request body is {declared} bytes; the limit is {limit}",
+                           code="request_too_large")
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                raise ApiError(413, f"the request body is over the limit of {limit} bytes",
+                               code="request_too_large")
+        try:
+            return json.loads(body)
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ApiError(400, f"the request body is not valid JSON: {e}", param="body",
+                           code="invalid_json") from None
+
+    def check_model(self, model: str | None) -> str:
+        self.admission.check()
+        if model is not None and model != self.model_name:
+            raise ApiError(404, f"the model '{model}' does not exist; this server serves "
+                                f"'{self.model_name}'", param="model", code="model_not_found")
+        return self.model_name
+
+    def token_text(self, token_id: int) -> str:
+        if self._token_text is None:     # the engine (and its tokenizer) loads after start
+            self._token_text = oai.token_text_fn(self._engine.tokenizer)
+        return self._token_text(token_id)
+
+    def _tokenizer(self, field: str):
+        tok = self._engine.tokenizer
+        if tok is None:
+            raise InvalidRequestError("this model has no tokenizer", field=field)
+        return tok
+
+    # --- completions and chat -----------------------------------------------------------
+    async def completions(self, request: Request):
+        arrival = time.monotonic()
+        self.authorize(request)
+        req = oai.parse(oai.CompletionRequest, await self.read_json(request))
+        model = self.check_model(req.model)
+        params, prompts = oai.completion_params(req), oai.completion_prompts(req)
+        return await self._serve(request, "cmpl", model, prompts, params, req, arrival,
+                                 chat=False)
+
+    async def chat(self, request: Request):
+        arrival = time.monotonic()
+        self.authorize(request)
+        req = oai.parse(oai.ChatRequest, await self.read_json(request))
+        model = self.check_model(req.model)
+        params = oai.chat_params(req, self._engine.config.max_model_len)
+        messages = oai.chat_prompt(req)
+        return await self._serve(request, "chatcmpl", model, [messages], params, req, arrival,
+                                 chat=True)
+
+    async def _serve(self, request, prefix, model, prompts, params, req, arrival, chat: bool):
+        call = _Call(self, request, oai.new_id(prefix), arrival)
+        log.info("request %s: %s", call.rid,
+                 prompts if self.settings.log_prompts else "(prompt not logged)")
+        created = oai.now()
+        choices = [oai.Choice(i, params.logprobs, req.return_token_ids)
+                   for i in range(len(prompts))]
+        streaming = False
+        try:
+            call.submit(prompts, params)
+            if not await call.started():
+                return Response(status_code=499)   # nobody is listening
+            if req.stream:
+                include_usage = bool(req.stream_options and req.stream_options.include_usage)
+                events = (self._chat_events if chat else self._completion_events)(
+                    call, model, created, choices, include_usage)
+                streaming = True
+                return _EventStream(events, call.close)
+            while call.unfinished:
+                out = await call.next()
+                if out is None:
+                    return Response(status_code=499)
+                choices[call.index[out.request_id]].add(out)
+            build = oai.chat_response if chat else oai.completion_response
+            return JSONResponse(build(call.rid, created, model, choices, self.token_text))
+        finally:
+            if not streaming:
+                call.close()
+
+    async def _completion_events(self, call: _Call, model, created, choices, include_usage):
+        usage_field = {"usage": None} if include_usage else {}
+        while call.unfinished:
+            out = await call.next()
+            if out is None:
+                return
+            c = choices[call.index[out.request_id]]
+            offset = len(c.text)
+            new, dicts = c.add(out)
+            tokens_due = new and (c.logprobs is not None or c.with_token_ids)
+            if not (out.text_delta or c.finish_reason or tokens_due):
+                continue
+            lp = (oai.completion_logprobs(new, dicts, c.logprobs, self.token_text, offset)
+                  if c.logprobs is not None else None)
+            choice = {"index": c.index, "text": out.text_delta, "logprobs": lp,
+                      "finish_reason": c.finish_reason}
+            if c.with_token_ids:
+                choice["token_ids"] = new
+            yield _sse({"id": call.rid, "object": "text_completion", "created": created,
+                        "model": model, "choices": [choice], **usage_field})
+        if include_usage:
+            yield _sse({"id": call.rid, "object": "text_completion", "created": created,
+                        "model": model, "choices": [], "usage": _total_usage(choices)})
+        yield b"data: [DONE]\n\n"
+
+    async def _chat_events(self, call: _Call, model, created, choices, include_usage):
+        def chunk(index, delta, finish_reason=None, logprobs=None, token_ids=None):
+            return _sse(oai.chat_chunk(call.rid, created, model, index, delta, finish_reason,
+                                       logprobs, with_usage=include_usage, token_ids=token_ids))
+
+        for c in choices:
+            yield chunk(c.index, {"role": "assistant", "content": ""})
+        while call.unfinished:
+            out = await call.next()
+            if out is None:
+                return
+            c = choices[call.index[out.request_id]]
+            new, dicts = c.add(out)
+            if out.text_delta or (new and (c.logprobs is not None or c.with_token_ids)):
+                lp = (oai.chat_logprobs(new, dicts, c.logprobs, self.token_text)
+                      if c.logprobs is not None else None)
+                yield chunk(c.index, {"content": out.text_delta}, logprobs=lp,
+                            token_ids=new if c.with_token_ids else None)
+            if c.finish_reason is not None:
+                yield chunk(c.index, {}, c.finish_reason)
+        if include_usage:
+            yield _sse(oai.chat_chunk(call.rid, created, model, None, None,
+                                      usage_=_total_usage(choices), with_usage=True))
+        yield b"data: [DONE]\n\n"
+
+    # --- the rest -----------------------------------------------------------------------
+    def models(self, request: Request) -> dict:
+        self.authorize(request)
+        self.admission.check()
+        return {"object": "list", "data": [self._model_card()]}
+
+    def model(self, request: Request, model: str) -> dict:
+        self.authorize(request)
+        self.check_model(model)
+        return self._model_card()
+
+    def _model_card(self) -> dict:
+        return {"id": self.model_name, "object": "model", "created": oai.now(),
+                "owned_by": "jaxinfer", "max_model_len": self._engine.config.max_model_len}
+
+    async def tokenize(self, request: Request) -> dict:
+        self.authorize(request)
+        req = oai.parse(oai.TokenizeRequest, await self.read_json(request))
+        self.check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise InvalidRequestError("give exactly one of prompt, messages", field="prompt")
+        if req.prompt is not None:
+            ids = self._tokenizer("prompt").encode(req.prompt, req.add_special_tokens)
+        else:
+            tok = self._tokenizer("messages")
+            ids = tok.encode(tok.apply_chat_template(oai.chat_messages(req.messages),
+                                                     req.add_generation_prompt),
+                             add_special_tokens=False)
+        return {"count": len(ids), "max_model_len": self._engine.config.max_model_len,
+                "tokens": ids}
+
+    async def detokenize(self, request: Request) -> dict:
+        self.authorize(request)
+        req = oai.parse(oai.DetokenizeRequest, await self.read_json(request))
+        self.check_model(req.model)
+        vocab = self._engine.model_config.vocab_size
+        bad = [t for t in req.tokens if not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequestError(f"tokens holds ids outside the vocabulary [0, {vocab}): "
+                                      f"{bad[:5]}", field="tokens")
+        return {"prompt": self._tokenizer("tokens").decode(req.tokens)}
+
+    def health(self) -> Response:
+        return Response(status_code=200 if self.admission.ready else 503)
+
+    def metrics(self) -> Response:
+        return Response(generate_latest(self.admission.metrics.registry),
+                        media_type=CONTENT_TYPE_LATEST)
+
+
+def _total_usage(choices) -> dict:
+    return oai.usage(sum(c.prompt_tokens for c in choices),
+                     sum(len(c.token_ids) for c in choices))
+
+
+def build_app(admission: Admission, settings: HttpSettings) -> FastAPI:
+    api = OpenAIApi(admission, settings)
+    app = FastAPI(title="jaxinfer", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.api = api
+    app.add_api_route("/v1/completions", api.completions, methods=["POST"])
+    app.add_api_route("/v1/chat/completions", api.chat, methods=["POST"])
+    app.add_api_route("/v1/models", api.models, methods=["GET"])
+    app.add_api_route("/v1/models/{model:path}", api.model, methods=["GET"])
+    app.add_api_route("/tokenize", api.tokenize, methods=["POST"])
+    app.add_api_route("/detokenize", api.detokenize, methods=["POST"])
+    app.add_api_route("/health", api.health, methods=["GET"])
+    app.add_api_route("/metrics", api.metrics, methods=["GET"])
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request, e: ApiError):
+        return error_response(e.status, str(e), e.param, e.code)
+
+    @app.exception_handler(InvalidRequestError)
+    async def _invalid(request, e: InvalidRequestError):
+        return JSONResponse(oai.invalid_request_body(e), status_code=400)
+
+    @app.exception_handler(Refused)
+    async def _refused(request, e: Refused):
+        status, code = _REFUSED[e.reason]
+        return error_response(status, str(e), None, code)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request, e: StarletteHTTPException):
+        return error_response(e.status_code, str(e.detail))
+
+    @app.exception_handler(Exception)
+    async def _bug(request, e: Exception):
+        log.error("bug serving %s", request.url.path, exc_info=e)
+        return error_response(500, "internal error (see the server log)")
+
+    return app
+
+
+def metrics_app(registry):
+    """The metrics port's app: /metrics and nothing else (404)."""
+    app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.get("/metrics")
+    def _metrics():
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request, e: StarletteHTTPException):
+        return error_response(e.status_code, str(e.detail))
+
+    return app

@@ -1,0 +1,457 @@
+"""The OpenAI-compatible HTTP API against real server subprocesses, driven by the official
+`openai` client: SmolLM2 (text, chat, logprobs, auth, errors, gRPC beside HTTP) and the tiny
+model (loading, queue limit, cancelled streams freeing their pages); SIGTERM drains streams."""
+import concurrent.futures as cf
+import json
+import random
+import secrets
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import numpy as np
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from jaxinfer.config import EngineConfig
+from jaxinfer.llm import LLM
+from jaxinfer.request import SamplingParams
+from serve.client import Client
+from serve.launcher import ServerProcess
+
+SMOL_ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256, dtype="float32")
+SMOL_ARGS = ["--model", "smollm2", "--max-num-seqs", "4", "--max-num-batched-tokens", "64",
+             "--max-model-len", "256", "--dtype", "float32"]
+TINY_ARGS = ["--model", "tiny", "--max-num-seqs", "4", "--max-num-batched-tokens", "32",
+             "--max-model-len", "2048", "--page-size", "16", "--dtype", "float32"]
+TOKEN = secrets.token_hex(16)
+MAX_BODY = 1 << 16
+MAX_WAITING = 6
+PROMPTS = ["The capital of France is", "def fibonacci(n):"]
+CHATS = [[{"role": "user", "content": "Name three colors."}],
+         [{"role": "system", "content": "You answer briefly."},
+          {"role": "user", "content": "What is 2 + 2?"}]]
+
+
+@pytest.fixture(scope="module")
+def smol(tmp_path_factory):
+    token_file = tmp_path_factory.mktemp("auth") / "token"
+    token_file.write_text(TOKEN)
+    srv = ServerProcess([*SMOL_ARGS, "--http-port", "0", "--auth-token-file", str(token_file),
+                         "--max-message-bytes", str(MAX_BODY)])
+    try:
+        srv.wait_listening()
+        srv.wait_serving(timeout=300)
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM("smollm2", engine_config=EngineConfig(**SMOL_ENGINE))
+
+
+@pytest.fixture
+def client(smol):
+    with openai.OpenAI(base_url=smol.http_url + "/v1", api_key=TOKEN, max_retries=0,
+                       timeout=120) as c:
+        yield c
+
+
+def greedy(max_tokens=16, **kw):
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, **kw)
+
+
+def http(url, body=None, token=TOKEN, method=None, headers=None):
+    """(status, decoded JSON or text) of one request, errors included."""
+    data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, method=method, headers={
+        "content-type": "application/json", **({"authorization": f"Bearer {token}"} if token
+                                               else {}), **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            status, raw = r.status, r.read()
+    except urllib.error.HTTPError as e:
+        status, raw = e.code, e.read()
+    try:
+        return status, json.loads(raw)
+    except json.JSONDecodeError:
+        return status, raw.decode()
+
+
+def metrics(url) -> dict:
+    """Unlabelled samples by name; labelled ones as name{value,...}."""
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    return {s.name + ("{%s}" % ",".join(s.labels.values()) if s.labels else ""): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+# --- SmolLM2 -------------------------------------------------------------------------------
+def test_completions_stream_equals_plain_and_llm_generate(client, llm):
+    want = llm.generate(PROMPTS, greedy(), use_tqdm=False)
+    plain = client.completions.create(model="smollm2", prompt=PROMPTS, max_tokens=16,
+                                      temperature=0)
+    assert plain.object == "text_completion" and plain.id.startswith("cmpl-")
+    assert [c.index for c in plain.choices] == [0, 1]
+    assert [c.text for c in plain.choices] == [w.text for w in want]
+    assert plain.choices[0].text.startswith(" Paris.")
+    assert [c.finish_reason for c in plain.choices] == [str(w.finish_reason) for w in want]
+    assert plain.usage.prompt_tokens == sum(len(w.prompt_token_ids) for w in want)
+    assert plain.usage.completion_tokens == sum(len(w.token_ids) for w in want)
+    assert plain.usage.total_tokens == plain.usage.prompt_tokens + plain.usage.completion_tokens
+
+    texts, finish, usage = ["", ""], [None, None], []
+    for chunk in client.completions.create(model="smollm2", prompt=PROMPTS, max_tokens=16,
+                                           temperature=0, stream=True,
+                                           stream_options={"include_usage": True}):
+        if chunk.usage is not None:
+            assert chunk.choices == []
+            usage.append(chunk.usage)
+        for c in chunk.choices:
+            assert finish[c.index] is None     # nothing after a choice's finish
+            texts[c.index] += c.text
+            finish[c.index] = c.finish_reason
+    assert texts == [w.text for w in want]
+    assert finish == [str(w.finish_reason) for w in want]
+    assert len(usage) == 1 and usage[0] == plain.usage
+
+
+def test_chat_stream_equals_plain_and_llm_generate(client, llm):
+    want = llm.generate(CHATS, greedy(24), use_tqdm=False)
+    for messages, w in zip(CHATS, want):
+        plain = client.chat.completions.create(model="smollm2", messages=messages,
+                                               max_completion_tokens=24, temperature=0)
+        assert plain.object == "chat.completion" and plain.id.startswith("chatcmpl-")
+        msg = plain.choices[0].message
+        assert (msg.role, msg.content) == ("assistant", w.text)
+        assert plain.choices[0].finish_reason == str(w.finish_reason)
+        assert (plain.usage.prompt_tokens, plain.usage.completion_tokens) == (
+            len(w.prompt_token_ids), len(w.token_ids))
+
+        chunks = list(client.chat.completions.create(
+            model="smollm2", messages=messages, max_tokens=24, temperature=0, stream=True,
+            stream_options={"include_usage": True}))
+        assert chunks[0].choices[0].delta.role == "assistant"
+        assert all(c.object == "chat.completion.chunk" and c.id == chunks[0].id for c in chunks)
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == w.text
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == str(
+            w.finish_reason)
+        assert chunks[-1].choices == [] and chunks[-1].usage == plain.usage
+        assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_token_id_prompts_and_stop_strings(client, llm):
+    ids = llm.tokenizer.encode(PROMPTS[0])
+    [want] = llm.generate({"prompt_token_ids": ids}, greedy(16, stop=("ris",)), use_tqdm=False)
+    got = client.completions.create(model="smollm2", prompt=ids, max_tokens=16, temperature=0,
+                                    stop="ris")
+    assert got.choices[0].text == want.text == " Pa"
+    assert got.choices[0].finish_reason == "stop"
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model="smollm2", prompt=[ids], max_tokens=16, temperature=0, stop=["ris", "zzz"],
+        stream=True))
+    assert streamed == want.text
+
+
+def test_logprobs_equal_llm_generate(client, llm):
+    [want] = llm.generate(PROMPTS[:1], greedy(6, logprobs=3), use_tqdm=False)
+    want_lp = [d[t] for d, t in zip(want.logprobs, want.token_ids)]
+    got = client.completions.create(model="smollm2", prompt=PROMPTS[0], max_tokens=6,
+                                    temperature=0, logprobs=3).choices[0].logprobs
+    np.testing.assert_allclose(got.token_logprobs, want_lp, rtol=1e-4, atol=1e-4)
+    assert "".join(got.tokens) == want.text
+    assert got.text_offset == [len("".join(got.tokens[:i])) for i in range(len(got.tokens))]
+    assert all(len(top) <= 3 and max(top.values()) >= lp - 1e-6
+               for top, lp in zip(got.top_logprobs, got.token_logprobs))
+
+    [wchat] = llm.generate([CHATS[1]], greedy(6, logprobs=2), use_tqdm=False)
+    chat = client.chat.completions.create(model="smollm2", messages=CHATS[1], max_tokens=6,
+                                          temperature=0, logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    np.testing.assert_allclose([c.logprob for c in content],
+                               [d[t] for d, t in zip(wchat.logprobs, wchat.token_ids)],
+                               rtol=1e-4, atol=1e-4)
+    assert all(len(c.top_logprobs) == 2 and c.bytes == list(c.token.encode()) for c in content)
+    assert content[0].top_logprobs[0].logprob >= content[0].top_logprobs[1].logprob
+    streamed = [lp.logprob for ch in client.chat.completions.create(
+        model="smollm2", messages=CHATS[1], max_tokens=6, temperature=0, logprobs=True,
+        top_logprobs=2, stream=True) if ch.choices and ch.choices[0].logprobs
+        for lp in ch.choices[0].logprobs.content]
+    np.testing.assert_allclose(streamed, [c.logprob for c in content], rtol=1e-6)
+
+
+def test_seeded_sampling_is_reproducible(client):
+    kw = dict(model="smollm2", prompt=PROMPTS[1], max_tokens=12, temperature=0.9, top_p=0.95,
+              seed=7, extra_body={"top_k": 40, "min_p": 0.01, "repetition_penalty": 1.1})
+    a = client.completions.create(**kw).choices[0].text
+    assert client.completions.create(**kw).choices[0].text == a
+
+
+@pytest.mark.parametrize("kw, status, param", [
+    (dict(temperature=-1), 400, "temperature"),
+    (dict(top_p=1.5), 400, "top_p"),
+    (dict(max_tokens=0), 400, "max_tokens"),
+    (dict(n=2), 400, "n"),
+    (dict(logprobs=21), 400, "logprobs"),
+    (dict(presence_penalty=3), 400, "presence_penalty"),
+    (dict(seed=-1), 400, "seed"),
+    (dict(logit_bias={"5": 1}), 400, "logit_bias"),
+    (dict(extra_body={"bogus": 1}), 400, "bogus"),
+    (dict(extra_body={"top_k": "many"}), 400, "top_k"),
+    (dict(extra_body={"stop": 5}), 400, "stop"),
+    (dict(prompt=[1, 2, 1 << 20]), 400, "prompt_token_ids"),
+    (dict(prompt="word " * 300), 400, "prompt_token_ids"),
+    (dict(prompt=""), 400, "prompt"),
+    (dict(model="gpt-4"), 404, "model"),
+])
+def test_completion_errors_name_the_field(client, kw, status, param):
+    kw = {"model": "smollm2", "prompt": "Hello", "max_tokens": 4, **kw}
+    with pytest.raises(openai.APIStatusError) as e:
+        client.completions.create(**kw)
+    assert e.value.status_code == status
+    assert e.value.body["param"] == param and param in e.value.body["message"]
+    assert e.value.body["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("kw, param", [
+    (dict(messages=[]), "messages"),
+    (dict(messages=[{"role": "wizard", "content": "hi"}]), "messages[0].role"),
+    (dict(messages=[{"role": "user"}]), "messages[0].content"),
+    (dict(top_logprobs=2), "top_logprobs"),
+    (dict(logprobs=True, top_logprobs=30), "top_logprobs"),
+    (dict(max_completion_tokens=-3), "max_completion_tokens"),
+    (dict(response_format={"type": "json_object"}), "response_format"),
+    (dict(stream_options={"include_usage": True}), "stream_options"),
+])
+def test_chat_errors_name_the_field(client, kw, param):
+    kw = {"model": "smollm2", "messages": [{"role": "user", "content": "hi"}], **kw}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(**kw)
+    assert e.value.body["param"] == param
+
+
+def test_malformed_and_oversized_bodies(smol):
+    url = smol.http_url + "/v1/completions"
+    status, body = http(url, b"{not json")
+    assert status == 400 and body["error"]["param"] == "body"
+    status, body = http(url, ["a list"])
+    assert status == 400 and body["error"]["param"] == "body"
+    status, body = http(url, {"prompt": "x" * MAX_BODY})
+    assert status == 413 and body["error"]["code"] == "request_too_large"
+    status, body = http(smol.http_url + "/v1/nothing", {})
+    assert status == 404 and "error" in body
+    status, body = http(url, method="GET")
+    assert status == 405 and "error" in body
+
+
+def test_auth(smol):
+    with openai.OpenAI(base_url=smol.http_url + "/v1", api_key="wrong", max_retries=0) as c, \
+            pytest.raises(openai.AuthenticationError) as e:
+        c.models.list()
+    assert e.value.status_code == 401 and e.value.body["code"] == "invalid_api_key"
+    for path, body in (("/v1/models", None), ("/v1/completions", {"prompt": "x"}),
+                       ("/tokenize", {"prompt": "x"})):
+        status, err = http(smol.http_url + path, body, token=None)
+        assert status == 401 and err["error"]["code"] == "invalid_api_key"
+    assert http(smol.http_url + "/health", token=None)[0] == 200   # probes need no token
+    assert "jaxinfer_kv_pages_used" in urllib.request.urlopen(
+        smol.http_url + "/metrics", timeout=10).read().decode()
+
+
+def test_models_tokenize_detokenize(client, smol, llm):
+    [card] = client.models.list().data
+    assert (card.id, card.owned_by) == ("smollm2", "jaxinfer")
+    assert client.models.retrieve("smollm2").id == "smollm2"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("nope")
+    status, body = http(smol.http_url + "/tokenize", {"model": "smollm2", "prompt": PROMPTS[0]})
+    assert status == 200 and body["tokens"] == llm.tokenizer.encode(PROMPTS[0])
+    assert body["count"] == len(body["tokens"]) and body["max_model_len"] == 256
+    status, chat = http(smol.http_url + "/tokenize", {"messages": CHATS[0]})
+    assert status == 200 and chat["tokens"] == llm.tokenizer.encode_chat(CHATS[0])
+    status, back = http(smol.http_url + "/detokenize", {"tokens": body["tokens"]})
+    assert status == 200 and back["prompt"] == PROMPTS[0]
+    status, err = http(smol.http_url + "/detokenize", {"tokens": [-1]})
+    assert status == 400 and err["error"]["param"] == "tokens"
+    status, err = http(smol.http_url + "/tokenize", {"prompt": "a", "messages": CHATS[0]})
+    assert status == 400 and err["error"]["param"] == "prompt"
+
+
+def test_grpc_and_http_share_the_engine(client, smol):
+    """Both front ends at once, on one engine: the same greedy answer from each."""
+    with Client(smol.target, token=TOKEN) as g, cf.ThreadPoolExecutor(4) as pool:
+        grpc_runs = [pool.submit(g.complete, PROMPTS[0], {"max_tokens": 8, "temperature": 0.0},
+                                 timeout=120) for _ in range(2)]
+        http_runs = [pool.submit(client.completions.create, model="smollm2", prompt=PROMPTS[0],
+                                 max_tokens=8, temperature=0) for _ in range(2)]
+        texts = {f.result().text for f in grpc_runs} | {
+            f.result().choices[0].text for f in http_runs}
+    assert len(texts) == 1 and texts.pop().startswith(" Paris.")
+
+
+def test_prompts_not_logged(smol):
+    log = smol.log()
+    assert "request cmpl-" in log and "(prompt not logged)" in log
+    assert PROMPTS[0] not in log and "Name three colors" not in log
+
+
+def test_sigterm_drains_streams(smol):
+    """Last of the SmolLM2 tests: it ends that server. Streams in flight at SIGTERM finish;
+    new requests get 503 meanwhile; the process exits 0."""
+    results, started = {}, threading.Barrier(4)
+
+    def stream(i):
+        with openai.OpenAI(base_url=smol.http_url + "/v1", api_key=TOKEN, max_retries=0,
+                           timeout=120) as c:
+            text = c.completions.create(model="smollm2", prompt=PROMPTS[i % 2], max_tokens=80,
+                                        temperature=0, stream=True,
+                                        extra_body={"ignore_eos": True})
+            chunks = []
+            for chunk in text:
+                if not chunks:
+                    started.wait(timeout=60)
+                chunks.append(chunk)
+            results[i] = [c.choices[0].finish_reason for c in chunks if c.choices]
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    started.wait(timeout=60)
+    smol.terminate()
+    time.sleep(0.3)
+    status, body = http(smol.http_url + "/v1/completions", {"prompt": "Hi", "max_tokens": 2})
+    assert status == 503 and "shutting down" in body["error"]["message"]
+    assert http(smol.http_url + "/health")[0] == 503
+    for t in threads:
+        t.join(120)
+    assert [results[i][-1] for i in range(3)] == ["length"] * 3
+    assert smol.proc.wait(60) == 0
+    assert "draining: 3 requests in flight" in smol.log()
+
+
+# --- the tiny model: load, queue limit, cancellation --------------------------------
+@pytest.fixture(scope="module")
+def tiny():
+    srv = ServerProcess([*TINY_ARGS, "--http-port", "0", "--no-grpc", "--max-waiting",
+                         str(MAX_WAITING), "--grace-period", "60"])
+    try:
+        srv.wait_listening()
+        srv.early = (http(srv.http_url + "/health")[0],
+                     http(srv.http_url + "/v1/completions", {"prompt": [5, 6], "max_tokens": 2}))
+        srv.wait_serving(timeout=240)
+        yield srv
+    finally:
+        srv.stop()
+
+
+def tiny_client(srv, **kw):
+    return openai.OpenAI(base_url=srv.http_url + "/v1", api_key="none", max_retries=0, **kw)
+
+
+def test_503_while_loading(tiny):
+    health, (status, body) = tiny.early
+    assert health == 503
+    assert status == 503 and body["error"]["code"] == "service_unavailable"
+    assert tiny.port is None and "grpc port off" in tiny.log()
+
+
+def test_token_ids_equal_llm_generate(tiny):
+    """A model without a tokenizer answers in token ids (return_token_ids), streamed or not."""
+    engine = dict(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=2048, page_size=16,
+                  dtype="float32")
+    ps = [[5, 6, 7], [9, 10, 11, 12, 13]]
+    want = LLM("tiny", engine_config=EngineConfig(**engine)).generate(
+        [{"prompt_token_ids": p} for p in ps], greedy(10), use_tqdm=False)
+    with tiny_client(tiny, timeout=60) as c:
+        plain = c.completions.create(model="tiny", prompt=ps, max_tokens=10, temperature=0,
+                                     extra_body={"return_token_ids": True})
+        assert [ch.token_ids for ch in plain.choices] == [w.token_ids for w in want]
+        got = [[], []]
+        for chunk in c.completions.create(model="tiny", prompt=ps, max_tokens=10,
+                                          temperature=0, stream=True,
+                                          extra_body={"return_token_ids": True}):
+            for ch in chunk.choices:
+                got[ch.index] += ch.token_ids
+        assert got == [w.token_ids for w in want]
+        with pytest.raises(openai.BadRequestError) as e:
+            c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}])
+        assert e.value.body["param"] == "messages" and "tokenizer" in e.value.body["message"]
+
+
+def test_queue_full_is_429(tiny):
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(3, 512, 20).tolist() for _ in range(40)]
+
+    def run(p):
+        with tiny_client(tiny, timeout=120) as c:
+            try:
+                return c.completions.create(model="tiny", prompt=p, max_tokens=30,
+                                            temperature=0).choices[0].finish_reason
+            except openai.RateLimitError as e:
+                assert e.body["code"] == "rate_limit_exceeded"
+                return 429
+
+    with cf.ThreadPoolExecutor(40) as pool:
+        results = list(pool.map(run, prompts))
+    assert 429 in results and results.count("length") >= 4
+
+
+def _stream_and_cancel(srv, prompt, rng) -> None:
+    """Stream a long answer, then stop reading after a random number of chunks (or time out
+    before the first). A full queue is retried. (The tiny model has no tokenizer, so no text:
+    logprobs make each token a chunk.)"""
+    for _ in range(200):
+        timeout = 60 if rng.random() < 0.8 else rng.uniform(0.02, 0.3)
+        n = int(rng.integers(1, 6))
+        with tiny_client(srv, timeout=timeout) as c:
+            try:
+                with c.completions.create(model="tiny", prompt=prompt, max_tokens=LONG,
+                                          temperature=0, stream=True, logprobs=0,
+                                          extra_body={"ignore_eos": True}) as stream:
+                    for i, chunk in enumerate(stream):
+                        assert not (chunk.choices and chunk.choices[0].finish_reason)
+                        if i + 1 >= n:
+                            return
+            except openai.RateLimitError:
+                time.sleep(0.05)
+            except openai.APITimeoutError:
+                return
+    raise AssertionError("the queue stayed full")
+
+
+LONG = 1900   # tokens a stream would run to: ~25,000 steps for 50 of them, were none aborted
+
+
+def test_cancelled_streams_free_their_pages(tiny):
+    rng = np.random.default_rng(random.randrange(1 << 30))
+    prompts = [rng.integers(3, 512, rng.integers(3, 40)).tolist() for _ in range(50)]
+    seeds = rng.integers(0, 1 << 30, 50)
+    before = metrics(tiny.http_url + "/metrics")
+    with cf.ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda a: _stream_and_cancel(tiny, a[0], np.random.default_rng(a[1])),
+                      zip(prompts, seeds)))
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        m = metrics(tiny.http_url + "/metrics")
+        if m["jaxinfer_kv_pages_used"] == 0 and m["jaxinfer_requests_running"] == 0:
+            break
+        time.sleep(0.2)
+    assert m["jaxinfer_kv_pages_used"] == 0 and m["jaxinfer_requests_running"] == 0
+    gone = "jaxinfer_requests_total{disconnected}"
+    assert m.get(gone, 0) - before.get(gone, 0) == 50
+    assert m["jaxinfer_output_tokens_total"] - before["jaxinfer_output_tokens_total"] < 50 * LONG / 4
+    # Still serving after all that.
+    with tiny_client(tiny, timeout=60) as c:
+        assert c.completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=3,
+                                    temperature=0).usage.completion_tokens == 3
+
+
+def test_metrics_port_serves_only_metrics(tiny):
+    base = f"http://127.0.0.1:{tiny.metrics_port}"
+    assert "jaxinfer_requests_running" in urllib.request.urlopen(base + "/metrics",
+                                                                 timeout=10).read().decode()
+    for path in ("/", "/v1/models", "/metricsx"):
+        assert http(base + path, token=None)[0] == 404
