@@ -1,18 +1,32 @@
 """Offline batch generation: a JSONL file of requests in, a JSONL file of results out.
 
-    jaxinfer generate --input prompts.jsonl --output out.jsonl [engine and sampling flags]
+    jaxinfer generate --input requests.jsonl --output results.jsonl [engine and sampling flags]
 
-Input, one JSON object a line: exactly one of `prompt` (text), `messages` (chat) or
-`prompt_token_ids`; optionally `id` (string or integer; default "line-<N>") and any
-SamplingParams field, which overrides the CLI's sampling flags for that line. A line that
-cannot run (not JSON, unknown field, invalid parameter, empty or too-long prompt, duplicate id)
-is reported on stderr with its line number and skipped; the others still run.
+Each input line is a JSON object in one of two formats, told apart line by line:
 
-Output, one JSON object a line, written as each request finishes: id, prompt (text prompts),
-text, token_ids, finish_reason, prompt_tokens, completion_tokens, ttft_s, latency_s and
-logprobs (when asked for). Each line is appended, flushed and fsynced, so after a crash the
-file holds every finished result; re-running with the same output skips the ids already
-there, and the line a crash cut short is dropped first.
+- jaxinfer's: exactly one of `prompt` (text), `messages` (chat) or `prompt_token_ids`;
+  optionally `id` (string or integer; default "line-<N>") and any SamplingParams field, which
+  overrides the CLI's sampling flags for that line. Its result: id, prompt (text prompts),
+  text, token_ids, finish_reason, prompt_tokens, completion_tokens, ttft_s, latency_s and
+  logprobs (when asked for).
+- OpenAI's Batch API (a line with `custom_id`), as vLLM's `run-batch` reads it:
+  {"custom_id": str, "method": "POST", "url": "/v1/completions" | "/v1/chat/completions",
+  "body": {...}}. The body is an HTTP server request (jaxinfer.openai_protocol: the same
+  fields and checks; no streaming). Its `model` is not checked, and the CLI's sampling flags
+  do not apply. Its result: {"id": "batch_req_<hex>", "custom_id", "response": {"status_code":
+  200, "request_id", "body": <the text_completion or chat.completion object>}, "error": null};
+  a completions body with several prompts gets one response with a choice per prompt.
+
+A line that cannot run (not JSON, unknown field, invalid parameter, empty or too-long prompt,
+duplicate id or custom_id) is reported on stderr with its line number; the others still run.
+A batch line that cannot run also gets a result with status_code 400 and OpenAI's error
+object, whose `param` names the field (`url`, `body.max_tokens`, `custom_id`, ...); one
+without a usable custom_id gets none.
+
+Results are written as each request finishes (a batch line's when all its prompts have). Each
+line is appended, flushed and fsynced, so after a crash the file holds every finished result;
+re-running with the same output skips the ids and custom_ids already there (400 results
+included), and the line a crash cut short is dropped first.
 
 Requests are fed to the Engine gradually (at most `max_queued` unfinished at once), so memory
 stays bounded however long the input is. The summary (throughput, TTFT and per-token latency
@@ -21,17 +35,20 @@ is 1 when some line was rejected.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import os
 import sys
 import time
+import uuid
 from pathlib import Path
 from typing import Iterator
 
 import numpy as np
 from tqdm import tqdm
 
+from jaxinfer import openai_protocol as oai
 from jaxinfer.args import engine_config_from_args, sampling_params_from_args
 from jaxinfer.engine import Engine
 from jaxinfer.errors import InvalidRequestError, JaxinferError
@@ -40,6 +57,8 @@ from jaxinfer.request import RequestOutput, SamplingParams
 PROMPT_FIELDS = ("prompt", "messages", "prompt_token_ids")
 SAMPLING_FIELDS = frozenset(SamplingParams.fields())
 KNOWN_FIELDS = frozenset(("id",) + PROMPT_FIELDS) | SAMPLING_FIELDS
+BATCH_FIELDS = ("custom_id", "method", "url", "body")
+BATCH_URLS = (oai.COMPLETIONS_URL, oai.CHAT_URL)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,9 +73,19 @@ class LineRequest:
         return str(self.id)
 
 
-def parse_line(raw: bytes, line: int, defaults: SamplingParams, chat: bool = False
-               ) -> LineRequest:
-    """One input line -> LineRequest; InvalidRequestError names what is wrong with it."""
+@dataclasses.dataclass
+class BatchLine:
+    """An OpenAI batch line: its engine prompts, and their final outputs as they finish."""
+    custom_id: str
+    chat: bool                 # /v1/chat/completions (else /v1/completions)
+    prompts: list              # what Engine.add_request takes, one per choice
+    params: SamplingParams
+    created: int = 0
+    outputs: dict[int, RequestOutput] = dataclasses.field(default_factory=dict)
+
+
+def decode_line(raw: bytes) -> dict:
+    """One input line's JSON object; InvalidRequestError when it is not one."""
     try:
         obj = json.loads(raw.decode("utf-8"))
     except UnicodeDecodeError:
@@ -65,6 +94,12 @@ def parse_line(raw: bytes, line: int, defaults: SamplingParams, chat: bool = Fal
         raise InvalidRequestError(f"not valid JSON ({e.msg} at column {e.colno})") from None
     if not isinstance(obj, dict):
         raise InvalidRequestError(f"must be a JSON object, got {type(obj).__name__}")
+    return obj
+
+
+def parse_line(obj: dict, line: int, defaults: SamplingParams, chat: bool = False
+               ) -> LineRequest:
+    """A jaxinfer-format line -> LineRequest; InvalidRequestError names what is wrong."""
     unknown = sorted(set(obj) - KNOWN_FIELDS)
     if unknown:
         raise InvalidRequestError(f"unknown field {', '.join(map(repr, unknown))} (known: "
@@ -98,11 +133,111 @@ def _prompt(field: str, value, chat: bool):
     return value, value if field == "prompt" else None
 
 
-def load_done(path: Path, log) -> set[str]:
-    """Ids already in the output file. A crash can only tear the file's tail (each line is
-    written whole, then fsynced), so unreadable lines at the end are cut off; one followed by
-    readable lines means the file is not ours, and we stop rather than lose data."""
-    done: set[str] = set()
+def batch_custom_id(obj: dict) -> str:
+    """A batch line's custom_id; without a usable one the line gets no result."""
+    cid = obj["custom_id"]
+    if not isinstance(cid, str) or not cid:
+        raise InvalidRequestError(f"custom_id must be a non-empty string, got {cid!r}",
+                                  field="custom_id")
+    return cid
+
+
+def parse_batch_line(obj: dict, custom_id: str, max_model_len: int) -> BatchLine:
+    """An OpenAI batch line -> BatchLine; InvalidRequestError names the field as a path from
+    the line (`url`, `body.messages[0].content`, ...)."""
+    unknown = sorted(set(obj) - set(BATCH_FIELDS))
+    if unknown:
+        raise InvalidRequestError(f"{unknown[0]}: unknown field (known: "
+                                  f"{', '.join(BATCH_FIELDS)})", field=unknown[0])
+    for field, allowed in (("method", ("POST",)), ("url", BATCH_URLS), ("body", None)):
+        if field not in obj:
+            raise InvalidRequestError(f"{field}: is required", field=field)
+        if allowed is not None and obj[field] not in allowed:
+            raise InvalidRequestError(f"{field}: must be {' or '.join(map(repr, allowed))}, got "
+                                      f"{obj[field]!r}", field=field)
+    chat = obj["url"] == oai.CHAT_URL
+    try:
+        req = oai.parse(oai.ChatRequest if chat else oai.CompletionRequest, obj["body"])
+        if req.stream:
+            raise InvalidRequestError("stream=true is not supported in a batch", field="stream")
+        if chat:
+            params, prompts = oai.chat_params(req, max_model_len), [oai.chat_prompt(req)]
+        else:
+            params, prompts = oai.completion_params(req), oai.completion_prompts(req)
+    except InvalidRequestError as e:
+        raise in_body(e) from None
+    return BatchLine(custom_id, chat, prompts, params)
+
+
+def in_body(e: InvalidRequestError, field: str | None = None) -> InvalidRequestError:
+    """An error about a batch line's body, its field as a path from the line (body.<field>);
+    `field` replaces the one `e` names."""
+    own, msg = e.field or "body", str(e)
+    if msg.startswith(own + ": "):
+        msg = msg[len(own) + 2:]
+    own = field or own
+    param = own if own == "body" else f"body.{own}"
+    return InvalidRequestError(f"{param}: {msg}", field=param)
+
+
+def batch_record(custom_id: str, status: int, request_id: str | None, body: dict) -> dict:
+    """A batch line's result: OpenAI's batch output line."""
+    return {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": custom_id,
+            "response": {"status_code": status, "request_id": request_id, "body": body},
+            "error": None}
+
+
+def batch_response(b: BatchLine, model: str, token_text: oai.TokenText) -> dict:
+    """The 200 result of a batch line whose prompts have all finished."""
+    choices = [oai.Choice.from_final(i, b.params.logprobs, b.outputs[i])
+               for i in range(len(b.prompts))]
+    rid = oai.new_id("chatcmpl" if b.chat else "cmpl")
+    build = oai.chat_response if b.chat else oai.completion_response
+    return batch_record(b.custom_id, 200, rid, build(rid, b.created, model, choices, token_text))
+
+
+@dataclasses.dataclass
+class Done:
+    """What the output file already holds."""
+    ids: set[str] = dataclasses.field(default_factory=set)          # jaxinfer-format results
+    custom_ids: set[str] = dataclasses.field(default_factory=set)   # batch results, 400s too
+    # 400 results for a repeated custom_id, by custom_id. They are written when the repeat is
+    # read, maybe before the first line with that custom_id finishes, so they do not make it
+    # done; they answer the input's repeats, in order.
+    duplicates: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+
+    def add(self, raw: bytes) -> bool:
+        """Take one output line; False when it is not a result."""
+        try:
+            obj = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            return False
+        if not isinstance(obj, dict):
+            return False
+        if isinstance(obj.get("custom_id"), str):
+            if _error_param(obj) == "custom_id":
+                self.duplicates[obj["custom_id"]] += 1
+            else:
+                self.custom_ids.add(obj["custom_id"])
+            return True
+        if "id" in obj:
+            self.ids.add(str(obj["id"]))
+            return True
+        return False
+
+
+def _error_param(obj: dict):
+    try:
+        return obj["response"]["body"]["error"]["param"]
+    except (KeyError, TypeError):
+        return None
+
+
+def load_done(path: Path, log) -> Done:
+    """The results already in the output file. A crash can only tear the file's tail (each
+    line is written whole, then fsynced), so unreadable lines at the end are cut off; one
+    followed by readable lines means the file is not ours, and we stop rather than lose data."""
+    done = Done()
     if not path.exists():
         return done
     good_end, torn_at, ends_newline = 0, None, True
@@ -110,14 +245,12 @@ def load_done(path: Path, log) -> set[str]:
         offset = 0
         for n, raw in enumerate(f, 1):
             offset += len(raw)
-            rid = _result_id(raw)
-            if rid is None:
+            if not done.add(raw):
                 torn_at = torn_at or (n if raw.strip() else None)
                 continue
             if torn_at is not None:
                 raise JaxinferError(f"{path}: line {torn_at} is not a result, but later lines "
                                     f"are; refusing to append to a file that is not ours")
-            done.add(rid)
             good_end, ends_newline = offset, raw.endswith(b"\n")
     if torn_at is None and ends_newline:
         return done
@@ -129,14 +262,6 @@ def load_done(path: Path, log) -> set[str]:
             f.seek(good_end)
             f.write(b"\n")
     return done
-
-
-def _result_id(raw: bytes) -> str | None:
-    try:
-        obj = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        return None
-    return str(obj["id"]) if isinstance(obj, dict) and "id" in obj else None
 
 
 def result_record(req: LineRequest, out: RequestOutput) -> dict:
@@ -154,13 +279,17 @@ def result_record(req: LineRequest, out: RequestOutput) -> dict:
 class _BatchRun:
     """The state of one pass over the input: what is queued, what is done, the timings."""
 
-    def __init__(self, engine, lines: Iterator[tuple[int, bytes]], out_file, done: set[str],
+    def __init__(self, engine, lines: Iterator[tuple[int, bytes]], out_file, done: Done,
                  defaults: SamplingParams, chat: bool, max_queued: int, bar, log):
         self.engine, self.lines, self.out_file, self.bar, self.log = (
             engine, lines, out_file, bar, log)
         self.defaults, self.chat, self.max_queued = defaults, chat, max_queued
-        self.done, self.seen = done, set()
-        self.queued: dict[str, LineRequest] = {}
+        self.token_text = oai.token_text_fn(engine.tokenizer)
+        self.done = done
+        self.seen: set[str] = set()
+        self.seen_custom: set[str] = set()
+        # Engine request id (from the line number) -> its line and prompt index.
+        self.queued: dict[str, tuple[LineRequest | BatchLine, int]] = {}
         self.exhausted = False
         self.rejected: list[int] = []
         self.skipped = 0
@@ -176,7 +305,7 @@ class _BatchRun:
                 return
             for out in self.engine.step():
                 if out.finished:
-                    self.write(self.queued.pop(out.request_id), out)
+                    self.finished(out)
 
     def fill(self) -> None:
         """Queue input lines until max_queued requests are unfinished or the input ends."""
@@ -188,35 +317,97 @@ class _BatchRun:
             try:
                 self.add(*item)
             except InvalidRequestError as e:
-                self.rejected.append(item[0])
-                self.bar.update(1)
-                tqdm.write(f"line {item[0]}: {e}; skipped", file=self.log)
+                self.reject(item[0], f"{e}; skipped")
 
     def add(self, line: int, raw: bytes) -> None:
-        req = parse_line(raw, line, self.defaults, self.chat)
+        obj = decode_line(raw)
+        if "custom_id" in obj:
+            self.add_batch(line, obj)
+            return
+        req = parse_line(obj, line, self.defaults, self.chat)
         if req.key in self.seen:
             raise InvalidRequestError(f"duplicate id {req.id!r} (first seen earlier in the "
                                       f"input)", field="id")
         self.seen.add(req.key)
-        if req.key in self.done:
-            self.skipped += 1
-            self.bar.update(1)
+        if req.key in self.done.ids:
+            self.skip()
             return
-        self.engine.add_request(req.prompt, req.params, request_id=req.key)
-        self.queued[req.key] = req
+        rid = f"line-{line}"
+        self.engine.add_request(req.prompt, req.params, request_id=rid)
+        self.queued[rid] = (req, 0)
 
-    def write(self, req: LineRequest, out: RequestOutput) -> None:
-        line = json.dumps(result_record(req, out), ensure_ascii=False) + "\n"
-        self.out_file.write(line.encode("utf-8"))
-        self.out_file.flush()
-        os.fsync(self.out_file.fileno())
-        self.num_finished += 1
+    def add_batch(self, line: int, obj: dict) -> None:
+        """Queue an OpenAI batch line, or write its 400 result."""
+        cid = batch_custom_id(obj)
+        try:
+            if cid in self.seen_custom:
+                if self.done.duplicates[cid]:   # this repeat's 400 result is already written
+                    self.done.duplicates[cid] -= 1
+                    self.skip()
+                    return
+                raise InvalidRequestError(f"custom_id: {cid!r} is a duplicate (first seen "
+                                          f"earlier in the input)", field="custom_id")
+            self.seen_custom.add(cid)
+            if cid in self.done.custom_ids:
+                self.skip()
+                return
+            self.submit(line, parse_batch_line(obj, cid, self.engine.config.max_model_len))
+        except InvalidRequestError as e:
+            self.write(batch_record(cid, 400, None, oai.invalid_request_body(e)))
+            self.reject(line, f"{e}; wrote its 400 result")
+
+    def submit(self, line: int, b: BatchLine) -> None:
+        """Add a batch line's prompts to the engine: all of them, or none."""
+        b.created = oai.now()
+        rids: list[str] = []
+        try:
+            for i, prompt in enumerate(b.prompts):
+                rid = f"line-{line}.{i}"
+                self.engine.add_request(prompt, b.params, request_id=rid)
+                rids.append(rid)
+        except InvalidRequestError as e:
+            for rid in rids:
+                self.engine.abort_request(rid)
+            field = None
+            if e.field in PROMPT_FIELDS:   # the engine names the prompt as it took it
+                field = ("messages" if b.chat else
+                         f"prompt[{len(rids)}]" if len(b.prompts) > 1 else "prompt")
+            raise in_body(e, field) from None
+        for i, rid in enumerate(rids):
+            self.queued[rid] = (b, i)
+
+    def finished(self, out: RequestOutput) -> None:
+        item, index = self.queued.pop(out.request_id)
         self.prompt_tokens += len(out.prompt_token_ids)
         self.output_tokens += len(out.token_ids)
         self.ttft.append(out.ttft_s)
         if len(out.token_ids) > 1:  # decode time after the first token, per further token
             self.per_token.append((out.latency_s - out.ttft_s) / (len(out.token_ids) - 1))
+        if isinstance(item, LineRequest):
+            record = result_record(item, out)
+        else:
+            item.outputs[index] = out
+            if len(item.outputs) < len(item.prompts):
+                return
+            record = batch_response(item, self.engine.model_name, self.token_text)
+        self.write(record)
+        self.num_finished += 1
         self.bar.update(1)
+
+    def write(self, record: dict) -> None:
+        line = json.dumps(record, ensure_ascii=False) + "\n"
+        self.out_file.write(line.encode("utf-8"))
+        self.out_file.flush()
+        os.fsync(self.out_file.fileno())
+
+    def skip(self) -> None:
+        self.skipped += 1
+        self.bar.update(1)
+
+    def reject(self, line: int, message: str) -> None:
+        self.rejected.append(line)
+        self.bar.update(1)
+        tqdm.write(f"line {line}: {message}", file=self.log)
 
 
 def _input_lines(path: Path) -> Iterator[tuple[int, bytes]]:
@@ -231,7 +422,7 @@ def generate_file(engine, input_path, output_path, defaults: SamplingParams | No
                   progress: bool = False, *, chat: bool = False, max_queued: int | None = None,
                   log=None) -> dict:
     """Run every request of the JSONL `input_path` on `engine`, appending results to
-    `output_path` (ids already there are skipped). Returns the summary dict."""
+    `output_path` (ids and custom_ids already there are skipped). Returns the summary dict."""
     input_path, output_path, log = Path(input_path), Path(output_path), log or sys.stderr
     if not input_path.is_file():
         raise JaxinferError(f"no input file {input_path}")

@@ -61,10 +61,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("prompt", nargs="?", help="prompt text")
     g.add_argument("--chat", action="store_true",
                    help="wrap PROMPT as a user message in the model's chat template")
-    g.add_argument("--input", help="JSONL of requests: {prompt|messages|prompt_token_ids, [id], "
-                                   "[sampling fields]}")
-    g.add_argument("--output", help="JSONL results, appended as each request finishes; "
-                                    "re-running skips ids already there")
+    g.add_argument("--input", help="JSONL of requests, each line {prompt|messages|"
+                                   "prompt_token_ids, [id], [sampling fields]} or an OpenAI "
+                                   "batch line {custom_id, method: POST, url: /v1/completions|"
+                                   "/v1/chat/completions, body}")
+    g.add_argument("--output", help="JSONL results, appended as each request finishes (OpenAI "
+                                    "batch output lines for batch lines); re-running skips ids "
+                                    "and custom_ids already there")
     add_engine_args(g)
     add_sampling_args(g)
 
