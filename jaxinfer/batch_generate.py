@@ -23,6 +23,9 @@ A batch line that cannot run also gets a result with status_code 400 and OpenAI'
 object, whose `param` names the field (`url`, `body.max_tokens`, `custom_id`, ...); one
 without a usable custom_id gets none.
 
+A request whose engine step fails (FinishReason.ERROR) is reported on stderr and gets no
+result, so a re-run with the same output retries it.
+
 Results are written as each request finishes (a batch line's when all its prompts have). Each
 line is appended, flushed and fsynced, so after a crash the file holds every finished result;
 re-running with the same output skips the ids and custom_ids already there (400 results
@@ -52,7 +55,7 @@ from jaxinfer import openai_protocol as oai
 from jaxinfer.args import engine_config_from_args, sampling_params_from_args
 from jaxinfer.engine import Engine
 from jaxinfer.errors import InvalidRequestError, JaxinferError
-from jaxinfer.request import RequestOutput, SamplingParams
+from jaxinfer.request import FinishReason, RequestOutput, SamplingParams
 
 PROMPT_FIELDS = ("prompt", "messages", "prompt_token_ids")
 SAMPLING_FIELDS = frozenset(SamplingParams.fields())
@@ -378,6 +381,9 @@ class _BatchRun:
 
     def finished(self, out: RequestOutput) -> None:
         item, index = self.queued.pop(out.request_id)
+        if out.finish_reason == FinishReason.ERROR:
+            self.failed(out, item)
+            return
         self.prompt_tokens += len(out.prompt_token_ids)
         self.output_tokens += len(out.token_ids)
         self.ttft.append(out.ttft_s)
@@ -393,6 +399,16 @@ class _BatchRun:
         self.write(record)
         self.num_finished += 1
         self.bar.update(1)
+
+    def failed(self, out: RequestOutput, item) -> None:
+        """The engine step running a request failed: its line gets no result (a re-run with
+        the same output retries it); the rest of a batch line's prompts are aborted."""
+        for rid in [r for r, (other, _) in self.queued.items() if other is item]:
+            del self.queued[rid]
+            self.engine.abort_request(rid)
+        line = int(out.request_id.split("-", 1)[1].split(".")[0])
+        self.reject(line, f"the engine step running it failed ({out.error}); not written, "
+                          f"a re-run retries it")
 
     def write(self, record: dict) -> None:
         line = json.dumps(record, ensure_ascii=False) + "\n"

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import time
 
 import jax
@@ -30,7 +31,7 @@ from tqdm import tqdm
 from jaxinfer import batch, compile_cache
 from jaxinfer.buckets import Buckets
 from jaxinfer.config import EngineConfig, ModelConfig
-from jaxinfer.errors import ConfigError
+from jaxinfer.errors import ConfigError, EngineDeadError
 from jaxinfer.engine_io import (Detokenized, build_step_input, check_params_for_model,
                                 logprob_dict, prompt_token_ids)
 from jaxinfer.loading import load_model
@@ -39,6 +40,9 @@ from jaxinfer.routes import Routes
 from jaxinfer.runner import CompileCounter, ModelRunner
 from jaxinfer.sampling import uses_penalty
 from jaxinfer.scheduler import Scheduler, SchedulerOutput
+
+
+log = logging.getLogger("jaxinfer.engine")
 
 
 @dataclasses.dataclass
@@ -75,6 +79,8 @@ class Engine:
         self.last_host_s = 0.0
         self.last_phases: dict[str, float] = {}
         self._inflight: _InFlight | None = None
+        self._outputs: list[RequestOutput] = []   # the current step's, so far
+        self._blame = None   # the SchedulerOutput of the step being dispatched or read
         self._waited = 0.0   # seconds the current step() spent waiting for tokens
         self._no_prev = jax.device_put(np.zeros(engine_cfg.max_num_seqs, np.int32))
 
@@ -89,13 +95,20 @@ class Engine:
                     request_id: str | None = None) -> str:
         """Queue a request (text, chat messages, or {"prompt_token_ids": [...]}); returns its id."""
         params = sampling_params or SamplingParams()
-        check_params_for_model(params, self.tokenizer, self.model_config.vocab_size)
-        ids = prompt_token_ids(prompt, self.tokenizer, self.model_config.vocab_size)
+        ids = self.encode_prompt(prompt, params)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         self.scheduler.add(Request(rid, ids, params))
         self._text[rid] = Detokenized(self.tokenizer, ids, params,
                                       prompt if isinstance(prompt, str) else None)
         return rid
+
+    def encode_prompt(self, prompt, sampling_params: SamplingParams) -> list[int]:
+        """A prompt's validated token ids (and `sampling_params` checked against this model):
+        what add_request does before queueing. Safe from any thread (servers tokenize off
+        the engine's thread, then add {"prompt_token_ids": ids})."""
+        check_params_for_model(sampling_params, self.tokenizer, self.model_config.vocab_size)
+        return prompt_token_ids(prompt, self.tokenizer, self.model_config.vocab_size,
+                                self.config.max_model_len)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Cancel a request; its pages are free for the next step. Unknown ids are ignored."""
@@ -118,20 +131,37 @@ class Engine:
     # --- the step -----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Schedule and dispatch one step; return the outputs of the step that completed
-        (this one, or with async scheduling the one before)."""
+        (this one, or with async scheduling the one before).
+
+        A step that raises (an XLA runtime error, out of memory, a bug) fails exactly the
+        requests it ran: they come back as final outputs with FinishReason.ERROR and
+        `error`; their pages are freed, a KV cache the failed step consumed is rebuilt, and
+        every other request is recomputed from its known tokens, so nothing else is lost.
+        EngineDeadError: the recovery itself failed (the engine is unusable)."""
+        self._outputs = []
+        self._blame = None
+        try:
+            self._step()
+        except Exception as e:
+            self._recover(e)
+        return self._outputs
+
+    def _step(self) -> None:
         clock = time.perf_counter
         t0 = clock()
         self._waited = 0.0
-        outputs = []
+        outputs = self._outputs
         prev = self._inflight
         if prev is not None and self._needs_last_tokens():
             outputs += self._finish(prev)
             prev = self._inflight = None
         t1 = clock()
+        self._blame = None     # a failure in the scheduler: every running request
         out = self.scheduler.schedule()
         t2 = ta = tb = t3 = t4 = t5 = clock()
         new = None
         if not out.is_empty:
+            self._blame = out
             bucket = self.buckets.choose(out.num_tokens, out.num_rows, out.max_pages)
             arrays = batch.prepare(out, bucket, self.config.page_size)
             ta = clock()
@@ -143,8 +173,8 @@ class Engine:
             sampled, next_tokens = self.runner.submit(inp)
             t4 = clock()
             self.scheduler.commit(out)
-            new = _InFlight(out, sampled, next_tokens,
-                            {r.request_id: b for b, r in enumerate(out.rows)})
+            new = self._inflight = _InFlight(out, sampled, next_tokens,
+                                             {r.request_id: b for b, r in enumerate(out.rows)})
             self.num_steps += 1
             t5 = clock()
         waited_before = self._waited
@@ -164,7 +194,24 @@ class Engine:
                             "dispatch": t4 - t3, "commit": t5 - t4,
                             "resolve": t6 - t5 - (self._waited - waited_before),
                             "wait": self._waited}
-        return outputs
+
+    def _recover(self, error: Exception) -> None:
+        """After a failed step: its requests fail, the rest start over (see `step`)."""
+        blamed = self._blame
+        failed = ([r.request_id for r in blamed.rows] if blamed is not None
+                  else [r.request_id for r in self.scheduler.running])
+        log.error("engine step %d failed; failing its %d requests", self.num_steps,
+                  len(failed), exc_info=error)
+        try:
+            self._inflight = None        # steps in flight are dropped, their tokens unseen
+            lost = self.runner.kv_lost()
+            if lost:
+                self.runner.rebuild_kv()
+            for req in self.scheduler.recover(failed, cache_lost=lost):
+                self._outputs.append(self._error_output(req, error))
+        except Exception as e:
+            raise EngineDeadError(f"the engine could not recover from a failed step "
+                                  f"({error!r}): {e}") from e
 
     def _needs_last_tokens(self) -> bool:
         """A running request with a penalty and a pending token: its window needs it."""
@@ -186,6 +233,9 @@ class Engine:
         return prev.next_tokens, index
 
     def _finish(self, step: _InFlight) -> list[RequestOutput]:
+        self._blame = step.out
+        if self.runner.fault_hook is not None:
+            self.runner.fault_hook("fetch", self.runner)
         t = time.perf_counter()
         sampled = jax.device_get(step.sampled)
         self._waited += time.perf_counter() - t
@@ -200,7 +250,14 @@ class Engine:
             if req is None:
                 continue
             text = self._text[req.request_id]
-            delta, stop_hit = text.add(tokens[b], done=req.is_finished)
+            try:
+                delta, stop_hit = text.add(tokens[b], done=req.is_finished)
+            except Exception as e:   # text work fails one request, not the step
+                log.error("detokenizing %s failed", req.request_id, exc_info=e)
+                if not req.is_finished:
+                    self.scheduler.finish(req.request_id, FinishReason.ERROR)
+                outputs.append(self._error_output(req, e))
+                continue
             if stop_hit and not req.is_finished:
                 self.scheduler.finish(req.request_id, FinishReason.STOP)
             # A stop string ends the text even when the same token also hit a length limit.
@@ -211,6 +268,13 @@ class Engine:
             if reason is not None:
                 del self._text[req.request_id]
         return outputs
+
+    def _error_output(self, req: Request, error: Exception) -> RequestOutput:
+        """The final output of a request that failed (its text as far as it was emitted)."""
+        out = self._output(req, [], "", FinishReason.ERROR)
+        out.error = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+        del self._text[req.request_id]
+        return out
 
     def _output(self, req: Request, new_ids, delta, reason) -> RequestOutput:
         text = self._text[req.request_id]

@@ -36,8 +36,22 @@ def _check_messages(messages: Sequence) -> list[dict]:
     return out
 
 
-def prompt_token_ids(prompt, tokenizer, vocab_size: int) -> list[int]:
-    """Text, chat messages or {"prompt_token_ids": [...]} -> validated token ids."""
+def _check_length(text: str, field: str, tokenizer, max_tokens: int | None) -> None:
+    """Refuse, before tokenizing it, a text that cannot fit in max_tokens tokens."""
+    if max_tokens is None:
+        return
+    limit = max_tokens * tokenizer.max_token_chars
+    if len(text) > limit:
+        raise InvalidRequestError(
+            f"{field} has {len(text)} characters: more than {max_tokens} tokens (max_model_len) "
+            f"can hold ({limit} at {tokenizer.max_token_chars} per token at most)", field=field)
+
+
+def prompt_token_ids(prompt, tokenizer, vocab_size: int, max_tokens: int | None = None
+                     ) -> list[int]:
+    """Text, chat messages or {"prompt_token_ids": [...]} -> validated token ids. With
+    `max_tokens`, a text (or the messages' content) too long to fit is refused before it is
+    tokenized: tokenizing megabytes takes seconds."""
     if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
         ids = prompt["prompt_token_ids"]
         try:
@@ -60,11 +74,15 @@ def prompt_token_ids(prompt, tokenizer, vocab_size: int) -> list[int]:
     if isinstance(prompt, str):
         if not prompt:
             raise InvalidRequestError("prompt is empty", field="prompt")
+        _check_length(prompt, "prompt", tokenizer, max_tokens)
         return tokenizer.encode(_check_text(prompt, "prompt"))
     if isinstance(prompt, (list, tuple)):
         from jinja2.exceptions import TemplateError
+        messages = _check_messages(prompt)
+        _check_length("".join(m["content"] for m in messages), "messages", tokenizer,
+                      max_tokens)
         try:
-            return tokenizer.encode_chat(_check_messages(prompt))
+            return tokenizer.encode_chat(messages)
         except (ConfigError, TemplateError) as e:   # no template / the template refused
             raise InvalidRequestError(f"messages: {e}", field="messages") from None
     raise InvalidRequestError(f"a prompt is text, a list of chat messages or "

@@ -22,3 +22,7 @@ class InvalidRequestError(JaxinferError, ValueError):
     def __init__(self, message: str, field: str | None = None):
         super().__init__(message)
         self.field = field
+
+
+class EngineDeadError(JaxinferError, RuntimeError):
+    """A step failed and the engine could not recover from it: it must be rebuilt."""

@@ -36,7 +36,8 @@ class LLM:
         """Complete every prompt; outputs come back in the order of `prompts`.
 
         A prompt is text, a list of chat messages ({"role", "content"}: the chat template is
-        applied) or {"prompt_token_ids": [...]}."""
+        applied) or {"prompt_token_ids": [...]}. A request whose engine step failed comes back
+        with finish_reason "error" and `error` (the others are unaffected)."""
         if isinstance(prompts, (str, dict)) or (
                 isinstance(prompts, list) and prompts and isinstance(prompts[0], dict)
                 and "role" in prompts[0]):
@@ -53,5 +54,10 @@ class LLM:
             for rid in ids:
                 self.engine.abort_request(rid)
             raise
-        done = self.engine.run_until_done(use_tqdm=use_tqdm)
+        try:
+            done = self.engine.run_until_done(use_tqdm=use_tqdm)
+        except BaseException:   # interrupted, or the engine died: leave nothing queued
+            for rid in ids:
+                self.engine.abort_request(rid)
+            raise
         return [done[i] for i in ids]

@@ -147,6 +147,14 @@ class PageAllocator:
         self._page_by_key[key] = page_id
         self._key_by_page[page_id] = key
 
+    def forget_cache(self) -> None:
+        """Drop every prefix-cache entry (the KV cache's contents were lost): evictable pages
+        become free; pages in use stay with their holders, no longer shareable."""
+        self._free.extend(reversed(self._evictable))
+        self._evictable.clear()
+        self._page_by_key.clear()
+        self._key_by_page.clear()
+
     def record_query(self, num_tokens: int, num_hit_tokens: int) -> None:
         """Count one admission (its tokens, those served from the cache) for the hit rate."""
         self.queried_tokens += num_tokens

@@ -27,6 +27,7 @@ class FinishReason(str, enum.Enum):
     STOP = "stop"          # an EOS / stop token id / stop string
     LENGTH = "length"      # max_tokens or the model's context
     CANCELLED = "cancelled"  # aborted by the caller
+    ERROR = "error"        # the engine step running it failed (RequestOutput.error says how)
 
     def __str__(self) -> str:
         return self.value
@@ -128,6 +129,7 @@ class RequestOutput:
     prompt: str | None = None
     ttft_s: float | None = None      # time to first token
     latency_s: float | None = None   # arrival to finish
+    error: str | None = None         # why, when finish_reason is ERROR
 
     @property
     def finished(self) -> bool:

@@ -203,6 +203,10 @@ class ModelRunner:
                                                   self._treedef, kv_sharding=kv_sharding),
                                 donate_argnums=(1, 2, 3), static_argnames=("spec",))
         self._buffers: dict = {}  # input signature -> (slot, output buffers or None)
+        # Fault injection for tests: called as fault_hook(phase, runner) at "dispatch" (before
+        # the step's call), "dispatched" (after it: the cache was donated) and "fetch" (before
+        # the engine reads a step's tokens); whatever it raises, the step raises.
+        self.fault_hook = None
 
     def step(self, inp: StepInput | PackedInput) -> sampling.SampleOutput:
         """Run one step; returns the sampled tokens etc. as numpy (the one device->host sync)."""
@@ -212,8 +216,25 @@ class ModelRunner:
         """Dispatch one step without waiting: (SampleOutput, next_tokens [S]), both on the
         device; the cache is updated in place. Fetch the output with jax.device_get."""
         self._num_steps += 1
+        if self.fault_hook is not None:
+            self.fault_hook("dispatch", self)
         self.kv, out, next_tokens = self.dispatch(self.kv, inp, self._num_steps)
+        if self.fault_hook is not None:
+            self.fault_hook("dispatched", self)
         return out, next_tokens
+
+    def kv_lost(self) -> bool:
+        """The KV cache's buffers are gone (donated to a step that then failed)."""
+        return any(x.is_deleted() for x in jax.tree_util.tree_leaves(self.kv))
+
+    def rebuild_kv(self) -> None:
+        """A fresh, empty KV cache (and fresh step buffers) after `kv_lost`."""
+        self._buffers.clear()
+        for x in jax.tree_util.tree_leaves(self.kv):
+            if not x.is_deleted():
+                x.delete()
+        with pool_oom_as_config_error(self.cfg, self.engine, "rebuilding the KV cache"):
+            self.kv = allocate_kv(self.cfg, self.engine, self.layout, self.static_kv_scales)
 
     @staticmethod
     def prepare(inp: StepInput | PackedInput) -> PackedInput:

@@ -142,10 +142,7 @@ class Scheduler:
         if request_id not in self.requests:
             raise KeyError(f"no unfinished request {request_id!r}")
         request = self.requests.pop(request_id)
-        if request.num_pending:  # sampled but never seen: not part of the answer
-            del request.output_token_ids[-request.num_pending:]
-            del request.all_token_ids[-request.num_pending:]
-            request.num_pending = 0
+        self._drop_pending(request)   # sampled but never seen: not part of the answer
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
         else:
@@ -155,6 +152,27 @@ class Scheduler:
         request.finish_reason = reason
         request.finish_time = self.clock()
         return request
+
+    def recover(self, failed: Sequence[str], cache_lost: bool) -> list[Request]:
+        """After a step failed: finish the `failed` requests (FinishReason.ERROR, pages freed)
+        and send every other running request back to the head of the queue, pages released
+        and PENDING tokens dropped, to be recomputed from its known tokens (the steps in
+        flight are gone). `cache_lost`: the KV cache was rebuilt, so the prefix cache is
+        forgotten too. Returns the failed requests."""
+        done = [self.finish(rid, FinishReason.ERROR) for rid in failed if rid in self.requests]
+        for request in sorted(self.running, key=lambda r: r.arrival_time, reverse=True):
+            self._preempt(request)      # appendleft, newest first: oldest ends up in front
+        for request in self.waiting:
+            self._drop_pending(request)
+        if cache_lost:
+            self.allocator.forget_cache()
+        return done
+
+    def _drop_pending(self, request: Request) -> None:
+        if request.num_pending:  # sampled but never seen
+            del request.output_token_ids[-request.num_pending:]
+            del request.all_token_ids[-request.num_pending:]
+            request.num_pending = 0
 
     def get(self, request_id: str) -> Request:
         return self.requests[request_id]

@@ -14,6 +14,9 @@ import tokenizers
 from jaxinfer.errors import ConfigError, ModelLoadError
 
 _META_FILE = "jaxinfer_tokenizer.json"
+# `tokenizers` releases the GIL in encode_batch, not in encode: above this length (~1 ms of
+# encoding) the batch form keeps the other threads (the engine's) running.
+_GIL_FREE_CHARS = 4096
 
 
 def _token_content(tok) -> str | None:
@@ -30,6 +33,7 @@ class Tokenizer:
         self.eos_token_ids = tuple(eos_token_ids)
         self.chat_template = chat_template
         self._template = None   # compiled on first use
+        self._max_token_chars: int | None = None
 
     # --- constructors -------------------------------------------------------------------
     @classmethod
@@ -85,9 +89,21 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self.backend.get_vocab_size(with_added_tokens=True)
 
+    @property
+    def max_token_chars(self) -> int:
+        """The most characters one token can stand for (its longest vocabulary entry): a text
+        longer than n times this cannot fit in n tokens."""
+        if self._max_token_chars is None:
+            self._max_token_chars = max(
+                len(t) for t in self.backend.get_vocab(with_added_tokens=True))
+        return self._max_token_chars
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`; special tokens written in the text (e.g. <|im_start|>) map to
-        their ids. `add_special_tokens` adds a BOS only where the model's tokenizer does."""
+        their ids. `add_special_tokens` adds a BOS only where the model's tokenizer does.
+        Long texts are encoded without holding the GIL (other threads keep running)."""
+        if len(text) > _GIL_FREE_CHARS:
+            return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:

@@ -3,7 +3,7 @@
 from the engine thread.
 
     admission.check()                         # Refused while loading or draining
-    deltas = admission.submit(rid, prompt, params)   # an asyncio.Queue of RequestOutput | Exception
+    deltas = await admission.submit(rid, prompt, params)  # a Queue of RequestOutput | Exception
     ...
     admission.release(rid, finished)          # not finished: aborted, its pages freed
 
@@ -12,15 +12,19 @@ The drain on SIGTERM waits for `idle` (no request in flight on any front end).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import os
 import time
 
 from jaxinfer.errors import InvalidRequestError
+from jaxinfer.request import FinishReason
 from serve.engine_thread import EngineThread
 from serve.metrics import Metrics
 
 
 class Refused(Exception):
-    """A request the server does not take now: `reason` is loading, draining or queue_full."""
+    """A request the server does not take now: `reason` is loading, draining, failed (the
+    engine is dead; the process is exiting) or queue_full."""
 
     def __init__(self, reason: str, message: str):
         super().__init__(message)
@@ -30,6 +34,8 @@ class Refused(Exception):
 class Admission:
     def __init__(self, engine: EngineThread, metrics: Metrics):
         self.engine, self.metrics = engine, metrics
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            min(4, os.cpu_count() or 1), thread_name_prefix="tokenize")
         self.draining = False
         self._active: set[str] = set()
         self.idle = asyncio.Event()  # set while no request is in flight
@@ -48,19 +54,28 @@ class Admission:
     def check(self) -> None:
         if self.draining:
             raise Refused("draining", "the server is shutting down")
-        if not self.engine.ready.is_set() or self.engine.error is not None:
+        if self.engine.error is not None:
+            raise Refused("failed", "the engine failed; the server is restarting")
+        if not self.engine.ready.is_set():
             raise Refused("loading", "the model is still loading")
 
-    def submit(self, rid: str, prompt, params,
-               deltas: asyncio.Queue | None = None) -> asyncio.Queue:
-        """Hand a request to the engine thread; its outputs (and an exception, if it fails)
-        arrive on `deltas` (default: a new queue), which is returned. Several requests may
-        share one queue (RequestOutput.request_id tells them apart). Raises Refused or
-        InvalidRequestError (id in use)."""
+    async def submit(self, rid: str, prompt, params,
+                     deltas: asyncio.Queue | None = None) -> asyncio.Queue:
+        """Validate and tokenize a request off the engine thread (on a small pool: a long
+        prompt delays no one's tokens), then hand it to the engine thread; its outputs (and
+        an exception, if it fails) arrive on `deltas` (default: a new queue), which is
+        returned. Several requests may share one queue (RequestOutput.request_id tells them
+        apart). Raises Refused or InvalidRequestError."""
         self.check()
         if rid in self._active:
             raise InvalidRequestError(f"request id {rid!r} is already in use", field="request_id")
         loop = asyncio.get_running_loop()
+        ids = await loop.run_in_executor(self._pool, self.engine.engine.encode_prompt, prompt,
+                                         params)
+        self.check()                     # it may have started draining meanwhile
+        if rid in self._active:
+            raise InvalidRequestError(f"request id {rid!r} is already in use", field="request_id")
+        prompt = {"prompt_token_ids": ids}
         deltas = asyncio.Queue() if deltas is None else deltas
         if not self.engine.submit(rid, prompt, params,
                                   lambda item: loop.call_soon_threadsafe(deltas.put_nowait, item)):
@@ -85,6 +100,21 @@ class Admission:
         """End every in-flight request now; each gets a final `cancelled` output."""
         for rid in list(self._active):
             self.engine.abort(rid, notify=True)
+
+
+class RequestFailed(Exception):
+    """The engine step running a request failed (FinishReason.ERROR); others go on."""
+
+    def __init__(self, out):
+        super().__init__(f"the engine step running this request failed ({out.error}); "
+                         f"retry it")
+
+
+def check_output(out):
+    """An output from the engine thread: RequestFailed for a failed request, else `out`."""
+    if out.finish_reason == FinishReason.ERROR:
+        raise RequestFailed(out)
+    return out
 
 
 class RequestClock:

@@ -25,10 +25,24 @@ TOKEN_ENV = "JAXINFER_AUTH_TOKEN"
 
 def _token(args) -> str | None:
     """The bearer token: from --auth-token-file, else $JAXINFER_AUTH_TOKEN (never argv,
-    where other users can read it)."""
+    where other users can read it). Fails closed: a file that cannot be read, or a file or
+    variable holding no token, is a ConfigError, never "no authentication"."""
     if args.auth_token_file:
-        return Path(args.auth_token_file).read_text().strip() or None
-    return os.environ.get(TOKEN_ENV) or None
+        try:
+            token = Path(args.auth_token_file).read_text().strip()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"--auth-token-file {args.auth_token_file}: cannot read it "
+                              f"({getattr(e, 'strerror', None) or e})") from None
+        if not token:
+            raise ConfigError(f"--auth-token-file {args.auth_token_file} holds no token "
+                              f"(it is empty or only whitespace)")
+        return token
+    if TOKEN_ENV in os.environ:
+        token = os.environ[TOKEN_ENV].strip()
+        if not token:
+            raise ConfigError(f"${TOKEN_ENV} is set but holds no token")
+        return token
+    return None
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
@@ -44,6 +58,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="the model name the HTTP API answers to (default: --model)")
     g.add_argument("--metrics-port", type=int, default=None,
                    help="serve Prometheus metrics over HTTP on this port (default: off)")
+    g.add_argument("--metrics-host", default="127.0.0.1",
+                   help="address the metrics port binds (0.0.0.0: all)")
+    g.add_argument("--metrics-auth", action="store_true",
+                   help="the metrics port requires the bearer token too")
     g.add_argument("--max-waiting", type=int, default=256,
                    help="requests waiting to be scheduled beyond this get RESOURCE_EXHAUSTED "
                         "(HTTP 429)")
@@ -67,20 +85,27 @@ def serve_config_from_args(args):
         raise ConfigError(f"--max-waiting must be >= 1, got {args.max_waiting}")
     if args.no_grpc and args.http_port is None:
         raise ConfigError("--no-grpc leaves nothing to serve: add --http-port")
+    token = _token(args)
+    if args.metrics_auth and token is None:
+        raise ConfigError("--metrics-auth needs a token: --auth-token-file or "
+                          f"${TOKEN_ENV}")
     return ServeConfig(host=args.host, port=None if args.no_grpc else args.port,
                        http_port=args.http_port, served_model_name=args.served_model_name,
-                       metrics_port=args.metrics_port,
-                       max_waiting=args.max_waiting, auth_token=_token(args),
+                       metrics_port=args.metrics_port, metrics_host=args.metrics_host,
+                       metrics_auth=args.metrics_auth,
+                       max_waiting=args.max_waiting, auth_token=token,
                        tls_cert=args.tls_cert, tls_key=args.tls_key,
                        max_message_bytes=args.max_message_bytes,
                        grace_period_s=args.grace_period, log_prompts=args.log_prompts)
 
 
-def _engine_factory(args):
+def _engine_factory(args, on_engine=None):
     def make_engine():  # runs on the engine thread
         log = logging.getLogger("jaxinfer.serve")
         t0 = time.perf_counter()
         engine = Engine.from_model(args.model, engine_config_from_args(args))
+        if on_engine is not None:
+            on_engine(engine)
         log.info("loaded %s in %.1f s; compiling %d buckets", args.model,
                  time.perf_counter() - t0, len(engine.buckets.all_buckets()))
         stats = engine.warmup(progress=False, on_done=lambda done, total: log.info(
@@ -93,10 +118,12 @@ def _engine_factory(args):
     return make_engine
 
 
-def run_serve(args) -> int:
+def run_serve(args, on_engine=None) -> int:
+    """Serve until SIGTERM; `on_engine(engine)` runs once the engine is built, before its
+    warm-up (embedding: metrics, hooks)."""
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return asyncio.run(serve(serve_config_from_args(args), _engine_factory(args)))
+    return asyncio.run(serve(serve_config_from_args(args), _engine_factory(args, on_engine)))
 
 
 def add_client_arguments(p: argparse.ArgumentParser) -> None:
@@ -145,14 +172,14 @@ def run_client(args) -> int:
     return 0
 
 
-def main(argv=None) -> int:
-    """`python -m serve.cli`: the server alone (= `jaxinfer serve`)."""
+def main(argv=None, on_engine=None) -> int:
+    """`python -m serve.cli`: the server alone (= `jaxinfer serve`); on_engine: run_serve."""
     p = argparse.ArgumentParser(prog="python -m serve.cli",
                                 description="Serve a model over gRPC and/or the OpenAI HTTP API "
                                             "(= `jaxinfer serve`).")
     add_serve_arguments(p)
     try:
-        return run_serve(p.parse_args(argv))
+        return run_serve(p.parse_args(argv), on_engine)
     except JaxinferError as e:
         print(f"jaxinfer serve: error: {e}", file=sys.stderr)
         return 2

@@ -26,10 +26,13 @@ Sink = Callable[[object], None]  # receives RequestOutput | Exception, from the 
 
 class EngineThread:
     def __init__(self, make_engine: Callable[[], object], max_waiting: int,
-                 on_ready: Callable[[object], object] | None = None):
+                 on_ready: Callable[[object], object] | None = None,
+                 on_exit: Callable[[], None] | None = None):
         """`make_engine` loads (and warms up) the engine on this thread; `on_ready(engine)`
-        runs next, on this thread, and returns a step observer (`after_step(outputs, n)`)."""
-        self._make_engine, self._on_ready = make_engine, on_ready
+        runs next, on this thread, and returns a step observer (`after_step(outputs, n)`).
+        `on_exit()` runs on this thread when it ends (stopped, or the engine failed beyond
+        recovery: then `error` is set)."""
+        self._make_engine, self._on_ready, self._on_exit = make_engine, on_ready, on_exit
         self.max_waiting = max_waiting
         self.engine = None
         self.ready = threading.Event()     # set once the engine is loaded (or failed to)
@@ -75,18 +78,26 @@ class EngineThread:
     # --- the engine thread --------------------------------------------------------------
     def _run(self) -> None:
         try:
-            self.engine = self._make_engine()
-            self._observer = self._on_ready(self.engine) if self._on_ready else None
-        except BaseException as e:  # reported by whoever waits on `ready`
-            self.error = e
+            try:
+                self.engine = self._make_engine()
+                self._observer = self._on_ready(self.engine) if self._on_ready else None
+            except BaseException as e:  # reported by whoever waits on `ready`
+                self.error = e
+                self.ready.set()
+                return
             self.ready.set()
-            return
-        self.ready.set()
-        while self._apply_commands(block=not self.engine.has_unfinished_requests()):
-            if self.engine.has_unfinished_requests():
-                self._step()
-            elif self._observer is not None:  # idle after aborts: show the freed pages
-                self._observer.gauges(self._num_waiting)
+            while self._apply_commands(block=not self.engine.has_unfinished_requests()):
+                if self.engine.has_unfinished_requests():
+                    if not self._step():
+                        return
+                elif self._observer is not None:  # idle after aborts: show the freed pages
+                    self._observer.gauges(self._num_waiting)
+        finally:
+            if self._on_exit is not None:
+                try:
+                    self._on_exit()
+                except RuntimeError:  # the receiving loop is closed: nothing waits any more
+                    pass
 
     def _apply_commands(self, block: bool) -> bool:
         """Apply every queued command (waiting for one if `block`); False on stop."""
@@ -120,13 +131,17 @@ class EngineThread:
         if notify and sink and out is not None:
             _deliver(sink, out)
 
-    def _step(self) -> None:
+    def _step(self) -> bool:
+        """One engine step, its outputs delivered; False when the engine is dead (a step
+        failed and recovery failed too: Engine.step): every request fails, `error` is set."""
         try:
             outputs = self.engine.step()
         except Exception as e:
-            log.exception("engine step failed; failing its %d requests", len(self._sinks))
+            log.critical("the engine failed beyond recovery; failing its %d requests",
+                         len(self._sinks), exc_info=e)
+            self.error = e
             self._fail_all(e)
-            return
+            return False
         self._note_admitted()
         for out in outputs:
             sink = self._sinks.get(out.request_id)
@@ -136,6 +151,7 @@ class EngineThread:
                 _deliver(sink, out)
         if self._observer is not None:
             self._observer.after_step(outputs, self._num_waiting)
+        return True
 
     def _note_admitted(self) -> None:
         """Requests a step has scheduled stop counting as waiting; their queue time ends."""

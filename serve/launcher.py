@@ -24,10 +24,12 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 class ServerProcess:
-    def __init__(self, args: list[str], env: dict | None = None, log_path: Path | None = None):
+    def __init__(self, args: list[str], env: dict | None = None, log_path: Path | None = None,
+                 module: str = "serve.cli"):
+        """module: what `python -m` runs (one that ends in serve.cli.main)."""
         self.log_path = Path(log_path or tempfile.mkstemp(prefix="jaxinfer-serve-",
                                                           suffix=".log")[1])
-        cmd = [sys.executable, "-m", "serve.cli", "--host", "127.0.0.1", "--port", "0",
+        cmd = [sys.executable, "-m", module, "--host", "127.0.0.1", "--port", "0",
                "--metrics-port", "0", *args]
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,

@@ -7,10 +7,11 @@
     GET  /metrics               the server's Prometheus registry
 
 Errors have OpenAI's shape, {"error": {"message", "type", "param", "code"}}: 400 for an invalid
-field (`param` names it), 401 for a missing or wrong bearer token (when auth is on; /health and
-/metrics stay open, as health probes and scrapers expect), 404 for an unknown model or path,
-413 for a body over the size limit, 429 when the waiting queue is full, 503 while loading or
-draining. A client that disconnects (mid-stream or while waiting) has its requests aborted;
+field (`param` names it), 401 for a missing or wrong bearer token (when auth is on; /health
+stays open for health probes), 404 for an unknown model or path,
+413 for a body over the size limit, 429 when the waiting queue is full, 500 when the engine
+step running the request failed (other requests go on; mid-stream: an error event), 503 while
+loading, draining or after the engine failed for good. A client that disconnects (mid-stream or while waiting) has its requests aborted;
 their pages are free for the next step.
 
 A streamed response starts once every prompt of the request has its first output, so an
@@ -33,14 +34,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jaxinfer import openai_protocol as oai
 from jaxinfer.errors import InvalidRequestError
-from serve.admission import Admission, Refused, RequestClock
+from serve.admission import Admission, Refused, RequestClock, RequestFailed, check_output
 from serve.auth import digest
 
 log = logging.getLogger("jaxinfer.serve")
-OPEN_PATHS = frozenset(("/health", "/metrics"))
 _GONE = object()   # put on a request's queue when its client disconnects
 _REFUSED = {"loading": (503, "service_unavailable"), "draining": (503, "service_unavailable"),
-            "queue_full": (429, "rate_limit_exceeded")}
+            "failed": (503, "service_unavailable"), "queue_full": (429, "rate_limit_exceeded")}
 _ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error",
                 404: "invalid_request_error", 405: "invalid_request_error",
                 413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error",
@@ -102,10 +102,10 @@ class _Call:
         self.early: list = []                    # outputs read before the response started
         self._watch = None
 
-    def submit(self, prompts, params) -> None:
+    async def submit(self, prompts, params) -> None:
         for i, prompt in enumerate(prompts):
             erid = self.rid if len(prompts) == 1 else f"{self.rid}-{i}"
-            self.api.admission.submit(erid, prompt, params, self.queue)
+            await self.api.admission.submit(erid, prompt, params, self.queue)
             self.index[erid] = i
             self.clocks[erid] = RequestClock(self.api.admission.metrics, self.arrival)
             self.unfinished.add(erid)
@@ -128,7 +128,7 @@ class _Call:
         self.clocks[item.request_id].output(item)
         if item.finished:
             self.unfinished.discard(item.request_id)
-        return item
+        return check_output(item)
 
     async def started(self) -> bool:
         """Wait until every prompt has its first output (or the client is gone: False)."""
@@ -143,6 +143,8 @@ class _Call:
                 raise item
             seen.add(item.request_id)
             self.early.append(item)
+            if item.finished:          # failed at once: answer with the error status
+                check_output(item)
         return True
 
     def close(self) -> None:
@@ -242,7 +244,7 @@ class OpenAIApi:
                    for i in range(len(prompts))]
         streaming = False
         try:
-            call.submit(prompts, params)
+            await call.submit(prompts, params)
             if not await call.started():
                 return Response(status_code=499)   # nobody is listening
             if req.stream:
@@ -263,6 +265,11 @@ class OpenAIApi:
                 call.close()
 
     async def _completion_events(self, call: _Call, model, created, choices, include_usage):
+        async for chunk in _failing_as_event(self._completion_chunks(
+                call, model, created, choices, include_usage)):
+            yield chunk
+
+    async def _completion_chunks(self, call: _Call, model, created, choices, include_usage):
         usage_field = {"usage": None} if include_usage else {}
         while call.unfinished:
             out = await call.next()
@@ -288,6 +295,11 @@ class OpenAIApi:
         yield b"data: [DONE]\n\n"
 
     async def _chat_events(self, call: _Call, model, created, choices, include_usage):
+        async for chunk in _failing_as_event(self._chat_chunks(
+                call, model, created, choices, include_usage)):
+            yield chunk
+
+    async def _chat_chunks(self, call: _Call, model, created, choices, include_usage):
         def chunk(index, delta, finish_reason=None, logprobs=None, token_ids=None):
             return _sse(oai.chat_chunk(call.rid, created, model, index, delta, finish_reason,
                                        logprobs, with_usage=include_usage, token_ids=token_ids))
@@ -357,9 +369,22 @@ class OpenAIApi:
     def health(self) -> Response:
         return Response(status_code=200 if self.admission.ready else 503)
 
-    def metrics(self) -> Response:
+    def metrics(self, request: Request) -> Response:
+        self.authorize(request)
         return Response(generate_latest(self.admission.metrics.registry),
                         media_type=CONTENT_TYPE_LATEST)
+
+
+async def _failing_as_event(chunks):
+    """A stream's chunks; a request that fails mid-stream (its status is sent already) ends
+    with an error event in OpenAI's shape, then [DONE]."""
+    try:
+        async for chunk in chunks:
+            yield chunk
+    except RequestFailed as e:
+        yield _sse({"error": {"message": str(e), "type": "server_error", "param": None,
+                              "code": "engine_error"}})
+        yield b"data: [DONE]\n\n"
 
 
 def _total_usage(choices) -> dict:
@@ -393,6 +418,10 @@ def build_app(admission: Admission, settings: HttpSettings) -> FastAPI:
         status, code = _REFUSED[e.reason]
         return error_response(status, str(e), None, code)
 
+    @app.exception_handler(RequestFailed)
+    async def _failed(request, e: RequestFailed):
+        return error_response(500, str(e), None, "engine_error")
+
     @app.exception_handler(StarletteHTTPException)
     async def _http(request, e: StarletteHTTPException):
         return error_response(e.status_code, str(e.detail))
@@ -405,12 +434,17 @@ def build_app(admission: Admission, settings: HttpSettings) -> FastAPI:
     return app
 
 
-def metrics_app(registry):
-    """The metrics port's app: /metrics and nothing else (404)."""
+def metrics_app(registry, auth_token: str | None = None):
+    """The metrics port's app: /metrics and nothing else (404); with `auth_token`, only for
+    requests that carry it."""
     app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
+    expected = digest(f"Bearer {auth_token}") if auth_token else None
 
     @app.get("/metrics")
-    def _metrics():
+    def _metrics(request: Request):
+        if expected is not None and not hmac.compare_digest(
+                digest(request.headers.get("authorization", "")), expected):
+            return error_response(401, "missing or wrong bearer token", code="invalid_api_key")
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.exception_handler(StarletteHTTPException)

@@ -47,6 +47,8 @@ class ServeConfig:
     port: int | None = 50051           # gRPC; 0: any free port (logged); None: no gRPC
     http_port: int | None = None       # the OpenAI HTTP API; 0: any free port; None: off
     metrics_port: int | None = None    # None: no metrics endpoint; 0: any free port
+    metrics_host: str = "127.0.0.1"
+    metrics_auth: bool = False         # the metrics port requires auth_token too
     served_model_name: str | None = None  # the HTTP API's model name (default: --model)
     max_waiting: int = 256             # waiting requests beyond this get RESOURCE_EXHAUSTED
     auth_token: str | None = None
@@ -145,8 +147,11 @@ def _port(started) -> str:
 async def serve(cfg: ServeConfig, make_engine: Callable[[], object]) -> int:
     """Run until SIGTERM/SIGINT; returns the exit status (0 after a clean drain)."""
     metrics = Metrics()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
     engine = EngineThread(make_engine, cfg.max_waiting,
-                          on_ready=lambda e: StepObserver(metrics, e))
+                          on_ready=lambda e: StepObserver(metrics, e),
+                          on_exit=lambda: loop.call_soon_threadsafe(stop.set))
     admission = Admission(engine, metrics)
     grpc_server = health_servicer = grpc_port = None
     if cfg.port is not None:
@@ -162,13 +167,12 @@ async def serve(cfg: ServeConfig, make_engine: Callable[[], object]) -> int:
                                               cfg.max_message_bytes, cfg.log_prompts)),
             cfg.host, cfg.http_port, cfg.tls_cert, cfg.tls_key)
     if cfg.metrics_port is not None:
-        metrics_http = await _start_http(metrics_app(metrics.registry), cfg.host,
-                                         cfg.metrics_port)
+        metrics_http = await _start_http(
+            metrics_app(metrics.registry, cfg.auth_token if cfg.metrics_auth else None),
+            cfg.metrics_host, cfg.metrics_port)
     log.info("listening on %s: grpc port %s, http port %s, metrics port %s (%s)", cfg.host,
              _port(grpc_port), _port(http), _port(metrics_http),
              "tls" if cfg.tls_cert else "insecure")
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     engine.start()
@@ -183,6 +187,12 @@ async def serve(cfg: ServeConfig, make_engine: Callable[[], object]) -> int:
                 await _set_health(health_servicer, _SERVING)
             log.info("serving %s", cfg.served_model_name or engine.engine.model_name)
     await stop.wait()
+    if engine.ready.is_set() and engine.error is not None and status == 0:
+        # The engine failed beyond recovery: not serving; exit non-zero for a supervisor.
+        log.critical("the engine failed: %s; exiting", engine.error)
+        if health_servicer is not None:
+            await _set_health(health_servicer, _NOT_SERVING)
+        status = 1
     await _drain(cfg, admission, health_servicer)
     if grpc_server is not None:
         await grpc_server.stop(grace=1.0)

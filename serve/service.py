@@ -5,8 +5,9 @@ Status codes (no handler lets an exception escape as UNKNOWN):
   INVALID_ARGUMENT    bad sampling parameter, prompt, token id, UTF-8, request id (the
                       details start with the field's name; trailing metadata jaxinfer-field)
   RESOURCE_EXHAUSTED  the waiting queue is at its limit
-  UNAVAILABLE         still loading, or draining for shutdown
-  INTERNAL            a bug (logged with its traceback)
+  UNAVAILABLE         still loading, draining for shutdown, or the engine failed for good
+  INTERNAL            the engine step running the request failed (other requests go on),
+                      or a bug (logged with its traceback)
 A client that cancels or passes its deadline has its request aborted in the engine.
 """
 from __future__ import annotations
@@ -23,14 +24,14 @@ from jaxinfer.errors import InvalidRequestError
 from serve import convert
 from serve import jaxinfer_pb2 as pb
 from serve import jaxinfer_pb2_grpc as pb_grpc
-from serve.admission import Admission, Refused, RequestClock
+from serve.admission import Admission, Refused, RequestClock, RequestFailed, check_output
 
 log = logging.getLogger("jaxinfer.serve")
 FIELD_METADATA_KEY = "jaxinfer-field"
 
 
 _REFUSED = {"loading": grpc.StatusCode.UNAVAILABLE, "draining": grpc.StatusCode.UNAVAILABLE,
-            "queue_full": grpc.StatusCode.RESOURCE_EXHAUSTED}
+            "failed": grpc.StatusCode.UNAVAILABLE, "queue_full": grpc.StatusCode.RESOURCE_EXHAUSTED}
 
 
 def guarded(handler):
@@ -44,6 +45,8 @@ def guarded(handler):
             raise
         except Refused as e:
             await context.abort(_REFUSED[e.reason], str(e))
+        except RequestFailed as e:
+            await context.abort(grpc.StatusCode.INTERNAL, str(e))
         except InvalidRequestError as e:
             field = e.field or "request"
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{field}: {e}",
@@ -73,7 +76,7 @@ class InferenceService(pb_grpc.InferenceServicer):
         prompt = convert.prompt_from_proto(request)
         params = convert.sampling_from_proto(request.sampling)
         rid = convert.request_id_from_proto(request) or f"grpc-{next(self._ids)}"
-        deltas = self._admission.submit(rid, prompt, params)
+        deltas = await self._admission.submit(rid, prompt, params)
         log.info("request %s: %s", rid, prompt if self._log_prompts else "(prompt not logged)")
         clock, finished = RequestClock(self._metrics, arrival), False
         try:
@@ -91,6 +94,7 @@ class InferenceService(pb_grpc.InferenceServicer):
             if isinstance(out, Exception):
                 raise out
             now = clock.output(out)
+            check_output(out)       # a failed step: INTERNAL
             resp = convert.response_from_output(out)
             if out.finished:
                 resp.usage.CopyFrom(pb.Usage(

@@ -118,6 +118,33 @@ def test_crash_resume_skips_done_and_drops_torn_line(engine, reference, tmp_path
     assert again["requests"] == 0 and again["skipped_done"] == len(lines)
 
 
+def test_failed_step_leaves_its_lines_for_a_rerun(reference, tmp_path):
+    """Requests whose engine step fails get no result and are reported; a re-run completes
+    them with the results a clean run gives."""
+    lines, ref = reference
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    write_jsonl(inp, lines)
+    engine = tiny_engine()
+    calls = []
+
+    def fail_third_dispatch(phase, runner):
+        calls.append(phase)
+        if calls.count("dispatch") == 3 and phase == "dispatch":
+            raise RuntimeError("injected fault")
+
+    engine.runner.fault_hook = fail_third_dispatch
+    log = io.StringIO()
+    first = generate_file(engine, inp, out, DEFAULTS, max_queued=3, log=log)
+    assert first["rejected"] >= 1 and "injected fault" in log.getvalue()
+    assert len(read_jsonl(out)) == len(lines) - first["rejected"]
+    engine.runner.fault_hook = None
+    second = generate_file(engine, inp, out, DEFAULTS, log=io.StringIO())
+    assert second["requests"] == first["rejected"] and second["rejected"] == 0
+    results = read_jsonl(out)
+    assert sorted(str(r["id"]) for r in results) == sorted(map(str, ref))
+    assert all(r["token_ids"] == ref[r["id"]].token_ids for r in results)
+
+
 def test_output_not_ours_is_refused(engine, tmp_path):
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     write_jsonl(inp, random_prompts(1, seed=4))

@@ -2,6 +2,7 @@
 `openai` client: SmolLM2 (text, chat, logprobs, auth, errors, gRPC beside HTTP) and the tiny
 model (loading, queue limit, cancelled streams freeing their pages); SIGTERM drains streams."""
 import concurrent.futures as cf
+import http.client
 import json
 import random
 import secrets
@@ -27,7 +28,7 @@ SMOL_ARGS = ["--model", "smollm2", "--max-num-seqs", "4", "--max-num-batched-tok
 TINY_ARGS = ["--model", "tiny", "--max-num-seqs", "4", "--max-num-batched-tokens", "32",
              "--max-model-len", "2048", "--page-size", "16", "--dtype", "float32"]
 TOKEN = secrets.token_hex(16)
-MAX_BODY = 1 << 16
+MAX_BODY = 8 << 20
 MAX_WAITING = 6
 PROMPTS = ["The capital of France is", "def fibonacci(n):"]
 CHATS = [[{"role": "user", "content": "Name three colors."}],
@@ -40,7 +41,7 @@ def smol(tmp_path_factory):
     token_file = tmp_path_factory.mktemp("auth") / "token"
     token_file.write_text(TOKEN)
     srv = ServerProcess([*SMOL_ARGS, "--http-port", "0", "--auth-token-file", str(token_file),
-                         "--max-message-bytes", str(MAX_BODY)])
+                         "--max-message-bytes", str(MAX_BODY), "--metrics-auth"])
     try:
         srv.wait_listening()
         srv.wait_serving(timeout=300)
@@ -65,7 +66,7 @@ def greedy(max_tokens=16, **kw):
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, **kw)
 
 
-def http(url, body=None, token=TOKEN, method=None, headers=None):
+def call(url, body=None, token=TOKEN, method=None, headers=None):
     """(status, decoded JSON or text) of one request, errors included."""
     data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
     req = urllib.request.Request(url, data=data, method=method, headers={
@@ -235,16 +236,53 @@ def test_chat_errors_name_the_field(client, kw, param):
 
 def test_malformed_and_oversized_bodies(smol):
     url = smol.http_url + "/v1/completions"
-    status, body = http(url, b"{not json")
+    status, body = call(url, b"{not json")
     assert status == 400 and body["error"]["param"] == "body"
-    status, body = http(url, ["a list"])
+    status, body = call(url, ["a list"])
     assert status == 400 and body["error"]["param"] == "body"
-    status, body = http(url, {"prompt": "x" * MAX_BODY})
-    assert status == 413 and body["error"]["code"] == "request_too_large"
-    status, body = http(smol.http_url + "/v1/nothing", {})
+    # A body declared over the limit is refused before it is read.
+    conn = http.client.HTTPConnection("127.0.0.1", smol.http_port, timeout=30)
+    conn.putrequest("POST", "/v1/completions")
+    for k, v in (("content-type", "application/json"), ("authorization", f"Bearer {TOKEN}"),
+                 ("content-length", str(MAX_BODY + 1))):
+        conn.putheader(k, v)
+    conn.endheaders()
+    resp = conn.getresponse()
+    assert resp.status == 413
+    assert json.loads(resp.read())["error"]["code"] == "request_too_large"
+    conn.close()
+    status, body = call(smol.http_url + "/v1/nothing", {})
     assert status == 404 and "error" in body
-    status, body = http(url, method="GET")
+    status, body = call(url, method="GET")
     assert status == 405 and "error" in body
+
+
+def test_huge_prompt_is_refused_without_stalling_streams(client, smol):
+    """A 4 MB prompt is refused at once (it cannot fit in max_model_len tokens, so it is not
+    tokenized), and a concurrent stream's tokens keep their pace meanwhile."""
+    big = {"model": "smollm2", "prompt": "word " * 800_000, "max_tokens": 4}
+    refused = {}
+
+    def send():
+        refused["t0"] = time.monotonic()
+        refused["status"], refused["body"] = call(smol.http_url + "/v1/completions", big)
+        refused["t1"] = time.monotonic()
+
+    times, sender = [], threading.Thread(target=send)
+    for i, chunk in enumerate(client.completions.create(
+            model="smollm2", prompt=PROMPTS[0], max_tokens=40, temperature=0, stream=True,
+            extra_body={"ignore_eos": True, "return_token_ids": True})):
+        times.append(time.monotonic())
+        if i == 8:
+            sender.start()
+    sender.join(60)
+    assert refused["status"] == 400 and refused["body"]["error"]["param"] == "prompt"
+    assert "characters" in refused["body"]["error"]["message"]
+    assert refused["t1"] - refused["t0"] < 2.0
+    gaps = np.diff(times)
+    during = [b - a for a, b in zip(times, times[1:])
+              if b >= refused["t0"] and a <= refused["t1"]]
+    assert during and max(during) <= np.median(gaps) + 0.1, (during, np.median(gaps))
 
 
 def test_auth(smol):
@@ -254,11 +292,14 @@ def test_auth(smol):
     assert e.value.status_code == 401 and e.value.body["code"] == "invalid_api_key"
     for path, body in (("/v1/models", None), ("/v1/completions", {"prompt": "x"}),
                        ("/tokenize", {"prompt": "x"})):
-        status, err = http(smol.http_url + path, body, token=None)
+        status, err = call(smol.http_url + path, body, token=None)
         assert status == 401 and err["error"]["code"] == "invalid_api_key"
-    assert http(smol.http_url + "/health", token=None)[0] == 200   # probes need no token
-    assert "jaxinfer_kv_pages_used" in urllib.request.urlopen(
-        smol.http_url + "/metrics", timeout=10).read().decode()
+    assert call(smol.http_url + "/health", token=None)[0] == 200   # probes need no token
+    for url in (smol.http_url + "/metrics", f"http://127.0.0.1:{smol.metrics_port}/metrics"):
+        status, err = call(url, token=None)
+        assert status == 401 and err["error"]["code"] == "invalid_api_key"
+        status, text = call(url)
+        assert status == 200 and "jaxinfer_kv_pages_used" in text
 
 
 def test_models_tokenize_detokenize(client, smol, llm):
@@ -267,16 +308,16 @@ def test_models_tokenize_detokenize(client, smol, llm):
     assert client.models.retrieve("smollm2").id == "smollm2"
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("nope")
-    status, body = http(smol.http_url + "/tokenize", {"model": "smollm2", "prompt": PROMPTS[0]})
+    status, body = call(smol.http_url + "/tokenize", {"model": "smollm2", "prompt": PROMPTS[0]})
     assert status == 200 and body["tokens"] == llm.tokenizer.encode(PROMPTS[0])
     assert body["count"] == len(body["tokens"]) and body["max_model_len"] == 256
-    status, chat = http(smol.http_url + "/tokenize", {"messages": CHATS[0]})
+    status, chat = call(smol.http_url + "/tokenize", {"messages": CHATS[0]})
     assert status == 200 and chat["tokens"] == llm.tokenizer.encode_chat(CHATS[0])
-    status, back = http(smol.http_url + "/detokenize", {"tokens": body["tokens"]})
+    status, back = call(smol.http_url + "/detokenize", {"tokens": body["tokens"]})
     assert status == 200 and back["prompt"] == PROMPTS[0]
-    status, err = http(smol.http_url + "/detokenize", {"tokens": [-1]})
+    status, err = call(smol.http_url + "/detokenize", {"tokens": [-1]})
     assert status == 400 and err["error"]["param"] == "tokens"
-    status, err = http(smol.http_url + "/tokenize", {"prompt": "a", "messages": CHATS[0]})
+    status, err = call(smol.http_url + "/tokenize", {"prompt": "a", "messages": CHATS[0]})
     assert status == 400 and err["error"]["param"] == "prompt"
 
 
@@ -322,9 +363,9 @@ def test_sigterm_drains_streams(smol):
     started.wait(timeout=60)
     smol.terminate()
     time.sleep(0.3)
-    status, body = http(smol.http_url + "/v1/completions", {"prompt": "Hi", "max_tokens": 2})
+    status, body = call(smol.http_url + "/v1/completions", {"prompt": "Hi", "max_tokens": 2})
     assert status == 503 and "shutting down" in body["error"]["message"]
-    assert http(smol.http_url + "/health")[0] == 503
+    assert call(smol.http_url + "/health")[0] == 503
     for t in threads:
         t.join(120)
     assert [results[i][-1] for i in range(3)] == ["length"] * 3
@@ -339,8 +380,8 @@ def tiny():
                          str(MAX_WAITING), "--grace-period", "60"])
     try:
         srv.wait_listening()
-        srv.early = (http(srv.http_url + "/health")[0],
-                     http(srv.http_url + "/v1/completions", {"prompt": [5, 6], "max_tokens": 2}))
+        srv.early = (call(srv.http_url + "/health")[0],
+                     call(srv.http_url + "/v1/completions", {"prompt": [5, 6], "max_tokens": 2}))
         srv.wait_serving(timeout=240)
         yield srv
     finally:
@@ -454,4 +495,4 @@ def test_metrics_port_serves_only_metrics(tiny):
     assert "jaxinfer_requests_running" in urllib.request.urlopen(base + "/metrics",
                                                                  timeout=10).read().decode()
     for path in ("/", "/v1/models", "/metricsx"):
-        assert http(base + path, token=None)[0] == 404
+        assert call(base + path, token=None)[0] == 404

@@ -182,3 +182,30 @@ def test_client_waits_for_a_server_still_loading():
     log = srv.log()
     total = int(re.search(r"compiled 1/(\d+) step executables", log).group(1))
     assert f"compiled {total}/{total} step executables" in log and "ready" in log
+
+
+@pytest.mark.parametrize("token_file, env, says", [
+    ("blank", {}, "holds no token"),
+    ("missing", {}, "cannot read it"),
+    (None, {"JAXINFER_AUTH_TOKEN": "  "}, "holds no token"),
+    (None, {}, "--metrics-auth needs a token"),
+])
+def test_auth_fails_closed(tmp_path, token_file, env, says):
+    """A token file or variable holding no token refuses to start (one line, no traceback)
+    instead of serving without authentication."""
+    import os
+    import sys
+
+    args = [sys.executable, "-m", "serve.cli", "--model", "tiny", "--port", "0"]
+    if token_file == "blank":
+        (tmp_path / "blank").write_text("  \n\t\n")
+    if token_file:
+        args += ["--auth-token-file", str(tmp_path / token_file)]
+    if not token_file and not env:
+        args += ["--metrics-port", "0", "--metrics-auth"]
+    environ = {k: v for k, v in os.environ.items() if k != "JAXINFER_AUTH_TOKEN"}
+    done = subprocess.run(args, capture_output=True, text=True, timeout=120,
+                          env={**environ, **env})
+    assert done.returncode == 2
+    assert says in done.stderr and "Traceback" not in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
