@@ -94,7 +94,8 @@ class Engine:
     def add_request(self, prompt, sampling_params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
         """Queue a request (text, chat messages, or {"prompt_token_ids": [...]}); returns its id."""
-        params = sampling_params or SamplingParams()
+        params = SamplingParams() if sampling_params is None else SamplingParams.coerce(
+            sampling_params)
         ids = self.encode_prompt(prompt, params)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         self.scheduler.add(Request(rid, ids, params))

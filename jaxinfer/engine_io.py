@@ -6,7 +6,7 @@ import operator
 from typing import Sequence
 
 from jaxinfer.batch import StepArrays
-from jaxinfer.errors import ConfigError, InvalidRequestError
+from jaxinfer.errors import ConfigError, InvalidRequestError, InvalidTypeError
 from jaxinfer.kv_cache import AttentionMetadata
 from jaxinfer.request import SamplingParams
 from jaxinfer.step_input import StepInput
@@ -85,9 +85,9 @@ def prompt_token_ids(prompt, tokenizer, vocab_size: int, max_tokens: int | None 
             return tokenizer.encode_chat(messages)
         except (ConfigError, TemplateError) as e:   # no template / the template refused
             raise InvalidRequestError(f"messages: {e}", field="messages") from None
-    raise InvalidRequestError(f"a prompt is text, a list of chat messages or "
-                              f"{{'prompt_token_ids': [...]}}, got {type(prompt).__name__}",
-                              field="prompt")
+    raise InvalidTypeError(f"a prompt is text, a list of chat messages or "
+                           f"{{'prompt_token_ids': [...]}}, got {type(prompt).__name__}",
+                           field="prompt")
 
 
 def check_params_for_model(params: SamplingParams, tokenizer, vocab_size: int) -> None:

@@ -24,5 +24,9 @@ class InvalidRequestError(JaxinferError, ValueError):
         self.field = field
 
 
+class InvalidTypeError(InvalidRequestError, TypeError):
+    """An argument of the wrong type (also a TypeError); `field` names it."""
+
+
 class EngineDeadError(JaxinferError, RuntimeError):
     """A step failed and the engine could not recover from it: it must be rebuilt."""

@@ -7,10 +7,11 @@
 """
 from __future__ import annotations
 
-from typing import Sequence, Union
+from typing import Mapping, Sequence, Union
 
 from jaxinfer.config import EngineConfig
 from jaxinfer.engine import Engine
+from jaxinfer.errors import InvalidRequestError, InvalidTypeError
 from jaxinfer.request import RequestOutput, SamplingParams
 
 Prompt = Union[str, list, dict]  # text, chat messages, or {"prompt_token_ids": [...]}
@@ -42,10 +43,22 @@ class LLM:
                 isinstance(prompts, list) and prompts and isinstance(prompts[0], dict)
                 and "role" in prompts[0]):
             prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)):
+            raise InvalidTypeError(f"prompts must be a prompt or a list of prompts, got "
+                                   f"{type(prompts).__name__}", field="prompts")
         params = SamplingParams() if sampling_params is None else sampling_params
-        params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        if isinstance(params, (SamplingParams, Mapping)):
+            params = [SamplingParams.coerce(params)] * len(prompts)
+        elif isinstance(params, (list, tuple)):
+            params = [SamplingParams.coerce(p, f"sampling_params[{i}]")
+                      for i, p in enumerate(params)]
+        else:
+            raise InvalidTypeError(f"sampling_params must be a SamplingParams, a dict of its "
+                                   f"fields or a list of them, got {type(params).__name__}",
+                                   field="sampling_params")
         if len(params) != len(prompts):
-            raise ValueError(f"got {len(prompts)} prompts but {len(params)} SamplingParams")
+            raise InvalidRequestError(f"got {len(prompts)} prompts but {len(params)} "
+                                      f"SamplingParams", field="sampling_params")
         ids: list[str] = []
         try:
             for p, sp in zip(prompts, params):

@@ -15,9 +15,9 @@ import enum
 import math
 import operator
 import time
-from typing import Sequence
+from typing import Mapping, Sequence
 
-from jaxinfer.errors import InvalidRequestError
+from jaxinfer.errors import InvalidRequestError, InvalidTypeError
 from jaxinfer.page_table import PageList
 
 MAX_LOGPROBS = 20
@@ -53,23 +53,54 @@ class SamplingParams:
 
     def __post_init__(self):
         # Accept lists from JSON / kwargs; store tuples so the object stays hashable and frozen.
-        object.__setattr__(self, "stop", tuple([self.stop] if isinstance(self.stop, str)
-                                               else self.stop or ()))
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        object.__setattr__(self, "stop", _sequence(
+            [self.stop] if isinstance(self.stop, str) else self.stop, "stop",
+            "a string or a list of strings"))
+        object.__setattr__(self, "stop_token_ids", _sequence(
+            self.stop_token_ids, "stop_token_ids", "a list of integers"))
         self._validate()
 
+    @classmethod
+    def coerce(cls, value, field: str = "sampling_params") -> "SamplingParams":
+        """`value` as SamplingParams: itself, or built from a mapping of its fields."""
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, Mapping):
+            unknown = sorted(set(value) - set(cls.fields()))
+            if unknown:
+                raise InvalidRequestError(f"{field}: unknown field {unknown[0]!r} (SamplingParams "
+                                          f"has {', '.join(cls.fields())})", field=unknown[0])
+            return cls(**value)
+        raise InvalidTypeError(f"{field} must be a SamplingParams or a dict of its fields, "
+                               f"got {type(value).__name__}", field=field)
+
     def _validate(self):
-        def bad(field, msg):
-            raise InvalidRequestError(f"{field} {msg}", field=field)
+        def bad(field, msg, kind=InvalidRequestError):
+            raise kind(f"{field} {msg}", field=field)
 
         def num(field):
             v = getattr(self, field)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                bad(field, f"must be a number, got {type(v).__name__}", InvalidTypeError)
+            if not math.isfinite(v):
                 bad(field, f"must be a finite number, got {v!r}")
             return v
 
-        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool):
-            bad("max_tokens", f"must be an integer, got {self.max_tokens!r}")
+        for f in ("max_tokens", "top_k"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or isinstance(v, bool):
+                bad(f, f"must be an integer, got {type(v).__name__}", InvalidTypeError)
+        for f in ("seed", "logprobs"):
+            v = getattr(self, f)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool)):
+                bad(f, f"must be an integer or None, got {type(v).__name__}", InvalidTypeError)
+        if not isinstance(self.ignore_eos, bool):
+            bad("ignore_eos", f"must be a bool, got {type(self.ignore_eos).__name__}",
+                InvalidTypeError)
+        if any(not isinstance(s, str) for s in self.stop):
+            bad("stop", "must be a string or a list of strings", InvalidTypeError)
+        if any(not isinstance(t, int) or isinstance(t, bool) for t in self.stop_token_ids):
+            bad("stop_token_ids", "must be a list of integers", InvalidTypeError)
         if self.max_tokens < 1:
             bad("max_tokens", f"must be >= 1, got {self.max_tokens}")
         if num("temperature") < 0:
@@ -106,6 +137,16 @@ class SamplingParams:
     @classmethod
     def fields(cls) -> Sequence[str]:
         return [f.name for f in dataclasses.fields(cls)]
+
+
+def _sequence(value, field: str, what: str) -> tuple:
+    """A list/tuple field as a tuple (None: empty); another type is InvalidTypeError."""
+    if value is None:
+        return ()
+    if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, (list, tuple)):
+        raise InvalidTypeError(f"{field} must be {what}, got {type(value).__name__}",
+                               field=field)
+    return tuple(value)
 
 
 PENDING = -1  # an output token sampled on the device, not yet seen by the host

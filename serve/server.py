@@ -27,13 +27,12 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from serve import jaxinfer_pb2 as pb
-from serve import jaxinfer_pb2_grpc as pb_grpc
 from serve.admission import Admission
 from serve.auth import BearerTokenInterceptor
 from serve.engine_thread import EngineThread
 from serve.metrics import Metrics, StepObserver
 from serve.openai_http import HttpSettings, build_app, metrics_app
-from serve.service import InferenceService
+from serve.service import InferenceService, add_to_server
 
 log = logging.getLogger("jaxinfer.serve")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Inference"].full_name
@@ -64,7 +63,7 @@ def _build(cfg: ServeConfig, service, health_servicer) -> tuple[grpc.aio.Server,
     server = grpc.aio.server(interceptors=interceptors, options=[
         ("grpc.max_receive_message_length", cfg.max_message_bytes),
         ("grpc.max_send_message_length", cfg.max_message_bytes)])
-    pb_grpc.add_InferenceServicer_to_server(service, server)
+    add_to_server(service, server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)

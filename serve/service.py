@@ -2,8 +2,9 @@
 back through a per-request asyncio queue and are streamed out as they arrive.
 
 Status codes (no handler lets an exception escape as UNKNOWN):
-  INVALID_ARGUMENT    bad sampling parameter, prompt, token id, UTF-8, request id (the
-                      details start with the field's name; trailing metadata jaxinfer-field)
+  INVALID_ARGUMENT    bad sampling parameter, prompt, token id, UTF-8, request id, or bytes
+                      that are no valid message (the details start with the field's name;
+                      trailing metadata jaxinfer-field)
   RESOURCE_EXHAUSTED  the waiting queue is at its limit
   UNAVAILABLE         still loading, draining for shutdown, or the engine failed for good
   INTERNAL            the engine step running the request failed (other requests go on),
@@ -34,12 +35,49 @@ _REFUSED = {"loading": grpc.StatusCode.UNAVAILABLE, "draining": grpc.StatusCode.
             "failed": grpc.StatusCode.UNAVAILABLE, "queue_full": grpc.StatusCode.RESOURCE_EXHAUSTED}
 
 
+class Malformed:
+    """A request whose bytes are not the message its method takes (see add_to_server)."""
+
+    def __init__(self, message_cls, error: Exception):
+        self.message, self.error = message_cls.__name__, error
+
+
+def _lenient(message_cls):
+    """A request deserializer that never raises (gRPC would answer UNKNOWN): the handler
+    answers INVALID_ARGUMENT instead."""
+    def parse(data: bytes):
+        try:
+            return message_cls.FromString(data)
+        except Exception as e:   # protobuf's DecodeError, and anything else parsing raises
+            return Malformed(message_cls, e)
+    return parse
+
+
+def add_to_server(service: "InferenceService", server) -> None:
+    """Register the Inference service (as the generated add_InferenceServicer_to_server
+    does, with deserializers that let a malformed message reach the handler)."""
+    handlers = {
+        "Generate": grpc.unary_stream_rpc_method_handler(
+            service.Generate, request_deserializer=_lenient(pb.GenerateRequest),
+            response_serializer=pb.GenerateResponse.SerializeToString),
+        "ModelInfo": grpc.unary_unary_rpc_method_handler(
+            service.ModelInfo, request_deserializer=_lenient(pb.ModelInfoRequest),
+            response_serializer=pb.ModelInfoResponse.SerializeToString),
+    }
+    name = pb.DESCRIPTOR.services_by_name["Inference"].full_name
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, handlers),))
+    server.add_registered_method_handlers(name, handlers)
+
+
 def guarded(handler):
     """Map every exception a handler raises to a deliberate status code."""
 
     @functools.wraps(handler)
     async def wrapper(self, request, context):
         try:
+            if isinstance(request, Malformed):
+                raise InvalidRequestError(f"the request is not a valid {request.message} "
+                                          f"message ({request.error})", field="request")
             return await handler(self, request, context)
         except (grpc.aio.AbortError, asyncio.CancelledError):
             raise

@@ -11,7 +11,7 @@ from jaxinfer import runner
 from jaxinfer.config import EngineConfig, standard_config
 from jaxinfer import LLM, SamplingParams
 from jaxinfer.cli import main
-from jaxinfer.errors import ConfigError, InvalidRequestError, ModelLoadError
+from jaxinfer.errors import ConfigError, InvalidRequestError, InvalidTypeError, ModelLoadError
 
 
 @pytest.fixture(scope="module")
@@ -153,3 +153,57 @@ def test_kv_pool_size():
     llama = standard_config("llama-3-8b")
     assert runner.kv_pool_gib(llama, cfg) == pytest.approx(2 * k * (1 + 4 / 128))
     assert runner.kv_pool_gib(llama, cfg.replace(kv_scales="static")) == pytest.approx(2 * k)
+
+
+@pytest.mark.parametrize("call, field", [
+    (lambda llm: llm.generate(None), "prompts"),
+    (lambda llm: llm.generate(42), "prompts"),
+    (lambda llm: llm.generate("Hi", "greedy"), "sampling_params"),
+    (lambda llm: llm.generate("Hi", [{"max_tokens": 2}, 7]), "sampling_params[1]"),
+    (lambda llm: llm.generate([None]), "prompt"),
+    (lambda llm: SamplingParams(stop=5), "stop"),
+    (lambda llm: SamplingParams(stop=[b"x"]), "stop"),
+    (lambda llm: SamplingParams(stop_token_ids="12"), "stop_token_ids"),
+    (lambda llm: SamplingParams(max_tokens="8"), "max_tokens"),
+    (lambda llm: SamplingParams(temperature=None), "temperature"),
+    (lambda llm: SamplingParams(seed=1.5), "seed"),
+    (lambda llm: SamplingParams(ignore_eos="yes"), "ignore_eos"),
+])
+def test_python_api_type_errors_name_the_field(llm, call, field):
+    """A wrong type is a TypeError that is also our InvalidRequestError, naming the field."""
+    with pytest.raises(InvalidTypeError) as e:
+        call(llm)
+    assert isinstance(e.value, TypeError) and isinstance(e.value, InvalidRequestError)
+    assert e.value.field == field and field in str(e.value)
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_sampling_params_from_a_dict(llm):
+    """A dict of SamplingParams fields works where SamplingParams does; an unknown key is
+    named."""
+    [a] = llm.generate("The capital of France is", {"max_tokens": 3, "temperature": 0.0},
+                       use_tqdm=False)
+    [b] = llm.generate("The capital of France is", SamplingParams(max_tokens=3, temperature=0.0),
+                       use_tqdm=False)
+    assert a.token_ids == b.token_ids
+    with pytest.raises(InvalidRequestError) as e:
+        llm.generate("Hi", {"max_token": 3})
+    assert e.value.field == "max_token"
+
+
+def test_interrupted_generate_leaves_nothing_queued(llm, monkeypatch):
+    step, calls = llm.engine.step, []
+
+    def interrupted():
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return step()
+
+    monkeypatch.setattr(llm.engine, "step", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(["The capital of France is", "Hello"], SamplingParams(max_tokens=8),
+                     use_tqdm=False)
+    monkeypatch.undo()
+    assert not llm.engine.scheduler.has_unfinished
+    assert llm.engine.scheduler.allocator.num_used == 0

@@ -296,3 +296,18 @@ def test_serving_bench_saturation_rule():
     short_ok = summarize("short", 8.0, [{"code": "OK", "sent": i / 8, "times": [i / 8 + 0.3]}
                                         for i in range(80)])
     assert not saturated(short_ok)
+
+
+def test_malformed_message_is_invalid_argument(server):
+    """Bytes that are no GenerateRequest get INVALID_ARGUMENT naming the request, not
+    UNKNOWN."""
+    with grpc.insecure_channel(server.target) as channel:
+        generate = channel.unary_stream("/jaxinfer.v1.Inference/Generate",
+                                        request_serializer=lambda b: b,
+                                        response_deserializer=lambda b: b)
+        with pytest.raises(grpc.RpcError) as e:
+            list(generate(b"\xff\xff\xff\xff", timeout=30,
+                          metadata=(("authorization", f"Bearer {TOKEN}"),)))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "not a valid GenerateRequest" in e.value.details()
+    assert dict(e.value.trailing_metadata())["jaxinfer-field"] == "request"
