@@ -7,7 +7,9 @@ Each runner.fault_hook call (phases dispatch, dispatched, fetch) raises with pro
 FAULT_RATE until FAULT_MAX faults were injected; at "dispatched" half of them first delete
 the KV cache (a step that failed after its cache was donated). One in ten calls that do not
 fail sleeps FAULT_SLOW_S instead (a slow step). Each fault appends {"phase", "request_ids"}
-(the failing step's requests) to FAULT_RECORD.
+(the failing step's requests) to FAULT_RECORD. FAULT_PHASES (comma-separated) limits the
+phases. With FAULT_DEAD set, faults at "dispatched" always delete the cache and rebuilding
+it fails (the engine cannot recover).
 """
 import json
 import os
@@ -28,11 +30,13 @@ class RandomFaults:
         self.slow_s = float(os.environ.get("FAULT_SLOW_S", "0"))
         self.record = os.environ.get("FAULT_RECORD")
         self.rng = np.random.default_rng(int(os.environ.get("FAULT_SEED", "0")))
+        self.phases = os.environ.get("FAULT_PHASES", "dispatch,dispatched,fetch").split(",")
+        self.dead = bool(os.environ.get("FAULT_DEAD"))
         self.count = 0
         self.armed = False      # not during the warm-up
 
     def __call__(self, phase, runner):
-        if not self.armed or self.count >= self.max:
+        if not self.armed or self.count >= self.max or phase not in self.phases:
             return
         if self.rng.random() >= self.rate:
             if self.slow_s and self.rng.random() < 0.1:
@@ -43,7 +47,7 @@ class RandomFaults:
         with open(self.record, "a") as f:
             f.write(json.dumps({"phase": phase, "request_ids": [
                 r.request_id for r in blamed.rows] if blamed else None}) + "\n")
-        if phase == "dispatched" and self.rng.random() < 0.5:
+        if phase == "dispatched" and (self.dead or self.rng.random() < 0.5):
             for x in jax.tree_util.tree_leaves(runner.kv):
                 x.delete()
         raise RuntimeError(f"injected fault {self.count} at {phase}")
@@ -52,6 +56,12 @@ class RandomFaults:
 def install(engine):
     faults = RandomFaults(engine)
     engine.runner.fault_hook = faults
+    if os.environ.get("FAULT_DEAD"):     # recovery fails too: the engine is dead
+
+        def no_memory():
+            raise MemoryError("injected: no memory for a new KV cache")
+
+        engine.runner.rebuild_kv = no_memory
     warmup = engine.warmup
 
     def warmup_then_arm(*a, **kw):
