@@ -84,6 +84,7 @@ def drive(engine: Engine, workload, deadline: float | None,
     profile_window (first step, count) those steps run under the profiler and the row gets
     their device time by kernel category (bench.profile's summary)."""
     c0, p0, s0 = CompileCounter.count(), engine.scheduler.num_preemptions, engine.num_steps
+    g0 = engine.num_generated
     t0 = time.perf_counter()
     lengths = {engine.add_request({"prompt_token_ids": prompt},
                                   SamplingParams(temperature=0.0, max_tokens=n,
@@ -92,7 +93,7 @@ def drive(engine: Engine, workload, deadline: float | None,
     queue_s = time.perf_counter() - t0
     host, step, phases, kinds = [], [], [], []
     trace_dir, stop_s = None, None
-    tokens = finished = wrong_length = 0
+    finished = wrong_length = 0
     started: set[str] = set()
     partial = False
     with progress(None, "requests", total=len(workload), unit="req") as bar:
@@ -105,7 +106,7 @@ def drive(engine: Engine, workload, deadline: float | None,
                 trace_dir = tempfile.mkdtemp(prefix="thr_profile_")
                 profile.start_trace(trace_dir)
             waits_for = _inflight_kind(engine)
-            outs = engine.step()
+            outs = engine.step(deltas=False)     # as LLM.generate steps
             host.append(engine.last_host_s)
             step.append(engine.last_step_s)
             phases.append(engine.last_phases)
@@ -114,15 +115,15 @@ def drive(engine: Engine, workload, deadline: float | None,
             if trace_dir is not None and stop_s is None and \
                     engine.num_steps - s0 == sum(profile_window):
                 stop_s = _stop_trace()
-            done = 0
-            for o in outs:
-                tokens += len(o.new_token_ids)
+            for o in outs:     # finished ones only
                 started.add(o.request_id)
-                if o.finished:
-                    done += 1
-                    wrong_length += len(o.token_ids) != lengths[o.request_id][1]
-            finished += done
-            bar.update(done)
+                wrong_length += len(o.token_ids) != lengths[o.request_id][1]
+            finished += len(outs)
+            bar.update(len(outs))
+    tokens = engine.num_generated - g0
+    # Unfinished requests that produced a token count their prompts too (a partial run).
+    started |= {r.request_id for r in engine.scheduler.requests.values()
+                if r.num_output_tokens > r.num_pending}
     wall = time.perf_counter() - t0
     profiled = None
     if trace_dir is not None:   # read outside the timed region

@@ -16,6 +16,7 @@ Everything is built with whole-array numpy ops: no per-token Python loop.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import numpy as np
 
@@ -52,15 +53,20 @@ def prepare(output: SchedulerOutput, bucket: Bucket, page_size: int) -> StepArra
     if bucket.decode_only and n_tok != n_rows:
         raise ValueError("a decode bucket needs exactly one token per row")
 
-    q_len = np.array([r.num_tokens for r in rows], np.int32)
-    start = np.array([r.start_pos for r in rows], np.int32)
+    # The rows' columns in one transposition (rows are named tuples), then whole-array ops.
+    request_ids, token_ids, starts, page_ids, samples_ = zip(*rows)
+    q_len = np.fromiter(map(len, token_ids), np.int32, n_rows)
+    start = np.array(starts, np.int32)
     query_start = np.full(B + 1, n_tok, np.int32)
     query_start[0] = 0
     query_start[1:n_rows + 1] = np.cumsum(q_len)
 
+    # Every row's pages (int32 arrays) scattered into the table at once.
+    n_pages = np.fromiter(map(len, page_ids), np.int64, n_rows)
+    flat = np.concatenate(page_ids)
     page_table = np.zeros((B, W), np.int32)
-    for b, r in enumerate(rows):   # r.page_ids: an int32 array (a numpy copy, not Python ints)
-        page_table[b, :len(r.page_ids)] = r.page_ids
+    page_table[np.repeat(np.arange(n_rows), n_pages),
+               np.arange(len(flat)) - np.repeat(np.cumsum(n_pages) - n_pages, n_pages)] = flat
 
     seq = np.repeat(np.arange(n_rows, dtype=np.int32), q_len)          # [n_tok]
     pos = start[seq] + np.arange(n_tok, dtype=np.int32) - query_start[seq]
@@ -79,9 +85,9 @@ def prepare(output: SchedulerOutput, bucket: Bucket, page_size: int) -> StepArra
     logits_index = np.zeros(B, np.int32)
     logits_index[:n_rows] = query_start[1:n_rows + 1] - 1
     samples = np.zeros(B, bool)
-    samples[:n_rows] = [r.samples for r in rows]
+    samples[:n_rows] = samples_
     return StepArrays(
-        tokens=padded(np.concatenate([r.token_ids for r in rows]), 0),
+        tokens=padded(np.fromiter(itertools.chain.from_iterable(token_ids), np.int32, n_tok), 0),
         positions=padded(pos, 0),
         slot_mapping=padded(page * page_size + pos % page_size, -1),
         token_seq=padded(seq, 0),
@@ -91,4 +97,4 @@ def prepare(output: SchedulerOutput, bucket: Bucket, page_size: int) -> StepArra
         logits_index=logits_index,
         samples=samples,
         decode_only=bucket.decode_only,
-        request_ids=tuple(r.request_id for r in rows))
+        request_ids=request_ids)

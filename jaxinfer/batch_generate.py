@@ -306,7 +306,7 @@ class _BatchRun:
             self.fill()
             if not self.queued:
                 return
-            for out in self.engine.step():
+            for out in self.engine.step(deltas=False):
                 if out.finished:
                     self.finished(out)
 

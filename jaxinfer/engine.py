@@ -53,6 +53,7 @@ class _InFlight:
     sampled: object        # SampleOutput on the device
     next_tokens: object    # [max_num_seqs] i32 on the device: its tokens, for the next step
     row_of: dict           # request id -> row index in this step
+    penalty: bool = False  # some row of it uses a repetition/presence/frequency penalty
 
 
 class Engine:
@@ -75,11 +76,13 @@ class Engine:
         self._text: dict[str, Detokenized] = {}
         self._ids = itertools.count()
         self.num_steps = 0
+        self.num_generated = 0   # output tokens produced so far (all requests)
         self.last_step_s = 0.0
         self.last_host_s = 0.0
         self.last_phases: dict[str, float] = {}
         self._inflight: _InFlight | None = None
         self._outputs: list[RequestOutput] = []   # the current step's, so far
+        self._deltas = True                       # the current step's `deltas`
         self._blame = None   # the SchedulerOutput of the step being dispatched or read
         self._waited = 0.0   # seconds the current step() spent waiting for tokens
         self._no_prev = jax.device_put(np.zeros(engine_cfg.max_num_seqs, np.int32))
@@ -130,9 +133,12 @@ class Engine:
         return None if self._inflight is None else self._inflight.out
 
     # --- the step -----------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
+    def step(self, deltas: bool = True) -> list[RequestOutput]:
         """Schedule and dispatch one step; return the outputs of the step that completed
-        (this one, or with async scheduling the one before).
+        (this one, or with async scheduling the one before). `deltas=False`: only finished
+        requests' (final) outputs, for callers that read nothing else (LLM.generate, the
+        offline script): no per-row output objects, and text is decoded once at the end
+        where no stop string needs it earlier.
 
         A step that raises (an XLA runtime error, out of memory, a bug) fails exactly the
         requests it ran: they come back as final outputs with FinishReason.ERROR and
@@ -141,6 +147,7 @@ class Engine:
         EngineDeadError: the recovery itself failed (the engine is unusable)."""
         self._outputs = []
         self._blame = None
+        self._deltas = deltas
         try:
             self._step()
         except Exception as e:
@@ -153,7 +160,7 @@ class Engine:
         self._waited = 0.0
         outputs = self._outputs
         prev = self._inflight
-        if prev is not None and self._needs_last_tokens():
+        if prev is not None and prev.penalty and self._needs_last_tokens():
             outputs += self._finish(prev)
             prev = self._inflight = None
         t1 = clock()
@@ -174,8 +181,11 @@ class Engine:
             sampled, next_tokens = self.runner.submit(inp)
             t4 = clock()
             self.scheduler.commit(out)
-            new = self._inflight = _InFlight(out, sampled, next_tokens,
-                                             {r.request_id: b for b, r in enumerate(out.rows)})
+            samp = step_input.sampling
+            new = self._inflight = _InFlight(
+                out, sampled, next_tokens, dict(zip(arrays.request_ids, range(out.num_rows))),
+                penalty=bool((samp.repetition_penalty != 1).any()
+                             or samp.presence_penalty.any() or samp.frequency_penalty.any()))
             self.num_steps += 1
             t5 = clock()
         waited_before = self._waited
@@ -222,13 +232,17 @@ class Engine:
     def _prev_source(self, prev: _InFlight | None, out: SchedulerOutput, arrays):
         """(prev_tokens, prev_index) for the step input: where each PENDING token is."""
         index = np.full(len(arrays.tokens), -1, np.int32)
-        for b, row in enumerate(out.rows):
-            if row.token_ids[-1] != PENDING:
-                continue
+        rows = out.rows
+        pending = [b for b, r in enumerate(rows) if r.token_ids[-1] == PENDING]
+        if pending:
             # Only ever the one token of a decode row, sampled by the step in flight.
-            if prev is None or row.request_id not in prev.row_of or row.num_tokens != 1:
-                raise RuntimeError(f"pending token of {row.request_id!r} has no source")
-            index[arrays.query_start[b]] = prev.row_of[row.request_id]
+            row_of = {} if prev is None else prev.row_of
+            source = [row_of.get(rows[b].request_id, -1) for b in pending]
+            bad = [rows[b].request_id for b, src in zip(pending, source)
+                   if src < 0 or len(rows[b].token_ids) != 1]
+            if bad:
+                raise RuntimeError(f"pending token of {bad[0]!r} has no source")
+            index[arrays.query_start[pending]] = source
         if prev is None:
             return self._no_prev, index
         return prev.next_tokens, index
@@ -245,6 +259,7 @@ class Engine:
     def _update(self, out: SchedulerOutput, sampled) -> list[RequestOutput]:
         tokens = [int(t) for t in sampled.tokens[:out.num_rows]]
         got_token = {r.request_id: r for r in self.scheduler.resolve(out, tokens)}
+        self.num_generated += len(got_token)
         outputs = []
         for b, row in enumerate(out.rows):
             req = got_token.get(row.request_id)
@@ -252,7 +267,8 @@ class Engine:
                 continue
             text = self._text[req.request_id]
             try:
-                delta, stop_hit = text.add(tokens[b], done=req.is_finished)
+                delta, stop_hit = text.add(tokens[b], done=req.is_finished,
+                                           defer=not self._deltas)
             except Exception as e:   # text work fails one request, not the step
                 log.error("detokenizing %s failed", req.request_id, exc_info=e)
                 if not req.is_finished:
@@ -265,7 +281,8 @@ class Engine:
             reason = FinishReason.STOP if stop_hit else req.finish_reason
             if req.sampling_params.logprobs is not None:
                 text.logprobs.append(logprob_dict(sampled, b, req.sampling_params.logprobs))
-            outputs.append(self._output(req, [tokens[b]], delta, reason))
+            if reason is not None or self._deltas:
+                outputs.append(self._output(req, [tokens[b]], delta, reason))
             if reason is not None:
                 del self._text[req.request_id]
         return outputs
@@ -325,7 +342,7 @@ class Engine:
         total = len(self.scheduler.requests)
         with tqdm(total=total, desc="generating", unit="req", disable=not use_tqdm) as bar:
             while self.has_unfinished_requests():
-                for o in self.step():
+                for o in self.step(deltas=False):
                     if o.finished:
                         final[o.request_id] = o
                         bar.update(1)

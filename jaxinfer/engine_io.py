@@ -112,16 +112,27 @@ class Detokenized:
         self._stop = params.stop
         self._hold = max((len(s) for s in self._stop), default=1) - 1
         self._full = ""      # decoded text of all output tokens
+        self._held: list[int] = []   # tokens not decoded yet (add(defer=True))
         self.text = ""       # emitted so far (what the caller has seen)
         self.prompt = prompt
         self.logprobs: list[dict[int, float]] = []  # per output token, when asked for
 
-    def add(self, token: int, done: bool) -> tuple[str, bool]:
+    def add(self, token: int, done: bool, defer: bool = False) -> tuple[str, bool]:
         """Append a token; returns (delta to emit, whether a stop string ended the text).
-        `done`: the request ends with this token (flush everything held back)."""
+        `done`: the request ends with this token (flush everything held back). `defer`: no
+        one reads the delta, so without stop strings to look for the token is only kept, and
+        decoded with the rest later (once, not a window per token)."""
         if self._detok is None:
             return "", False
-        new = self._detok.add([token])
+        if defer and not done and not self._stop:
+            self._held.append(token)
+            return "", False
+        if self._held:
+            self._held.append(token)
+            new = self._detok.add(self._held)
+            self._held = []
+        else:
+            new = self._detok.add([token])
         if done:
             new += self._detok.flush()
         start = max(0, len(self._full) - self._hold)
@@ -135,6 +146,9 @@ class Detokenized:
     def finish(self) -> str:
         """The rest, held back or mid-character, when the request ends from outside (abort)."""
         if self._detok is not None:
+            if self._held:
+                self._full += self._detok.add(self._held)
+                self._held = []
             self._full += self._detok.flush()
         return self._emit(len(self._full))
 
@@ -150,7 +164,8 @@ def build_step_input(arrays: StepArrays, out: SchedulerOutput, scheduler, prev_t
     """The step's StepInput, numpy leaves (the runner packs them into one transfer).
     prev_tokens / prev_index: where PENDING tokens come from (step_input.StepInput); prev_tokens
     may already be on the device (the previous step's output)."""
-    reqs = [scheduler.get(r.request_id) for r in out.rows]
+    requests = scheduler.requests
+    reqs = [requests[rid] for rid in arrays.request_ids]
     samp = SamplingArrays.from_params(
         [r.sampling_params for r in reqs], [r.num_output_tokens for r in reqs],
         [r.all_token_ids for r in reqs], batch_size=len(arrays.seq_lens))

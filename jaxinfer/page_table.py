@@ -39,9 +39,12 @@ def page_key(parent: bytes | None, token_ids: Sequence[int]) -> bytes:
     return h.digest()
 
 
-def extend_page_keys(keys: list[bytes], token_ids: Sequence[int], page_size: int) -> None:
-    """Append to `keys` the keys of the full pages of `token_ids` not yet covered by it."""
-    for i in range(len(keys), len(token_ids) // page_size):
+def extend_page_keys(keys: list[bytes], token_ids: Sequence[int], page_size: int,
+                     num_tokens: int | None = None) -> None:
+    """Append to `keys` the keys of the full pages of `token_ids` (of its first `num_tokens`)
+    not yet covered by it."""
+    n = len(token_ids) if num_tokens is None else num_tokens
+    for i in range(len(keys), n // page_size):
         keys.append(page_key(keys[-1] if keys else None,
                              token_ids[i * page_size:(i + 1) * page_size]))
 

@@ -108,23 +108,29 @@ class SamplingArrays:
         if len(generated_counts) != n:
             raise ValueError(f"generated_counts has {len(generated_counts)} entries for {n} rows")
         rows = [p or _PAD for p in params] + [_PAD] * (batch_size - n)
-        # The eight scalar fields in one list over the rows (one list per field cost ~8x the
-        # Python at 256 rows).
+        # Rows mostly share a few SamplingParams objects (one per LLM.generate call): the
+        # fields are read once per distinct object, then gathered to the rows.
+        distinct, where = np.unique(np.fromiter(map(id, rows), np.int64, batch_size),
+                                    return_index=True, return_inverse=True)[1:]
+        uniq = [rows[i] for i in distinct]
         cols = np.array([(p.temperature, p.top_k, p.top_p, p.min_p, p.repetition_penalty,
                           p.presence_penalty, p.frequency_penalty,
-                          -1 if p.logprobs is None else p.logprobs) for p in rows],
-                        np.float64).reshape(batch_size, 8).T
-        seeds = np.array([(s >> 32, s & 0xFFFFFFFF) for s in (p.seed or 0 for p in rows)],
-                         np.uint32).reshape(batch_size, 2)
+                          -1 if p.logprobs is None else p.logprobs) for p in uniq],
+                        np.float64).reshape(len(uniq), 8)[where].T
+        seeds = np.array([(s >> 32, s & 0xFFFFFFFF) for s in (p.seed or 0 for p in uniq)],
+                         np.uint32).reshape(len(uniq), 2)[where]
+        has_seed = np.array([p.seed is not None for p in uniq], bool)[where]
         step = np.zeros(batch_size, np.int32)
         step[:n] = generated_counts
-        tokens, out_start = _penalty_window(rows[:n], token_ids, generated_counts,
-                                            batch_size, window)
+        penalty = np.array([uses_penalty(p) for p in uniq], bool)[where[:n]]
+        full = any(needs_full(p) for p in uniq)
+        tokens, out_start = _penalty_window(np.flatnonzero(penalty), full, token_ids,
+                                            generated_counts, batch_size, window)
         f32, i32 = (lambda i: cols[i].astype(np.float32)), (lambda i: cols[i].astype(np.int32))
         return cls(
             temperature=f32(0), top_k=i32(1), top_p=f32(2), min_p=f32(3),
             repetition_penalty=f32(4), presence_penalty=f32(5), frequency_penalty=f32(6),
-            seed=seeds, has_seed=np.array([p.seed is not None for p in rows], bool),
+            seed=seeds, has_seed=has_seed,
             step=step, num_logprobs=i32(7), penalty_tokens=tokens, output_start=out_start)
 
 
@@ -137,11 +143,11 @@ def needs_full(p: SamplingParams) -> bool:
     return p.temperature >= MIN_TEMPERATURE or p.logprobs is not None or uses_penalty(p)
 
 
-def _penalty_window(rows, token_ids, generated_counts, batch_size, window):
-    """[B, W] last-W context ids (-1 padded) and [B] output start; W = 0 (the `plain`
-    variant) when every row is greedy without logprobs or penalties."""
-    users = [b for b, p in enumerate(rows) if uses_penalty(p)]
-    width = window if any(needs_full(p) for p in rows) else 0
+def _penalty_window(users, full: bool, token_ids, generated_counts, batch_size, window):
+    """[B, W] last-W context ids (-1 padded) and [B] output start of the rows `users` (those
+    with a penalty); W = 0 (the `plain` variant) unless `full` (some row is not greedy, or
+    wants logprobs or a penalty)."""
+    width = window if full else 0
     tokens = np.full((batch_size, width), -1, np.int32)
     out_start = np.zeros(batch_size, np.int32)
     for b in users:

@@ -31,7 +31,7 @@ import collections
 import dataclasses
 import functools
 import time
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import numpy as np
 
@@ -41,9 +41,8 @@ from jaxinfer.page_table import PageAllocator, PageList, extend_page_keys
 from jaxinfer.request import PENDING, FinishReason, Request, RequestStatus
 
 
-@dataclasses.dataclass(frozen=True)
-class ScheduledRow:
-    """One request's share of a step."""
+class ScheduledRow(NamedTuple):
+    """One request's share of a step (a named tuple: hundreds are made every step)."""
 
     request_id: str
     token_ids: tuple[int, ...]   # fed this step
@@ -193,16 +192,21 @@ class Scheduler:
         rows: list[ScheduledRow] = []
         preempted: list[str] = []
         i = 0
-        while i < len(self.running) and budget > 0:
-            request = self.running[i]
+        running, page_size = self.running, self.page_size
+        while i < len(running) and budget > 0:
+            request = running[i]
             if request.num_pending and self._at_length_limit(request,
                                                              request.num_output_tokens):
                 i += 1   # its pending token is its last: nothing more to compute
                 continue
-            n = min(request.num_uncomputed_tokens, budget)
-            if not self._make_room(request, n, preempted):
+            start, tokens = request.num_computed_tokens, request.all_token_ids
+            n = min(len(tokens) - start, budget)
+            # The common decode step needs no new page (inline _grow's first test).
+            if (-(-(start + n) // page_size) > len(request.page_ids)
+                    and not self._make_room(request, n, preempted)):
                 break   # the request itself was the newest and got preempted
-            rows.append(self._row(request, n))
+            rows.append(ScheduledRow(request.request_id, tuple(tokens[start:start + n]), start,
+                                     request.page_ids.array(), start + n == len(tokens)))
             budget -= n
             i += 1
         while (not preempted and self.waiting and budget > 0
@@ -233,14 +237,15 @@ class Scheduler:
         """The step is dispatched: its tokens count as computed, and each sampling row gets a
         PENDING output token until `resolve`. The next `schedule` may run before that (async
         scheduling): a PENDING token is then fed from the device (step_input.StepInput)."""
-        for row in output.rows:
-            request = self.requests.get(row.request_id)
+        requests = self.requests
+        for rid, token_ids, start, _, samples in output.rows:
+            request = requests.get(rid)
             if request is None:
                 continue   # finished from outside between schedule and commit
-            if request.num_computed_tokens != row.start_pos:
-                raise RuntimeError(f"stale scheduler output for {row.request_id!r}")
-            request.num_computed_tokens += row.num_tokens
-            if row.samples:
+            if request.num_computed_tokens != start:
+                raise RuntimeError(f"stale scheduler output for {rid!r}")
+            request.num_computed_tokens = start + len(token_ids)
+            if samples:
                 request.output_token_ids.append(PENDING)
                 request.all_token_ids.append(PENDING)
                 request.num_pending += 1
@@ -254,25 +259,36 @@ class Scheduler:
                              f"{output.num_rows} scheduled rows")
         now = self.clock()
         updated = []
+        requests, page_size, max_len = self.requests, self.page_size, self.max_model_len
+        caching, eos = self.allocator.enable_prefix_caching, self.eos_token_ids
         for row, token in zip(output.rows, sampled_token_ids):
-            request = self.requests.get(row.request_id)
+            request = requests.get(row.request_id)
             if request is None:
                 continue   # finished (or aborted) after this step was scheduled
-            if row.samples:
-                if not request.num_pending:
-                    raise RuntimeError(f"no pending token for {row.request_id!r}")
-                count = request.num_output_tokens - request.num_pending + 1
-                request.output_token_ids[count - 1] = int(token)
-                request.all_token_ids[request.num_prompt_tokens + count - 1] = int(token)
-                request.num_pending -= 1
-                if request.first_token_time is None:
-                    request.first_token_time = now
-            self._cache_full_pages(request)
-            if row.samples:
-                reason = self._finish_reason(request, int(token), count)
-                if reason is not None:
-                    self.finish(request.request_id, reason)
-                updated.append(request)
+            if not row.samples:
+                if caching and request.num_computed_tokens // page_size > request.num_cached_pages:
+                    self._cache_full_pages(request)
+                continue
+            if not request.num_pending:
+                raise RuntimeError(f"no pending token for {row.request_id!r}")
+            token = int(token)
+            outputs = request.output_token_ids
+            count = len(outputs) - request.num_pending + 1   # this token's place (1-based)
+            outputs[count - 1] = token
+            n_prompt = len(request.prompt_token_ids)
+            request.all_token_ids[n_prompt + count - 1] = token
+            request.num_pending -= 1
+            if request.first_token_time is None:
+                request.first_token_time = now
+            # After the token is in: a page is cached only once all its tokens are known.
+            if caching and request.num_computed_tokens // page_size > request.num_cached_pages:
+                self._cache_full_pages(request)
+            params = request.sampling_params
+            if token in params.stop_token_ids or (not params.ignore_eos and token in eos):
+                self.finish(request.request_id, FinishReason.STOP)
+            elif count >= params.max_tokens or n_prompt + count >= max_len:
+                self.finish(request.request_id, FinishReason.LENGTH)
+            updated.append(request)
         return updated
 
     # --- helpers ------------------------------------------------------------------------
@@ -339,19 +355,11 @@ class Scheduler:
         if full <= request.num_cached_pages:
             return
         # Computed tokens only: a trailing PENDING token must never be hashed into a key.
-        extend_page_keys(request.page_keys, request.all_token_ids[:full * self.page_size],
-                         self.page_size)
+        extend_page_keys(request.page_keys, request.all_token_ids, self.page_size,
+                         full * self.page_size)
         for i in range(request.num_cached_pages, full):
             self.allocator.cache_page(request.page_ids[i], request.page_keys[i])
         request.num_cached_pages = full
-
-    def _finish_reason(self, request: Request, token: int, count: int) -> FinishReason | None:
-        """Why the request ends with `token`, its `count`-th output token (None: it goes on)."""
-        params = request.sampling_params
-        if token in params.stop_token_ids or (
-                not params.ignore_eos and token in self.eos_token_ids):
-            return FinishReason.STOP
-        return FinishReason.LENGTH if self._at_length_limit(request, count) else None
 
     def _at_length_limit(self, request: Request, count: int) -> bool:
         """`count` output tokens reach max_tokens or max_model_len."""

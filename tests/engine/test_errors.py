@@ -194,11 +194,11 @@ def test_sampling_params_from_a_dict(llm):
 def test_interrupted_generate_leaves_nothing_queued(llm, monkeypatch):
     step, calls = llm.engine.step, []
 
-    def interrupted():
+    def interrupted(**kw):
         calls.append(1)
         if len(calls) == 2:
             raise KeyboardInterrupt
-        return step()
+        return step(**kw)
 
     monkeypatch.setattr(llm.engine, "step", interrupted)
     with pytest.raises(KeyboardInterrupt):

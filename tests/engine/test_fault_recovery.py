@@ -112,7 +112,7 @@ def test_a_failing_detokenizer_fails_one_request():
     prompts, params, arrivals = workload(n=4)
     rids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
 
-    def broken(token, done):
+    def broken(token, done, defer=False):
         raise ValueError("bad bytes")
 
     engine._text[rids[1]].add = broken

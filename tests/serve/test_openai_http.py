@@ -41,7 +41,8 @@ def smol(tmp_path_factory):
     token_file = tmp_path_factory.mktemp("auth") / "token"
     token_file.write_text(TOKEN)
     srv = ServerProcess([*SMOL_ARGS, "--http-port", "0", "--auth-token-file", str(token_file),
-                         "--max-message-bytes", str(MAX_BODY), "--metrics-auth"])
+                         "--max-message-bytes", str(MAX_BODY), "--metrics-auth",
+                         "--grace-period", "120"])
     try:
         srv.wait_listening()
         srv.wait_serving(timeout=300)
@@ -347,7 +348,7 @@ def test_sigterm_drains_streams(smol):
     def stream(i):
         with openai.OpenAI(base_url=smol.http_url + "/v1", api_key=TOKEN, max_retries=0,
                            timeout=120) as c:
-            text = c.completions.create(model="smollm2", prompt=PROMPTS[i % 2], max_tokens=80,
+            text = c.completions.create(model="smollm2", prompt=PROMPTS[i % 2], max_tokens=48,
                                         temperature=0, stream=True,
                                         extra_body={"ignore_eos": True})
             chunks = []
