@@ -120,8 +120,7 @@ class _Call:
         """The next output (an exception is raised); None once the client is gone."""
         item = self.early.pop(0) if self.early else await self.queue.get()
         if item is _GONE:
-            for erid in self.unfinished:
-                self.clocks[erid].disconnected()
+            self._gone()
             return None
         if isinstance(item, Exception):
             raise item
@@ -136,8 +135,7 @@ class _Call:
         while len(seen) < len(self.index):
             item = await self.queue.get()
             if item is _GONE:
-                for erid in self.unfinished:
-                    self.clocks[erid].disconnected()
+                self._gone()
                 return False
             if isinstance(item, Exception):
                 raise item
@@ -146,6 +144,12 @@ class _Call:
             if item.finished:          # failed at once: answer with the error status
                 check_output(item)
         return True
+
+    def _gone(self) -> None:
+        """The client disconnected: its unfinished requests count as such (close aborts
+        them)."""
+        for erid in self.unfinished:
+            self.clocks[erid].disconnected()
 
     def close(self) -> None:
         """Abort what has not finished (its pages freed) and stop watching the client."""
