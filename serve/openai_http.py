@@ -20,7 +20,6 @@ status code rather than a broken stream.
 """
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import hmac
 import json
@@ -28,17 +27,17 @@ import logging
 import time
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jaxinfer import openai_protocol as oai
 from jaxinfer.errors import InvalidRequestError
-from serve.admission import Admission, Refused, RequestClock, RequestFailed, check_output
+from serve.admission import Admission, Refused, RequestFailed
+from serve.openai_stream import Call, EventStream, failing_as_event, sse
 from serve.auth import digest
 
 log = logging.getLogger("jaxinfer.serve")
-_GONE = object()   # put on a request's queue when its client disconnects
 _REFUSED = {"loading": (503, "service_unavailable"), "draining": (503, "service_unavailable"),
             "failed": (503, "service_unavailable"), "queue_full": (429, "rate_limit_exceeded")}
 _ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error",
@@ -66,97 +65,6 @@ def error_response(status: int, message: str, param: str | None = None,
                    code: str | None = None) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": _ERROR_TYPES.get(status, "error"),
                                    "param": param, "code": code}}, status_code=status)
-
-
-def _sse(obj) -> bytes:
-    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
-
-
-class _EventStream(StreamingResponse):
-    """A text/event-stream response over an async generator of chunks; `on_close` runs however
-    it ends (finished, client gone, server stopping). The generator itself notices a client
-    that disconnects (_Call watches for it), so the response does not listen as well."""
-
-    def __init__(self, events, on_close):
-        super().__init__(events, media_type="text/event-stream",
-                         headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
-        self._events, self._on_close = events, on_close
-
-    async def __call__(self, scope, receive, send):
-        try:
-            await self.stream_response(send)
-        finally:
-            await self._events.aclose()
-            self._on_close()
-
-
-class _Call:
-    """One HTTP request's engine requests (one per prompt) and their merged outputs."""
-
-    def __init__(self, api: "OpenAIApi", request: Request, rid: str, arrival: float):
-        self.api, self.request, self.rid, self.arrival = api, request, rid, arrival
-        self.queue: asyncio.Queue = asyncio.Queue()
-        self.index: dict[str, int] = {}          # engine request id -> choice index
-        self.clocks: dict[str, RequestClock] = {}
-        self.unfinished: set[str] = set()
-        self.early: list = []                    # outputs read before the response started
-        self._watch = None
-
-    async def submit(self, prompts, params) -> None:
-        for i, prompt in enumerate(prompts):
-            erid = self.rid if len(prompts) == 1 else f"{self.rid}-{i}"
-            await self.api.admission.submit(erid, prompt, params, self.queue)
-            self.index[erid] = i
-            self.clocks[erid] = RequestClock(self.api.admission.metrics, self.arrival)
-            self.unfinished.add(erid)
-        self._watch = asyncio.ensure_future(self._watch_disconnect())
-
-    async def _watch_disconnect(self) -> None:
-        while (await self.request.receive())["type"] != "http.disconnect":
-            pass
-        self.queue.put_nowait(_GONE)
-
-    async def next(self):
-        """The next output (an exception is raised); None once the client is gone."""
-        item = self.early.pop(0) if self.early else await self.queue.get()
-        if item is _GONE:
-            self._gone()
-            return None
-        if isinstance(item, Exception):
-            raise item
-        self.clocks[item.request_id].output(item)
-        if item.finished:
-            self.unfinished.discard(item.request_id)
-        return check_output(item)
-
-    async def started(self) -> bool:
-        """Wait until every prompt has its first output (or the client is gone: False)."""
-        seen: set[str] = set()
-        while len(seen) < len(self.index):
-            item = await self.queue.get()
-            if item is _GONE:
-                self._gone()
-                return False
-            if isinstance(item, Exception):
-                raise item
-            seen.add(item.request_id)
-            self.early.append(item)
-            if item.finished:          # failed at once: answer with the error status
-                check_output(item)
-        return True
-
-    def _gone(self) -> None:
-        """The client disconnected: its unfinished requests count as such (close aborts
-        them)."""
-        for erid in self.unfinished:
-            self.clocks[erid].disconnected()
-
-    def close(self) -> None:
-        """Abort what has not finished (its pages freed) and stop watching the client."""
-        for erid in self.index:
-            self.api.admission.release(erid, finished=erid not in self.unfinished)
-        if self._watch is not None:
-            self._watch.cancel()
 
 
 class OpenAIApi:
@@ -240,7 +148,7 @@ class OpenAIApi:
                                  chat=True)
 
     async def _serve(self, request, prefix, model, prompts, params, req, arrival, chat: bool):
-        call = _Call(self, request, oai.new_id(prefix), arrival)
+        call = Call(self.admission, request, oai.new_id(prefix), arrival)
         log.info("request %s: %s", call.rid,
                  prompts if self.settings.log_prompts else "(prompt not logged)")
         created = oai.now()
@@ -256,7 +164,7 @@ class OpenAIApi:
                 events = (self._chat_events if chat else self._completion_events)(
                     call, model, created, choices, include_usage)
                 streaming = True
-                return _EventStream(events, call.close)
+                return EventStream(events, call.close)
             while call.unfinished:
                 out = await call.next()
                 if out is None:
@@ -268,12 +176,12 @@ class OpenAIApi:
             if not streaming:
                 call.close()
 
-    async def _completion_events(self, call: _Call, model, created, choices, include_usage):
-        async for chunk in _failing_as_event(self._completion_chunks(
+    async def _completion_events(self, call: Call, model, created, choices, include_usage):
+        async for chunk in failing_as_event(self._completion_chunks(
                 call, model, created, choices, include_usage)):
             yield chunk
 
-    async def _completion_chunks(self, call: _Call, model, created, choices, include_usage):
+    async def _completion_chunks(self, call: Call, model, created, choices, include_usage):
         usage_field = {"usage": None} if include_usage else {}
         while call.unfinished:
             out = await call.next()
@@ -291,21 +199,21 @@ class OpenAIApi:
                       "finish_reason": c.finish_reason}
             if c.with_token_ids:
                 choice["token_ids"] = new
-            yield _sse({"id": call.rid, "object": "text_completion", "created": created,
+            yield sse({"id": call.rid, "object": "text_completion", "created": created,
                         "model": model, "choices": [choice], **usage_field})
         if include_usage:
-            yield _sse({"id": call.rid, "object": "text_completion", "created": created,
+            yield sse({"id": call.rid, "object": "text_completion", "created": created,
                         "model": model, "choices": [], "usage": _total_usage(choices)})
         yield b"data: [DONE]\n\n"
 
-    async def _chat_events(self, call: _Call, model, created, choices, include_usage):
-        async for chunk in _failing_as_event(self._chat_chunks(
+    async def _chat_events(self, call: Call, model, created, choices, include_usage):
+        async for chunk in failing_as_event(self._chat_chunks(
                 call, model, created, choices, include_usage)):
             yield chunk
 
-    async def _chat_chunks(self, call: _Call, model, created, choices, include_usage):
+    async def _chat_chunks(self, call: Call, model, created, choices, include_usage):
         def chunk(index, delta, finish_reason=None, logprobs=None, token_ids=None):
-            return _sse(oai.chat_chunk(call.rid, created, model, index, delta, finish_reason,
+            return sse(oai.chat_chunk(call.rid, created, model, index, delta, finish_reason,
                                        logprobs, with_usage=include_usage, token_ids=token_ids))
 
         for c in choices:
@@ -324,7 +232,7 @@ class OpenAIApi:
             if c.finish_reason is not None:
                 yield chunk(c.index, {}, c.finish_reason)
         if include_usage:
-            yield _sse(oai.chat_chunk(call.rid, created, model, None, None,
+            yield sse(oai.chat_chunk(call.rid, created, model, None, None,
                                       usage_=_total_usage(choices), with_usage=True))
         yield b"data: [DONE]\n\n"
 
@@ -377,18 +285,6 @@ class OpenAIApi:
         self.authorize(request)
         return Response(generate_latest(self.admission.metrics.registry),
                         media_type=CONTENT_TYPE_LATEST)
-
-
-async def _failing_as_event(chunks):
-    """A stream's chunks; a request that fails mid-stream (its status is sent already) ends
-    with an error event in OpenAI's shape, then [DONE]."""
-    try:
-        async for chunk in chunks:
-            yield chunk
-    except RequestFailed as e:
-        yield _sse({"error": {"message": str(e), "type": "server_error", "param": None,
-                              "code": "engine_error"}})
-        yield b"data: [DONE]\n\n"
 
 
 def _total_usage(choices) -> dict:
