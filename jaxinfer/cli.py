@@ -18,7 +18,15 @@ from jaxinfer.errors import JaxinferError
 from jaxinfer.llm import LLM
 from serve.cli import add_client_arguments, add_serve_arguments, run_client, run_serve
 
-HELP = argparse.ArgumentDefaultsHelpFormatter   # --help shows every default
+class HELP(argparse.ArgumentDefaultsHelpFormatter):
+    """--help shows every default, except where the help text says it already
+    ("default: ...") and for flags (a store_true default is always False)."""
+
+    def _get_help_string(self, action):
+        if "default:" in (action.help or "") or isinstance(
+                action, (argparse._StoreTrueAction, argparse._StoreConstAction)):
+            return action.help
+        return super()._get_help_string(action)
 
 
 def cmd_generate(args) -> int:
