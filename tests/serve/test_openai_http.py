@@ -1,21 +1,18 @@
-"""The OpenAI-compatible HTTP API against real server subprocesses, driven by the official
-`openai` client: SmolLM2 (text, chat, logprobs, auth, errors, gRPC beside HTTP) and the tiny
-model (loading, queue limit, cancelled streams freeing their pages); SIGTERM drains streams."""
+"""The OpenAI-compatible HTTP API against a real SmolLM2 server subprocess, driven by the
+official `openai` client: text, chat, logprobs, auth, errors, gRPC beside HTTP; SIGTERM
+drains streams (last: it ends the server). The tiny model's limits: test_openai_http_limits."""
 import concurrent.futures as cf
 import http.client
 import json
-import random
 import secrets
 import threading
 import time
-import urllib.error
-import urllib.request
 
 import numpy as np
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
+from http_util import call as _call
 from jaxinfer.config import EngineConfig
 from jaxinfer.llm import LLM
 from jaxinfer.request import SamplingParams
@@ -25,11 +22,8 @@ from serve.launcher import ServerProcess
 SMOL_ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256, dtype="float32")
 SMOL_ARGS = ["--model", "smollm2", "--max-num-seqs", "4", "--max-num-batched-tokens", "64",
              "--max-model-len", "256", "--dtype", "float32"]
-TINY_ARGS = ["--model", "tiny", "--max-num-seqs", "4", "--max-num-batched-tokens", "32",
-             "--max-model-len", "2048", "--page-size", "16", "--dtype", "float32"]
 TOKEN = secrets.token_hex(16)
 MAX_BODY = 8 << 20
-MAX_WAITING = 6
 PROMPTS = ["The capital of France is", "def fibonacci(n):"]
 CHATS = [[{"role": "user", "content": "Name three colors."}],
          [{"role": "system", "content": "You answer briefly."},
@@ -63,35 +57,14 @@ def client(smol):
         yield c
 
 
+def call(url, body=None, token=TOKEN, **kw):
+    return _call(url, body, token, **kw)
+
+
 def greedy(max_tokens=16, **kw):
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, **kw)
 
 
-def call(url, body=None, token=TOKEN, method=None, headers=None):
-    """(status, decoded JSON or text) of one request, errors included."""
-    data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, method=method, headers={
-        "content-type": "application/json", **({"authorization": f"Bearer {token}"} if token
-                                               else {}), **(headers or {})})
-    try:
-        with urllib.request.urlopen(req, timeout=60) as r:
-            status, raw = r.status, r.read()
-    except urllib.error.HTTPError as e:
-        status, raw = e.code, e.read()
-    try:
-        return status, json.loads(raw)
-    except json.JSONDecodeError:
-        return status, raw.decode()
-
-
-def metrics(url) -> dict:
-    """Unlabelled samples by name; labelled ones as name{value,...}."""
-    text = urllib.request.urlopen(url, timeout=10).read().decode()
-    return {s.name + ("{%s}" % ",".join(s.labels.values()) if s.labels else ""): s.value
-            for fam in text_string_to_metric_families(text) for s in fam.samples}
-
-
-# --- SmolLM2 -------------------------------------------------------------------------------
 def test_completions_stream_equals_plain_and_llm_generate(client, llm):
     want = llm.generate(PROMPTS, greedy(), use_tqdm=False)
     plain = client.completions.create(model="smollm2", prompt=PROMPTS, max_tokens=16,
@@ -372,128 +345,3 @@ def test_sigterm_drains_streams(smol):
     assert [results[i][-1] for i in range(3)] == ["length"] * 3
     assert smol.proc.wait(60) == 0
     assert "draining: 3 requests in flight" in smol.log()
-
-
-# --- the tiny model: load, queue limit, cancellation --------------------------------
-@pytest.fixture(scope="module")
-def tiny():
-    srv = ServerProcess([*TINY_ARGS, "--http-port", "0", "--no-grpc", "--max-waiting",
-                         str(MAX_WAITING), "--grace-period", "60"])
-    try:
-        srv.wait_listening()
-        srv.early = (call(srv.http_url + "/health")[0],
-                     call(srv.http_url + "/v1/completions", {"prompt": [5, 6], "max_tokens": 2}))
-        srv.wait_serving(timeout=240)
-        yield srv
-    finally:
-        srv.stop()
-
-
-def tiny_client(srv, **kw):
-    return openai.OpenAI(base_url=srv.http_url + "/v1", api_key="none", max_retries=0, **kw)
-
-
-def test_503_while_loading(tiny):
-    health, (status, body) = tiny.early
-    assert health == 503
-    assert status == 503 and body["error"]["code"] == "service_unavailable"
-    assert tiny.port is None and "grpc port off" in tiny.log()
-
-
-def test_token_ids_equal_llm_generate(tiny):
-    """A model without a tokenizer answers in token ids (return_token_ids), streamed or not."""
-    engine = dict(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=2048, page_size=16,
-                  dtype="float32")
-    ps = [[5, 6, 7], [9, 10, 11, 12, 13]]
-    want = LLM("tiny", engine_config=EngineConfig(**engine)).generate(
-        [{"prompt_token_ids": p} for p in ps], greedy(10), use_tqdm=False)
-    with tiny_client(tiny, timeout=60) as c:
-        plain = c.completions.create(model="tiny", prompt=ps, max_tokens=10, temperature=0,
-                                     extra_body={"return_token_ids": True})
-        assert [ch.token_ids for ch in plain.choices] == [w.token_ids for w in want]
-        got = [[], []]
-        for chunk in c.completions.create(model="tiny", prompt=ps, max_tokens=10,
-                                          temperature=0, stream=True,
-                                          extra_body={"return_token_ids": True}):
-            for ch in chunk.choices:
-                got[ch.index] += ch.token_ids
-        assert got == [w.token_ids for w in want]
-        with pytest.raises(openai.BadRequestError) as e:
-            c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}])
-        assert e.value.body["param"] == "messages" and "tokenizer" in e.value.body["message"]
-
-
-def test_queue_full_is_429(tiny):
-    rng = np.random.default_rng(1)
-    prompts = [rng.integers(3, 512, 20).tolist() for _ in range(40)]
-
-    def run(p):
-        with tiny_client(tiny, timeout=120) as c:
-            try:
-                return c.completions.create(model="tiny", prompt=p, max_tokens=30,
-                                            temperature=0).choices[0].finish_reason
-            except openai.RateLimitError as e:
-                assert e.body["code"] == "rate_limit_exceeded"
-                return 429
-
-    with cf.ThreadPoolExecutor(40) as pool:
-        results = list(pool.map(run, prompts))
-    assert 429 in results and results.count("length") >= 4
-
-
-def _stream_and_cancel(srv, prompt, rng) -> None:
-    """Stream a long answer, then stop reading after a random number of chunks (or time out
-    before the first). A full queue is retried. (The tiny model has no tokenizer, so no text:
-    logprobs make each token a chunk.)"""
-    for _ in range(200):
-        timeout = 60 if rng.random() < 0.8 else rng.uniform(0.02, 0.3)
-        n = int(rng.integers(1, 6))
-        with tiny_client(srv, timeout=timeout) as c:
-            try:
-                with c.completions.create(model="tiny", prompt=prompt, max_tokens=LONG,
-                                          temperature=0, stream=True, logprobs=0,
-                                          extra_body={"ignore_eos": True}) as stream:
-                    for i, chunk in enumerate(stream):
-                        assert not (chunk.choices and chunk.choices[0].finish_reason)
-                        if i + 1 >= n:
-                            return
-            except openai.RateLimitError:
-                time.sleep(0.05)
-            except openai.APITimeoutError:
-                return
-    raise AssertionError("the queue stayed full")
-
-
-LONG = 1900   # tokens a stream would run to: ~25,000 steps for 50 of them, were none aborted
-
-
-def test_cancelled_streams_free_their_pages(tiny):
-    rng = np.random.default_rng(random.randrange(1 << 30))
-    prompts = [rng.integers(3, 512, rng.integers(3, 40)).tolist() for _ in range(50)]
-    seeds = rng.integers(0, 1 << 30, 50)
-    before = metrics(tiny.http_url + "/metrics")
-    with cf.ThreadPoolExecutor(8) as pool:
-        list(pool.map(lambda a: _stream_and_cancel(tiny, a[0], np.random.default_rng(a[1])),
-                      zip(prompts, seeds)))
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        m = metrics(tiny.http_url + "/metrics")
-        if m["jaxinfer_kv_pages_used"] == 0 and m["jaxinfer_requests_running"] == 0:
-            break
-        time.sleep(0.2)
-    assert m["jaxinfer_kv_pages_used"] == 0 and m["jaxinfer_requests_running"] == 0
-    gone = "jaxinfer_requests_total{disconnected}"
-    assert m.get(gone, 0) - before.get(gone, 0) == 50
-    assert m["jaxinfer_output_tokens_total"] - before["jaxinfer_output_tokens_total"] < 50 * LONG / 4
-    # Still serving after all that.
-    with tiny_client(tiny, timeout=60) as c:
-        assert c.completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=3,
-                                    temperature=0).usage.completion_tokens == 3
-
-
-def test_metrics_port_serves_only_metrics(tiny):
-    base = f"http://127.0.0.1:{tiny.metrics_port}"
-    assert "jaxinfer_requests_running" in urllib.request.urlopen(base + "/metrics",
-                                                                 timeout=10).read().decode()
-    for path in ("/", "/v1/models", "/metricsx"):
-        assert call(base + path, token=None)[0] == 404
