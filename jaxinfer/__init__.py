@@ -9,7 +9,7 @@ xla_gpu_enable_pdl wins (`XLA_FLAGS=--xla_gpu_enable_pdl=false` turns it off).
 """
 import os
 
-from jaxinfer.request import FinishReason, RequestOutput, SamplingParams
+from jaxinfer.request import CompletionOutput, FinishReason, RequestOutput, SamplingParams
 
 PDL_FLAG = "--xla_gpu_enable_pdl=true"
 
@@ -22,7 +22,7 @@ def _default_xla_flags(env=os.environ) -> None:
 
 _default_xla_flags()
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "FinishReason"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "FinishReason"]
 
 
 def __getattr__(name):

@@ -31,6 +31,18 @@ class LLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
+    def chat(self, messages: list[dict] | Sequence[list[dict]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             *, use_tqdm: bool = True) -> list[RequestOutput]:
+        """Answer one conversation ([{"role", "content"}, ...]) or a list of them, with the
+        model's chat template: `generate` over conversations, as vLLM's `LLM.chat`."""
+        if not isinstance(messages, (list, tuple)) or not messages:
+            raise InvalidTypeError("messages must be a conversation (a list of "
+                                   "{'role', 'content'} dicts) or a list of them",
+                                   field="messages")
+        conversations = [messages] if isinstance(messages[0], dict) else list(messages)
+        return self.generate(conversations, sampling_params, use_tqdm=use_tqdm)
+
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  *, use_tqdm: bool = True) -> list[RequestOutput]:

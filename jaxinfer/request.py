@@ -153,6 +153,18 @@ PENDING = -1  # an output token sampled on the device, not yet seen by the host
 
 
 @dataclasses.dataclass
+class CompletionOutput:
+    """One completion of a request, shaped as vLLM's (`RequestOutput.outputs`)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None   # sum of the chosen tokens' logprobs (with logprobs)
+    logprobs: list[dict[int, float]] | None
+    finish_reason: str | None          # "stop", "length", "cancelled", "error"
+
+
+@dataclasses.dataclass
 class RequestOutput:
     """What a request has produced so far. `new_token_ids`/`text_delta` are this step's delta;
     `token_ids`/`text`/`logprobs` accumulate (until the last output `token_ids` is the
@@ -175,6 +187,15 @@ class RequestOutput:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def outputs(self) -> list[CompletionOutput]:
+        """The completion as vLLM shapes it: a list of one CompletionOutput."""
+        cumulative = (None if self.logprobs is None else
+                      sum(d[t] for d, t in zip(self.logprobs, self.token_ids)))
+        return [CompletionOutput(0, self.text, self.token_ids, cumulative, self.logprobs,
+                                 None if self.finish_reason is None
+                                 else str(self.finish_reason))]
 
 
 class RequestStatus(str, enum.Enum):

@@ -28,6 +28,10 @@ def stream(engine, prompt, params):
 def test_deltas_join_to_text_and_decode_with_multibyte_output(llm):
     joined, last = stream(llm.engine, CHAT, SamplingParams(temperature=0.0, max_tokens=40))
     assert any(ord(c) > 0x2FFF for c in last.text), "the prompt no longer yields CJK/emoji"
+    # LLM.generate steps without deltas, decoding the text once at the end: the same text.
+    [whole] = llm.generate([CHAT], SamplingParams(temperature=0.0, max_tokens=40),
+                           use_tqdm=False)
+    assert whole.text == joined == last.text and whole.token_ids == last.token_ids
     # Only a character cut by max_tokens may end as U+FFFD (decode() says the same).
     assert "\ufffd" not in joined.rstrip("\ufffd")
     assert joined == last.text == llm.tokenizer.decode(last.token_ids)
@@ -43,3 +47,21 @@ def test_stop_string_ends_the_request_and_is_cut(llm):
     assert last.finish_reason == FinishReason.STOP
     assert joined == last.text == free.text[:cut]
     assert len(last.token_ids) < len(free.token_ids)
+
+
+def test_chat_and_outputs_in_vllm_shape(llm):
+    """LLM.chat answers a conversation (or several) as generate does; RequestOutput.outputs
+    holds it as vLLM's CompletionOutput."""
+    params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=1)
+    [want] = llm.generate([CHAT], params, use_tqdm=False)
+    [one] = llm.chat(CHAT, params, use_tqdm=False)
+    two = llm.chat([CHAT, CHAT], params, use_tqdm=False)
+    assert one.token_ids == want.token_ids == two[0].token_ids == two[1].token_ids
+    [c] = one.outputs
+    assert (c.index, c.text, c.token_ids, c.finish_reason) == (
+        0, one.text, one.token_ids, str(one.finish_reason))
+    assert c.cumulative_logprob == pytest.approx(
+        sum(d[t] for d, t in zip(one.logprobs, one.token_ids)))
+    assert c.cumulative_logprob < 0
+    assert llm.generate("Hi", SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[
+        0].cumulative_logprob is None
