@@ -111,6 +111,9 @@ def _grid(p, batches: tuple[str, str], contexts: tuple[str, str]):
 def _compile(p):
     p.add_argument("--no-warm", action="store_true",
                    help="skip the start-up compile child processes (cold and warm cache)")
+    p.add_argument("--startup-only", action="store_true",
+                   help="only the start-up children (cold and warm cache), not the serial "
+                        "per-bucket compile and HLO analysis")
     p.add_argument("--cache-dir", default=None,
                    help="persistent compilation cache dir (default: a fresh temp dir)")
     p.add_argument("--phase", choices=("cold", "warm"), default=None, help=argparse.SUPPRESS)

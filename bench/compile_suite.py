@@ -3,10 +3,12 @@ the compiled step contains.
 
 Per bucket (`Buckets.all_buckets()`), in this process with a fresh persistent cache dir: the
 runner's jitted step traced, lowered and compiled ahead of time, each phase timed
-(`cold_serial_sum_s`: their sum). Then what a server start pays (Engine.warmup: both sampling
-variants of every bucket, compiled in a thread pool), wall clock, each in a fresh child:
-  cold_total_s   with a second fresh cache dir (nothing to hit)
-  warm_total_s   reusing that dir: what a restarted server pays
+(`cold_serial_sum_s`: their sum). Then what a server start pays, each in a fresh child process through the real Engine: load
+the weights, Engine.warmup (both sampling variants of every bucket, compiled in a thread pool),
+then one request's first token; timed from the child's spawn to that token:
+  cold_*   with a second fresh cache dir (nothing to hit)
+  warm_*   reusing that dir: what a restarted server pays
+--startup-only skips the serial per-bucket pass (minutes at 512 rows).
 The executables' optimized HLO is read by bench/hlo.py (kernels per step and per decoder
 layer, fused op sets, custom calls, command-buffer coverage), plus their memory.
 """
@@ -23,7 +25,8 @@ from pathlib import Path
 import jax
 
 from bench import hlo
-from bench.common import engine_argv, load_runner, new_result, print_table, progress, save
+from bench.common import (engine_argv, engine_config, load_runner, new_result, print_table,
+                          progress, save)
 
 KEYS = ["bucket", "trace_s", "lower_s", "compile_s", "kernels_per_step",
         "kernels_per_layer", "command_buffers", "temp_MB"]
@@ -100,48 +103,65 @@ def compile_all(args, analyze: bool):
     return rows, decode_hlo
 
 
-def startup_compile(args) -> dict:
-    """(Child process) Engine.warmup's compile: both sampling variants of every bucket via
-    ModelRunner.compile_ahead; wall seconds, executables, persistent-cache hits."""
-    from jaxinfer.buckets import Buckets
-    from jaxinfer.step_input import warmup_inputs
+def startup_to_first_token(args) -> dict:
+    """(Child process) A server's start: the model loaded, Engine.warmup's compile (both
+    sampling variants of every bucket), then one greedy request stepped to its first token.
+    Seconds of each phase, executables, persistent-cache hits, and the wall-clock time of the
+    first token (the parent subtracts the spawn time)."""
+    from jaxinfer.engine import Engine
+    from jaxinfer.loading import load_model
+    from jaxinfer.request import SamplingParams
 
-    runner, _, _ = load_runner(args, max_num_seqs=args.max_num_seqs, max_len=args.max_model_len)
-    buckets = Buckets.from_config(runner.engine).all_buckets()
-    inputs = warmup_inputs(buckets, runner.engine.max_num_seqs)
+    ecfg = engine_config(args)
+    t0 = time.perf_counter()
+    cfg, graphdef, params, tokenizer = load_model(args.model, ecfg)
+    engine = Engine(cfg, ecfg, graphdef, params, tokenizer, model_name=args.model)
+    t1 = time.perf_counter()
     hits = _cache_hits[0]
-    t = time.perf_counter()
-    n = runner.compile_ahead(inputs)
-    return {"wall_s": round(time.perf_counter() - t, 3), "executables": n,
-            "buckets": len(buckets), "cache_hits": _cache_hits[0] - hits,
-            "workers": min(n, os.cpu_count() or 1)}
+    warm = engine.warmup(progress=False)
+    t2, c2 = time.perf_counter(), Engine.compiles()
+    engine.add_request({"prompt_token_ids": [1] * 8},
+                       SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
+    while not any(o.finished for o in engine.step()):
+        pass
+    t3 = time.perf_counter()
+    return {"first_token_unix": time.time(), "load_s": round(t1 - t0, 3),
+            "wall_s": round(t2 - t1, 3), "first_step_s": round(t3 - t2, 3),
+            "executables": warm["compiles"] + warm["loaded_from_cache"],
+            "buckets": warm["buckets"], "cache_hits": _cache_hits[0] - hits,
+            "compiles_after_warmup": Engine.compiles() - c2,
+            "workers": os.cpu_count() or 1}
 
 
 def child(args, phase: str, cache_dir: str) -> dict:
-    """Run `phase` in a fresh process; its result and the process's wall time."""
+    """Run `phase` in a fresh process; its result, the process's wall time and the time from
+    its spawn to its first token."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / f"{phase}.json"
         cmd = [sys.executable, "-m", "bench.cli", "compile", "--phase", phase,
                "--cache-dir", cache_dir, "--out", str(out), *engine_argv(args)]
-        t = time.perf_counter()
+        spawned, t = time.time(), time.perf_counter()
         subprocess.run(cmd, check=True, cwd=Path(__file__).resolve().parent.parent)
         wall = time.perf_counter() - t
-        return dict(json.loads(out.read_text()), process_wall_s=round(wall, 2))
+        got = json.loads(out.read_text())
+        return dict(got, process_wall_s=round(wall, 2),
+                    to_first_token_s=round(got.pop("first_token_unix") - spawned, 2))
 
 
 def run(args) -> int:
     cache_dir = args.cache_dir or tempfile.mkdtemp(prefix="jaxinfer_cache_")
     enable_cache(cache_dir)
     if args.phase in ("cold", "warm"):  # a child: the start-up compile only
-        Path(args.out).write_text(json.dumps(startup_compile(args)) + "\n")
+        Path(args.out).write_text(json.dumps(startup_to_first_token(args)) + "\n")
         return 0
     result = new_result(args, model=args.model,
                         cache_dir=args.cache_dir or "(a fresh temporary directory)")
-    rows, decode_hlo = compile_all(args, analyze=True)
-    result.update(cold_serial_sum_s=round(sum(r["total_s"] for r in rows), 2),
-                  kernels_per_layer=decode_hlo and decode_hlo["kernels_per_layer"],
-                  decode_step_hlo=decode_hlo)
-    save(result, args.out, rows)
+    if not args.startup_only:
+        rows, decode_hlo = compile_all(args, analyze=True)
+        result.update(cold_serial_sum_s=round(sum(r["total_s"] for r in rows), 2),
+                      kernels_per_layer=decode_hlo and decode_hlo["kernels_per_layer"],
+                      decode_step_hlo=decode_hlo)
+        save(result, args.out, rows)
     if not args.no_warm:
         startup_dir = tempfile.mkdtemp(prefix="jaxinfer_cache_startup_")
         try:
@@ -149,13 +169,17 @@ def run(args) -> int:
                 got = child(args, phase, startup_dir)
                 result[f"{phase}_startup"] = got
                 result[f"{phase}_total_s"] = got["wall_s"]
+                result[f"{phase}_to_first_token_s"] = got["to_first_token_s"]
                 save(result, args.out)
         except subprocess.CalledProcessError as e:  # the serial rows are saved already
             result["startup_error"] = f"child process exited with {e.returncode}"
             save(result, args.out)
             return 1
-    print_table(result["rows"], KEYS)
-    print(f"serial sum {result['cold_serial_sum_s']} s; start-up compile (both variants, "
+    if result.get("rows"):
+        print_table(result["rows"], KEYS)
+    print(f"serial sum {result.get('cold_serial_sum_s')} s; start-up compile (both variants, "
           f"parallel): cold {result.get('cold_total_s')} s, warm {result.get('warm_total_s')}"
-          f" s; kernels per decoder layer (decode step) {result['kernels_per_layer']}")
+          f" s; spawn to first token: cold {result.get('cold_to_first_token_s')} s, warm "
+          f"{result.get('warm_to_first_token_s')} s; kernels per decoder layer (decode step) "
+          f"{result.get('kernels_per_layer')}")
     return 0

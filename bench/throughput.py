@@ -203,7 +203,7 @@ def run(args) -> int:
                gpu_clocks=clocks.summary())
     save(result, args.out, [row])
     if args.api:
-        del engine                # its KV pool and weights: the API's engine needs the room
+        del engine, params        # its KV pool and weights: the API's engine needs the room
         gc.collect()
         save(result, args.out, [api_row(args, ecfg, workload, row)])
     print_table(result["rows"], KEYS)

@@ -150,7 +150,23 @@ def test_compile_suite_cold_and_warm(tmp_path):
     assert cold["executables"] == warm["executables"] == 4 and cold["buckets"] == 2
     assert cold["cache_hits"] == 0 and warm["cache_hits"] >= 4
     assert result["cold_total_s"] == cold["wall_s"] > 0 and result["warm_total_s"] > 0
+    # Spawn to first token covers loading and compiling; the first step compiles nothing.
+    for got in (cold, warm):
+        assert got["compiles_after_warmup"] == 0
+        assert got["to_first_token_s"] > got["load_s"] + got["wall_s"] > 0
+    assert result["cold_to_first_token_s"] == cold["to_first_token_s"]
     assert any((tmp_path / "cache").iterdir())
+
+
+def test_compile_suite_startup_only(tmp_path):
+    out = tmp_path / "compile.json"
+    subprocess.run([sys.executable, "-m", "bench.cli", "compile", *ENGINE[:4], "--out", str(out),
+                    "--max-num-seqs", "1", "--max-num-batched-tokens", "16", "--startup-only"],
+                   check=True, cwd=ROOT)
+    result = json.loads(out.read_text())
+    assert not result["rows"] and "cold_serial_sum_s" not in result
+    assert result["warm_startup"]["cache_hits"] >= result["warm_startup"]["executables"] == 4
+    assert result["warm_to_first_token_s"] > 0
 
 
 def test_profile_suite_breaks_the_step_down(tmp_path):
