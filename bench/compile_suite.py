@@ -8,7 +8,8 @@ the weights, Engine.warmup (both sampling variants of every bucket, compiled in 
 then one request's first token; timed from the child's spawn to that token:
   cold_*   with a second fresh cache dir (nothing to hit)
   warm_*   reusing that dir: what a restarted server pays
---startup-only skips the serial per-bucket pass (minutes at 512 rows).
+--startup-only skips the serial per-bucket pass (minutes at 512 rows); its rows are then the
+two starts (`phase` cold and warm).
 The executables' optimized HLO is read by bench/hlo.py (kernels per step and per decoder
 layer, fused op sets, custom calls, command-buffer coverage), plus their memory.
 """
@@ -170,12 +171,12 @@ def run(args) -> int:
                 result[f"{phase}_startup"] = got
                 result[f"{phase}_total_s"] = got["wall_s"]
                 result[f"{phase}_to_first_token_s"] = got["to_first_token_s"]
-                save(result, args.out)
+                save(result, args.out, [dict(phase=phase, **got)] if args.startup_only else [])
         except subprocess.CalledProcessError as e:  # the serial rows are saved already
             result["startup_error"] = f"child process exited with {e.returncode}"
             save(result, args.out)
             return 1
-    if result.get("rows"):
+    if not args.startup_only:
         print_table(result["rows"], KEYS)
     print(f"serial sum {result.get('cold_serial_sum_s')} s; start-up compile (both variants, "
           f"parallel): cold {result.get('cold_total_s')} s, warm {result.get('warm_total_s')}"

@@ -8,7 +8,9 @@ Each input line is a JSON object in one of two formats, told apart line by line:
   optionally `id` (string or integer; default "line-<N>") and any SamplingParams field, which
   overrides the CLI's sampling flags for that line. Its result: id, prompt (text prompts),
   text, token_ids, finish_reason, prompt_tokens, completion_tokens, ttft_s, latency_s and
-  logprobs (when asked for).
+  logprobs (when asked for); with `n` > 1 also `outputs`, one object per completion (index,
+  text, token_ids, finish_reason, logprobs), the fields above being the first completion's
+  and completion_tokens the sum over all.
 - OpenAI's Batch API (a line with `custom_id`), as vLLM's `run-batch` reads it:
   {"custom_id": str, "method": "POST", "url": "/v1/completions" | "/v1/chat/completions",
   "body": {...}}. The body is an HTTP server request (jaxinfer.openai_protocol: the same
@@ -128,12 +130,24 @@ def result_record(req: LineRequest, out: RequestOutput) -> dict:
     rec = {"id": req.id}
     if req.text is not None:
         rec["prompt"] = req.text
+    completions = out.outputs
     rec.update(text=out.text, token_ids=out.token_ids, finish_reason=str(out.finish_reason),
-               prompt_tokens=len(out.prompt_token_ids), completion_tokens=len(out.token_ids),
+               prompt_tokens=len(out.prompt_token_ids),
+               completion_tokens=sum(len(c.token_ids) for c in completions),
                ttft_s=out.ttft_s, latency_s=out.latency_s)
     if out.logprobs is not None:
-        rec["logprobs"] = [{str(t): lp for t, lp in d.items()} for d in out.logprobs]
+        rec["logprobs"] = _logprobs_json(out.logprobs)
+    if len(completions) > 1:     # n > 1: every completion (the fields above are the first's)
+        rec["outputs"] = [{"index": c.index, "text": c.text, "token_ids": c.token_ids,
+                           "finish_reason": c.finish_reason,
+                           **({"logprobs": _logprobs_json(c.logprobs),
+                               "cumulative_logprob": c.cumulative_logprob}
+                              if c.logprobs is not None else {})} for c in completions]
     return rec
+
+
+def _logprobs_json(logprobs: list[dict[int, float]]) -> list[dict[str, float]]:
+    return [{str(t): lp for t, lp in d.items()} for d in logprobs]
 
 
 class _BatchRun:
@@ -242,7 +256,7 @@ class _BatchRun:
             self.failed(out, item)
             return
         self.prompt_tokens += len(out.prompt_token_ids)
-        self.output_tokens += len(out.token_ids)
+        self.output_tokens += sum(len(c.token_ids) for c in out.outputs)
         self.ttft.append(out.ttft_s)
         if len(out.token_ids) > 1:  # decode time after the first token, per further token
             self.per_token.append((out.latency_s - out.ttft_s) / (len(out.token_ids) - 1))

@@ -35,7 +35,9 @@ from jaxinfer.errors import ConfigError, EngineDeadError
 from jaxinfer.engine_io import (Detokenized, build_step_input, check_params_for_model,
                                 logprob_dict, prompt_token_ids)
 from jaxinfer.loading import load_model
+from jaxinfer.errors import InvalidRequestError
 from jaxinfer.request import PENDING, FinishReason, Request, RequestOutput, SamplingParams
+from jaxinfer.request_group import RequestGroup
 from jaxinfer.routes import Routes
 from jaxinfer.runner import CompileCounter, ModelRunner
 from jaxinfer.sampling import uses_penalty
@@ -74,6 +76,8 @@ class Engine:
         self.scheduler = Scheduler.from_config(engine_cfg, eos_token_ids=sorted(eos))
         self.buckets = Buckets.from_config(engine_cfg)
         self._text: dict[str, Detokenized] = {}
+        self._groups: dict[str, RequestGroup] = {}     # n > 1 requests by id
+        self._group_of: dict[str, RequestGroup] = {}   # ... and by their completions' ids
         self._ids = itertools.count()
         self.num_steps = 0
         self.num_generated = 0   # output tokens produced so far (all requests)
@@ -101,9 +105,25 @@ class Engine:
             sampling_params)
         ids = self.encode_prompt(prompt, params)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
-        self.scheduler.add(Request(rid, ids, params))
-        self._text[rid] = Detokenized(self.tokenizer, ids, params,
-                                      prompt if isinstance(prompt, str) else None)
+        if rid in self._groups:
+            raise InvalidRequestError(f"request id {rid!r} is already in use",
+                                      field="request_id")
+        text = prompt if isinstance(prompt, str) else None
+        if params.n == 1:
+            self.scheduler.add(Request(rid, ids, params))
+            self._text[rid] = Detokenized(self.tokenizer, ids, params, text)
+            return rid
+        if rid in self.scheduler.requests:
+            raise InvalidRequestError(f"request id {rid!r} is already in use",
+                                      field="request_id")
+        group = RequestGroup(rid, params.n)
+        each = [params.for_completion(i) for i in range(params.n)]
+        self.scheduler.add(Request(group.ids[0], ids, each[0],
+                                   forks=tuple(zip(group.ids[1:], each[1:]))))
+        for cid, p in zip(group.ids, each):
+            self._text[cid] = Detokenized(self.tokenizer, ids, p, text)
+            self._group_of[cid] = group
+        self._groups[rid] = group
         return rid
 
     def encode_prompt(self, prompt, sampling_params: SamplingParams) -> list[int]:
@@ -115,13 +135,38 @@ class Engine:
                                 self.config.max_model_len)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
-        """Cancel a request; its pages are free for the next step. Unknown ids are ignored."""
+        """Cancel a request, or one completion of an n > 1 request by its id (`req#i`); its
+        pages are free for the next step. Returns the cancelled request's final output; for
+        a completion, the whole request's if no other completion is left running, else None
+        (a later step returns it). Unknown ids are ignored."""
+        group = self._groups.get(request_id)
+        if group is not None:
+            done = [self._abort_one(cid) for cid in group.ids]
+            return next((o for o in done if o is not None), None)
+        return self._abort_one(request_id)
+
+    def _abort_one(self, request_id: str) -> RequestOutput | None:
         req = self.scheduler.abort(request_id)
         if req is None:
             return None
         out = self._output(req, [], self._text[request_id].finish(), FinishReason.CANCELLED)
         del self._text[request_id]
-        return out
+        got = self._emit([], out)
+        return got[0] if got else None
+
+    def _emit(self, outputs: list[RequestOutput], out: RequestOutput) -> list[RequestOutput]:
+        """Add `out` to `outputs`; a completion of an n > 1 request is held until all n have
+        finished (its intermediate outputs are dropped), then their one output is added."""
+        group = self._group_of.get(out.request_id)
+        if group is None:
+            outputs.append(out)
+        elif out.finished:
+            del self._group_of[out.request_id]
+            merged = group.add(out)
+            if merged is not None:
+                del self._groups[group.request_id]
+                outputs.append(merged)
+        return outputs
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished or self._inflight is not None
@@ -181,6 +226,9 @@ class Engine:
             sampled, next_tokens = self.runner.submit(inp)
             t4 = clock()
             self.scheduler.commit(out)
+            copies = self.scheduler.take_copies()    # n > 1: the forks' copy-on-write
+            if copies:
+                self.runner.copy_pages(copies)
             samp = step_input.sampling
             new = self._inflight = _InFlight(
                 out, sampled, next_tokens, dict(zip(arrays.request_ids, range(out.num_rows))),
@@ -219,7 +267,7 @@ class Engine:
             if lost:
                 self.runner.rebuild_kv()
             for req in self.scheduler.recover(failed, cache_lost=lost):
-                self._outputs.append(self._error_output(req, error))
+                self._emit(self._outputs, self._error_output(req, error))
         except Exception as e:
             raise EngineDeadError(f"the engine could not recover from a failed step "
                                   f"({error!r}): {e}") from e
@@ -273,7 +321,7 @@ class Engine:
                 log.error("detokenizing %s failed", req.request_id, exc_info=e)
                 if not req.is_finished:
                     self.scheduler.finish(req.request_id, FinishReason.ERROR)
-                outputs.append(self._error_output(req, e))
+                self._emit(outputs, self._error_output(req, e))
                 continue
             if stop_hit and not req.is_finished:
                 self.scheduler.finish(req.request_id, FinishReason.STOP)
@@ -282,7 +330,7 @@ class Engine:
             if req.sampling_params.logprobs is not None:
                 text.logprobs.append(logprob_dict(sampled, b, req.sampling_params.logprobs))
             if reason is not None or self._deltas:
-                outputs.append(self._output(req, [tokens[b]], delta, reason))
+                self._emit(outputs, self._output(req, [tokens[b]], delta, reason))
             if reason is not None:
                 del self._text[req.request_id]
         return outputs
@@ -339,7 +387,8 @@ class Engine:
     def run_until_done(self, use_tqdm: bool = True) -> dict[str, RequestOutput]:
         """Step until no request is left; returns each request's final output by id."""
         final: dict[str, RequestOutput] = {}
-        total = len(self.scheduler.requests)
+        total = len(self.scheduler.requests) - sum(    # n > 1 requests count once
+            1 for rid in self.scheduler.requests if rid in self._group_of) + len(self._groups)
         with tqdm(total=total, desc="generating", unit="req", disable=not use_tqdm) as bar:
             while self.has_unfinished_requests():
                 for o in self.step(deltas=False):

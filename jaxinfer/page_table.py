@@ -100,6 +100,14 @@ class PageAllocator:
             self._ref[p] = 1
         return pages
 
+    def share(self, page_ids: Iterable[int]) -> None:
+        """Take one more reference to each page in use (another sequence reads it: the n
+        completions of one prompt)."""
+        for p in page_ids:
+            if not 0 < p < self.num_pages or self._ref[p] <= 0:
+                raise RuntimeError(f"cannot share page {p}: it is not in use")
+            self._ref[p] += 1
+
     def _take_one(self) -> int:
         if self._free:
             return self._free.pop()

@@ -50,6 +50,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None       # top-n logprobs per generated token, n <= 20
+    n: int = 1                        # completions of the prompt (its pages shared)
 
     def __post_init__(self):
         # Accept lists from JSON / kwargs; store tuples so the object stays hashable and frozen.
@@ -86,7 +87,7 @@ class SamplingParams:
                 bad(field, f"must be a finite number, got {v!r}")
             return v
 
-        for f in ("max_tokens", "top_k"):
+        for f in ("max_tokens", "top_k", "n"):
             v = getattr(self, f)
             if not isinstance(v, int) or isinstance(v, bool):
                 bad(f, f"must be an integer, got {type(v).__name__}", InvalidTypeError)
@@ -103,6 +104,8 @@ class SamplingParams:
             bad("stop_token_ids", "must be a list of integers", InvalidTypeError)
         if self.max_tokens < 1:
             bad("max_tokens", f"must be >= 1, got {self.max_tokens}")
+        if self.n < 1:
+            bad("n", f"must be >= 1, got {self.n}")
         if num("temperature") < 0:
             bad("temperature", f"must be >= 0, got {self.temperature}")
         if not 0 < num("top_p") <= 1:
@@ -133,6 +136,12 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    def for_completion(self, index: int) -> "SamplingParams":
+        """The params of completion `index` of an n > 1 request: n = 1, and a seed of its
+        own (seed + index), so seeded completions differ and each is reproducible."""
+        seed = None if self.seed is None else (self.seed + index) % 2**63
+        return dataclasses.replace(self, n=1, seed=seed)
 
     @classmethod
     def fields(cls) -> Sequence[str]:
@@ -169,7 +178,8 @@ class RequestOutput:
     """What a request has produced so far. `new_token_ids`/`text_delta` are this step's delta;
     `token_ids`/`text`/`logprobs` accumulate (until the last output `token_ids` is the
     engine's own list, still growing: copy it to keep a snapshot). `finish_reason` is set on
-    the last output."""
+    the last output. A request with n > 1 has one final output: `outputs` holds its n
+    completions, and the single-completion fields are completion 0's."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -183,6 +193,7 @@ class RequestOutput:
     ttft_s: float | None = None      # time to first token
     latency_s: float | None = None   # arrival to finish
     error: str | None = None         # why, when finish_reason is ERROR
+    completions: list[CompletionOutput] | None = None   # n > 1: all n (see `outputs`)
 
     @property
     def finished(self) -> bool:
@@ -190,12 +201,18 @@ class RequestOutput:
 
     @property
     def outputs(self) -> list[CompletionOutput]:
-        """The completion as vLLM shapes it: a list of one CompletionOutput."""
+        """The completions as vLLM shapes them: a list of CompletionOutput (one unless the
+        request asked for n > 1)."""
+        if self.completions is not None:
+            return self.completions
+        return [self.completion(0)]
+
+    def completion(self, index: int) -> CompletionOutput:
+        """This output's single completion as a CompletionOutput numbered `index`."""
         cumulative = (None if self.logprobs is None else
                       sum(d[t] for d, t in zip(self.logprobs, self.token_ids)))
-        return [CompletionOutput(0, self.text, self.token_ids, cumulative, self.logprobs,
-                                 None if self.finish_reason is None
-                                 else str(self.finish_reason))]
+        return CompletionOutput(index, self.text, self.token_ids, cumulative, self.logprobs,
+                                None if self.finish_reason is None else str(self.finish_reason))
 
 
 class RequestStatus(str, enum.Enum):
@@ -229,6 +246,9 @@ class Request:
     num_pending: int = 0
     first_token_time: float | None = None
     finish_time: float | None = None
+    # n > 1: (request id, params) of the completions still to fork from this one once its
+    # prompt is computed (Scheduler._fork); they then share its prompt's pages.
+    forks: tuple[tuple[str, SamplingParams], ...] = ()
 
     def __post_init__(self):
         if not isinstance(self.request_id, str) or not self.request_id:

@@ -130,6 +130,14 @@ def _copy_out(results):
     return jax.tree.map(jnp.copy, results)
 
 
+def _copy_pages(kv, src, dst):
+    """kv with page src[i] copied onto page dst[i] in every array that has pages (K, V and
+    per-token scales; static scales [L, K] have none). Pairs (0, 0) are padding."""
+    def copy(a):
+        return a.at[:, :, dst].set(a[:, :, src]) if a.ndim >= 4 else a
+    return jax.tree.map(copy, kv)
+
+
 @functools.lru_cache(maxsize=256)
 def output_shapes(spec, vocab_size: int, num_seqs: int):
     """(SampleOutput, next_tokens [S]) of ShapeDtypeStructs: what the step returns for an
@@ -202,6 +210,7 @@ class ModelRunner:
         self._step_fn = jax.jit(functools.partial(_packed_step, graphdef, self.routes,
                                                   self._treedef, kv_sharding=kv_sharding),
                                 donate_argnums=(1, 2, 3), static_argnames=("spec",))
+        self._copy_fn = jax.jit(_copy_pages, donate_argnums=(0,))
         self._buffers: dict = {}  # input signature -> (slot, output buffers or None)
         # Fault injection for tests: called as fault_hook(phase, runner) at "dispatch" (before
         # the step's call), "dispatched" (after it: the cache was donated) and "fetch" (before
@@ -222,6 +231,16 @@ class ModelRunner:
         if self.fault_hook is not None:
             self.fault_hook("dispatched", self)
         return out, next_tokens
+
+    def copy_pages(self, pairs) -> None:
+        """Copy KV pages on the device, each (source, destination) in `pairs`, after the
+        steps dispatched before and before those after (copy-on-write of shared pages).
+        One program of max_num_seqs pairs, padded with (0, 0): page 0 is reserved."""
+        width = self.engine.max_num_seqs
+        for i in range(0, len(pairs), width):
+            idx = np.zeros((2, width), np.int32)
+            idx[:, :len(pairs[i:i + width])] = np.array(pairs[i:i + width], np.int32).T
+            self.kv = self._copy_fn(self.kv, idx[0], idx[1])
 
     def kv_lost(self) -> bool:
         """The KV cache's buffers are gone (donated to a step that then failed)."""
@@ -326,6 +345,7 @@ class ModelRunner:
         with pool_oom_as_config_error(self.cfg, self.engine, "a warm-up step"):
             for inp in inputs:
                 self.step(inp)
+            self.copy_pages([(0, 0)])      # the page copy of n > 1 requests' forks
 
     def all_logits(self, tokens, md: AttentionMetadata) -> np.ndarray:
         """Teacher-forced logits [T, V] for every new token (tests, perplexity)."""

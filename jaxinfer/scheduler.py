@@ -17,6 +17,12 @@ Order and priority (first come, first served):
    pages of its leading full pages (prefix caching), keeping at least one token to compute so
    the step yields logits. Head-of-line blocking: if the head does not fit, nobody passes it.
 
+n completions of one prompt (SamplingParams.n): the request runs alone until its prompt is
+computed; the step that samples its first token forks the other n - 1 (`_fork`): each shares
+the prompt's full pages (reference counts), gets a copy of the partly filled last page (the
+engine copies it on the device, `take_copies`), and feeds the prompt's last token once more to
+sample its own first token. Such a request is admitted only with rows for all n.
+
 All decisions of a step are returned in one `SchedulerOutput`; `update` applies the sampled
 tokens, advances counters, registers newly filled pages in the prefix cache and applies the
 finishing rules (stop/eos token ids, max_tokens, max_model_len). Stop *strings* need text, so
@@ -99,6 +105,9 @@ class Scheduler:
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []          # sorted by arrival time
         self.num_preemptions = 0
+        self._fork_rows = 0          # rows the running requests' forks will take
+        self._reserved: set[str] = set()   # ids of completions not forked yet
+        self._copies: list[tuple[int, int]] = []   # (src, dst) pages, for take_copies
 
     @classmethod
     def from_config(cls, config: EngineConfig, eos_token_ids: Sequence[int] = (),
@@ -112,9 +121,15 @@ class Scheduler:
 
     # --- requests in and out ------------------------------------------------------------
     def add(self, request: Request) -> None:
-        if request.request_id in self.requests:
-            raise InvalidRequestError(f"request id {request.request_id!r} is already in use",
+        ids = [request.request_id, *(rid for rid, _ in request.forks)]
+        taken = [rid for rid in ids if rid in self.requests or rid in self._reserved]
+        if taken or len(set(ids)) != len(ids):
+            raise InvalidRequestError(f"request id {(taken or ids)[0]!r} is already in use",
                                       field="request_id")
+        if len(ids) > self.max_num_seqs:
+            raise InvalidRequestError(f"n is {len(ids)}; this engine runs at most "
+                                      f"{self.max_num_seqs} sequences at once (max_num_seqs)",
+                                      field="n")
         if request.num_tokens >= self.max_model_len:
             raise InvalidRequestError(
                 f"prompt has {request.num_tokens} tokens; max_model_len is {self.max_model_len},"
@@ -128,10 +143,14 @@ class Scheduler:
                 f"{self.allocator.num_usable * self.page_size}", field="max_tokens")
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
+        self._reserved.update(ids[1:])
         self.waiting.append(request)
 
     def abort(self, request_id: str) -> Request | None:
-        """Cancel a request; unknown or already finished ids are ignored (None)."""
+        """Cancel a request (or one of n completions, forked or not); unknown or already
+        finished ids are ignored (None)."""
+        if request_id in self._reserved:
+            return self._cancel_fork(request_id)
         if request_id not in self.requests:
             return None
         return self.finish(request_id, FinishReason.CANCELLED)
@@ -142,10 +161,14 @@ class Scheduler:
             raise KeyError(f"no unfinished request {request_id!r}")
         request = self.requests.pop(request_id)
         self._drop_pending(request)   # sampled but never seen: not part of the answer
+        forks, request.forks = request.forks, ()
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
+            self._fork_rows -= len(forks)
         else:
             self.waiting.remove(request)
+        # Completions it was to fork run on their own, first in the queue.
+        self.waiting.extendleft(reversed([self._new_fork(request, *f) for f in forks]))
         self._release_pages(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
@@ -165,6 +188,7 @@ class Scheduler:
             self._drop_pending(request)
         if cache_lost:
             self.allocator.forget_cache()
+        self._copies.clear()   # their destinations were released with the requests
         return done
 
     def _drop_pending(self, request: Request) -> None:
@@ -210,15 +234,18 @@ class Scheduler:
             budget -= n
             i += 1
         while (not preempted and self.waiting and budget > 0
-               and len(self.running) < self.max_num_seqs):
+               and len(self.running) + self._fork_rows < self.max_num_seqs):
             request = self.waiting[0]
             if request.num_pending:
                 break    # preempted with a token in flight: readmit once it is known
+            if len(self.running) + self._fork_rows + 1 + len(request.forks) > self.max_num_seqs:
+                break    # rows for all n completions
             n = self._admit(request, budget)
             if n == 0:
                 break
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
+            self._fork_rows += len(request.forks)
             bisect.insort(self.running, request, key=lambda r: r.arrival_time)
             rows.append(self._row(request, n))
             budget -= n
@@ -249,6 +276,14 @@ class Scheduler:
                 request.output_token_ids.append(PENDING)
                 request.all_token_ids.append(PENDING)
                 request.num_pending += 1
+                if request.forks:   # its prompt is computed: the other completions start
+                    self._fork(request)
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        """The (source, destination) KV pages to copy on the device before the next step
+        runs (forks since the last call), in order; clears them."""
+        copies, self._copies = self._copies, []
+        return copies
 
     def resolve(self, output: SchedulerOutput, sampled_token_ids: Sequence[int]) -> list[Request]:
         """A committed step's sampled tokens arrived: fill each row's oldest PENDING token,
@@ -316,8 +351,64 @@ class Scheduler:
                 return False
         return True
 
+    def _fork(self, parent: Request) -> None:
+        """Start the completions `parent` forks (module docstring). Each shares the pages of
+        the prompt's tokens before its last, and copies the page holding the last one when
+        earlier prompt tokens fill part of it; when no page is free for that copy the
+        completion waits at the head of the queue instead, to be admitted as any request
+        (prefix caching then serves its full pages)."""
+        page_size, alloc = self.page_size, self.allocator
+        start = parent.num_prompt_tokens - 1   # each completion feeds the last prompt token
+        shared = parent.page_ids[:start // page_size]
+        partial = start % page_size != 0
+        queued = []
+        for rid, params in parent.forks:
+            child = self._new_fork(parent, rid, params)
+            if partial and alloc.num_free == 0:
+                queued.append(child)
+                continue
+            alloc.share(shared)
+            pages = list(shared)
+            if partial:
+                pages += alloc.allocate(1)
+                self._copies.append((parent.page_ids[len(shared)], pages[-1]))
+            child.page_ids = PageList(pages)
+            child.page_keys = parent.page_keys[:len(shared)]
+            child.num_cached_pages = min(parent.num_cached_pages, len(shared))
+            child.num_computed_tokens = start
+            child.status = RequestStatus.RUNNING
+            bisect.insort(self.running, child, key=lambda r: r.arrival_time)
+        self.waiting.extendleft(reversed(queued))
+        self._fork_rows -= len(parent.forks)
+        parent.forks = ()
+
+    def _new_fork(self, parent: Request, request_id: str, params) -> Request:
+        """A completion of `parent`'s prompt as a request of its own (registered, WAITING)."""
+        child = Request(request_id, parent.prompt_token_ids, params,
+                        arrival_time=parent.arrival_time)
+        self.requests[request_id] = child
+        self._reserved.discard(request_id)
+        return child
+
+    def _cancel_fork(self, request_id: str) -> Request:
+        """A completion not forked yet, cancelled: taken out of its parent's forks and
+        returned finished, with no tokens."""
+        parent = next(r for r in self.requests.values()
+                      if any(rid == request_id for rid, _ in r.forks))
+        params = dict(parent.forks)[request_id]
+        parent.forks = tuple(f for f in parent.forks if f[0] != request_id)
+        if parent.status == RequestStatus.RUNNING:
+            self._fork_rows -= 1
+        self._reserved.discard(request_id)
+        request = Request(request_id, parent.prompt_token_ids, params,
+                          arrival_time=parent.arrival_time)
+        request.status, request.finish_reason = RequestStatus.FINISHED, FinishReason.CANCELLED
+        request.finish_time = self.clock()
+        return request
+
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
+        self._fork_rows -= len(request.forks)
         self._release_pages(request)
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1

@@ -51,6 +51,10 @@ def build_request(prompt, sampling=None, request_id: str | None = None) -> pb.Ge
     for name, value in fields.items():
         if value is None:
             continue
+        if name == "n":      # not in the service's SamplingParams: one completion a request
+            if value != 1:
+                raise ValueError(f"the gRPC service takes n = 1, got n = {value}")
+            continue
         if name == "stop":
             req.sampling.stop.extend(_encode(s) for s in ([value] if isinstance(value, str)
                                                           else value))

@@ -65,3 +65,13 @@ def test_chat_and_outputs_in_vllm_shape(llm):
     assert c.cumulative_logprob < 0
     assert llm.generate("Hi", SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[
         0].cumulative_logprob is None
+
+
+def test_n_greedy_completions_of_the_real_model(llm):
+    """n = 2 through LLM.generate: two completions, each the single greedy answer."""
+    params = SamplingParams(temperature=0.0, max_tokens=6)
+    [want] = llm.generate("The capital of France is", params, use_tqdm=False)
+    [got] = llm.generate("The capital of France is", SamplingParams(
+        temperature=0.0, max_tokens=6, n=2), use_tqdm=False)
+    assert [(c.index, c.text, c.token_ids) for c in got.outputs] == [
+        (i, want.text, want.token_ids) for i in range(2)]
