@@ -9,6 +9,7 @@ xla_gpu_enable_pdl wins (`XLA_FLAGS=--xla_gpu_enable_pdl=false` turns it off).
 """
 import os
 
+from jaxinfer.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from jaxinfer.request import CompletionOutput, FinishReason, RequestOutput, SamplingParams
 
 PDL_FLAG = "--xla_gpu_enable_pdl=true"
@@ -22,7 +23,8 @@ def _default_xla_flags(env=os.environ) -> None:
 
 _default_xla_flags()
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "FinishReason"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "FinishReason",
+           "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence"]
 
 
 def __getattr__(name):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Mapping, Sequence, Union
 
+from jaxinfer.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from jaxinfer.config import EngineConfig
 from jaxinfer.engine import Engine
 from jaxinfer.errors import InvalidRequestError, InvalidTypeError
@@ -51,13 +52,7 @@ class LLM:
         A prompt is text, a list of chat messages ({"role", "content"}: the chat template is
         applied) or {"prompt_token_ids": [...]}. A request whose engine step failed comes back
         with finish_reason "error" and `error` (the others are unaffected)."""
-        if isinstance(prompts, (str, dict)) or (
-                isinstance(prompts, list) and prompts and isinstance(prompts[0], dict)
-                and "role" in prompts[0]):
-            prompts = [prompts]
-        if not isinstance(prompts, (list, tuple)):
-            raise InvalidTypeError(f"prompts must be a prompt or a list of prompts, got "
-                                   f"{type(prompts).__name__}", field="prompts")
+        prompts = _prompt_list(prompts)
         params = SamplingParams() if sampling_params is None else sampling_params
         if isinstance(params, (SamplingParams, Mapping)):
             params = [SamplingParams.coerce(params)] * len(prompts)
@@ -86,3 +81,22 @@ class LLM:
                 self.engine.abort_request(rid)
             raise
         return [done[i] for i in ids]
+
+    def beam_search(self, prompts: Prompt | Sequence[Prompt],
+                    params: BeamSearchParams) -> list[BeamSearchOutput]:
+        """The `params.beam_width` best beams of each prompt, best first, as vLLM's
+        `LLM.beam_search` (jaxinfer.beam_search): `outputs[i].sequences[j]` has `tokens`
+        (prompt and generated), `text` (generated), `cum_logprob`, `logprobs`."""
+        return beam_search(self.engine, _prompt_list(prompts), params)
+
+
+def _prompt_list(prompts) -> list:
+    """One prompt or a list of them, as a list."""
+    if isinstance(prompts, (str, dict)) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], dict)
+            and "role" in prompts[0]):
+        return [prompts]
+    if not isinstance(prompts, (list, tuple)):
+        raise InvalidTypeError(f"prompts must be a prompt or a list of prompts, got "
+                               f"{type(prompts).__name__}", field="prompts")
+    return list(prompts)

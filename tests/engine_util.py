@@ -45,3 +45,16 @@ def run_staggered(engine, prompts, params, arrivals):
 
 def run_alone(engine, prompt, params):
     return run_staggered(engine, [prompt], [params], [0])[0]
+
+
+def count_scheduled_tokens(engine) -> list[int]:
+    """A list that gets each later step's scheduled token count (prefill and decode)."""
+    fed = []
+    schedule = engine.scheduler.schedule
+
+    def counted():
+        out = schedule()
+        fed.append(out.num_tokens)
+        return out
+    engine.scheduler.schedule = counted
+    return fed

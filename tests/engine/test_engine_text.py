@@ -75,3 +75,20 @@ def test_n_greedy_completions_of_the_real_model(llm):
         temperature=0.0, max_tokens=6, n=2), use_tqdm=False)
     assert [(c.index, c.text, c.token_ids) for c in got.outputs] == [
         (i, want.text, want.token_ids) for i in range(2)]
+
+
+def test_beam_search_top_beam_is_at_least_as_likely_as_greedy(llm):
+    from jaxinfer import BeamSearchParams
+
+    prompt = "The capital of France is"
+    [greedy] = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=6, logprobs=0,
+                                                   ignore_eos=True), use_tqdm=False)
+    greedy_logprob = greedy.outputs[0].cumulative_logprob
+    [out] = llm.beam_search(prompt, BeamSearchParams(beam_width=3, max_tokens=6,
+                                                     ignore_eos=True))
+    top = out.sequences[0]
+    assert len(out.sequences) == 3
+    assert top.cum_logprob >= greedy_logprob - 1e-4
+    assert [s.cum_logprob for s in out.sequences] == sorted(
+        (s.cum_logprob for s in out.sequences), reverse=True)
+    assert top.text == llm.tokenizer.decode(top.tokens[len(greedy.prompt_token_ids):])

@@ -3,25 +3,14 @@ shared, the partly filled last page copied on the device; greedy completions equ
 single request's output, seeded ones differ and reproduce; nothing leaks on abort."""
 import pytest
 
-from engine_util import random_prompts, run_alone, run_staggered, tiny_engine
+from engine_util import (count_scheduled_tokens, random_prompts, run_alone, run_staggered,
+                         tiny_engine)
 from jaxinfer.errors import InvalidRequestError
 from jaxinfer.request import FinishReason, SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 # 21 tokens: the last prompt token starts a page (no copy); 23: it shares a page (a copy).
 PROMPTS = {n: {"prompt_token_ids": list(range(7, 7 + n))} for n in (21, 23)}
-
-
-def _counting_scheduled_tokens(engine):
-    fed = []
-    schedule = engine.scheduler.schedule
-
-    def counted():
-        out = schedule()
-        fed.append(out.num_tokens)
-        return out
-    engine.scheduler.schedule = counted
-    return fed
 
 
 def _all_pages_back(engine):
@@ -47,7 +36,7 @@ def test_greedy_completions_equal_the_single_request(length, async_scheduling):
 @pytest.mark.parametrize("length", [21, 23])
 def test_prompt_is_computed_once_and_its_pages_shared(length):
     engine = tiny_engine(async_scheduling=False)
-    fed = _counting_scheduled_tokens(engine)
+    fed = count_scheduled_tokens(engine)
     engine.add_request(PROMPTS[length], SamplingParams(**{**vars(GREEDY), "n": 4}))
     engine.step()                                  # the prompt, then the fork
     alloc, page = engine.scheduler.allocator, engine.config.page_size
