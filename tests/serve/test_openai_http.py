@@ -256,7 +256,8 @@ def test_huge_prompt_is_refused_without_stalling_streams(client, smol):
     gaps = np.diff(times)
     during = [b - a for a, b in zip(times, times[1:])
               if b >= refused["t0"] and a <= refused["t1"]]
-    assert during and max(during) <= np.median(gaps) + 0.1, (during, np.median(gaps))
+    # Tokenizing 4 MB would hold the GIL ~1.5 s; steps on a loaded CPU vary by ~+-30%.
+    assert during and max(during) <= 1.5 * np.median(gaps) + 0.1, (during, np.median(gaps))
 
 
 def test_auth(smol):
