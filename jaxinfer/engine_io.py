@@ -108,8 +108,11 @@ class Detokenized:
     len(longest stop) - 1 characters wait)."""
 
     def __init__(self, tokenizer, prompt_ids, params: SamplingParams, prompt: str | None):
-        self._detok = IncrementalDetokenizer(tokenizer, prompt_ids) if tokenizer else None
+        self._detok = (IncrementalDetokenizer(tokenizer, prompt_ids, params.skip_special_tokens)
+                       if tokenizer else None)
         self._stop = params.stop
+        self._keep_stop = params.include_stop_str_in_output
+        self._min_tokens, self._count = params.min_tokens, 0   # stop strings wait for these
         self._hold = max((len(s) for s in self._stop), default=1) - 1
         self._full = ""      # decoded text of all output tokens
         self._held: list[int] = []   # tokens not decoded yet (add(defer=True))
@@ -124,6 +127,7 @@ class Detokenized:
         decoded with the rest later (once, not a window per token)."""
         if self._detok is None:
             return "", False
+        self._count += 1
         if defer and not done and not self._stop:
             self._held.append(token)
             return "", False
@@ -137,9 +141,11 @@ class Detokenized:
             new += self._detok.flush()
         start = max(0, len(self._full) - self._hold)
         self._full += new
-        hits = [i for i in (self._full.find(s, start) for s in self._stop) if i >= 0]
+        hits = [] if self._count < self._min_tokens else [
+            (i, len(s)) for i, s in ((self._full.find(s, start), s) for s in self._stop) if i >= 0]
         if hits:   # the earliest stop string in the text wins
-            self._full = self._full[:min(hits)]
+            at, length = min(hits)
+            self._full = self._full[:at + length if self._keep_stop else at]
             return self._emit(len(self._full)), True
         return self._emit(len(self._full) if done else len(self._full) - self._hold), False
 
@@ -168,7 +174,9 @@ def build_step_input(arrays: StepArrays, out: SchedulerOutput, scheduler, prev_t
     reqs = [requests[rid] for rid in arrays.request_ids]
     samp = SamplingArrays.from_params(
         [r.sampling_params for r in reqs], [r.num_output_tokens for r in reqs],
-        [r.all_token_ids for r in reqs], batch_size=len(arrays.seq_lens))
+        [r.all_token_ids for r in reqs], batch_size=len(arrays.seq_lens),
+        banned=[scheduler.banned_ids(r) if r.sampling_params.min_tokens else ()
+                for r in reqs])
     md = AttentionMetadata(arrays.positions, arrays.slot_mapping, arrays.token_seq,
                            arrays.page_table, arrays.seq_lens, arrays.query_start,
                            decode_only=arrays.decode_only)

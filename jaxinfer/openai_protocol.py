@@ -56,6 +56,9 @@ class _Sampling(_Strict):
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     ignore_eos: bool = False
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
     return_token_ids: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -173,7 +176,9 @@ def _sampling(req: _Sampling, max_tokens: int, logprobs: int | None) -> Sampling
         kw["top_k"] = 0 if req.top_k == -1 else req.top_k
     return SamplingParams(max_tokens=max_tokens, stop=req.stop or (),
                           stop_token_ids=req.stop_token_ids or (), ignore_eos=req.ignore_eos,
-                          logprobs=logprobs, **kw)
+                          min_tokens=req.min_tokens,
+                          include_stop_str_in_output=req.include_stop_str_in_output,
+                          skip_special_tokens=req.skip_special_tokens, logprobs=logprobs, **kw)
 
 
 def _max_tokens(value: int | None, field: str, default: int) -> int:

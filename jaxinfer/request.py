@@ -21,6 +21,7 @@ from jaxinfer.errors import InvalidRequestError, InvalidTypeError
 from jaxinfer.page_table import PageList
 
 MAX_LOGPROBS = 20
+MAX_BANNED_IDS = 32   # EOS + stop_token_ids a request with min_tokens may hold back
 
 
 class FinishReason(str, enum.Enum):
@@ -51,6 +52,9 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None       # top-n logprobs per generated token, n <= 20
     n: int = 1                        # completions of the prompt (its pages shared)
+    min_tokens: int = 0               # no EOS / stop token id / stop string before this many
+    include_stop_str_in_output: bool = False   # the stop string that ended it stays in text
+    skip_special_tokens: bool = True  # leave special tokens out of the text
 
     def __post_init__(self):
         # Accept lists from JSON / kwargs; store tuples so the object stays hashable and frozen.
@@ -87,7 +91,7 @@ class SamplingParams:
                 bad(field, f"must be a finite number, got {v!r}")
             return v
 
-        for f in ("max_tokens", "top_k", "n"):
+        for f in ("max_tokens", "top_k", "n", "min_tokens"):
             v = getattr(self, f)
             if not isinstance(v, int) or isinstance(v, bool):
                 bad(f, f"must be an integer, got {type(v).__name__}", InvalidTypeError)
@@ -95,9 +99,10 @@ class SamplingParams:
             v = getattr(self, f)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool)):
                 bad(f, f"must be an integer or None, got {type(v).__name__}", InvalidTypeError)
-        if not isinstance(self.ignore_eos, bool):
-            bad("ignore_eos", f"must be a bool, got {type(self.ignore_eos).__name__}",
-                InvalidTypeError)
+        for f in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, f), bool):
+                bad(f, f"must be a bool, got {type(getattr(self, f)).__name__}",
+                    InvalidTypeError)
         if any(not isinstance(s, str) for s in self.stop):
             bad("stop", "must be a string or a list of strings", InvalidTypeError)
         if any(not isinstance(t, int) or isinstance(t, bool) for t in self.stop_token_ids):
@@ -106,6 +111,9 @@ class SamplingParams:
             bad("max_tokens", f"must be >= 1, got {self.max_tokens}")
         if self.n < 1:
             bad("n", f"must be >= 1, got {self.n}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            bad("min_tokens", f"must be in [0, max_tokens = {self.max_tokens}], got "
+                              f"{self.min_tokens}")
         if num("temperature") < 0:
             bad("temperature", f"must be >= 0, got {self.temperature}")
         if not 0 < num("top_p") <= 1:

@@ -38,6 +38,10 @@ last W of the context are not penalized. Host->device cost: 4*B*W bytes (1 MiB a
 W=1024) in every `full` step (rows without a penalty send -1s: an identity); a `plain` step
 sends nothing.
 
+min_tokens: until a row has generated that many tokens its EOS and stop token ids (at most
+MAX_BANNED_IDS, `banned` [B, N], -1 padded; N = 0 in `plain`) are masked out before sampling;
+logprobs stay raw.
+
 Static (recompile triggers): B, V, W (0 or `window`: two variants per batch bucket), dtypes,
 `candidates`. Every parameter value is dynamic.
 """
@@ -51,7 +55,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer.request import MAX_LOGPROBS, SamplingParams
+from jaxinfer.request import MAX_BANNED_IDS, MAX_LOGPROBS, SamplingParams
 
 TOP_CANDIDATES = 256
 DEFAULT_WINDOW = 1024
@@ -64,7 +68,7 @@ _PAD = SamplingParams(max_tokens=1, temperature=0.0)  # padding rows: greedy, no
     jax.tree_util.register_dataclass,
     data_fields=["temperature", "top_k", "top_p", "min_p", "repetition_penalty",
                  "presence_penalty", "frequency_penalty", "seed", "has_seed", "step",
-                 "num_logprobs", "penalty_tokens", "output_start"],
+                 "num_logprobs", "penalty_tokens", "output_start", "banned"],
     meta_fields=[])
 @dataclasses.dataclass(frozen=True)
 class SamplingArrays:
@@ -83,6 +87,7 @@ class SamplingArrays:
     num_logprobs: jax.Array        # [B] i32  requested top-n logprobs; -1 = none
     penalty_tokens: jax.Array      # [B, W] i32  last W context tokens, -1 padded; W = 0: no penalty
     output_start: jax.Array        # [B] i32  index in penalty_tokens where output tokens start
+    banned: jax.Array              # [B, N] i32  ids not to sample yet (min_tokens), -1 padded
 
     @property
     def full(self) -> bool:
@@ -93,13 +98,16 @@ class SamplingArrays:
     def from_params(cls, params: Sequence[SamplingParams | None],
                     generated_counts: Sequence[int],
                     token_ids: Sequence[Sequence[int] | None] | None = None, *,
-                    batch_size: int, window: int = DEFAULT_WINDOW) -> "SamplingArrays":
+                    batch_size: int, window: int = DEFAULT_WINDOW,
+                    banned: Sequence[Sequence[int]] | None = None) -> "SamplingArrays":
         """Host side: numpy arrays for rows `params` (None = padding), padded to `batch_size`.
 
         generated_counts[b]: tokens row b has generated so far (its key's step; the last that
         many entries of token_ids[b] are its output). token_ids[b]: row b's context, prompt +
         output so far (only its last `window` ids are read); needed only when a row uses a
-        repetition, presence or frequency penalty."""
+        repetition, presence or frequency penalty. banned[b]: ids row b may not sample now
+        (its EOS and stop token ids while it is short of min_tokens), at most
+        MAX_BANNED_IDS."""
         n = len(params)
         if window < 1:
             raise ValueError(f"window must be >= 1, got {window}")
@@ -126,12 +134,17 @@ class SamplingArrays:
         full = any(needs_full(p) for p in uniq)
         tokens, out_start = _penalty_window(np.flatnonzero(penalty), full, token_ids,
                                             generated_counts, batch_size, window)
+        no_sample = np.full((batch_size, MAX_BANNED_IDS if full else 0), -1, np.int32)
+        for b, ids in enumerate(banned or ()):
+            if ids:
+                no_sample[b, :len(ids)] = ids
         f32, i32 = (lambda i: cols[i].astype(np.float32)), (lambda i: cols[i].astype(np.int32))
         return cls(
             temperature=f32(0), top_k=i32(1), top_p=f32(2), min_p=f32(3),
             repetition_penalty=f32(4), presence_penalty=f32(5), frequency_penalty=f32(6),
             seed=seeds, has_seed=has_seed,
-            step=step, num_logprobs=i32(7), penalty_tokens=tokens, output_start=out_start)
+            step=step, num_logprobs=i32(7), penalty_tokens=tokens, output_start=out_start,
+            banned=no_sample)
 
 
 def uses_penalty(p: SamplingParams) -> bool:
@@ -140,7 +153,8 @@ def uses_penalty(p: SamplingParams) -> bool:
 
 def needs_full(p: SamplingParams) -> bool:
     """Whether a row needs the `full` variant (anything beyond greedy argmax)."""
-    return p.temperature >= MIN_TEMPERATURE or p.logprobs is not None or uses_penalty(p)
+    return (p.temperature >= MIN_TEMPERATURE or p.logprobs is not None or uses_penalty(p)
+            or p.min_tokens > 0)
 
 
 def _penalty_window(users, full: bool, token_ids, generated_counts, batch_size, window):
@@ -257,6 +271,14 @@ def _draw(adjusted, arrays, rng, candidates):
     return jnp.argmax(jnp.where(scaled >= cut[:, None], scaled + gumbel, -jnp.inf), axis=-1)
 
 
+def _mask_banned(logits, banned):
+    """[B, V] logits with each row's banned ids (>= 0) at -inf."""
+    rows = jnp.arange(logits.shape[0])[:, None]
+    # min: -inf for a banned id, +inf (no change) for padding, whatever the write order.
+    return logits.at[rows, jnp.maximum(banned, 0)].min(jnp.where(banned >= 0, -jnp.inf,
+                                                                 jnp.inf))
+
+
 def _logprobs(logits, tokens):
     logz = jax.nn.logsumexp(logits, axis=-1, keepdims=True)
     chosen = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0] - logz[:, 0]
@@ -278,7 +300,7 @@ def sample(logits: jax.Array, arrays: SamplingArrays, rng: jax.Array, *,
     if not arrays.full:  # static: all rows greedy, no logprobs, no penalties
         tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
         return SampleOutput(tokens, *_no_logprobs(logits, tokens))
-    adjusted = apply_penalties(logits, arrays)
+    adjusted = _mask_banned(apply_penalties(logits, arrays), arrays.banned)
     greedy = jnp.argmax(adjusted, axis=-1)
     sampled = arrays.temperature >= MIN_TEMPERATURE
     tokens = jax.lax.cond(

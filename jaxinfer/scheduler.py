@@ -44,7 +44,7 @@ import numpy as np
 from jaxinfer.config import EngineConfig
 from jaxinfer.errors import InvalidRequestError
 from jaxinfer.page_table import PageAllocator, PageList, extend_page_keys
-from jaxinfer.request import PENDING, FinishReason, Request, RequestStatus
+from jaxinfer.request import MAX_BANNED_IDS, PENDING, FinishReason, Request, RequestStatus
 
 
 class ScheduledRow(NamedTuple):
@@ -134,6 +134,10 @@ class Scheduler:
             raise InvalidRequestError(
                 f"prompt has {request.num_tokens} tokens; max_model_len is {self.max_model_len},"
                 f" which leaves no room for an answer", field="prompt_token_ids")
+        if len(self.banned_ids(request, 0)) > MAX_BANNED_IDS:
+            raise InvalidRequestError(
+                f"with min_tokens, EOS and stop_token_ids may hold at most {MAX_BANNED_IDS} "
+                f"ids", field="stop_token_ids")
         final_len = min(request.num_prompt_tokens + request.sampling_params.max_tokens,
                         self.max_model_len)
         # The last token is never fed back, so its K/V never needs a slot.
@@ -278,6 +282,16 @@ class Scheduler:
                 request.num_pending += 1
                 if request.forks:   # its prompt is computed: the other completions start
                     self._fork(request)
+
+    def banned_ids(self, request: Request, count: int | None = None) -> list[int]:
+        """The ids `request` may not sample after `count` output tokens (default: its own
+        count): EOS (unless ignore_eos) and its stop token ids, while short of min_tokens."""
+        params = request.sampling_params
+        count = request.num_output_tokens if count is None else count
+        if count >= params.min_tokens:
+            return []
+        eos = () if params.ignore_eos else self.eos_token_ids
+        return sorted(set(params.stop_token_ids) | set(eos))
 
     def take_copies(self) -> list[tuple[int, int]]:
         """The (source, destination) KV pages to copy on the device before the next step

@@ -20,8 +20,12 @@ from typing import Iterator
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from jaxinfer.request import SamplingParams
 from serve import jaxinfer_pb2 as pb
 from serve import jaxinfer_pb2_grpc as pb_grpc
+
+_PROTO_FIELDS = set(pb.SamplingParams.DESCRIPTOR.fields_by_name)
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(SamplingParams)}
 
 FINISH_REASONS = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length",
                   pb.FINISH_REASON_CANCELLED: "cancelled"}
@@ -51,9 +55,9 @@ def build_request(prompt, sampling=None, request_id: str | None = None) -> pb.Ge
     for name, value in fields.items():
         if value is None:
             continue
-        if name == "n":      # not in the service's SamplingParams: one completion a request
-            if value != 1:
-                raise ValueError(f"the gRPC service takes n = 1, got n = {value}")
+        if name not in _PROTO_FIELDS:   # a field the service does not take: its default only
+            if name not in _DEFAULTS or value != _DEFAULTS[name]:
+                raise ValueError(f"the gRPC service does not take {name} (got {value!r})")
             continue
         if name == "stop":
             req.sampling.stop.extend(_encode(s) for s in ([value] if isinstance(value, str)

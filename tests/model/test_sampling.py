@@ -285,3 +285,25 @@ def test_new_parameter_values_do_not_recompile():
     for params in variants:
         jax.block_until_ready(step(logits, _arrays(params, [5] * 4, ctx), jax.random.key(0)))
     assert len(traces) == 2  # the one extra variant: full
+
+
+def test_banned_ids_are_never_sampled_and_logprobs_stay_raw():
+    """min_tokens' mask: a row's banned ids (its EOS / stop ids) lose to every other token,
+    greedy or sampled; -1 padding and unbanned rows are untouched; logprobs stay raw."""
+    rng = np.random.default_rng(5)
+    logits = np.asarray(_logits(rng, 4))
+    top2 = np.argsort(-logits, axis=-1)[:, :2]
+    params = [SamplingParams(temperature=0.0, min_tokens=3, logprobs=1),
+              SamplingParams(temperature=1.0, top_k=1, min_tokens=3),
+              SamplingParams(temperature=0.0, logprobs=1), None]
+    banned = [[int(top2[0, 0]), 7], [int(top2[1, 0])], [], []]
+    arrays = SamplingArrays.from_params(params, [0] * 4, batch_size=4, window=8, banned=banned)
+    assert arrays.banned.shape == (4, 32)
+    out = sample_jit(jnp.asarray(logits), arrays, jax.random.key(0))
+    tokens = np.asarray(out.tokens)
+    assert tokens[0] == top2[0, 1] and tokens[1] == top2[1, 1]
+    np.testing.assert_array_equal(tokens[2:], np.argmax(logits, -1)[2:])
+    assert int(np.asarray(out.top_ids)[0, 0]) == top2[0, 0]       # raw: the banned id first
+    # min_tokens alone sends a greedy row to the full variant.
+    assert SamplingArrays.from_params([SamplingParams(temperature=0.0, min_tokens=1)], [0],
+                                      batch_size=1).full

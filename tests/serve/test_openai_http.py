@@ -158,6 +158,25 @@ def test_logprobs_equal_llm_generate(client, llm):
     np.testing.assert_allclose(streamed, [c.logprob for c in content], rtol=1e-6)
 
 
+def test_vllm_sampling_extras_equal_llm_generate(client, llm):
+    """min_tokens, include_stop_str_in_output and skip_special_tokens (vLLM's extra body
+    fields) reach the engine: the answers equal LLM.generate's with the same params."""
+    [free] = llm.generate(PROMPTS[0], greedy(8, ignore_eos=True), use_tqdm=False)
+    cases = [dict(stop_token_ids=[free.token_ids[1]], min_tokens=5),
+             dict(stop=["ris"], include_stop_str_in_output=True),
+             dict(skip_special_tokens=False)]
+    wants = []
+    for extra in cases:
+        [want] = llm.generate(PROMPTS[0], greedy(8, **extra), use_tqdm=False)
+        got = client.completions.create(model="smollm2", prompt=PROMPTS[0], max_tokens=8,
+                                        temperature=0, extra_body=extra).choices[0]
+        assert (got.text, got.finish_reason) == (want.text, str(want.finish_reason)), extra
+        wants.append(want)
+    held, stopped, _ = wants
+    assert len(held.token_ids) >= 5 and free.token_ids[1] not in held.token_ids[:5]
+    assert stopped.text == " Paris" and stopped.finish_reason == "stop"
+
+
 def test_seeded_sampling_is_reproducible(client):
     kw = dict(model="smollm2", prompt=PROMPTS[1], max_tokens=12, temperature=0.9, top_p=0.95,
               seed=7, extra_body={"top_k": 40, "min_p": 0.01, "repetition_penalty": 1.1})
