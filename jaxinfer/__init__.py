@@ -23,13 +23,16 @@ def _default_xla_flags(env=os.environ) -> None:
 
 _default_xla_flags()
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "FinishReason",
-           "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence"]
+__all__ = ["LLM", "AsyncLLM", "SamplingParams", "RequestOutput", "CompletionOutput",
+           "FinishReason", "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence"]
 
 
 def __getattr__(name):
-    # LLM pulls in jax; keep `import jaxinfer` (and the host-side modules) jax-free.
+    # LLM and AsyncLLM pull in jax; keep `import jaxinfer` (and the host-side modules) jax-free.
     if name == "LLM":
         from jaxinfer.llm import LLM
         return LLM
+    if name == "AsyncLLM":
+        from jaxinfer.async_llm import AsyncLLM
+        return AsyncLLM
     raise AttributeError(name)

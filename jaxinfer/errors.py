@@ -30,3 +30,7 @@ class InvalidTypeError(InvalidRequestError, TypeError):
 
 class EngineDeadError(JaxinferError, RuntimeError):
     """A step failed and the engine could not recover from it: it must be rebuilt."""
+
+
+class QueueFullError(JaxinferError):
+    """Too many requests are waiting to be scheduled; try again later."""

@@ -18,7 +18,7 @@ import time
 
 from jaxinfer.errors import InvalidRequestError
 from jaxinfer.request import FinishReason
-from serve.engine_thread import EngineThread
+from jaxinfer.engine_thread import EngineThread
 from serve.metrics import Metrics
 
 

@@ -29,7 +29,7 @@ from grpc_reflection.v1alpha import reflection
 from serve import jaxinfer_pb2 as pb
 from serve.admission import Admission
 from serve.auth import BearerTokenInterceptor
-from serve.engine_thread import EngineThread
+from jaxinfer.engine_thread import EngineThread
 from serve.metrics import Metrics, StepObserver
 from serve.openai_http import HttpSettings, build_app, metrics_app
 from serve.service import InferenceService, add_to_server

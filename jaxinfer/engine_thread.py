@@ -1,13 +1,13 @@
 """The one thread that owns the Engine (which is not thread-safe).
 
 Other threads talk to it through a queue of commands (add, abort, stop) and get results back
-through each request's `sink`, a thread-safe callable (the gRPC layer passes one that hops onto
-its asyncio loop). The thread applies every pending command before each step, so an aborted
-request's pages are free for the very next step.
+through each request's `sink`, a thread-safe callable (the servers and AsyncLLM pass one that
+hops onto their asyncio loop). The thread applies every pending command before each step, so
+an aborted request's pages are free for the very next step.
 
 "Waiting" here means handed in and not yet scheduled by any step: commands still in the queue
 plus requests the scheduler has not admitted. That count, bounded by `max_waiting`, is what
-`submit` refuses on (the server answers RESOURCE_EXHAUSTED).
+`submit` refuses on (the servers answer RESOURCE_EXHAUSTED / 429, AsyncLLM QueueFullError).
 """
 from __future__ import annotations
 

@@ -1,0 +1,103 @@
+"""AsyncLLM: streaming from Python over the engine thread, as vLLM's AsyncLLM.generate.
+Concurrent streams of SmolLM2 equal LLM.generate; leaving a stream early or aborting it frees
+its pages; bad input raises naming the field."""
+import asyncio
+import time
+
+import pytest
+
+from jaxinfer import AsyncLLM, LLM, SamplingParams
+from jaxinfer.errors import InvalidRequestError
+
+ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256)
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Name three colors."]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llm():
+    with AsyncLLM("smollm2", **ENGINE) as llm:
+        yield llm
+
+
+def _pages_used(llm) -> int:
+    return llm.engine.scheduler.allocator.num_used
+
+
+def _wait_for_no_pages(llm, timeout=10.0) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if _pages_used(llm) == 0 and not llm.engine.scheduler.requests:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+async def _collect(llm, prompt, params):
+    outs = [o async for o in llm.generate(prompt, params)]
+    return outs
+
+
+def test_concurrent_streams_equal_generate(llm):
+    async def main():
+        return await asyncio.gather(*(_collect(llm, p, GREEDY) for p in PROMPTS))
+
+    streams = asyncio.run(main())
+    want = LLM("smollm2", **ENGINE).generate(PROMPTS, GREEDY, use_tqdm=False)
+    for outs, w in zip(streams, want):
+        last = outs[-1]
+        assert last.finished and all(not o.finished for o in outs[:-1])
+        assert "".join(o.text_delta for o in outs) == last.text == w.text
+        assert [t for o in outs for t in o.new_token_ids] == w.token_ids
+    assert _wait_for_no_pages(llm)
+
+
+def test_leaving_a_stream_early_aborts_it(llm):
+    async def main():
+        n = 0
+        async for _ in llm.generate(PROMPTS[0], SamplingParams(max_tokens=240,
+                                                                ignore_eos=True)):
+            n += 1
+            if n == 3:
+                break
+        return n, llm.engine.num_generated
+
+    n, generated = asyncio.run(main())
+    assert n == 3 and _wait_for_no_pages(llm)
+    assert llm.engine.num_generated - generated < 100     # stopped, not run to 240 tokens
+
+
+def test_abort_by_id_ends_the_stream_cancelled(llm):
+    async def main():
+        outs = []
+        async for out in llm.generate(PROMPTS[1], SamplingParams(max_tokens=200,
+                                                                  ignore_eos=True),
+                                      request_id="to-abort"):
+            outs.append(out)
+            if len(outs) == 2:
+                llm.abort("to-abort")
+        return outs
+
+    outs = asyncio.run(main())
+    assert str(outs[-1].finish_reason) == "cancelled" and len(outs[-1].token_ids) < 200
+    assert _wait_for_no_pages(llm)
+
+
+def test_bad_input_raises_naming_the_field(llm):
+    async def main(prompt, params):
+        return [o async for o in llm.generate(prompt, params)]
+
+    with pytest.raises(InvalidRequestError) as e:
+        asyncio.run(main("", GREEDY))
+    assert e.value.field == "prompt"
+    with pytest.raises(InvalidRequestError) as e:
+        asyncio.run(main(PROMPTS[0], {"max_tokens": 0}))
+    assert e.value.field == "max_tokens"
+
+
+def test_n_completions_come_as_one_final_output(llm):
+    outs = asyncio.run(_collect(llm, PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=5,
+                                                                n=2)))
+    [out] = outs
+    assert [c.index for c in out.outputs] == [0, 1]
+    assert out.outputs[0].token_ids == out.outputs[1].token_ids
