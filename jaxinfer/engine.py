@@ -37,7 +37,7 @@ from jaxinfer.engine_io import (Detokenized, build_step_input, check_params_for_
 from jaxinfer.loading import load_model
 from jaxinfer.errors import InvalidRequestError
 from jaxinfer.request import PENDING, FinishReason, Request, RequestOutput, SamplingParams
-from jaxinfer.request_group import RequestGroup
+from jaxinfer.request_group import RequestGroups, completion_id
 from jaxinfer.routes import Routes
 from jaxinfer.runner import CompileCounter, ModelRunner
 from jaxinfer.sampling import uses_penalty
@@ -76,8 +76,7 @@ class Engine:
         self.scheduler = Scheduler.from_config(engine_cfg, eos_token_ids=sorted(eos))
         self.buckets = Buckets.from_config(engine_cfg)
         self._text: dict[str, Detokenized] = {}
-        self._groups: dict[str, RequestGroup] = {}     # n > 1 requests by id
-        self._group_of: dict[str, RequestGroup] = {}   # ... and by their completions' ids
+        self._groups = RequestGroups()     # n > 1 requests and their completions
         self._ids = itertools.count()
         self.num_steps = 0
         self.num_generated = 0   # output tokens produced so far (all requests)
@@ -116,14 +115,12 @@ class Engine:
         if rid in self.scheduler.requests:
             raise InvalidRequestError(f"request id {rid!r} is already in use",
                                       field="request_id")
-        group = RequestGroup(rid, params.n)
+        cids = [completion_id(rid, i) for i in range(params.n)]
         each = [params.for_completion(i) for i in range(params.n)]
-        self.scheduler.add(Request(group.ids[0], ids, each[0],
-                                   forks=tuple(zip(group.ids[1:], each[1:]))))
-        for cid, p in zip(group.ids, each):
+        self.scheduler.add(Request(cids[0], ids, each[0], forks=tuple(zip(cids[1:], each[1:]))))
+        for cid, p in zip(cids, each):
             self._text[cid] = Detokenized(self.tokenizer, ids, p, text)
-            self._group_of[cid] = group
-        self._groups[rid] = group
+        self._groups.add(rid, params.n)
         return rid
 
     def encode_prompt(self, prompt, sampling_params: SamplingParams) -> list[int]:
@@ -151,22 +148,8 @@ class Engine:
             return None
         out = self._output(req, [], self._text[request_id].finish(), FinishReason.CANCELLED)
         del self._text[request_id]
-        got = self._emit([], out)
+        got = self._groups.emit([], out)
         return got[0] if got else None
-
-    def _emit(self, outputs: list[RequestOutput], out: RequestOutput) -> list[RequestOutput]:
-        """Add `out` to `outputs`; a completion of an n > 1 request is held until all n have
-        finished (its intermediate outputs are dropped), then their one output is added."""
-        group = self._group_of.get(out.request_id)
-        if group is None:
-            outputs.append(out)
-        elif out.finished:
-            del self._group_of[out.request_id]
-            merged = group.add(out)
-            if merged is not None:
-                del self._groups[group.request_id]
-                outputs.append(merged)
-        return outputs
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished or self._inflight is not None
@@ -267,7 +250,7 @@ class Engine:
             if lost:
                 self.runner.rebuild_kv()
             for req in self.scheduler.recover(failed, cache_lost=lost):
-                self._emit(self._outputs, self._error_output(req, error))
+                self._groups.emit(self._outputs, self._error_output(req, error))
         except Exception as e:
             raise EngineDeadError(f"the engine could not recover from a failed step "
                                   f"({error!r}): {e}") from e
@@ -321,7 +304,7 @@ class Engine:
                 log.error("detokenizing %s failed", req.request_id, exc_info=e)
                 if not req.is_finished:
                     self.scheduler.finish(req.request_id, FinishReason.ERROR)
-                self._emit(outputs, self._error_output(req, e))
+                self._groups.emit(outputs, self._error_output(req, e))
                 continue
             if stop_hit and not req.is_finished:
                 self.scheduler.finish(req.request_id, FinishReason.STOP)
@@ -330,7 +313,7 @@ class Engine:
             if req.sampling_params.logprobs is not None:
                 text.logprobs.append(logprob_dict(sampled, b, req.sampling_params.logprobs))
             if reason is not None or self._deltas:
-                self._emit(outputs, self._output(req, [tokens[b]], delta, reason))
+                self._groups.emit(outputs, self._output(req, [tokens[b]], delta, reason))
             if reason is not None:
                 del self._text[req.request_id]
         return outputs
@@ -387,8 +370,7 @@ class Engine:
     def run_until_done(self, use_tqdm: bool = True) -> dict[str, RequestOutput]:
         """Step until no request is left; returns each request's final output by id."""
         final: dict[str, RequestOutput] = {}
-        total = len(self.scheduler.requests) - sum(    # n > 1 requests count once
-            1 for rid in self.scheduler.requests if rid in self._group_of) + len(self._groups)
+        total = self._groups.count_requests(self.scheduler.requests)
         with tqdm(total=total, desc="generating", unit="req", disable=not use_tqdm) as bar:
             while self.has_unfinished_requests():
                 for o in self.step(deltas=False):
