@@ -128,7 +128,8 @@ def startup_to_first_token(args) -> dict:
     t3 = time.perf_counter()
     return {"first_token_unix": time.time(), "load_s": round(t1 - t0, 3),
             "wall_s": round(t2 - t1, 3), "first_step_s": round(t3 - t2, 3),
-            "executables": warm["compiles"] + warm["loaded_from_cache"],
+            "executables": warm["compiles"] + warm["loaded_from_cache"] +
+            warm["loaded_from_store"], "loaded_from_store": warm["loaded_from_store"],
             "buckets": warm["buckets"], "cache_hits": _cache_hits[0] - hits,
             "compiles_after_warmup": Engine.compiles() - c2,
             "workers": os.cpu_count() or 1}

@@ -5,7 +5,9 @@ JAX keys each entry by the program's HLO, its compile options and XLA flags, the
 version and the device, so another model shape, engine config, jax build or GPU never reads
 an entry that is not its own. An entry that fails to load (corrupt, or from an incompatible
 build) is skipped with a warning and compiled afresh. The cache is trusted code: keep it in a
-directory only you can write.
+directory only you can write. Its key is the lowered program, so a restart still traces and
+lowers every step; the engine's compiled steps are also kept beside it, keyed without tracing
+(executable_store.py), and loaded from there first.
 """
 from __future__ import annotations
 

@@ -346,12 +346,15 @@ class Engine:
 
     def warmup(self, progress: bool = True, variants=("plain", "full"),
                on_done=None) -> dict:
-        """Compile every bucket ahead of time (or load it from the persistent compilation
-        cache); returns {'compiles', 'loaded_from_cache', 'seconds', 'buckets'}.
+        """Compile every bucket ahead of time (or load it from the executable store or the
+        persistent compilation cache); returns {'compiles', 'loaded_from_cache',
+        'loaded_from_store', 'seconds', 'buckets'}.
         variants: the sampling variants to compile (ModelRunner.warmup); a server needs
         both, an all-greedy offline run only `plain`. progress: a progress bar on stderr;
         on_done(done, total): called after each executable (a server's log)."""
         t0, c0, l0 = time.perf_counter(), CompileCounter.count(), CompileCounter.loaded()
+        store = self.runner.store
+        s0 = store.loaded if store is not None else 0
         buckets = self.buckets.all_buckets()
         total = len(variants) * len(buckets)
         with tqdm(total=total, desc=f"compiling buckets (x{len(variants)} sampling variants)",
@@ -365,6 +368,7 @@ class Engine:
             self.runner.warmup(buckets, on_done=done, variants=variants)
         loaded = CompileCounter.loaded() - l0
         return {"compiles": CompileCounter.count() - c0 - loaded, "loaded_from_cache": loaded,
+                "loaded_from_store": (store.loaded if store is not None else 0) - s0,
                 "seconds": time.perf_counter() - t0, "buckets": len(buckets)}
 
     def run_until_done(self, use_tqdm: bool = True) -> dict[str, RequestOutput]:

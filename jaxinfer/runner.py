@@ -30,9 +30,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxinfer import kv_calibration, sampling
+from jaxinfer import executable_store, kv_calibration, sampling
 from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.errors import ConfigError
+from jaxinfer.executable_store import ExecutableStore
 from jaxinfer.kv_cache import (AttentionMetadata, KVCache, KVLayers, allocate_kv,
                                kv_pool_gib)
 from jaxinfer.routes import Routes
@@ -211,6 +212,9 @@ class ModelRunner:
                                                   self._treedef, kv_sharding=kv_sharding),
                                 donate_argnums=(1, 2, 3), static_argnames=("spec",))
         self._copy_fn = jax.jit(_copy_pages, donate_argnums=(0,))
+        # Compiled steps on disk, loaded without tracing on a restart (executable_store.py).
+        self.store = ExecutableStore.for_jax_cache(
+            repr(cfg), repr(self.engine), repr(self.routes), params, self.kv)
         self._buffers: dict = {}  # input signature -> (slot, output buffers or None)
         # Fault injection for tests: called as fault_hook(phase, runner) at "dispatch" (before
         # the step's call), "dispatched" (after it: the cache was donated) and "fetch" (before
@@ -318,19 +322,32 @@ class ModelRunner:
 
     def compile_ahead(self, inputs, workers: int | None = None, on_done=None) -> int:
         """Compile the step for each of `inputs` (StepInputs or PackedInputs of distinct
-        shapes) and keep the executables for `dispatch`: lowered one by one, compiled
-        concurrently. Returns how many were compiled; `on_done()` is called after each (a
-        progress bar)."""
+        shapes) and keep the executables for `dispatch`: loaded from the executable store
+        when it holds them (no tracing), else lowered one by one, compiled concurrently and
+        stored. Returns how many were compiled; `on_done()` is called after each executable
+        (a progress bar)."""
         lowered = {}
         for inp in inputs:
             p = self.prepare(inp)
-            if p.signature not in self._executables and p.signature not in lowered:
-                lowered[p.signature] = self.lower(p)
+            sig = p.signature
+            if sig in self._executables or sig in lowered:
+                continue
+            stored = self.store.load(sig) if self.store is not None else None
+            if stored is not None:
+                self._executables[sig] = stored
+                if on_done is not None:
+                    on_done()
+                continue
+            lowered[sig] = self.lower(p)
         workers = max(1, min(len(lowered), workers or os.cpu_count() or 1))
         with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-            futures = {pool.submit(low.compile): sig for sig, low in lowered.items()}
+            futures = {pool.submit(executable_store.compile_lowered, low): sig
+                       for sig, low in lowered.items()}
             for done in concurrent.futures.as_completed(futures):
-                self._executables[futures[done]] = done.result()
+                compiled, from_jax_cache = done.result()
+                self._executables[futures[done]] = compiled
+                if self.store is not None:
+                    self.store.save(futures[done], compiled, from_jax_cache)
                 if on_done is not None:
                     on_done()
         return len(lowered)

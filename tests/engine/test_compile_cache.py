@@ -3,12 +3,14 @@ a restart on the same cache compiles nothing, a corrupt entry is skipped, and th
 shared cache (tests/conftest.py) does not hide compiles from runner.CompileCounter."""
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import pytest
 
 from jaxinfer.runner import CompileCounter
 
@@ -46,7 +48,9 @@ from checkpoints.model_state import build_model
 from jaxinfer import SamplingParams
 from jaxinfer.config import EngineConfig
 from jaxinfer.engine import Engine
-from jaxinfer.runner import CompileCounter
+from jaxinfer.runner import CompileCounter, ModelRunner
+lowered, lower = [], ModelRunner.lower
+ModelRunner.lower = lambda self, inp: lowered.append(1) or lower(self, inp)
 cfg = EngineConfig(max_model_len=64, max_num_seqs=2, max_num_batched_tokens=16, page_size=4,
                    compile_cache=sys.argv[1])
 engine = Engine(TINY, cfg, *build_model(TINY, random_flat(TINY, seed=3), jnp.float32))
@@ -55,7 +59,8 @@ for p in (SamplingParams(max_tokens=4, temperature=0.0), SamplingParams(max_toke
     engine.add_request({"prompt_token_ids": [5, 6, 7]}, p)
 tokens = [o.token_ids for o in engine.run_until_done(use_tqdm=False).values()]
 print(json.dumps({"compiled": CompileCounter.count() - CompileCounter.loaded(),
-                  "loaded": CompileCounter.loaded(), "warm": warm, "tokens": tokens}))
+                  "loaded": CompileCounter.loaded(), "warm": warm, "tokens": tokens,
+                  "lowered": len(lowered)}))
 """
 
 
@@ -72,15 +77,40 @@ def _start(setting: str, cache_env: str | None = None):
 
 def test_a_restart_on_the_same_cache_compiles_nothing(tmp_path):
     """Engine start-up against an empty cache compiles; the same start in a new process on
-    that cache loads every executable (0 compiled) and answers the same."""
+    that cache loads every executable (0 compiled), its steps from the executable store
+    without tracing them (0 lowered), and answers the same."""
     cache = tmp_path / "xla"
     first, _ = _start(str(cache))
-    assert first["compiled"] > 0 and first["warm"]["compiles"] > 0
+    assert first["compiled"] > 0 and first["warm"]["compiles"] > 0 and first["lowered"] > 0
+    assert first["warm"]["loaded_from_store"] == 0
     assert any(cache.iterdir()), "nothing written to the cache"
+    assert len(list((cache / "jaxinfer-steps").iterdir())) == first["lowered"]
     again, _ = _start(str(cache))
     assert again["compiled"] == 0 and again["warm"]["compiles"] == 0
-    assert again["loaded"] >= first["warm"]["compiles"] > 0
+    assert again["lowered"] == 0 and again["warm"]["loaded_from_store"] == first["lowered"]
+    assert again["loaded"] + again["warm"]["loaded_from_store"] >= first["warm"]["compiles"]
     assert again["tokens"] == first["tokens"]
+
+
+def test_steps_answered_by_the_jax_cache_are_not_stored(tmp_path):
+    """A start whose steps JAX's persistent cache answers (the store emptied, or keyed anew by
+    an edit) stores none of them: such an executable does not serialize again whole on the
+    CPU backend. The next start loads them from JAX's cache again and answers the same."""
+    cache = tmp_path / "xla"
+    first, _ = _start(str(cache))
+    shutil.rmtree(cache / "jaxinfer-steps")
+    second, _ = _start(str(cache))
+    assert second["lowered"] == first["lowered"] and second["warm"]["compiles"] == 0
+    assert second["loaded"] >= first["lowered"], "JAX's cache did not answer the steps"
+    assert not list((cache / "jaxinfer-steps").glob("*.pkl"))
+    third, _ = _start(str(cache))
+    assert third["lowered"] == first["lowered"] and third["warm"]["compiles"] == 0
+    assert third["tokens"] == second["tokens"] == first["tokens"]
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_a_restart_loads_every_step_from_the_store(tmp_path):
+    test_a_restart_on_the_same_cache_compiles_nothing(tmp_path)
 
 
 def test_a_corrupt_cache_entry_is_skipped_with_a_warning(tmp_path):
@@ -92,6 +122,7 @@ def test_a_corrupt_cache_entry_is_skipped_with_a_warning(tmp_path):
         f.write_bytes(b"not an executable")
     again, stderr = _start(str(cache))
     assert "Error reading persistent compilation cache entry" in stderr
+    assert "ignoring the stored step" in stderr and again["lowered"] == first["lowered"]
     assert again["compiled"] > 0 and again["tokens"] == first["tokens"]
 
 
@@ -120,3 +151,30 @@ def test_the_first_generate_after_llm_compiles_nothing():
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert [len(o.token_ids) for o in outs] == [8] * 4
     assert CompileCounter.count() == before
+
+
+def test_the_store_keys_steps_by_what_shapes_them(tmp_path, monkeypatch):
+    """Same code, platform, configs and shapes: the same entry, whatever the weights' values;
+    another config string, shape, dtype, signature or source: another entry. An entry
+    round-trips to a working executable."""
+    from jaxinfer import executable_store
+    from jaxinfer.executable_store import ExecutableStore
+
+    def store(cfg="cfg", w=jnp.zeros((2, 3))):
+        return ExecutableStore(tmp_path, cfg, {"w": w})
+
+    base = store()._path("sig")
+    assert store(w=jnp.ones((2, 3)))._path("sig") == base
+    assert store()._path("other sig") != base
+    for other in (store("cfg2"), store(w=jnp.zeros((2, 4))),
+                  store(w=jnp.zeros((2, 3), jnp.bfloat16))):
+        assert other._path("sig") != base
+    monkeypatch.setattr(executable_store, "source_digest", lambda: "edited")
+    assert store()._path("sig") != base
+    monkeypatch.undo()
+
+    compiled = jax.jit(lambda x: x * 2 + 1).trace(jnp.ones(3)).lower().compile()
+    s = store()
+    s.save("sig", compiled)
+    assert s.load("other sig") is None
+    assert list(store().load("sig")(jnp.arange(3.0))) == [1.0, 3.0, 5.0]
