@@ -11,6 +11,7 @@ import os
 
 from jaxinfer.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from jaxinfer.request import CompletionOutput, FinishReason, RequestOutput, SamplingParams
+from jaxinfer.structured_output import StructuredOutputsParams
 
 PDL_FLAG = "--xla_gpu_enable_pdl=true"
 
@@ -23,8 +24,9 @@ def _default_xla_flags(env=os.environ) -> None:
 
 _default_xla_flags()
 
-__all__ = ["LLM", "AsyncLLM", "SamplingParams", "RequestOutput", "CompletionOutput",
-           "FinishReason", "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence"]
+__all__ = ["LLM", "AsyncLLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput",
+           "CompletionOutput", "FinishReason", "BeamSearchParams", "BeamSearchOutput",
+           "BeamSearchSequence"]
 
 
 def __getattr__(name):

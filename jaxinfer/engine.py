@@ -14,14 +14,15 @@ sampled tokens PENDING); the next step is scheduled and dispatched at once, its 
 taking their input token from step t's device output; then step t's tokens are fetched and
 resolved (text, stop strings, finishing). So `step()` returns the outputs of the step before
 the one it dispatched. A request that turns out to be finished at t wastes its row in t+1;
-steps whose running requests use penalties wait for the previous step first (the penalty
-window needs the last token).
+steps whose running requests use penalties or a grammar wait for the previous step first
+(the penalty window and the grammar's next token bitmask need the last token).
 """
 from __future__ import annotations
 
 import dataclasses
 import itertools
 import logging
+import threading
 import time
 
 import jax
@@ -42,6 +43,7 @@ from jaxinfer.routes import Routes
 from jaxinfer.runner import CompileCounter, ModelRunner
 from jaxinfer.sampling import uses_penalty
 from jaxinfer.scheduler import Scheduler, SchedulerOutput
+from jaxinfer.structured_output import Grammars, Matcher
 
 
 log = logging.getLogger("jaxinfer.engine")
@@ -55,7 +57,9 @@ class _InFlight:
     sampled: object        # SampleOutput on the device
     next_tokens: object    # [max_num_seqs] i32 on the device: its tokens, for the next step
     row_of: dict           # request id -> row index in this step
-    penalty: bool = False  # some row of it uses a repetition/presence/frequency penalty
+    # Some row of it uses a repetition/presence/frequency penalty or a grammar: the next
+    # step needs its tokens first.
+    waits: bool = False
 
 
 class Engine:
@@ -77,6 +81,9 @@ class Engine:
         self.buckets = Buckets.from_config(engine_cfg)
         self._text: dict[str, Detokenized] = {}
         self._groups = RequestGroups()     # n > 1 requests and their completions
+        self._grammars: Grammars | None = None    # made on the first structured request
+        self._grammars_lock = threading.Lock()
+        self._matchers: dict[str, Matcher] = {}  # request id -> its place in its grammar
         self._ids = itertools.count()
         self.num_steps = 0
         self.num_generated = 0   # output tokens produced so far (all requests)
@@ -111,6 +118,7 @@ class Engine:
         if params.n == 1:
             self.scheduler.add(Request(rid, ids, params))
             self._text[rid] = Detokenized(self.tokenizer, ids, params, text)
+            self._add_matcher(rid, params)
             return rid
         if rid in self.scheduler.requests:
             raise InvalidRequestError(f"request id {rid!r} is already in use",
@@ -120,14 +128,31 @@ class Engine:
         self.scheduler.add(Request(cids[0], ids, each[0], forks=tuple(zip(cids[1:], each[1:]))))
         for cid, p in zip(cids, each):
             self._text[cid] = Detokenized(self.tokenizer, ids, p, text)
+            self._add_matcher(cid, p)
         self._groups.add(rid, params.n)
         return rid
+
+    def grammars(self) -> Grammars:
+        """The model's grammar compiler (structured_output.py), made on first use."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                if self.tokenizer is None:
+                    raise InvalidRequestError("structured_outputs needs a tokenizer; this model "
+                                              "has none", field="structured_outputs")
+                self._grammars = Grammars(self.tokenizer, self.model_config.vocab_size)
+            return self._grammars
+
+    def _add_matcher(self, rid: str, params: SamplingParams) -> None:
+        if params.structured_outputs is not None:
+            self._matchers[rid] = self.grammars().matcher(params.structured_outputs)
 
     def encode_prompt(self, prompt, sampling_params: SamplingParams) -> list[int]:
         """A prompt's validated token ids (and `sampling_params` checked against this model):
         what add_request does before queueing. Safe from any thread (servers tokenize off
         the engine's thread, then add {"prompt_token_ids": ids})."""
         check_params_for_model(sampling_params, self.tokenizer, self.model_config.vocab_size)
+        if sampling_params.structured_outputs is not None:   # compiled (and cached) here
+            self.grammars().compile(sampling_params.structured_outputs)
         return prompt_token_ids(prompt, self.tokenizer, self.model_config.vocab_size,
                                 self.config.max_model_len)
 
@@ -147,7 +172,7 @@ class Engine:
         if req is None:
             return None
         out = self._output(req, [], self._text[request_id].finish(), FinishReason.CANCELLED)
-        del self._text[request_id]
+        self._forget(request_id)
         got = self._groups.emit([], out)
         return got[0] if got else None
 
@@ -188,7 +213,7 @@ class Engine:
         self._waited = 0.0
         outputs = self._outputs
         prev = self._inflight
-        if prev is not None and prev.penalty and self._needs_last_tokens():
+        if prev is not None and prev.waits and self._needs_last_tokens():
             outputs += self._finish(prev)
             prev = self._inflight = None
         t1 = clock()
@@ -202,7 +227,8 @@ class Engine:
             arrays = batch.prepare(out, bucket, self.config.page_size)
             ta = clock()
             step_input = build_step_input(arrays, out, self.scheduler,
-                                          *self._prev_source(prev, out, arrays))
+                                          *self._prev_source(prev, out, arrays),
+                                          self.model_config.vocab_size, self._matchers)
             tb = clock()
             inp = self.runner.prepare(step_input)
             t3 = clock()
@@ -215,8 +241,10 @@ class Engine:
             samp = step_input.sampling
             new = self._inflight = _InFlight(
                 out, sampled, next_tokens, dict(zip(arrays.request_ids, range(out.num_rows))),
-                penalty=bool((samp.repetition_penalty != 1).any()
-                             or samp.presence_penalty.any() or samp.frequency_penalty.any()))
+                waits=bool((samp.repetition_penalty != 1).any()
+                           or samp.presence_penalty.any() or samp.frequency_penalty.any()
+                           or (self._matchers and any(
+                               rid in self._matchers for rid in arrays.request_ids))))
             self.num_steps += 1
             t5 = clock()
         waited_before = self._waited
@@ -256,8 +284,10 @@ class Engine:
                                   f"({error!r}): {e}") from e
 
     def _needs_last_tokens(self) -> bool:
-        """A running request with a penalty and a pending token: its window needs it."""
-        return any(r.num_pending and uses_penalty(r.sampling_params)
+        """A running request with a penalty or a grammar and a pending token: its penalty
+        window or its next token bitmask needs it."""
+        return any(r.num_pending and (uses_penalty(r.sampling_params)
+                                      or r.request_id in self._matchers)
                    for r in self.scheduler.running)
 
     def _prev_source(self, prev: _InFlight | None, out: SchedulerOutput, arrays):
@@ -298,14 +328,18 @@ class Engine:
                 continue
             text = self._text[req.request_id]
             try:
-                delta, stop_hit = text.add(tokens[b], done=req.is_finished,
+                # The grammar, then the text: a complete grammar ends the request as a stop
+                # token or string would.
+                grammar_done = self._advance_grammar(req, tokens[b])
+                delta, stop_hit = text.add(tokens[b], done=req.is_finished or grammar_done,
                                            defer=not self._deltas)
             except Exception as e:   # text work fails one request, not the step
-                log.error("detokenizing %s failed", req.request_id, exc_info=e)
+                log.error("request %s failed after its token", req.request_id, exc_info=e)
                 if not req.is_finished:
                     self.scheduler.finish(req.request_id, FinishReason.ERROR)
                 self._groups.emit(outputs, self._error_output(req, e))
                 continue
+            stop_hit = stop_hit or grammar_done
             if stop_hit and not req.is_finished:
                 self.scheduler.finish(req.request_id, FinishReason.STOP)
             # A stop string ends the text even when the same token also hit a length limit.
@@ -315,14 +349,29 @@ class Engine:
             if reason is not None or self._deltas:
                 self._groups.emit(outputs, self._output(req, [tokens[b]], delta, reason))
             if reason is not None:
-                del self._text[req.request_id]
+                self._forget(req.request_id)
         return outputs
+
+    def _advance_grammar(self, req: Request, token: int) -> bool:
+        """Feed a request's sampled token to its grammar (if it has one and goes on): whether
+        the grammar is now complete. A token the grammar refuses raises."""
+        matcher = self._matchers.get(req.request_id)
+        if matcher is None or req.is_finished:
+            return False
+        if not matcher.accept(token):
+            raise RuntimeError(f"sampled token {token}, which its grammar does not allow")
+        return matcher.terminated
+
+    def _forget(self, request_id: str) -> None:
+        """Drop a finished request's text and grammar state."""
+        del self._text[request_id]
+        self._matchers.pop(request_id, None)
 
     def _error_output(self, req: Request, error: Exception) -> RequestOutput:
         """The final output of a request that failed (its text as far as it was emitted)."""
         out = self._output(req, [], "", FinishReason.ERROR)
         out.error = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
-        del self._text[req.request_id]
+        self._forget(req.request_id)
         return out
 
     def _output(self, req: Request, new_ids, delta, reason) -> RequestOutput:

@@ -5,11 +5,13 @@ from __future__ import annotations
 import operator
 from typing import Sequence
 
+import numpy as np
+
 from jaxinfer.batch import StepArrays
 from jaxinfer.errors import ConfigError, InvalidRequestError, InvalidTypeError
 from jaxinfer.kv_cache import AttentionMetadata
 from jaxinfer.request import SamplingParams
-from jaxinfer.step_input import StepInput
+from jaxinfer.step_input import StepInput, all_allowed, bitmask_words
 from jaxinfer.sampling import SampleOutput, SamplingArrays
 from jaxinfer.scheduler import SchedulerOutput
 from jaxinfer.tokenizer import IncrementalDetokenizer
@@ -166,10 +168,11 @@ class Detokenized:
 
 
 def build_step_input(arrays: StepArrays, out: SchedulerOutput, scheduler, prev_tokens,
-                     prev_index) -> StepInput:
+                     prev_index, vocab_size: int, matchers=None) -> StepInput:
     """The step's StepInput, numpy leaves (the runner packs them into one transfer).
     prev_tokens / prev_index: where PENDING tokens come from (step_input.StepInput); prev_tokens
-    may already be on the device (the previous step's output)."""
+    may already be on the device (the previous step's output). matchers: request id ->
+    structured_output.Matcher of the requests with a grammar (their rows' token bitmask)."""
     requests = scheduler.requests
     reqs = [requests[rid] for rid in arrays.request_ids]
     samp = SamplingArrays.from_params(
@@ -180,7 +183,24 @@ def build_step_input(arrays: StepArrays, out: SchedulerOutput, scheduler, prev_t
     md = AttentionMetadata(arrays.positions, arrays.slot_mapping, arrays.token_seq,
                            arrays.page_table, arrays.seq_lens, arrays.query_start,
                            decode_only=arrays.decode_only)
-    return StepInput(arrays.tokens, md, arrays.logits_index, samp, prev_tokens, prev_index)
+    bitmask = token_bitmask(arrays, matchers, vocab_size) if samp.full else None
+    return StepInput(arrays.tokens, md, arrays.logits_index, samp, prev_tokens, prev_index,
+                     bitmask)
+
+
+def token_bitmask(arrays: StepArrays, matchers, vocab_size: int):
+    """The `full` step's [B, ceil(V/32)] token bitmask: each sampling row with a grammar gets
+    its matcher's allowed tokens; with no such row, the shared device-resident all-ones mask
+    (nothing to transfer)."""
+    rows = len(arrays.seq_lens)
+    guided = [(b, m) for b, rid in enumerate(arrays.request_ids)
+              if arrays.samples[b] and (m := matchers.get(rid)) is not None] if matchers else ()
+    if not guided:
+        return all_allowed(rows, vocab_size)
+    mask = np.full((rows, bitmask_words(vocab_size)), -1, np.int32)
+    for b, matcher in guided:
+        matcher.fill(mask, b)
+    return mask
 
 
 def logprob_dict(sampled: SampleOutput, row: int, n: int) -> dict[int, float]:

@@ -16,10 +16,11 @@ import time
 import uuid
 from typing import Any, Callable, Literal, Sequence
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from jaxinfer.errors import InvalidRequestError
 from jaxinfer.request import MAX_LOGPROBS, FinishReason, RequestOutput, SamplingParams
+from jaxinfer.structured_output import StructuredOutputsParams
 
 COMPLETIONS_URL = "/v1/completions"
 CHAT_URL = "/v1/chat/completions"
@@ -27,8 +28,12 @@ FINISH_REASONS = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length",
                   FinishReason.CANCELLED: "abort"}
 # OpenAI request fields with no implementation here: accepted only when absent or null.
 _UNSUPPORTED = ("logit_bias", "suffix", "tools", "tool_choice", "functions", "function_call",
-                "parallel_tool_calls", "response_format", "audio", "modalities", "prediction",
+                "parallel_tool_calls", "audio", "modalities", "prediction",
                 "reasoning_effort", "web_search_options")
+# Where response_format's JSON schema lands in SamplingParams.structured_outputs: errors about
+# it name the OpenAI field.
+_RESPONSE_FORMAT_FIELDS = {"structured_outputs.json": "response_format.json_schema.schema",
+                           "structured_outputs.json_object": "response_format"}
 TokenText = Callable[[int], str]   # token id -> its text (logprobs)
 
 
@@ -38,6 +43,19 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(_Strict):
+    name: str
+    # "schema" shadows a BaseModel attribute: the field travels under its alias.
+    schema_: dict | None = Field(default=None, alias="schema")
+    description: str | None = None
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class _Sampling(_Strict):
@@ -66,6 +84,10 @@ class _Sampling(_Strict):
     store: bool | None = None
     metadata: dict[str, str] | None = None
     service_tier: str | None = None
+    response_format: ResponseFormat | None = None
+    # vLLM's extra field: StructuredOutputsParams' fields (json, regex, choice, grammar,
+    # json_object, any_whitespace).
+    structured_outputs: dict | None = None
     # Known to OpenAI, not implemented: must stay null (checked in _check_unsupported).
     logit_bias: Any = None
     suffix: Any = None
@@ -74,7 +96,6 @@ class _Sampling(_Strict):
     functions: Any = None
     function_call: Any = None
     parallel_tool_calls: Any = None
-    response_format: Any = None
     audio: Any = None
     modalities: Any = None
     prediction: Any = None
@@ -174,11 +195,42 @@ def _sampling(req: _Sampling, max_tokens: int, logprobs: int | None) -> Sampling
                                        "repetition_penalty") if getattr(req, f) is not None}
     if req.top_k is not None:
         kw["top_k"] = 0 if req.top_k == -1 else req.top_k
+    kw["structured_outputs"] = _structured_outputs(req)
     return SamplingParams(max_tokens=max_tokens, stop=req.stop or (),
                           stop_token_ids=req.stop_token_ids or (), ignore_eos=req.ignore_eos,
                           min_tokens=req.min_tokens,
                           include_stop_str_in_output=req.include_stop_str_in_output,
                           skip_special_tokens=req.skip_special_tokens, logprobs=logprobs, **kw)
+
+
+def _structured_outputs(req: _Sampling) -> StructuredOutputsParams | None:
+    """response_format (OpenAI) or structured_outputs (vLLM) as StructuredOutputsParams."""
+    rf, so = req.response_format, req.structured_outputs
+    if rf is not None and rf.type != "text" and so is not None:
+        raise InvalidRequestError("give response_format or structured_outputs, not both",
+                                  field="structured_outputs")
+    if so is not None:
+        return StructuredOutputsParams.coerce(so)
+    if rf is None or rf.type == "text":
+        return None
+    if rf.type == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if rf.json_schema is None or rf.json_schema.schema_ is None:
+        raise InvalidRequestError("response_format.json_schema.schema is required with type "
+                                  "json_schema", field="response_format.json_schema.schema")
+    try:
+        return StructuredOutputsParams(json=rf.json_schema.schema_)
+    except InvalidRequestError as e:
+        raise response_format_error(e) from None
+
+
+def response_format_error(e: InvalidRequestError) -> InvalidRequestError:
+    """An error about the structured output response_format asked for, naming that field
+    (the error itself unchanged when it is about something else)."""
+    field = _RESPONSE_FORMAT_FIELDS.get(e.field)
+    if field is None:
+        return e
+    return type(e)(str(e).replace(e.field, field, 1), field=field)
 
 
 def _max_tokens(value: int | None, field: str, default: int) -> int:

@@ -19,6 +19,7 @@ from typing import Mapping, Sequence
 
 from jaxinfer.errors import InvalidRequestError, InvalidTypeError
 from jaxinfer.page_table import PageList
+from jaxinfer.structured_output import StructuredOutputsParams
 
 MAX_LOGPROBS = 20
 MAX_BANNED_IDS = 32   # EOS + stop_token_ids a request with min_tokens may hold back
@@ -55,6 +56,9 @@ class SamplingParams:
     min_tokens: int = 0               # no EOS / stop token id / stop string before this many
     include_stop_str_in_output: bool = False   # the stop string that ended it stays in text
     skip_special_tokens: bool = True  # leave special tokens out of the text
+    # What the output must match (a JSON schema, regex, choice list or grammar), or None;
+    # a dict of StructuredOutputsParams' fields is taken too.
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self):
         # Accept lists from JSON / kwargs; store tuples so the object stays hashable and frozen.
@@ -63,6 +67,9 @@ class SamplingParams:
             "a string or a list of strings"))
         object.__setattr__(self, "stop_token_ids", _sequence(
             self.stop_token_ids, "stop_token_ids", "a list of integers"))
+        if self.structured_outputs is not None:
+            object.__setattr__(self, "structured_outputs",
+                               StructuredOutputsParams.coerce(self.structured_outputs))
         self._validate()
 
     @classmethod
@@ -114,6 +121,9 @@ class SamplingParams:
         if not 0 <= self.min_tokens <= self.max_tokens:
             bad("min_tokens", f"must be in [0, max_tokens = {self.max_tokens}], got "
                               f"{self.min_tokens}")
+        if self.structured_outputs is not None and self.min_tokens:
+            bad("min_tokens", "cannot be combined with structured_outputs (the grammar says "
+                              "where the output ends)")
         if num("temperature") < 0:
             bad("temperature", f"must be >= 0, got {self.temperature}")
         if not 0 < num("top_p") <= 1:

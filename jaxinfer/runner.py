@@ -80,8 +80,8 @@ class CompileCounter:
         return cls._loaded
 
 
-def _packed_step(graphdef, routes, treedef, leaves, kv, slot, outs, buf, prev_tokens, rng,
-                 step_index, spec, kv_sharding=None):
+def _packed_step(graphdef, routes, treedef, leaves, kv, slot, outs, buf, prev_tokens, bitmask,
+                 rng, step_index, spec, kv_sharding=None):
     """The step on a packed input, its values kept at fixed device addresses: XLA updates a
     command buffer's (CUDA graph's) kernels whose buffers moved since the last call, and a
     step whose layers read a moved buffer pays that on every call.
@@ -98,7 +98,7 @@ def _packed_step(graphdef, routes, treedef, leaves, kv, slot, outs, buf, prev_to
     Returns (kv, slot, (SampleOutput, next_tokens)): the donated ones in their argument
     order, so jit pairs each output with its own buffer."""
     slot = jax.lax.optimization_barrier(jax.lax.dynamic_update_slice(slot, buf, (0,)))
-    inp = unpack(slot, spec, prev_tokens)
+    inp = unpack(slot, spec, prev_tokens, bitmask)
     # The params travel as a flat list of arrays: flattening the nnx.State (hundreds of
     # leaves with per-layer weights) in Python on every dispatch cost more than the rest.
     model = nnx.merge(graphdef, jax.tree_util.tree_unflatten(treedef, leaves))
@@ -108,7 +108,8 @@ def _packed_step(graphdef, routes, treedef, leaves, kv, slot, outs, buf, prev_to
     if kv_sharding is not None:     # pinned, so the donated buffers are reused in place
         kv = jax.lax.with_sharding_constraint(kv, kv_sharding)
     logits = model.logits(h[inp.logits_index], routes)                  # [B, V] f32
-    out = sampling.sample(logits, inp.sampling, jax.random.fold_in(rng, step_index))
+    out = sampling.sample(logits, inp.sampling, jax.random.fold_in(rng, step_index),
+                          token_bitmask=inp.token_bitmask)
     # The sampled tokens padded to [S]: the next step's prev_tokens (one shape for all buckets).
     next_tokens = jnp.zeros_like(inp.prev_tokens).at[:out.tokens.shape[0]].set(out.tokens)
     results = (out, next_tokens)
@@ -266,9 +267,11 @@ class ModelRunner:
         if isinstance(inp, PackedInput):
             return inp
         buf, spec = pack_host(inp)
-        prev = inp.prev_tokens
+        prev, mask = inp.prev_tokens, inp.token_bitmask
         return PackedInput(jax.device_put(buf),
-                           prev if isinstance(prev, jax.Array) else jax.device_put(prev), spec)
+                           prev if isinstance(prev, jax.Array) else jax.device_put(prev), spec,
+                           mask if mask is None or isinstance(mask, jax.Array)
+                           else jax.device_put(mask))
 
     def dispatch(self, kv: KVCache | KVLayers, inp: StepInput | PackedInput, step_index: int):
         """(new kv, SampleOutput, next_tokens) on the device: the compiled step, dispatched
@@ -281,7 +284,7 @@ class ModelRunner:
         slot, outs = self._step_buffers(p)
         try:
             kv, slot, results = fn(self._leaves, kv, slot, outs, p.buf, p.prev_tokens,
-                                   self._rng, np.uint32(step_index))
+                                   p.bitmask, self._rng, np.uint32(step_index))
         except Exception:
             self._buffers.pop(p.signature, None)   # they may have been donated: make new ones
             raise
@@ -314,7 +317,8 @@ class ModelRunner:
         compilation and the bench)."""
         p = self.prepare(inp)
         return self._step_fn.trace(self._leaves, self.kv, *self._step_buffers(p), p.buf,
-                                   p.prev_tokens, self._rng, np.uint32(0), spec=p.spec)
+                                   p.prev_tokens, p.bitmask, self._rng, np.uint32(0),
+                                   spec=p.spec)
 
     def lower(self, inp: StepInput | PackedInput):
         """The step lowered for `inp`'s shapes (for ahead-of-time compilation and the bench)."""
@@ -357,7 +361,8 @@ class ModelRunner:
         bucket ahead of time, then run each once (writing nothing), so no request compiles
         later. A workload known to be all greedy without logprobs needs only `plain`."""
         inputs = [self.prepare(i)   # packed once, for the compile and the run
-                  for i in warmup_inputs(buckets, self.engine.max_num_seqs, variants)]
+                  for i in warmup_inputs(buckets, self.engine.max_num_seqs, variants,
+                                         self.cfg.vocab_size)]
         self.compile_ahead(inputs, on_done=on_done)
         with pool_oom_as_config_error(self.cfg, self.engine, "a warm-up step"):
             for inp in inputs:

@@ -42,6 +42,11 @@ min_tokens: until a row has generated that many tokens its EOS and stop token id
 MAX_BANNED_IDS, `banned` [B, N], -1 padded; N = 0 in `plain`) are masked out before sampling;
 logprobs stay raw.
 
+Structured output (structured_output.py): `full` takes a packed token bitmask [B, ceil(V/32)]
+i32 beside the sampling arrays (bit v % 32 of word v // 32: token v may be sampled); tokens
+whose bit is 0 are masked out after the penalties. It travels apart from the packed input:
+a step with no grammar row passes a device-resident all-ones mask (no transfer).
+
 Static (recompile triggers): B, V, W (0 or `window`: two variants per batch bucket), dtypes,
 `candidates`. Every parameter value is dynamic.
 """
@@ -154,7 +159,7 @@ def uses_penalty(p: SamplingParams) -> bool:
 def needs_full(p: SamplingParams) -> bool:
     """Whether a row needs the `full` variant (anything beyond greedy argmax)."""
     return (p.temperature >= MIN_TEMPERATURE or p.logprobs is not None or uses_penalty(p)
-            or p.min_tokens > 0)
+            or p.min_tokens > 0 or p.structured_outputs is not None)
 
 
 def _penalty_window(users, full: bool, token_ids, generated_counts, batch_size, window):
@@ -279,6 +284,14 @@ def _mask_banned(logits, banned):
                                                                  jnp.inf))
 
 
+def mask_disallowed(logits, token_bitmask):
+    """[B, V] logits with every token whose bit is 0 in the packed [B, ceil(V/32)] i32
+    bitmask at -inf."""
+    b, v = logits.shape
+    bits = (token_bitmask[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1   # [B, M, 32]
+    return jnp.where(bits.reshape(b, -1)[:, :v] != 0, logits, -jnp.inf)
+
+
 def _logprobs(logits, tokens):
     logz = jax.nn.logsumexp(logits, axis=-1, keepdims=True)
     chosen = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0] - logz[:, 0]
@@ -293,14 +306,19 @@ def _no_logprobs(logits, tokens):
 
 
 def sample(logits: jax.Array, arrays: SamplingArrays, rng: jax.Array, *,
-           candidates: int = TOP_CANDIDATES) -> SampleOutput:
+           candidates: int = TOP_CANDIDATES, token_bitmask: jax.Array | None = None
+           ) -> SampleOutput:
     """One token per row from [B, V] logits. `rng`: the engine's key for rows without a seed
-    (the caller splits it per step). `candidates` (static): top-k/top-p candidate count."""
+    (the caller splits it per step). `candidates` (static): top-k/top-p candidate count.
+    token_bitmask: [B, ceil(V/32)] i32, the tokens each row may sample (module doc); `full`
+    only."""
     logits = logits.astype(jnp.float32)
     if not arrays.full:  # static: all rows greedy, no logprobs, no penalties
         tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
         return SampleOutput(tokens, *_no_logprobs(logits, tokens))
     adjusted = _mask_banned(apply_penalties(logits, arrays), arrays.banned)
+    if token_bitmask is not None:
+        adjusted = mask_disallowed(adjusted, token_bitmask)
     greedy = jnp.argmax(adjusted, axis=-1)
     sampled = arrays.temperature >= MIN_TEMPERATURE
     tokens = jax.lax.cond(

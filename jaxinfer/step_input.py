@@ -18,7 +18,7 @@ from jaxinfer.request import SamplingParams
 
 @functools.partial(jax.tree_util.register_dataclass,
                    data_fields=["tokens", "md", "logits_index", "sampling", "prev_tokens",
-                                "prev_index"], meta_fields=[])
+                                "prev_index", "token_bitmask"], meta_fields=[])
 @dataclasses.dataclass(frozen=True)
 class StepInput:
     tokens: jax.Array                  # [T] i32 (padding: 0)
@@ -29,6 +29,9 @@ class StepInput:
     # sampled tokens (its third output, padded to max_num_seqs), still on the device.
     prev_tokens: jax.Array             # [S] i32  S = max_num_seqs (zeros when unused)
     prev_index: jax.Array              # [T] i32  row of prev_tokens for token t, -1 = tokens[t]
+    # Structured output: the tokens each row may sample (sampling.py), [B, ceil(V/32)] i32 in
+    # the `full` variant (all_allowed() when no row has a grammar), None in `plain`.
+    token_bitmask: jax.Array | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,17 +39,20 @@ class PackedInput:
     """A StepInput as it travels to the device: every leaf but prev_tokens bit-cast to int32
     and concatenated into ONE buffer (one host->device transfer instead of ~20, which on the
     CPU take a third of the host's time per step at 256 rows), unpacked inside the jitted
-    step by static offsets. prev_tokens stays apart: it is usually the previous step's
-    output, already on the device."""
+    step by static offsets. prev_tokens and token_bitmask stay apart: prev_tokens is usually
+    the previous step's output, already on the device, and the bitmask a device-resident
+    all-ones mask unless a row has a grammar."""
     buf: jax.Array          # [N] i32
     prev_tokens: jax.Array  # [S] i32
     spec: tuple             # static: (tree structure, ((shape, dtype name), ...) per leaf)
+    bitmask: jax.Array | None = None   # [B, ceil(V/32)] i32 (`full`), None (`plain`)
 
     @property
     def signature(self) -> tuple:
         """What selects a compiled step: the spec (tree structure with its static fields,
-        every leaf's shape and dtype) and prev_tokens' length."""
-        return self.spec, tuple(np.shape(self.prev_tokens))
+        every leaf's shape and dtype), prev_tokens' length and the bitmask's shape."""
+        return (self.spec, tuple(np.shape(self.prev_tokens)),
+                None if self.bitmask is None else tuple(np.shape(self.bitmask)))
 
 
 _INT32, _BOOL = np.dtype(np.int32), np.dtype(np.bool_)
@@ -55,7 +61,8 @@ _DTYPE_NAMES: dict = {}   # np.dtype -> its name: numpy computes .name in Python
 
 def pack_host(inp: StepInput) -> tuple[np.ndarray, tuple]:
     """(int32 buffer, spec) of every leaf of `inp` but prev_tokens (numpy or jax leaves)."""
-    leaves, tree = jax.tree_util.tree_flatten(dataclasses.replace(inp, prev_tokens=None))
+    leaves, tree = jax.tree_util.tree_flatten(dataclasses.replace(inp, prev_tokens=None,
+                                                                  token_bitmask=None))
     parts, fields = [], []
     for leaf in leaves:
         a = np.asarray(leaf)
@@ -77,7 +84,7 @@ def pack_host(inp: StepInput) -> tuple[np.ndarray, tuple]:
     return buf, (tree, tuple(fields))
 
 
-def unpack(buf, spec, prev_tokens) -> StepInput:
+def unpack(buf, spec, prev_tokens, token_bitmask=None) -> StepInput:
     """Inside the jitted step: the StepInput back from its buffer (static slices)."""
     tree, fields = spec
     leaves, off = [], 0
@@ -92,14 +99,36 @@ def unpack(buf, spec, prev_tokens) -> StepInput:
             x = jax.lax.bitcast_convert_type(x, dt)
         leaves.append(x)
     return dataclasses.replace(jax.tree_util.tree_unflatten(tree, leaves),
-                               prev_tokens=prev_tokens)
+                               prev_tokens=prev_tokens, token_bitmask=token_bitmask)
 
 
-def dummy_input(bucket, full: bool = False, max_num_seqs: int | None = None) -> StepInput:
+_ALL_ALLOWED: dict = {}   # (rows, words) -> device array
+
+
+def bitmask_words(vocab_size: int) -> int:
+    """int32 words of a token bitmask row over `vocab_size` tokens."""
+    return (vocab_size + 31) // 32
+
+
+def all_allowed(rows: int, vocab_size: int) -> jax.Array:
+    """A [rows, ceil(V/32)] token bitmask that allows every token, on the default device,
+    made once per shape: the bitmask of `full` steps without a grammar row."""
+    key = (rows, bitmask_words(vocab_size))
+    mask = _ALL_ALLOWED.get(key)
+    if mask is None:
+        mask = _ALL_ALLOWED[key] = jax.device_put(np.full(key, -1, np.int32))
+    return mask
+
+
+def dummy_input(bucket, full: bool = False, max_num_seqs: int | None = None,
+                vocab_size: int | None = None) -> StepInput:
     """An all-padding input of `bucket`'s shapes: writes nothing, used to compile ahead.
-    full: the `full` sampling variant (penalty window; sampling.py's module doc) instead of
-    the all-greedy `plain` one: the two compiled variants of each bucket. max_num_seqs: the
-    engine's (the prev_tokens length; default the bucket's rows, for one-off compiles)."""
+    full: the `full` sampling variant (penalty window, token bitmask; sampling.py's module
+    doc) instead of the all-greedy `plain` one: the two compiled variants of each bucket;
+    it needs the model's vocab_size. max_num_seqs: the engine's (the prev_tokens length;
+    default the bucket's rows, for one-off compiles)."""
+    if full and vocab_size is None:
+        raise ValueError("dummy_input: the full variant needs vocab_size (its token bitmask)")
     t, b, w = bucket.num_tokens, bucket.num_seqs, bucket.pages_per_seq
     zeros = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731
     md = AttentionMetadata(zeros(t), np.full(t, -1, np.int32), zeros(t), zeros(b, w), zeros(b),
@@ -108,13 +137,15 @@ def dummy_input(bucket, full: bool = False, max_num_seqs: int | None = None) -> 
     samp = sampling.SamplingArrays.from_params(rows, [0] * len(rows), [[0]] * len(rows),
                                                batch_size=b)
     return StepInput(zeros(t), md, zeros(b), samp, zeros(max_num_seqs or b),
-                     np.full(t, -1, np.int32))
+                     np.full(t, -1, np.int32), all_allowed(b, vocab_size) if full else None)
 
 
-def warmup_inputs(buckets, max_num_seqs: int, variants=("plain", "full")) -> list[StepInput]:
+def warmup_inputs(buckets, max_num_seqs: int, variants=("plain", "full"),
+                  vocab_size: int | None = None) -> list[StepInput]:
     """The all-padding inputs that compile `variants` (sampling `plain` / `full`) of every
     bucket: what Engine.warmup compiles ahead of time."""
     if not variants or set(variants) - {"plain", "full"}:
         raise ValueError(f"warmup: variants must be from ('plain', 'full'), got {variants}")
-    return [dummy_input(b, full, max_num_seqs) for b in buckets for full in (False, True)
+    return [dummy_input(b, full, max_num_seqs, vocab_size) for b in buckets
+            for full in (False, True)
             if ("full" if full else "plain") in variants]

@@ -21,7 +21,9 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from jaxinfer.request import SamplingParams
+from jaxinfer.structured_output import StructuredOutputsParams
 from serve import jaxinfer_pb2 as pb
+from serve.convert import structured_to_proto
 from serve import jaxinfer_pb2_grpc as pb_grpc
 
 _PROTO_FIELDS = set(pb.SamplingParams.DESCRIPTOR.fields_by_name)
@@ -64,6 +66,9 @@ def build_request(prompt, sampling=None, request_id: str | None = None) -> pb.Ge
                                                           else value))
         elif name == "stop_token_ids":
             req.sampling.stop_token_ids.extend(value)
+        elif name == "structured_outputs":
+            structured_to_proto(dataclasses.asdict(StructuredOutputsParams.coerce(value)),
+                                req.sampling.structured_outputs)
         else:
             setattr(req.sampling, name, value)
     return req

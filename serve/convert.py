@@ -40,7 +40,36 @@ def sampling_from_proto(sp: pb.SamplingParams) -> SamplingParams:
     kw["stop"] = tuple(_utf8(s, "stop") for s in sp.stop)
     kw["stop_token_ids"] = tuple(sp.stop_token_ids)
     kw["ignore_eos"] = sp.ignore_eos
+    kw["min_tokens"] = sp.min_tokens
+    kw["include_stop_str_in_output"] = sp.include_stop_str_in_output
+    if sp.HasField("skip_special_tokens"):
+        kw["skip_special_tokens"] = sp.skip_special_tokens
+    if sp.HasField("structured_outputs"):
+        kw["structured_outputs"] = structured_from_proto(sp.structured_outputs)
     return SamplingParams(**kw)  # validates; errors name the field
+
+
+def structured_from_proto(so: pb.StructuredOutputs) -> dict:
+    """StructuredOutputsParams' fields (SamplingParams validates them)."""
+    kind = so.WhichOneof("kind")
+    if kind is None:
+        raise InvalidRequestError("structured_outputs: set one of json, regex, choice, "
+                                  "grammar, json_object", field="structured_outputs")
+    value = getattr(so, kind)
+    return {kind: list(value.choices) if kind == "choice" else value,
+            "any_whitespace": so.any_whitespace}
+
+
+def structured_to_proto(fields: dict, so: pb.StructuredOutputs) -> None:
+    """StructuredOutputsParams' fields (a dict) into `so` (the client's side)."""
+    so.SetInParent()
+    for kind, value in fields.items():
+        if value is None or value is False:
+            continue
+        if kind == "choice":
+            so.choice.choices.extend(value)
+        else:
+            setattr(so, kind, value)
 
 
 def request_id_from_proto(req: pb.GenerateRequest) -> str | None:

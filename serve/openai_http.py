@@ -156,7 +156,10 @@ class OpenAIApi:
                    for i in range(len(prompts))]
         streaming = False
         try:
-            await call.submit(prompts, params)
+            try:
+                await call.submit(prompts, params)
+            except InvalidRequestError as e:   # a response_format schema that does not compile
+                raise oai.response_format_error(e) if req.response_format else e from None
             if not await call.started():
                 return Response(status_code=499)   # nobody is listening
             if req.stream:

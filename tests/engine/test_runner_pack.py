@@ -34,10 +34,11 @@ def _random_like(inp: StepInput, rng) -> StepInput:
 @pytest.mark.parametrize("full", [False, True])
 def test_pack_unpack_round_trip_in_jit(full):
     rng = np.random.default_rng(int(full))
-    inp = _random_like(dummy_input(Bucket(24, 4, 3, False), full, max_num_seqs=8), rng)
+    inp = _random_like(dummy_input(Bucket(24, 4, 3, False), full, max_num_seqs=8,
+                                   vocab_size=64), rng)
     buf, spec = pack_host(inp)
     assert buf.dtype == np.int32 and buf.ndim == 1
-    out = jax.jit(unpack, static_argnums=1)(buf, spec, inp.prev_tokens)
+    out = jax.jit(unpack, static_argnums=1)(buf, spec, inp.prev_tokens, inp.token_bitmask)
     want, got = jax.tree_util.tree_leaves(inp), jax.tree_util.tree_leaves(out)
     assert len(want) == len(got) > 10
     for w, g in zip(want, got):
@@ -47,7 +48,7 @@ def test_pack_unpack_round_trip_in_jit(full):
 
 
 def test_signature_tells_buckets_and_variants_apart():
-    sigs = {ModelRunner.prepare(dummy_input(b, full, max_num_seqs=8)).signature
+    sigs = {ModelRunner.prepare(dummy_input(b, full, max_num_seqs=8, vocab_size=64)).signature
             for b in (Bucket(8, 8, 2, True), Bucket(8, 8, 2, False), Bucket(16, 8, 2, False))
             for full in (False, True)}
     assert len(sigs) == 6

@@ -4,6 +4,7 @@ drains streams (last: it ends the server). The tiny model's limits: test_openai_
 import concurrent.futures as cf
 import http.client
 import json
+import re
 import secrets
 import threading
 import time
@@ -184,6 +185,41 @@ def test_seeded_sampling_is_reproducible(client):
     assert client.completions.create(**kw).choices[0].text == a
 
 
+PERSON = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 16},
+    "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    "pets": {"type": "array", "items": {"enum": ["cat", "dog", "fish"]}, "maxItems": 3}},
+    "required": ["name", "age", "pets"]}
+
+
+def test_structured_output_through_response_format_and_structured_outputs(client):
+    """response_format (json_schema, json_object) and vLLM's structured_outputs extra field,
+    plain and streamed: every answer parses and matches."""
+    import jsonschema
+
+    for seed in range(3):
+        answer = client.chat.completions.create(
+            model="smollm2", messages=[{"role": "user", "content": "Describe a person."}],
+            max_tokens=80, temperature=0.8, seed=seed, response_format={
+                "type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}})
+        jsonschema.validate(json.loads(answer.choices[0].message.content), PERSON)
+        assert answer.choices[0].finish_reason == "stop"
+    obj = client.chat.completions.create(
+        model="smollm2", messages=CHATS[0], max_tokens=80, temperature=0,
+        response_format={"type": "json_object"}).choices[0].message.content
+    assert isinstance(json.loads(obj), dict)
+    choices = ["Paris", "Lyon", "Nice"]
+    pick = client.completions.create(model="smollm2", prompt="The best city is", max_tokens=8,
+                                     temperature=0, extra_body={"structured_outputs": {
+                                         "choice": choices}}).choices[0]
+    assert pick.text in choices and pick.finish_reason == "stop"
+    chunks = client.completions.create(model="smollm2", prompt="Call me at", max_tokens=20,
+                                       temperature=0.5, seed=1, stream=True, extra_body={
+                                           "structured_outputs": {"regex": r"\d{3}-\d{4}"}})
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert re.fullmatch(r"\d{3}-\d{4}", text), text
+
+
 @pytest.mark.parametrize("kw, status, param", [
     (dict(temperature=-1), 400, "temperature"),
     (dict(top_p=1.5), 400, "top_p"),
@@ -217,7 +253,14 @@ def test_completion_errors_name_the_field(client, kw, status, param):
     (dict(top_logprobs=2), "top_logprobs"),
     (dict(logprobs=True, top_logprobs=30), "top_logprobs"),
     (dict(max_completion_tokens=-3), "max_completion_tokens"),
-    (dict(response_format={"type": "json_object"}), "response_format"),
+    (dict(response_format={"type": "json_schema", "json_schema": {"name": "x"}}),
+     "response_format.json_schema.schema"),
+    (dict(response_format={"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object", "properties": {"a": {"type": "bogus"}}}}}),
+     "response_format.json_schema.schema"),
+    (dict(extra_body={"structured_outputs": {"regex": "(a"}}), "structured_outputs.regex"),
+    (dict(response_format={"type": "json_object"}, extra_body={"structured_outputs": {
+        "choice": ["a"]}}), "structured_outputs"),
     (dict(stream_options={"include_usage": True}), "stream_options"),
 ])
 def test_chat_errors_name_the_field(client, kw, param):
@@ -325,6 +368,33 @@ def test_grpc_and_http_share_the_engine(client, smol):
         texts = {f.result().text for f in grpc_runs} | {
             f.result().choices[0].text for f in http_runs}
     assert len(texts) == 1 and texts.pop().startswith(" Paris.")
+
+
+def test_grpc_takes_structured_outputs_and_the_vllm_extras(smol, llm):
+    """The gRPC service's SamplingParams carry structured_outputs, min_tokens,
+    include_stop_str_in_output and skip_special_tokens: answers equal LLM.generate's."""
+    import grpc
+    import jsonschema
+
+    [free] = llm.generate(PROMPTS[0], greedy(8, ignore_eos=True), use_tqdm=False)
+    cases = [dict(stop_token_ids=[free.token_ids[1]], min_tokens=5),
+             dict(stop=["ris"], include_stop_str_in_output=True),
+             dict(skip_special_tokens=False),
+             dict(structured_outputs={"choice": ["Lyon", "Nice"]}),
+             dict(structured_outputs={"regex": "[0-9]+", "any_whitespace": True})]
+    with Client(smol.target, token=TOKEN) as g:
+        for extra in cases:
+            [want] = llm.generate(PROMPTS[0], greedy(8, **extra), use_tqdm=False)
+            got = g.complete(PROMPTS[0], greedy(8, **extra), timeout=120)
+            assert (got.text, got.token_ids) == (want.text, want.token_ids), extra
+        sampled = g.complete("Describe a person.", SamplingParams(
+            max_tokens=80, temperature=0.8, seed=4, structured_outputs={"json": PERSON}),
+            timeout=120)
+        jsonschema.validate(json.loads(sampled.text), PERSON)
+        with pytest.raises(grpc.RpcError) as e:
+            g.complete(PROMPTS[0], {"structured_outputs": {"regex": "(a"}}, timeout=60)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "structured_outputs.regex" in e.value.details()
 
 
 def test_prompts_not_logged(smol):
