@@ -13,7 +13,8 @@ is unfinished; each `generate` is an async generator of that request's outputs (
 `new_token_ids` / `text_delta`, the text so far in `text`; the last has `finish_reason`). Any
 number of generators may run at once on one event loop, and their requests are batched
 together. Leaving a generator early (break, an exception, a cancelled task) aborts its
-request and frees its pages. A request with n > 1 yields its one final output.
+request and frees its pages. A request with n > 1 yields each completion's deltas as they
+come (`outputs[0].index` says which) and then one final output holding all n.
 """
 from __future__ import annotations
 

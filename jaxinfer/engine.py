@@ -278,7 +278,7 @@ class Engine:
             if lost:
                 self.runner.rebuild_kv()
             for req in self.scheduler.recover(failed, cache_lost=lost):
-                self._groups.emit(self._outputs, self._error_output(req, error))
+                self._groups.emit(self._outputs, self._error_output(req, error), self._deltas)
         except Exception as e:
             raise EngineDeadError(f"the engine could not recover from a failed step "
                                   f"({error!r}): {e}") from e
@@ -337,7 +337,7 @@ class Engine:
                 log.error("request %s failed after its token", req.request_id, exc_info=e)
                 if not req.is_finished:
                     self.scheduler.finish(req.request_id, FinishReason.ERROR)
-                self._groups.emit(outputs, self._error_output(req, e))
+                self._groups.emit(outputs, self._error_output(req, e), self._deltas)
                 continue
             stop_hit = stop_hit or grammar_done
             if stop_hit and not req.is_finished:
@@ -347,7 +347,8 @@ class Engine:
             if req.sampling_params.logprobs is not None:
                 text.logprobs.append(logprob_dict(sampled, b, req.sampling_params.logprobs))
             if reason is not None or self._deltas:
-                self._groups.emit(outputs, self._output(req, [tokens[b]], delta, reason))
+                self._groups.emit(outputs, self._output(req, [tokens[b]], delta, reason),
+                                  self._deltas)
             if reason is not None:
                 self._forget(req.request_id)
         return outputs

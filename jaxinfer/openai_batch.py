@@ -22,6 +22,7 @@ class BatchLine:
     chat: bool                 # /v1/chat/completions (else /v1/completions)
     prompts: list              # what Engine.add_request takes, one per choice
     params: SamplingParams
+    with_token_ids: bool = False    # return_token_ids
     created: int = 0
     outputs: dict[int, RequestOutput] = dataclasses.field(default_factory=dict)
 
@@ -59,7 +60,7 @@ def parse_batch_line(obj: dict, custom_id: str, max_model_len: int) -> BatchLine
             params, prompts = oai.completion_params(req), oai.completion_prompts(req)
     except InvalidRequestError as e:
         raise in_body(e) from None
-    return BatchLine(custom_id, chat, prompts, params)
+    return BatchLine(custom_id, chat, prompts, params, req.return_token_ids)
 
 
 def in_body(e: InvalidRequestError, field: str | None = None) -> InvalidRequestError:
@@ -82,8 +83,9 @@ def batch_record(custom_id: str, status: int, request_id: str | None, body: dict
 
 def batch_response(b: BatchLine, model: str, token_text: oai.TokenText) -> dict:
     """The 200 result of a batch line whose prompts have all finished."""
-    choices = [oai.Choice.from_final(i, b.params.logprobs, b.outputs[i])
-               for i in range(len(b.prompts))]
+    choices = [c for i in range(len(b.prompts))
+               for c in oai.Choice.from_final(i * b.params.n, b.params.logprobs, b.outputs[i],
+                                              b.with_token_ids)]
     rid = oai.new_id("chatcmpl" if b.chat else "cmpl")
     build = oai.chat_response if b.chat else oai.completion_response
     return batch_record(b.custom_id, 200, rid, build(rid, b.created, model, choices, token_text))

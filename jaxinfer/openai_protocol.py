@@ -179,8 +179,6 @@ def _check_unsupported(req: _Sampling) -> None:
     for name in _UNSUPPORTED:
         if getattr(req, name) is not None:
             raise InvalidRequestError(f"{name} is not supported by this server", field=name)
-    if req.n != 1:
-        raise InvalidRequestError(f"n: only n=1 is supported, got {req.n}", field="n")
     if req.best_of not in (None, 1):
         raise InvalidRequestError(f"best_of: only best_of=1 is supported, got {req.best_of}",
                                   field="best_of")
@@ -196,7 +194,7 @@ def _sampling(req: _Sampling, max_tokens: int, logprobs: int | None) -> Sampling
     if req.top_k is not None:
         kw["top_k"] = 0 if req.top_k == -1 else req.top_k
     kw["structured_outputs"] = _structured_outputs(req)
-    return SamplingParams(max_tokens=max_tokens, stop=req.stop or (),
+    return SamplingParams(max_tokens=max_tokens, n=req.n, stop=req.stop or (),
                           stop_token_ids=req.stop_token_ids or (), ignore_eos=req.ignore_eos,
                           min_tokens=req.min_tokens,
                           include_stop_str_in_output=req.include_stop_str_in_output,
@@ -349,33 +347,57 @@ class Choice:
     index: int
     logprobs: int | None             # top-n asked for (None: no logprobs)
     with_token_ids: bool = False     # return_token_ids
+    n: int = 1                       # completions per prompt (SamplingParams.n)
     text: str = ""
     token_ids: list[int] = dataclasses.field(default_factory=list)
     token_logprobs: list[dict[int, float]] = dataclasses.field(default_factory=list)
     finish_reason: str | None = None
-    prompt_tokens: int = 0
+    prompt_tokens: int = 0           # the prompt's tokens, on its first choice only (usage)
 
     @classmethod
-    def from_final(cls, index: int, logprobs: int | None, out: RequestOutput) -> "Choice":
-        """The choice of a request seen only at its end: its final output holds the whole
-        answer (token_ids, text, logprobs)."""
-        return cls(index, logprobs, text=out.text, token_ids=list(out.token_ids),
-                   token_logprobs=list(out.logprobs or ()),
-                   finish_reason=FINISH_REASONS[out.finish_reason],
-                   prompt_tokens=len(out.prompt_token_ids))
+    def from_final(cls, index: int, logprobs: int | None, out: RequestOutput,
+                   with_token_ids: bool = False) -> list["Choice"]:
+        """The choices (one per completion, numbered from `index`) of a request seen only at
+        its end: its final output holds the whole answer (token_ids, text, logprobs)."""
+        return [cls(index + i, logprobs, with_token_ids, text=c.text,
+                    token_ids=list(c.token_ids), token_logprobs=list(c.logprobs or ()),
+                    finish_reason=FINISH_REASONS[FinishReason(c.finish_reason)],
+                    prompt_tokens=0 if i else len(out.prompt_token_ids))
+                for i, c in enumerate(out.outputs)]
 
     def add(self, out: RequestOutput) -> tuple[list[int], list[dict[int, float]]]:
-        """Take one delta; returns its new token ids and their logprob dicts."""
+        """Take one delta; returns its new token ids and their logprob dicts. With n > 1 a
+        delta is one completion's (its finish reason in out.outputs[0])."""
         new = list(out.new_token_ids)
         dicts = (out.logprobs[len(out.logprobs) - len(new):] if out.logprobs is not None and new
                  else [])
         self.text += out.text_delta
         self.token_ids += new
         self.token_logprobs += dicts
-        self.prompt_tokens = len(out.prompt_token_ids)
-        if out.finish_reason is not None:
-            self.finish_reason = FINISH_REASONS[out.finish_reason]
+        if self.index % self.n == 0:
+            self.prompt_tokens = len(out.prompt_token_ids)
+        reason = out.finish_reason if out.completions is None else out.completions[0].finish_reason
+        if reason is not None and FinishReason(reason) in FINISH_REASONS:
+            self.finish_reason = FINISH_REASONS[FinishReason(reason)]
         return new, dicts
+
+
+def choices_for(prompts: int, n: int, logprobs: int | None, with_token_ids: bool
+                ) -> list[Choice]:
+    """A response's choices: n per prompt, prompt p's completion i at index p * n + i."""
+    return [Choice(i, logprobs, with_token_ids, n=n) for i in range(prompts * n)]
+
+
+def choice_of(choices: Sequence[Choice], prompt_index: int, out: RequestOutput) -> Choice | None:
+    """The choice a streamed output advances: prompt `prompt_index`'s, or with n > 1 the
+    completion's it carries; None for an n > 1 request's final output (its completions'
+    deltas came before it)."""
+    n = choices[0].n
+    if n == 1:
+        return choices[prompt_index]
+    if out.finished:
+        return None
+    return choices[prompt_index * n + out.completions[0].index]
 
 
 def _token_ids(choice: Choice, ids) -> dict:

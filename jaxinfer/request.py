@@ -197,7 +197,9 @@ class RequestOutput:
     `token_ids`/`text`/`logprobs` accumulate (until the last output `token_ids` is the
     engine's own list, still growing: copy it to keep a snapshot). `finish_reason` is set on
     the last output. A request with n > 1 has one final output: `outputs` holds its n
-    completions, and the single-completion fields are completion 0's."""
+    completions, and the single-completion fields are completion 0's. Stepped with deltas
+    (streaming), its unfinished outputs each carry one completion's delta: `outputs` is
+    that completion alone (its `index`; its `finish_reason` once it ended)."""
 
     request_id: str
     prompt_token_ids: list[int]

@@ -4,6 +4,9 @@ The scheduler runs each completion as a request of its own (`completion_id`), fo
 first once the prompt is computed (scheduler.py). The engine holds their final outputs here
 until the last one finishes, then hands out one RequestOutput for the request: `outputs`
 lists the n completions in order, and its single-completion fields are completion 0's.
+Stepping with deltas (streaming), each completion's progress also comes out as it happens:
+an unfinished RequestOutput of the request whose `outputs` is that one completion (its
+`index`, and its `finish_reason` once it ended); its delta fields are that completion's.
 """
 from __future__ import annotations
 
@@ -21,7 +24,14 @@ class RequestGroup:
     def __init__(self, request_id: str, n: int):
         self.request_id = request_id
         self.ids = [completion_id(request_id, i) for i in range(n)]
+        self._index = {cid: i for i, cid in enumerate(self.ids)}
         self._final: dict[str, RequestOutput] = {}
+
+    def delta(self, output: RequestOutput) -> RequestOutput:
+        """One completion's output as an unfinished output of the request (module doc)."""
+        return dataclasses.replace(
+            output, request_id=self.request_id, finish_reason=None, error=None,
+            completions=[output.completion(self._index[output.request_id])])
 
     def add(self, output: RequestOutput) -> RequestOutput | None:
         """Keep one completion's final output; the request's output once all n are in."""
@@ -58,13 +68,19 @@ class RequestGroups:
             self._of[cid] = group
         return group
 
-    def emit(self, outputs: list[RequestOutput], out: RequestOutput) -> list[RequestOutput]:
+    def emit(self, outputs: list[RequestOutput], out: RequestOutput,
+             deltas: bool = False) -> list[RequestOutput]:
         """Add `out` to `outputs`; a completion of an n > 1 request is held until all n have
-        finished (its intermediate outputs are dropped), then their one output is added."""
+        finished, then their one output is added. With `deltas` the completion's output is
+        also added as the request's unfinished output (module doc); without, only the final
+        one is."""
         group = self._of.get(out.request_id)
         if group is None:
             outputs.append(out)
-        elif out.finished:
+            return outputs
+        if deltas:
+            outputs.append(group.delta(out))
+        if out.finished:
             del self._of[out.request_id]
             merged = group.add(out)
             if merged is not None:

@@ -28,6 +28,7 @@ from jaxinfer.errors import InvalidRequestError, InvalidTypeError
 
 _KINDS = ("json", "regex", "choice", "grammar", "json_object")
 INSTALL_HINT = "pip install 'jaxinfer[structured]'"
+GRAMMAR_CACHE_BYTES = 512 << 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,11 +104,13 @@ class StructuredOutputsParams:
             return value
         if isinstance(value, Mapping):
             known = [f.name for f in dataclasses.fields(cls)]
-            unknown = sorted(set(value) - set(known))
+            unknown = sorted(map(str, set(value) - set(known)))
             if unknown:
+                name = unknown[0]
+                path = f"{field}.{name}" if name.isidentifier() else field
                 raise InvalidRequestError(
-                    f"{field}: unknown field {unknown[0]!r} (it has {', '.join(known)})",
-                    field=f"{field}.{unknown[0]}")
+                    f"{path}: unknown field {name!r} ({field} has {', '.join(known)})",
+                    field=path)
             return cls(**value)
         raise InvalidTypeError(f"{field} must be a StructuredOutputsParams or a dict of its "
                                f"fields, got {type(value).__name__}", field=field)
@@ -140,7 +143,9 @@ class Grammars:
                                  stop_token_ids=list(tokenizer.eos_token_ids),
                                  add_prefix_space=meta["add_prefix_space"])
         self._xgr = xgr
-        self._compiler = xgr.GrammarCompiler(info, max_threads=4)
+        # Compiled grammars are cached (a repeated schema compiles once), within a bound.
+        self._compiler = xgr.GrammarCompiler(info, max_threads=4,
+                                             cache_limit_bytes=GRAMMAR_CACHE_BYTES)
         self._lock = threading.Lock()     # compiles come from the servers' threads too
         self.vocab_size = vocab_size
         self.words = (vocab_size + 31) // 32

@@ -152,8 +152,8 @@ class OpenAIApi:
         log.info("request %s: %s", call.rid,
                  prompts if self.settings.log_prompts else "(prompt not logged)")
         created = oai.now()
-        choices = [oai.Choice(i, params.logprobs, req.return_token_ids)
-                   for i in range(len(prompts))]
+        choices = oai.choices_for(len(prompts), params.n, params.logprobs,
+                                  req.return_token_ids)
         streaming = False
         try:
             try:
@@ -172,7 +172,9 @@ class OpenAIApi:
                 out = await call.next()
                 if out is None:
                     return Response(status_code=499)
-                choices[call.index[out.request_id]].add(out)
+                c = oai.choice_of(choices, call.index[out.request_id], out)
+                if c is not None:
+                    c.add(out)
             build = oai.chat_response if chat else oai.completion_response
             return JSONResponse(build(call.rid, created, model, choices, self.token_text))
         finally:
@@ -190,7 +192,9 @@ class OpenAIApi:
             out = await call.next()
             if out is None:
                 return
-            c = choices[call.index[out.request_id]]
+            c = oai.choice_of(choices, call.index[out.request_id], out)
+            if c is None:
+                continue
             offset = len(c.text)
             new, dicts = c.add(out)
             tokens_due = new and (c.logprobs is not None or c.with_token_ids)
@@ -225,7 +229,9 @@ class OpenAIApi:
             out = await call.next()
             if out is None:
                 return
-            c = choices[call.index[out.request_id]]
+            c = oai.choice_of(choices, call.index[out.request_id], out)
+            if c is None:
+                continue
             new, dicts = c.add(out)
             if out.text_delta or (new and (c.logprobs is not None or c.with_token_ids)):
                 lp = (oai.chat_logprobs(new, dicts, c.logprobs, self.token_text)

@@ -31,6 +31,7 @@ OPTIMIZED_WORKER = "gw0"
 OPTIMIZED_FILES = frozenset((
     "test_fp8_quality.py", "test_hf_parity.py", "test_serve_lifecycle.py", "test_convert.py",
     "test_serve.py", "test_batch_generate.py", "test_engine_text.py",
+    "test_structured_output.py", "test_openai_http.py",
 ))
 _WORKER = os.environ.get("PYTEST_XDIST_WORKER")
 if (not ON_GPU and _WORKER not in (None, OPTIMIZED_WORKER)
@@ -74,6 +75,7 @@ def pytest_ignore_collect(collection_path, config):
 # first; every other file follows in xdist's order. Each file's tests keep their order.
 LONGEST_FIRST = (
     "test_fp8_quality.py",              # ~165 s
+    "test_structured_output.py",        # ~95 s
     "test_tensor_parallel.py",          # ~70 s (one child process)
     "test_engine.py",                   # ~65 s
     "test_paged_attention.py",          # ~65 s

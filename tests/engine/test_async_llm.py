@@ -95,9 +95,13 @@ def test_bad_input_raises_naming_the_field(llm):
     assert e.value.field == "max_tokens"
 
 
-def test_n_completions_come_as_one_final_output(llm):
+def test_n_completions_stream_by_index_then_one_final_output(llm):
     outs = asyncio.run(_collect(llm, PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=5,
                                                                 n=2)))
-    [out] = outs
-    assert [c.index for c in out.outputs] == [0, 1]
+    *deltas, out = outs
+    assert out.finished and [c.index for c in out.outputs] == [0, 1]
     assert out.outputs[0].token_ids == out.outputs[1].token_ids
+    assert not any(d.finished for d in deltas)
+    for i in (0, 1):
+        joined = [t for d in deltas if d.outputs[0].index == i for t in d.new_token_ids]
+        assert joined == out.outputs[i].token_ids

@@ -151,11 +151,23 @@ def test_offline_file_writes_every_completion(tmp_path):
     lines = [dict(PROMPTS[23], id="greedy", n=3, max_tokens=5, temperature=0.0),
              dict(PROMPTS[21], id="seeded", n=2, max_tokens=4, temperature=1.0, seed=5,
                   logprobs=1),
-             dict(PROMPTS[21], id="one", max_tokens=4)]
+             dict(PROMPTS[21], id="one", max_tokens=4),
+             {"custom_id": "batch", "method": "POST", "url": "/v1/completions", "body": {
+                 "prompt": [PROMPTS[21]["prompt_token_ids"], PROMPTS[23]["prompt_token_ids"]],
+                 "n": 2, "max_tokens": 3, "temperature": 0, "ignore_eos": True,
+                 "return_token_ids": True}}]
     inp.write_text("".join(json.dumps(ln) + "\n" for ln in lines))
     summary = generate_file(tiny_engine(), inp, out, log=io.StringIO())
-    got = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
-    assert summary["output_tokens"] == 15 + 8 + 4
+    got = {r.get("custom_id") or r["id"]: r for r in map(json.loads,
+                                                         out.read_text().splitlines())}
+    assert summary["output_tokens"] == 15 + 8 + 4 + 12
+    # The OpenAI batch format: choice p * n + i is prompt p's completion i.
+    body = got["batch"]["response"]["body"]
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2, 3]
+    ids = [c["token_ids"] for c in body["choices"]]
+    assert ids[0] == ids[1] != ids[2] == ids[3] and len(ids[0]) == 3
+    assert body["usage"]["prompt_tokens"] == 21 + 23
+    assert body["usage"]["completion_tokens"] == 12
     g = got["greedy"]
     assert [o["index"] for o in g["outputs"]] == [0, 1, 2]
     assert all(o["token_ids"] == g["token_ids"] for o in g["outputs"])
@@ -166,3 +178,27 @@ def test_offline_file_writes_every_completion(tmp_path):
     assert s["outputs"][1]["cumulative_logprob"] == pytest.approx(sum(
         d[str(t)] for d, t in zip(s["outputs"][1]["logprobs"], s["outputs"][1]["token_ids"])))
     assert "outputs" not in got["one"] and got["one"]["completion_tokens"] == 4
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_stepping_with_deltas_streams_each_completion(async_scheduling):
+    """Stepping with deltas (the servers, AsyncLLM): each completion's progress comes out as
+    an unfinished output of the request whose outputs[0] is that completion; the deltas of
+    each index join to its final completion; the request's final output comes last."""
+    engine = tiny_engine(async_scheduling=async_scheduling)
+    rid = engine.add_request(PROMPTS[23], SamplingParams(max_tokens=8, temperature=1.0,
+                                                         seed=5, n=3, ignore_eos=True))
+    streamed, final = {0: [], 1: [], 2: []}, None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            assert out.request_id == rid and final is None
+            if out.finished:
+                final = out
+                continue
+            [c] = out.outputs
+            streamed[c.index] += out.new_token_ids
+            assert c.finish_reason in (None, "length")
+    assert final is not None and [c.index for c in final.outputs] == [0, 1, 2]
+    assert [streamed[i] for i in range(3)] == [c.token_ids for c in final.outputs]
+    assert len({tuple(t) for t in streamed.values()}) == 3
+    assert _all_pages_back(engine)

@@ -185,6 +185,36 @@ def test_seeded_sampling_is_reproducible(client):
     assert client.completions.create(**kw).choices[0].text == a
 
 
+def test_n_choices_equal_llm_generate_plain_and_streamed(client, llm):
+    """n > 1: choice p * n + i is prompt p's completion i, equal to LLM.generate's (seeded);
+    streamed, each choice's deltas join to it; usage counts each prompt once."""
+    params = SamplingParams(max_tokens=8, temperature=0.9, seed=11, n=3)
+    outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    want = [[c.text for c in o.outputs] for o in outs]
+    kw = dict(model="smollm2", prompt=PROMPTS, max_tokens=8, temperature=0.9, seed=11, n=3)
+    got = client.completions.create(**kw)
+    assert [c.index for c in got.choices] == list(range(6))
+    assert [c.text for c in got.choices] == want[0] + want[1]
+    assert got.usage.prompt_tokens == sum(len(o.prompt_token_ids) for o in outs)
+    assert got.usage.completion_tokens == sum(len(c.token_ids) for o in outs
+                                              for c in o.outputs)
+    streamed, finished = {}, {}
+    for chunk in client.completions.create(**kw, stream=True):
+        for c in chunk.choices:
+            streamed[c.index] = streamed.get(c.index, "") + c.text
+            if c.finish_reason:
+                finished[c.index] = c.finish_reason
+    assert [streamed[i] for i in range(6)] == want[0] + want[1] and len(finished) == 6
+    chat = dict(model="smollm2", messages=CHATS[0], max_tokens=10, temperature=0.9, seed=2, n=2)
+    plain = client.chat.completions.create(**chat)
+    parts = {0: "", 1: ""}
+    for chunk in client.chat.completions.create(**chat, stream=True):
+        for c in chunk.choices:
+            parts[c.index] += c.delta.content or ""
+    assert [parts[0], parts[1]] == [c.message.content for c in plain.choices]
+    assert plain.choices[0].message.content != plain.choices[1].message.content
+
+
 PERSON = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 16},
     "age": {"type": "integer", "minimum": 0, "maximum": 120},
@@ -197,13 +227,13 @@ def test_structured_output_through_response_format_and_structured_outputs(client
     plain and streamed: every answer parses and matches."""
     import jsonschema
 
-    for seed in range(3):
-        answer = client.chat.completions.create(
-            model="smollm2", messages=[{"role": "user", "content": "Describe a person."}],
-            max_tokens=80, temperature=0.8, seed=seed, response_format={
-                "type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}})
-        jsonschema.validate(json.loads(answer.choices[0].message.content), PERSON)
-        assert answer.choices[0].finish_reason == "stop"
+    answer = client.chat.completions.create(
+        model="smollm2", messages=[{"role": "user", "content": "Describe a person."}],
+        max_tokens=80, temperature=0.8, seed=3, n=3, response_format={
+            "type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}})
+    for choice in answer.choices:
+        jsonschema.validate(json.loads(choice.message.content), PERSON)
+        assert choice.finish_reason == "stop"
     obj = client.chat.completions.create(
         model="smollm2", messages=CHATS[0], max_tokens=80, temperature=0,
         response_format={"type": "json_object"}).choices[0].message.content
@@ -224,7 +254,7 @@ def test_structured_output_through_response_format_and_structured_outputs(client
     (dict(temperature=-1), 400, "temperature"),
     (dict(top_p=1.5), 400, "top_p"),
     (dict(max_tokens=0), 400, "max_tokens"),
-    (dict(n=2), 400, "n"),
+    (dict(n=0), 400, "n"),
     (dict(logprobs=21), 400, "logprobs"),
     (dict(presence_penalty=3), 400, "presence_penalty"),
     (dict(seed=-1), 400, "seed"),
@@ -382,10 +412,13 @@ def test_grpc_takes_structured_outputs_and_the_vllm_extras(smol, llm):
              dict(skip_special_tokens=False),
              dict(structured_outputs={"choice": ["Lyon", "Nice"]}),
              dict(structured_outputs={"regex": "[0-9]+", "any_whitespace": True})]
-    with Client(smol.target, token=TOKEN) as g:
-        for extra in cases:
-            [want] = llm.generate(PROMPTS[0], greedy(8, **extra), use_tqdm=False)
-            got = g.complete(PROMPTS[0], greedy(8, **extra), timeout=120)
+    wants = llm.generate([PROMPTS[0]] * len(cases), [greedy(8, **extra) for extra in cases],
+                         use_tqdm=False)
+    with Client(smol.target, token=TOKEN) as g, cf.ThreadPoolExecutor(len(cases)) as pool:
+        runs = [pool.submit(g.complete, PROMPTS[0], greedy(8, **extra), timeout=120)
+                for extra in cases]
+        for extra, want, run in zip(cases, wants, runs):
+            got = run.result()
             assert (got.text, got.token_ids) == (want.text, want.token_ids), extra
         sampled = g.complete("Describe a person.", SamplingParams(
             max_tokens=80, temperature=0.8, seed=4, structured_outputs={"json": PERSON}),
