@@ -51,7 +51,7 @@ from typing import Iterator
 import numpy as np
 from tqdm import tqdm
 
-from jaxinfer import openai_protocol as oai
+from jaxinfer import openai_responses as oresp
 from jaxinfer.args import engine_config_from_args, sampling_params_from_args
 from jaxinfer.batch_resume import Done, load_done
 from jaxinfer.engine import Engine
@@ -158,7 +158,7 @@ class _BatchRun:
         self.engine, self.lines, self.out_file, self.bar, self.log = (
             engine, lines, out_file, bar, log)
         self.defaults, self.chat, self.max_queued = defaults, chat, max_queued
-        self.token_text = oai.token_text_fn(engine.tokenizer)
+        self.token_text = oresp.token_text_fn(engine.tokenizer)
         self.done = done
         self.seen: set[str] = set()
         self.seen_custom: set[str] = set()
@@ -227,12 +227,12 @@ class _BatchRun:
                 return
             self.submit(line, parse_batch_line(obj, cid, self.engine.config.max_model_len))
         except InvalidRequestError as e:
-            self.write(batch_record(cid, 400, None, oai.invalid_request_body(e)))
+            self.write(batch_record(cid, 400, None, oresp.invalid_request_body(e)))
             self.reject(line, f"{e}; wrote its 400 result")
 
     def submit(self, line: int, b: BatchLine) -> None:
         """Add a batch line's prompts to the engine: all of them, or none."""
-        b.created = oai.now()
+        b.created = oresp.now()
         rids: list[str] = []
         try:
             for i, prompt in enumerate(b.prompts):

@@ -22,7 +22,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
-import threading
 import time
 
 import jax
@@ -34,16 +33,16 @@ from jaxinfer.buckets import Buckets
 from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.errors import ConfigError, EngineDeadError
 from jaxinfer.engine_io import (Detokenized, build_step_input, check_params_for_model,
-                                logprob_dict, prompt_token_ids)
+                                logprob_dict, pending_source, prompt_token_ids)
 from jaxinfer.loading import load_model
 from jaxinfer.errors import InvalidRequestError
-from jaxinfer.request import PENDING, FinishReason, Request, RequestOutput, SamplingParams
+from jaxinfer.request import FinishReason, Request, RequestOutput, SamplingParams
 from jaxinfer.request_group import RequestGroups, completion_id
 from jaxinfer.routes import Routes
 from jaxinfer.runner import CompileCounter, ModelRunner
 from jaxinfer.sampling import uses_penalty
 from jaxinfer.scheduler import Scheduler, SchedulerOutput
-from jaxinfer.structured_output import Grammars, Matcher
+from jaxinfer.structured_output import RequestGrammars
 
 
 log = logging.getLogger("jaxinfer.engine")
@@ -81,9 +80,7 @@ class Engine:
         self.buckets = Buckets.from_config(engine_cfg)
         self._text: dict[str, Detokenized] = {}
         self._groups = RequestGroups()     # n > 1 requests and their completions
-        self._grammars: Grammars | None = None    # made on the first structured request
-        self._grammars_lock = threading.Lock()
-        self._matchers: dict[str, Matcher] = {}  # request id -> its place in its grammar
+        self._grammars = RequestGrammars(tokenizer, cfg.vocab_size)  # structured output
         self._ids = itertools.count()
         self.num_steps = 0
         self.num_generated = 0   # output tokens produced so far (all requests)
@@ -118,7 +115,7 @@ class Engine:
         if params.n == 1:
             self.scheduler.add(Request(rid, ids, params))
             self._text[rid] = Detokenized(self.tokenizer, ids, params, text)
-            self._add_matcher(rid, params)
+            self._grammars.add(rid, params)
             return rid
         if rid in self.scheduler.requests:
             raise InvalidRequestError(f"request id {rid!r} is already in use",
@@ -128,31 +125,16 @@ class Engine:
         self.scheduler.add(Request(cids[0], ids, each[0], forks=tuple(zip(cids[1:], each[1:]))))
         for cid, p in zip(cids, each):
             self._text[cid] = Detokenized(self.tokenizer, ids, p, text)
-            self._add_matcher(cid, p)
+            self._grammars.add(cid, p)
         self._groups.add(rid, params.n)
         return rid
-
-    def grammars(self) -> Grammars:
-        """The model's grammar compiler (structured_output.py), made on first use."""
-        with self._grammars_lock:
-            if self._grammars is None:
-                if self.tokenizer is None:
-                    raise InvalidRequestError("structured_outputs needs a tokenizer; this model "
-                                              "has none", field="structured_outputs")
-                self._grammars = Grammars(self.tokenizer, self.model_config.vocab_size)
-            return self._grammars
-
-    def _add_matcher(self, rid: str, params: SamplingParams) -> None:
-        if params.structured_outputs is not None:
-            self._matchers[rid] = self.grammars().matcher(params.structured_outputs)
 
     def encode_prompt(self, prompt, sampling_params: SamplingParams) -> list[int]:
         """A prompt's validated token ids (and `sampling_params` checked against this model):
         what add_request does before queueing. Safe from any thread (servers tokenize off
         the engine's thread, then add {"prompt_token_ids": ids})."""
         check_params_for_model(sampling_params, self.tokenizer, self.model_config.vocab_size)
-        if sampling_params.structured_outputs is not None:   # compiled (and cached) here
-            self.grammars().compile(sampling_params.structured_outputs)
+        self._grammars.check(sampling_params)    # a grammar is compiled (and cached) here
         return prompt_token_ids(prompt, self.tokenizer, self.model_config.vocab_size,
                                 self.config.max_model_len)
 
@@ -226,9 +208,12 @@ class Engine:
             bucket = self.buckets.choose(out.num_tokens, out.num_rows, out.max_pages)
             arrays = batch.prepare(out, bucket, self.config.page_size)
             ta = clock()
-            step_input = build_step_input(arrays, out, self.scheduler,
-                                          *self._prev_source(prev, out, arrays),
-                                          self.model_config.vocab_size, self._matchers)
+            sources = pending_source(None if prev is None else prev.row_of,
+                                     None if prev is None else prev.next_tokens,
+                                     self._no_prev, out, arrays)
+            step_input = build_step_input(arrays, out, self.scheduler, *sources,
+                                          self.model_config.vocab_size,
+                                          self._grammars.matchers)
             tb = clock()
             inp = self.runner.prepare(step_input)
             t3 = clock()
@@ -243,8 +228,7 @@ class Engine:
                 out, sampled, next_tokens, dict(zip(arrays.request_ids, range(out.num_rows))),
                 waits=bool((samp.repetition_penalty != 1).any()
                            or samp.presence_penalty.any() or samp.frequency_penalty.any()
-                           or (self._matchers and any(
-                               rid in self._matchers for rid in arrays.request_ids))))
+                           or self._grammars.any_of(arrays.request_ids)))
             self.num_steps += 1
             t5 = clock()
         waited_before = self._waited
@@ -287,26 +271,8 @@ class Engine:
         """A running request with a penalty or a grammar and a pending token: its penalty
         window or its next token bitmask needs it."""
         return any(r.num_pending and (uses_penalty(r.sampling_params)
-                                      or r.request_id in self._matchers)
+                                      or r.request_id in self._grammars)
                    for r in self.scheduler.running)
-
-    def _prev_source(self, prev: _InFlight | None, out: SchedulerOutput, arrays):
-        """(prev_tokens, prev_index) for the step input: where each PENDING token is."""
-        index = np.full(len(arrays.tokens), -1, np.int32)
-        rows = out.rows
-        pending = [b for b, r in enumerate(rows) if r.token_ids[-1] == PENDING]
-        if pending:
-            # Only ever the one token of a decode row, sampled by the step in flight.
-            row_of = {} if prev is None else prev.row_of
-            source = [row_of.get(rows[b].request_id, -1) for b in pending]
-            bad = [rows[b].request_id for b, src in zip(pending, source)
-                   if src < 0 or len(rows[b].token_ids) != 1]
-            if bad:
-                raise RuntimeError(f"pending token of {bad[0]!r} has no source")
-            index[arrays.query_start[pending]] = source
-        if prev is None:
-            return self._no_prev, index
-        return prev.next_tokens, index
 
     def _finish(self, step: _InFlight) -> list[RequestOutput]:
         self._blame = step.out
@@ -330,7 +296,8 @@ class Engine:
             try:
                 # The grammar, then the text: a complete grammar ends the request as a stop
                 # token or string would.
-                grammar_done = self._advance_grammar(req, tokens[b])
+                grammar_done = (not req.is_finished
+                                and self._grammars.advance(req.request_id, tokens[b]))
                 delta, stop_hit = text.add(tokens[b], done=req.is_finished or grammar_done,
                                            defer=not self._deltas)
             except Exception as e:   # text work fails one request, not the step
@@ -353,20 +320,10 @@ class Engine:
                 self._forget(req.request_id)
         return outputs
 
-    def _advance_grammar(self, req: Request, token: int) -> bool:
-        """Feed a request's sampled token to its grammar (if it has one and goes on): whether
-        the grammar is now complete. A token the grammar refuses raises."""
-        matcher = self._matchers.get(req.request_id)
-        if matcher is None or req.is_finished:
-            return False
-        if not matcher.accept(token):
-            raise RuntimeError(f"sampled token {token}, which its grammar does not allow")
-        return matcher.terminated
-
     def _forget(self, request_id: str) -> None:
         """Drop a finished request's text and grammar state."""
         del self._text[request_id]
-        self._matchers.pop(request_id, None)
+        self._grammars.forget(request_id)
 
     def _error_output(self, req: Request, error: Exception) -> RequestOutput:
         """The final output of a request that failed (its text as far as it was emitted)."""

@@ -10,7 +10,7 @@ import numpy as np
 from jaxinfer.batch import StepArrays
 from jaxinfer.errors import ConfigError, InvalidRequestError, InvalidTypeError
 from jaxinfer.kv_cache import AttentionMetadata
-from jaxinfer.request import SamplingParams
+from jaxinfer.request import PENDING, SamplingParams
 from jaxinfer.step_input import StepInput, all_allowed, bitmask_words
 from jaxinfer.sampling import SampleOutput, SamplingArrays
 from jaxinfer.scheduler import SchedulerOutput
@@ -186,6 +186,25 @@ def build_step_input(arrays: StepArrays, out: SchedulerOutput, scheduler, prev_t
     bitmask = token_bitmask(arrays, matchers, vocab_size) if samp.full else None
     return StepInput(arrays.tokens, md, arrays.logits_index, samp, prev_tokens, prev_index,
                      bitmask)
+
+
+def pending_source(row_of: dict | None, prev_tokens, no_prev, out: SchedulerOutput,
+                   arrays: StepArrays):
+    """(prev_tokens, prev_index) for the step input: where each PENDING token is. row_of /
+    prev_tokens: the step in flight's rows by request id and its sampled tokens on the device
+    (None: no step in flight; then `no_prev`, zeros on the device, stands in)."""
+    index = np.full(len(arrays.tokens), -1, np.int32)
+    rows = out.rows
+    pending = [b for b, r in enumerate(rows) if r.token_ids[-1] == PENDING]
+    if pending:
+        # Only ever the one token of a decode row, sampled by the step in flight.
+        source = [(row_of or {}).get(rows[b].request_id, -1) for b in pending]
+        bad = [rows[b].request_id for b, src in zip(pending, source)
+               if src < 0 or len(rows[b].token_ids) != 1]
+        if bad:
+            raise RuntimeError(f"pending token of {bad[0]!r} has no source")
+        index[arrays.query_start[pending]] = source
+    return (no_prev if row_of is None else prev_tokens), index
 
 
 def token_bitmask(arrays: StepArrays, matchers, vocab_size: int):

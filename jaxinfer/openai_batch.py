@@ -8,6 +8,7 @@ import dataclasses
 import uuid
 
 from jaxinfer import openai_protocol as oai
+from jaxinfer import openai_responses as oresp
 from jaxinfer.errors import InvalidRequestError
 from jaxinfer.request import RequestOutput, SamplingParams
 
@@ -84,8 +85,8 @@ def batch_record(custom_id: str, status: int, request_id: str | None, body: dict
 def batch_response(b: BatchLine, model: str, token_text: oai.TokenText) -> dict:
     """The 200 result of a batch line whose prompts have all finished."""
     choices = [c for i in range(len(b.prompts))
-               for c in oai.Choice.from_final(i * b.params.n, b.params.logprobs, b.outputs[i],
+               for c in oresp.Choice.from_final(i * b.params.n, b.params.logprobs, b.outputs[i],
                                               b.with_token_ids)]
-    rid = oai.new_id("chatcmpl" if b.chat else "cmpl")
-    build = oai.chat_response if b.chat else oai.completion_response
+    rid = oresp.new_id("chatcmpl" if b.chat else "cmpl")
+    build = oresp.chat_response if b.chat else oresp.completion_response
     return batch_record(b.custom_id, 200, rid, build(rid, b.created, model, choices, token_text))

@@ -181,6 +181,58 @@ class Grammars:
         return np.full((rows, self.words), -1, np.int32)
 
 
+class RequestGrammars:
+    """The engine's grammar requests: each one's Matcher by request id, and the model's
+    Grammars, made on the first structured request (thread-safe: servers validate specs off
+    the engine's thread)."""
+
+    def __init__(self, tokenizer, vocab_size: int):
+        self._tokenizer, self._vocab_size = tokenizer, vocab_size
+        self._grammars: Grammars | None = None
+        self._lock = threading.Lock()
+        self.matchers: dict[str, Matcher] = {}
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self.matchers
+
+    def grammars(self) -> Grammars:
+        with self._lock:
+            if self._grammars is None:
+                if self._tokenizer is None:
+                    raise InvalidRequestError("structured_outputs needs a tokenizer; this model "
+                                              "has none", field="structured_outputs")
+                self._grammars = Grammars(self._tokenizer, self._vocab_size)
+            return self._grammars
+
+    def check(self, params) -> None:
+        """Compile (and cache) a SamplingParams' grammar, if it has one: InvalidRequestError
+        naming the field when it does not compile."""
+        if params.structured_outputs is not None:
+            self.grammars().compile(params.structured_outputs)
+
+    def add(self, request_id: str, params) -> None:
+        """Start a matcher for a request whose SamplingParams have a grammar."""
+        if params.structured_outputs is not None:
+            self.matchers[request_id] = self.grammars().matcher(params.structured_outputs)
+
+    def any_of(self, request_ids) -> bool:
+        """Whether any of these requests has a grammar."""
+        return bool(self.matchers) and any(rid in self.matchers for rid in request_ids)
+
+    def advance(self, request_id: str, token: int) -> bool:
+        """Feed a running request's sampled token to its grammar (if it has one): whether the
+        grammar is now complete. A token the grammar refuses raises."""
+        matcher = self.matchers.get(request_id)
+        if matcher is None:
+            return False
+        if not matcher.accept(token):
+            raise RuntimeError(f"sampled token {token}, which its grammar does not allow")
+        return matcher.terminated
+
+    def forget(self, request_id: str) -> None:
+        self.matchers.pop(request_id, None)
+
+
 class Matcher:
     """One generation's place in its grammar."""
 

@@ -32,6 +32,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jaxinfer import openai_protocol as oai
+from jaxinfer import openai_responses as oresp
 from jaxinfer.errors import InvalidRequestError
 from serve.admission import Admission, Refused, RequestFailed
 from serve.openai_stream import Call, EventStream, failing_as_event, sse
@@ -118,7 +119,7 @@ class OpenAIApi:
 
     def token_text(self, token_id: int) -> str:
         if self._token_text is None:     # the engine (and its tokenizer) loads after start
-            self._token_text = oai.token_text_fn(self._engine.tokenizer)
+            self._token_text = oresp.token_text_fn(self._engine.tokenizer)
         return self._token_text(token_id)
 
     def _tokenizer(self, field: str):
@@ -148,11 +149,11 @@ class OpenAIApi:
                                  chat=True)
 
     async def _serve(self, request, prefix, model, prompts, params, req, arrival, chat: bool):
-        call = Call(self.admission, request, oai.new_id(prefix), arrival)
+        call = Call(self.admission, request, oresp.new_id(prefix), arrival)
         log.info("request %s: %s", call.rid,
                  prompts if self.settings.log_prompts else "(prompt not logged)")
-        created = oai.now()
-        choices = oai.choices_for(len(prompts), params.n, params.logprobs,
+        created = oresp.now()
+        choices = oresp.choices_for(len(prompts), params.n, params.logprobs,
                                   req.return_token_ids)
         streaming = False
         try:
@@ -172,10 +173,10 @@ class OpenAIApi:
                 out = await call.next()
                 if out is None:
                     return Response(status_code=499)
-                c = oai.choice_of(choices, call.index[out.request_id], out)
+                c = oresp.choice_of(choices, call.index[out.request_id], out)
                 if c is not None:
                     c.add(out)
-            build = oai.chat_response if chat else oai.completion_response
+            build = oresp.chat_response if chat else oresp.completion_response
             return JSONResponse(build(call.rid, created, model, choices, self.token_text))
         finally:
             if not streaming:
@@ -192,7 +193,7 @@ class OpenAIApi:
             out = await call.next()
             if out is None:
                 return
-            c = oai.choice_of(choices, call.index[out.request_id], out)
+            c = oresp.choice_of(choices, call.index[out.request_id], out)
             if c is None:
                 continue
             offset = len(c.text)
@@ -200,7 +201,7 @@ class OpenAIApi:
             tokens_due = new and (c.logprobs is not None or c.with_token_ids)
             if not (out.text_delta or c.finish_reason or tokens_due):
                 continue
-            lp = (oai.completion_logprobs(new, dicts, c.logprobs, self.token_text, offset)
+            lp = (oresp.completion_logprobs(new, dicts, c.logprobs, self.token_text, offset)
                   if c.logprobs is not None else None)
             choice = {"index": c.index, "text": out.text_delta, "logprobs": lp,
                       "finish_reason": c.finish_reason}
@@ -220,7 +221,7 @@ class OpenAIApi:
 
     async def _chat_chunks(self, call: Call, model, created, choices, include_usage):
         def chunk(index, delta, finish_reason=None, logprobs=None, token_ids=None):
-            return sse(oai.chat_chunk(call.rid, created, model, index, delta, finish_reason,
+            return sse(oresp.chat_chunk(call.rid, created, model, index, delta, finish_reason,
                                        logprobs, with_usage=include_usage, token_ids=token_ids))
 
         for c in choices:
@@ -229,19 +230,19 @@ class OpenAIApi:
             out = await call.next()
             if out is None:
                 return
-            c = oai.choice_of(choices, call.index[out.request_id], out)
+            c = oresp.choice_of(choices, call.index[out.request_id], out)
             if c is None:
                 continue
             new, dicts = c.add(out)
             if out.text_delta or (new and (c.logprobs is not None or c.with_token_ids)):
-                lp = (oai.chat_logprobs(new, dicts, c.logprobs, self.token_text)
+                lp = (oresp.chat_logprobs(new, dicts, c.logprobs, self.token_text)
                       if c.logprobs is not None else None)
                 yield chunk(c.index, {"content": out.text_delta}, logprobs=lp,
                             token_ids=new if c.with_token_ids else None)
             if c.finish_reason is not None:
                 yield chunk(c.index, {}, c.finish_reason)
         if include_usage:
-            yield sse(oai.chat_chunk(call.rid, created, model, None, None,
+            yield sse(oresp.chat_chunk(call.rid, created, model, None, None,
                                       usage_=_total_usage(choices), with_usage=True))
         yield b"data: [DONE]\n\n"
 
@@ -257,7 +258,7 @@ class OpenAIApi:
         return self._model_card()
 
     def _model_card(self) -> dict:
-        return {"id": self.model_name, "object": "model", "created": oai.now(),
+        return {"id": self.model_name, "object": "model", "created": oresp.now(),
                 "owned_by": "jaxinfer", "max_model_len": self._engine.config.max_model_len}
 
     async def tokenize(self, request: Request) -> dict:
@@ -297,7 +298,7 @@ class OpenAIApi:
 
 
 def _total_usage(choices) -> dict:
-    return oai.usage(sum(c.prompt_tokens for c in choices),
+    return oresp.usage(sum(c.prompt_tokens for c in choices),
                      sum(len(c.token_ids) for c in choices))
 
 
@@ -320,7 +321,7 @@ def build_app(admission: Admission, settings: HttpSettings) -> FastAPI:
 
     @app.exception_handler(InvalidRequestError)
     async def _invalid(request, e: InvalidRequestError):
-        return JSONResponse(oai.invalid_request_body(e), status_code=400)
+        return JSONResponse(oresp.invalid_request_body(e), status_code=400)
 
     @app.exception_handler(Refused)
     async def _refused(request, e: Refused):
