@@ -103,6 +103,8 @@ class Completion:
     usage: pb.Usage
     logprobs: list[pb.TokenLogprobs]
     request_id: str
+    # n > 1: every completion by index (this object's own fields are completion 0's)
+    completions: list["Completion"] | None = None
 
 
 class Client:
@@ -127,14 +129,21 @@ class Client:
                                   timeout=timeout, metadata=self._metadata)
 
     def complete(self, prompt, sampling=None, **kw) -> Completion:
-        """Run a request to its end and join the streamed pieces."""
-        text, ids, logprobs, last = [], [], [], None
+        """Run a request to its end and join the streamed pieces (by completion index when
+        it asked for n > 1: `completions`)."""
+        parts: dict[int, tuple[list, list, list, list]] = {}
+        last = None
         for last in self.generate(prompt, sampling, **kw):
+            text, ids, logprobs, reason = parts.setdefault(last.index, ([], [], [], [None]))
             text.append(last.text)
             ids.extend(last.token_ids)
             logprobs.extend(last.logprobs)
-        return Completion("".join(text), ids, self.finish_reason(last), last.usage, logprobs,
-                          last.request_id)
+            reason[0] = self.finish_reason(last) or reason[0]
+        done = [Completion("".join(text), ids, reason[0], last.usage, logprobs, last.request_id)
+                for _, (text, ids, logprobs, reason) in sorted(parts.items())]
+        if len(done) == 1:
+            return done[0]
+        return dataclasses.replace(done[0], completions=done)
 
     def model_info(self, timeout: float | None = None) -> pb.ModelInfoResponse:
         return self.stub.ModelInfo(pb.ModelInfoRequest(), timeout=timeout,

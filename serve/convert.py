@@ -9,7 +9,7 @@ from serve import jaxinfer_pb2 as pb
 MAX_REQUEST_ID_CHARS = 128
 # Sampling fields that are proto3 `optional` scalars: unset means the engine's default.
 _OPTIONAL_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
-                    "presence_penalty", "frequency_penalty", "seed", "logprobs")
+                    "presence_penalty", "frequency_penalty", "seed", "logprobs", "n")
 _FINISH = {FinishReason.STOP: pb.FINISH_REASON_STOP, FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
            FinishReason.CANCELLED: pb.FINISH_REASON_CANCELLED}
 
@@ -93,6 +93,11 @@ def response_from_output(out: RequestOutput) -> pb.GenerateResponse:
                               top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.items()])
     if out.finish_reason is not None:
         resp.finish_reason = _FINISH[out.finish_reason]
+    elif out.completions is not None:       # n > 1: one completion's delta
+        [c] = out.completions
+        resp.index = c.index
+        if c.finish_reason is not None and FinishReason(c.finish_reason) in _FINISH:
+            resp.finish_reason = _FINISH[FinishReason(c.finish_reason)]
     return resp
 
 

@@ -136,7 +136,8 @@ class InferenceService(pb_grpc.InferenceServicer):
             resp = convert.response_from_output(out)
             if out.finished:
                 resp.usage.CopyFrom(pb.Usage(
-                    prompt_tokens=len(out.prompt_token_ids), completion_tokens=len(out.token_ids),
+                    prompt_tokens=len(out.prompt_token_ids),
+                    completion_tokens=sum(len(c.token_ids) for c in out.outputs),
                     ttft_ms=1e3 * ((clock.first or now) - clock.arrival),
                     e2e_ms=1e3 * (now - clock.arrival)))
             await context.write(resp)

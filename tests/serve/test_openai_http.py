@@ -400,8 +400,8 @@ def test_grpc_and_http_share_the_engine(client, smol):
     assert len(texts) == 1 and texts.pop().startswith(" Paris.")
 
 
-def test_grpc_takes_structured_outputs_and_the_vllm_extras(smol, llm):
-    """The gRPC service's SamplingParams carry structured_outputs, min_tokens,
+def test_grpc_takes_structured_outputs_n_and_the_vllm_extras(smol, llm):
+    """The gRPC service's SamplingParams carry structured_outputs, n, min_tokens,
     include_stop_str_in_output and skip_special_tokens: answers equal LLM.generate's."""
     import grpc
     import jsonschema
@@ -424,6 +424,16 @@ def test_grpc_takes_structured_outputs_and_the_vllm_extras(smol, llm):
             max_tokens=80, temperature=0.8, seed=4, structured_outputs={"json": PERSON}),
             timeout=120)
         jsonschema.validate(json.loads(sampled.text), PERSON)
+        # n > 1: the completions come by index, equal to LLM.generate's (seeded).
+        params = SamplingParams(max_tokens=8, temperature=0.9, seed=11, n=3)
+        [want_n] = llm.generate(PROMPTS[0], params, use_tqdm=False)
+        got_n = g.complete(PROMPTS[0], params, timeout=120)
+        assert [c.token_ids for c in got_n.completions] == [
+            c.token_ids for c in want_n.outputs]
+        assert [c.text for c in got_n.completions] == [c.text for c in want_n.outputs]
+        assert [c.finish_reason for c in got_n.completions] == [
+            c.finish_reason for c in want_n.outputs]
+        assert got_n.usage.completion_tokens == sum(len(c.token_ids) for c in want_n.outputs)
         with pytest.raises(grpc.RpcError) as e:
             g.complete(PROMPTS[0], {"structured_outputs": {"regex": "(a"}}, timeout=60)
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
