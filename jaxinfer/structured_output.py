@@ -147,8 +147,6 @@ class Grammars:
         self._compiler = xgr.GrammarCompiler(info, max_threads=4,
                                              cache_limit_bytes=GRAMMAR_CACHE_BYTES)
         self._lock = threading.Lock()     # compiles come from the servers' threads too
-        self.vocab_size = vocab_size
-        self.words = (vocab_size + 31) // 32
 
     def compile(self, params: StructuredOutputsParams):
         """The compiled grammar (xgrammar caches repeats); InvalidRequestError naming the
@@ -175,10 +173,6 @@ class Grammars:
 
     def matcher(self, params: StructuredOutputsParams) -> "Matcher":
         return Matcher(self._xgr.GrammarMatcher(self.compile(params)))
-
-    def all_allowed(self, rows: int) -> np.ndarray:
-        """A [rows, words] mask that allows every token (-1: every bit set)."""
-        return np.full((rows, self.words), -1, np.int32)
 
 
 class RequestGrammars:
