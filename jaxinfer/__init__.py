@@ -10,6 +10,7 @@ xla_gpu_enable_pdl wins (`XLA_FLAGS=--xla_gpu_enable_pdl=false` turns it off).
 import os
 
 from jaxinfer.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
+from jaxinfer.lora import LoRARequest
 from jaxinfer.request import CompletionOutput, FinishReason, RequestOutput, SamplingParams
 from jaxinfer.structured_output import StructuredOutputsParams
 
@@ -26,7 +27,7 @@ _default_xla_flags()
 
 __all__ = ["LLM", "AsyncLLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput",
            "CompletionOutput", "FinishReason", "BeamSearchParams", "BeamSearchOutput",
-           "BeamSearchSequence"]
+           "BeamSearchSequence", "LoRARequest"]
 
 
 def __getattr__(name):

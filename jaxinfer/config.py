@@ -212,6 +212,12 @@ class EngineConfig:
     # Compile every bucket when the engine is built (LLM, `jaxinfer generate`), so no request
     # compiles; None: on a GPU. The server always warms up before it reports SERVING.
     warmup: bool | None = None
+    # LoRA adapters (lora.py): device slots for adapters in use at once (0: LoRA off, the
+    # step has no LoRA work at all), their largest rank, and adapters kept in host memory
+    # (0: as many as max_loras).
+    max_loras: int = 0
+    max_lora_rank: int = 16
+    max_cpu_loras: int = 0
 
     def __post_init__(self):
         def check(cond, msg):
@@ -246,6 +252,15 @@ class EngineConfig:
               f"unroll_layers must be None (auto), True or False, got {self.unroll_layers!r}")
         check(self.warmup in (None, True, False),
               f"warmup must be None (auto), True or False, got {self.warmup!r}")
+        check(isinstance(self.max_loras, int) and self.max_loras >= 0,
+              f"max_loras must be >= 0 (0: LoRA off), got {self.max_loras!r}")
+        check(isinstance(self.max_lora_rank, int) and 1 <= self.max_lora_rank <= 64,
+              f"max_lora_rank must be in [1, 64], got {self.max_lora_rank!r}")
+        check(isinstance(self.max_cpu_loras, int) and self.max_cpu_loras >= 0,
+              f"max_cpu_loras must be >= 0 (0: max_loras), got {self.max_cpu_loras!r}")
+        check(not (self.max_loras and self.tensor_parallel > 1),
+              "LoRA adapters (max_loras > 0) are served on one device: tensor_parallel must "
+              "be 1")
         check(isinstance(self.compile_cache, str) and self.compile_cache.strip() != "",
               f"compile_cache must be 'auto', 'off' or a directory, got {self.compile_cache!r}")
 

@@ -35,6 +35,7 @@ from jaxinfer.errors import ConfigError, EngineDeadError
 from jaxinfer.engine_io import (Detokenized, build_step_input, check_params_for_model,
                                 logprob_dict, pending_source, prompt_token_ids)
 from jaxinfer.loading import load_model
+from jaxinfer.lora import LoRARegistry
 from jaxinfer.errors import InvalidRequestError
 from jaxinfer.request import FinishReason, Request, RequestOutput, SamplingParams
 from jaxinfer.request_group import RequestGroups, completion_id
@@ -81,6 +82,9 @@ class Engine:
         self._text: dict[str, Detokenized] = {}
         self._groups = RequestGroups()     # n > 1 requests and their completions
         self._grammars = RequestGrammars(tokenizer, cfg.vocab_size)  # structured output
+        self.loras = (LoRARegistry(cfg, engine_cfg.max_lora_rank,
+                                   engine_cfg.max_cpu_loras or engine_cfg.max_loras)
+                      if engine_cfg.max_loras else None)
         self._ids = itertools.count()
         self.num_steps = 0
         self.num_generated = 0   # output tokens produced so far (all requests)
@@ -112,8 +116,9 @@ class Engine:
             raise InvalidRequestError(f"request id {rid!r} is already in use",
                                       field="request_id")
         text = prompt if isinstance(prompt, str) else None
+        lora = self._lora_key(params.lora)
         if params.n == 1:
-            self.scheduler.add(Request(rid, ids, params))
+            self.scheduler.add(Request(rid, ids, params, lora=lora))
             self._text[rid] = Detokenized(self.tokenizer, ids, params, text)
             self._grammars.add(rid, params)
             return rid
@@ -122,12 +127,47 @@ class Engine:
                                       field="request_id")
         cids = [completion_id(rid, i) for i in range(params.n)]
         each = [params.for_completion(i) for i in range(params.n)]
-        self.scheduler.add(Request(cids[0], ids, each[0], forks=tuple(zip(cids[1:], each[1:]))))
+        self.scheduler.add(Request(cids[0], ids, each[0], forks=tuple(zip(cids[1:], each[1:])),
+                                   lora=lora))
         for cid, p in zip(cids, each):
             self._text[cid] = Detokenized(self.tokenizer, ids, p, text)
             self._grammars.add(cid, p)
         self._groups.add(rid, params.n)
         return rid
+
+    # --- LoRA adapters ------------------------------------------------------------------
+    def load_lora(self, name: str, path) -> None:
+        """Serve the PEFT adapter in directory `path` as `name` (requests name it in
+        SamplingParams.lora). InvalidRequestError if it does not fit the model or the
+        engine's max_lora_rank; ConfigError if the engine serves none (max_loras 0)."""
+        self._lora_registry().load(name, path)
+
+    def unload_lora(self, name: str) -> None:
+        """Stop serving `name`; requests already queued with it finish with it."""
+        self._lora_registry().unload(name)
+
+    def lora_names(self) -> list[str]:
+        """The loaded adapters' names, in load order."""
+        return [] if self.loras is None else self.loras.names
+
+    def _lora_registry(self) -> LoRARegistry:
+        if self.loras is None:
+            raise ConfigError("this engine serves no LoRA adapters: build it with max_loras "
+                              "> 0 (--max-loras)")
+        return self.loras
+
+    def _lora_key(self, name: str | None) -> str | None:
+        if name is None:
+            return None
+        if self.loras is None:
+            raise InvalidRequestError("this engine serves no LoRA adapters (max_loras is 0)",
+                                      field="lora")
+        return self.loras.key_of(name)
+
+    def _load_lora_slots(self) -> None:
+        """The adapters the scheduler gave slots since the last step, onto the device."""
+        for slot, key in self.scheduler.lora_slots.take_loads():
+            self.runner.set_lora_slot(slot, self.loras.weights(key))
 
     def encode_prompt(self, prompt, sampling_params: SamplingParams) -> list[int]:
         """A prompt's validated token ids (and `sampling_params` checked against this model):
@@ -205,6 +245,8 @@ class Engine:
         new = None
         if not out.is_empty:
             self._blame = out
+            if self.loras is not None:
+                self._load_lora_slots()
             bucket = self.buckets.choose(out.num_tokens, out.num_rows, out.max_pages)
             arrays = batch.prepare(out, bucket, self.config.page_size)
             ta = clock()

@@ -185,7 +185,17 @@ def build_step_input(arrays: StepArrays, out: SchedulerOutput, scheduler, prev_t
                            decode_only=arrays.decode_only)
     bitmask = token_bitmask(arrays, matchers, vocab_size) if samp.full else None
     return StepInput(arrays.tokens, md, arrays.logits_index, samp, prev_tokens, prev_index,
-                     bitmask)
+                     bitmask, lora_index(arrays, reqs, scheduler.lora_slots))
+
+
+def lora_index(arrays: StepArrays, reqs, slots) -> np.ndarray | None:
+    """Each token's LoRA slot [T] i32 (-1: no adapter, and padding); None without LoRA."""
+    if slots is None:
+        return None
+    row = np.array([-1 if r.lora is None else slots.slot(r.lora) for r in reqs], np.int32)
+    index = row[arrays.token_seq]
+    index[arrays.query_start[len(reqs)]:] = -1
+    return index
 
 
 def pending_source(row_of: dict | None, prev_tokens, no_prev, out: SchedulerOutput,

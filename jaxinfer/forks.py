@@ -51,6 +51,7 @@ class Forks:
             child.num_cached_pages = min(parent.num_cached_pages, len(shared))
             child.num_computed_tokens = start
             child.status = RequestStatus.RUNNING
+            self._lora_enter(child)    # always succeeds: the parent holds the adapter's slot
             bisect.insort(self.running, child, key=lambda r: r.arrival_time)
         self.waiting.extendleft(reversed(queued))
         self._fork_rows -= len(parent.forks)
@@ -59,7 +60,7 @@ class Forks:
     def _new_fork(self, parent: Request, request_id: str, params) -> Request:
         """A completion of `parent`'s prompt as a request of its own (registered, WAITING)."""
         child = Request(request_id, parent.prompt_token_ids, params,
-                        arrival_time=parent.arrival_time)
+                        arrival_time=parent.arrival_time, lora=parent.lora)
         self.requests[request_id] = child
         self._reserved.discard(request_id)
         return child

@@ -7,12 +7,14 @@
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Mapping, Sequence, Union
 
 from jaxinfer.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from jaxinfer.config import EngineConfig
 from jaxinfer.engine import Engine
 from jaxinfer.errors import InvalidRequestError, InvalidTypeError
+from jaxinfer.lora import LoRARequest
 from jaxinfer.request import RequestOutput, SamplingParams
 
 Prompt = Union[str, list, dict]  # text, chat messages, or {"prompt_token_ids": [...]}
@@ -46,12 +48,17 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 *, use_tqdm: bool = True) -> list[RequestOutput]:
+                 *, use_tqdm: bool = True,
+                 lora_request: LoRARequest | str | Sequence | None = None
+                 ) -> list[RequestOutput]:
         """Complete every prompt; outputs come back in the order of `prompts`.
 
         A prompt is text, a list of chat messages ({"role", "content"}: the chat template is
         applied) or {"prompt_token_ids": [...]}. A request whose engine step failed comes back
-        with finish_reason "error" and `error` (the others are unaffected)."""
+        with finish_reason "error" and `error` (the others are unaffected).
+        lora_request: the LoRA adapter to answer with (the engine needs max_loras > 0), for
+        all prompts or a list of one per prompt (None: the base model): a LoRARequest, loaded
+        from its lora_path on first use, or the name of a loaded adapter."""
         prompts = _prompt_list(prompts)
         params = SamplingParams() if sampling_params is None else sampling_params
         if isinstance(params, (SamplingParams, Mapping)):
@@ -66,6 +73,9 @@ class LLM:
         if len(params) != len(prompts):
             raise InvalidRequestError(f"got {len(prompts)} prompts but {len(params)} "
                                       f"SamplingParams", field="sampling_params")
+        if lora_request is not None:
+            params = [p if name is None else dataclasses.replace(p, lora=name)
+                      for p, name in zip(params, self._lora_names(lora_request, len(prompts)))]
         ids: list[str] = []
         try:
             for p, sp in zip(prompts, params):
@@ -81,6 +91,27 @@ class LLM:
                 self.engine.abort_request(rid)
             raise
         return [done[i] for i in ids]
+
+    def _lora_names(self, lora_request, n: int) -> list[str | None]:
+        """lora_request (generate's) as one adapter name (or None) per prompt, loading the
+        LoRARequests not loaded yet."""
+        many = isinstance(lora_request, (list, tuple))
+        items = list(lora_request) if many else [lora_request] * n
+        if len(items) != n:
+            raise InvalidRequestError(f"got {n} prompts but {len(items)} LoRA requests",
+                                      field="lora_request")
+        names = []
+        for item in items:
+            if isinstance(item, LoRARequest):
+                if item.lora_name not in self.engine.lora_names() and item.lora_path:
+                    self.engine.load_lora(item.lora_name, item.lora_path)
+                item = item.lora_name
+            if item is not None and not isinstance(item, str):
+                raise InvalidTypeError(f"lora_request must be a LoRARequest, an adapter's "
+                                       f"name, None or a list of them, got "
+                                       f"{type(item).__name__}", field="lora_request")
+            names.append(item)
+        return names
 
     def beam_search(self, prompts: Prompt | Sequence[Prompt],
                     params: BeamSearchParams) -> list[BeamSearchOutput]:

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxinfer import ops
+from jaxinfer import lora_layers, ops
 from jaxinfer.config import ModelConfig
 from jaxinfer.errors import ConfigError
 from jaxinfer.kv_cache import AttentionMetadata, KVCache, KVLayers, pad_decode_rows
@@ -128,12 +128,14 @@ class Attention(nnx.Module):
                          fp8=fp8, parallel=_parallel(layout, n, "row"))
 
     def __call__(self, x, kv: KVCache, layer, md: AttentionMetadata, cos, sin, routes: Routes,
-                 norm: RMSNorm | None = None):
+                 norm: RMSNorm | None = None, lora=None):
         """x [T, E] normed; with `norm`, the residual rows that norm is still to be applied to
-        (folded into the fused front, ops.front_norm_applies)."""
+        (folded into the fused front, ops.front_norm_applies). lora: (this layer's adapter
+        weights, the tokens' slot mask) or None (lora_layers.py); the fused front, which
+        projects inside the attention kernel, does not run with it."""
         cfg, w = self.cfg, self.wqkv
         bias = None if w.bias is None else w.bias[...]
-        fused = ops.decode_qkv_attention(
+        fused = None if lora is not None else ops.decode_qkv_attention(
             x if norm is None else norm.weighted(x), w.kernel[...],
             None if w.scale is None else w.scale[...], bias, kv, layer, md, cos, sin,
             num_heads=cfg.num_heads, sm_scale=cfg.head_dim ** -0.5, routes=routes,
@@ -144,9 +146,12 @@ class Attention(nnx.Module):
         if norm is not None:
             x = norm(x)
         # the QKV bias is added by attend: inside the RoPE + K/V write kernel where that runs
-        o, kv = self.attend(self.wqkv(x, routes, add_bias=False), kv, layer, md, cos, sin,
-                            routes, bias=bias)
-        return self.wo(o, routes), kv
+        qkv = self.wqkv(x, routes, add_bias=False)
+        if lora is not None:
+            qkv = qkv + lora_layers.fused_delta(x, lora, ("q", "k", "v"))
+        o, kv = self.attend(qkv, kv, layer, md, cos, sin, routes, bias=bias)
+        out = self.wo(o, routes)
+        return (out if lora is None else out + lora_layers.fused_delta(o, lora, ("o",))), kv
 
     def attend(self, qkv, kv: KVCache, layer, md: AttentionMetadata, cos, sin, routes: Routes,
                bias=None, scales=None):
@@ -194,17 +199,23 @@ class MLP(nnx.Module):
         self.w_down = Linear(cfg.intermediate_size, cfg.hidden_size, rngs=rngs, stack=stack,
                              dtype=dtype, fp8=fp8, parallel=_parallel(layout, m, "row"))
 
-    def __call__(self, x, routes: Routes):
-        """x [T, E] normed -> [T, E]."""
+    def __call__(self, x, routes: Routes, lora=None):
+        """x [T, E] normed -> [T, E]. lora: as Attention's (the fused FP8 MLP does not run
+        with it)."""
         t = x.shape[0]
-        if self.shards == 1 and self.w_gateup.scale is not None:
+        if lora is None and self.shards == 1 and self.w_gateup.scale is not None:
             fused = ops.fused_fp8_mlp(x, (self.w_gateup.kernel[...], self.w_gateup.scale[...]),
                                       (self.w_down.kernel[...], self.w_down.scale[...]), routes)
             if fused is not None:
                 return fused
-        gu = self.w_gateup(x, routes).reshape(t, self.shards, 2, -1)    # [T, m, 2, F/m]
+        gu = self.w_gateup(x, routes)
+        if lora is not None:
+            gu = gu + lora_layers.fused_delta(x, lora, ("gate", "up"))
+        gu = gu.reshape(t, self.shards, 2, -1)                          # [T, m, 2, F/m]
         gate, up = gu[:, :, 0].reshape(t, -1), gu[:, :, 1].reshape(t, -1)  # [T, F] each
-        return self.w_down(jax.nn.silu(gate) * up, routes)
+        h = jax.nn.silu(gate) * up
+        y = self.w_down(h, routes)
+        return y if lora is None else y + lora_layers.fused_delta(h, lora, ("down",))
 
 
 class DecoderLayer(nnx.Module):
@@ -215,26 +226,27 @@ class DecoderLayer(nnx.Module):
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, stack=stack, dtype=dtype)
         self.mlp = MLP(cfg, rngs=rngs, stack=stack, dtype=dtype, fp8=fp8, layout=layout)
 
-    def __call__(self, x, delta, kv, layer, md, cos, sin, routes: Routes):
+    def __call__(self, x, delta, kv, layer, md, cos, sin, routes: Routes, lora=None):
         """The residual stream x [T, E] with delta still to be added to it (the previous
         layer's MLP output; None for the first layer) -> (x, this layer's MLP output still to
         be added, the cache). Unrolled, the add is left to the next RMSNorm (the decoder's
         final one after the last layer), which XLA fuses with it; the scan passes None and
         adds it in its body. Where the fused decode front applies (ops.front_norm_applies)
-        the first RMSNorm is folded into it instead."""
+        the first RMSNorm is folded into it instead. lora: Attention's (the fused routes
+        above do not run with it)."""
         layout = self.attn.layout
-        if ops.fused_fp8_layer(x, self.attn.wqkv.kernel[...], self.mlp.w_down.kernel[...],
+        if lora is None and ops.fused_fp8_layer(x, self.attn.wqkv.kernel[...], self.mlp.w_down.kernel[...],
                                layout.size, routes):
             return self._fused_fp8(x if delta is None else x + delta, kv, layer, md, cos, sin,
                                    routes)
-        if ops.front_norm_applies(x, kv, md, routes, layout):
+        if lora is None and ops.front_norm_applies(x, kv, md, routes, layout):
             x = x if delta is None else x + delta
             h, kv = self.attn(x, kv, layer, md, cos, sin, routes, norm=self.attn_norm)
         else:
             x, n = self.attn_norm.add_norm(x, delta)
-            h, kv = self.attn(n, kv, layer, md, cos, sin, routes)
+            h, kv = self.attn(n, kv, layer, md, cos, sin, routes, lora=lora)
         x, n = self.mlp_norm.add_norm(x, h)
-        return x, self.mlp(n, routes), kv
+        return x, self.mlp(n, routes, lora), kv
 
     def _fused_fp8(self, x, kv, layer, md, cos, sin, routes: Routes):
         """__call__'s math on the FP8 tensor-core route (ops.fused_fp8_layer) with each
@@ -259,12 +271,12 @@ class DecoderLayer(nnx.Module):
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
-def _unrolled_layer(graphdef, routes, state, x, delta, kv, layer, md, cos, sin):
+def _unrolled_layer(graphdef, routes, state, x, delta, kv, layer, md, cos, sin, lora):
     """One decoder layer of the unrolled model as its own (inner) jit: every layer has the
     same structure and shapes, so tracing it once serves all of them (tracing the whole
     step layer by layer cost seconds per executable at start-up). XLA inlines the call: the
     compiled step has the same kernels as without it."""
-    return nnx.merge(graphdef, state)(x, delta, kv, layer, md, cos, sin, routes)
+    return nnx.merge(graphdef, state)(x, delta, kv, layer, md, cos, sin, routes, lora)
 
 
 class Decoder(nnx.Module):
@@ -303,18 +315,27 @@ class Decoder(nnx.Module):
         self.inv_freq = nnx.Variable(jnp.asarray(rope_inv_freq(cfg)))  # [D/2], not a param
 
     def __call__(self, tokens, kv: KVCache | KVLayers, md: AttentionMetadata,
-                 routes: Routes = Routes()):
+                 routes: Routes = Routes(), lora=None):
         """tokens [T] -> final hidden states [T, E] (normed) and the updated cache: scanned,
         one KVCache of all layers; unrolled, that or KVLayers (kv_cache.py; the runner's
         pool). A decode step of fewer rows than ops.decode_rows asks for runs padded to that
-        (GPU: one pad here instead of a pad and a slice around every small linear)."""
+        (GPU: one pad here instead of a pad and a slice around every small linear).
+        lora: (the adapters' weights in lora_layers.allocate's form, each token's slot [T]
+        i32, -1 for none) or None: no LoRA work in the step."""
         t = tokens.shape[0]
         rows = ops.decode_rows(t, routes) if md.decode_only else t
         if rows > t:
             padded, md_padded = pad_decode_rows(tokens, md, rows)
-            h, kv = self(padded, kv, md_padded, routes)
+            if lora is not None:
+                lora = (lora[0], jnp.pad(lora[1], (0, rows - t), constant_values=-1))
+            h, kv = self(padded, kv, md_padded, routes, lora)
             return h[:t], kv
         x = self.embed[...][tokens]                                     # [T, E]
+        weights, mask = None, None
+        if lora is not None:
+            weights = lora[0]
+            first = weights[0] if isinstance(weights, tuple) else weights
+            mask = lora_layers.token_mask(lora[1], first["q"][0].shape[-2], x.dtype)  # [T, N]
         freqs = md.positions.astype(jnp.float32)[:, None] * self.inv_freq[...][None, :]
         cos, sin = jnp.cos(freqs), jnp.sin(freqs)                        # [T, D/2]
         if self.unroll_layers:
@@ -326,8 +347,9 @@ class Decoder(nnx.Module):
                 graphdef, state = nnx.split(layer)
                 cache, index = kv.layer(i)      # KVLayers: layer i's own arrays, at index 0
                 with jax.named_scope("decoder_layer"):  # bench/hlo.py counts kernels by it
-                    x, delta, cache = _unrolled_layer(graphdef, routes, state, x, delta, cache,
-                                                      jnp.int32(index), md, cos, sin)
+                    x, delta, cache = _unrolled_layer(
+                        graphdef, routes, state, x, delta, cache, jnp.int32(index), md, cos,
+                        sin, None if weights is None else (weights[i], mask))
                 kv = kv.with_layer(i, cache)
             return self.final_norm.add_norm(x, delta)[1], kv
         if isinstance(kv, KVLayers):
@@ -337,13 +359,14 @@ class Decoder(nnx.Module):
 
         def body(carry, xs):     # the MLP's add stays in the layer's body (XLA fuses it)
             h, kv = carry
-            layer_state, layer = xs
-            h, delta, kv = nnx.merge(graphdef, layer_state)(h, None, kv, layer, md, cos, sin,
-                                                            routes)
+            layer_state, layer, layer_lora = xs
+            h, delta, kv = nnx.merge(graphdef, layer_state)(
+                h, None, kv, layer, md, cos, sin, routes,
+                None if layer_lora is None else (layer_lora, mask))
             return (h + delta, kv), None
 
         layer_ids = jnp.arange(self.cfg.num_layers, dtype=jnp.int32)
-        (x, kv), _ = jax.lax.scan(body, (x, kv), (state, layer_ids))
+        (x, kv), _ = jax.lax.scan(body, (x, kv), (state, layer_ids, weights))
         return self.final_norm(x), kv
 
     def logits(self, h, routes: Routes = Routes()):

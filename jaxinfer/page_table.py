@@ -40,12 +40,13 @@ def page_key(parent: bytes | None, token_ids: Sequence[int]) -> bytes:
 
 
 def extend_page_keys(keys: list[bytes], token_ids: Sequence[int], page_size: int,
-                     num_tokens: int | None = None) -> None:
+                     num_tokens: int | None = None, root: bytes | None = None) -> None:
     """Append to `keys` the keys of the full pages of `token_ids` (of its first `num_tokens`)
-    not yet covered by it."""
+    not yet covered by it. root: what the first page's key chains from (a LoRA adapter's
+    key: the same tokens under two adapters never share pages), None for the base model."""
     n = len(token_ids) if num_tokens is None else num_tokens
     for i in range(len(keys), n // page_size):
-        keys.append(page_key(keys[-1] if keys else None,
+        keys.append(page_key(keys[-1] if keys else root,
                              token_ids[i * page_size:(i + 1) * page_size]))
 
 

@@ -59,6 +59,8 @@ class SamplingParams:
     # What the output must match (a JSON schema, regex, choice list or grammar), or None;
     # a dict of StructuredOutputsParams' fields is taken too.
     structured_outputs: StructuredOutputsParams | None = None
+    # The name of a loaded LoRA adapter to answer with (Engine.load_lora), None: the base model.
+    lora: str | None = None
 
     def __post_init__(self):
         # Accept lists from JSON / kwargs; store tuples so the object stays hashable and frozen.
@@ -114,6 +116,9 @@ class SamplingParams:
             bad("stop", "must be a string or a list of strings", InvalidTypeError)
         if any(not isinstance(t, int) or isinstance(t, bool) for t in self.stop_token_ids):
             bad("stop_token_ids", "must be a list of integers", InvalidTypeError)
+        if self.lora is not None and (not isinstance(self.lora, str) or not self.lora):
+            bad("lora", f"must be a LoRA adapter's name or None, got {self.lora!r}",
+                InvalidTypeError if not isinstance(self.lora, str) else InvalidRequestError)
         if self.max_tokens < 1:
             bad("max_tokens", f"must be >= 1, got {self.max_tokens}")
         if self.n < 1:
@@ -269,6 +274,8 @@ class Request:
     # n > 1: (request id, params) of the completions still to fork from this one once its
     # prompt is computed (Scheduler._fork); they then share its prompt's pages.
     forks: tuple[tuple[str, SamplingParams], ...] = ()
+    # The key of its LoRA adapter's load (lora.LoRARegistry.key_of), None for the base model.
+    lora: str | None = None
 
     def __post_init__(self):
         if not isinstance(self.request_id, str) or not self.request_id:

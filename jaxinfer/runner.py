@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxinfer import executable_store, kv_calibration, sampling
+from jaxinfer import executable_store, kv_calibration, lora_layers, sampling
 from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.errors import ConfigError
 from jaxinfer.executable_store import ExecutableStore
@@ -81,7 +81,7 @@ class CompileCounter:
 
 
 def _packed_step(graphdef, routes, treedef, leaves, kv, slot, outs, buf, prev_tokens, bitmask,
-                 rng, step_index, spec, kv_sharding=None):
+                 lora, rng, step_index, spec, kv_sharding=None):
     """The step on a packed input, its values kept at fixed device addresses: XLA updates a
     command buffer's (CUDA graph's) kernels whose buffers moved since the last call, and a
     step whose layers read a moved buffer pays that on every call.
@@ -95,6 +95,7 @@ def _packed_step(graphdef, routes, treedef, leaves, kv, slot, outs, buf, prev_to
       allocations whose live ranges allow it: on the H200 every layer's K/V write and
       attention kernels were updated on each batch-1 call (docs/performance.md). The caller
       copies the results out (ModelRunner.dispatch) before the next call overwrites them.
+    `lora`: the adapters' slots (lora_layers.py), None without LoRA.
     Returns (kv, slot, (SampleOutput, next_tokens)): the donated ones in their argument
     order, so jit pairs each output with its own buffer."""
     slot = jax.lax.optimization_barrier(jax.lax.dynamic_update_slice(slot, buf, (0,)))
@@ -104,7 +105,8 @@ def _packed_step(graphdef, routes, treedef, leaves, kv, slot, outs, buf, prev_to
     model = nnx.merge(graphdef, jax.tree_util.tree_unflatten(treedef, leaves))
     tokens = jnp.where(inp.prev_index >= 0,
                        inp.prev_tokens[jnp.maximum(inp.prev_index, 0)], inp.tokens)
-    h, kv = model(tokens, kv, inp.md, routes)
+    h, kv = model(tokens, kv, inp.md, routes,
+                  None if inp.lora_index is None else (lora, inp.lora_index))
     if kv_sharding is not None:     # pinned, so the donated buffers are reused in place
         kv = jax.lax.with_sharding_constraint(kv, kv_sharding)
     logits = model.logits(h[inp.logits_index], routes)                  # [B, V] f32
@@ -213,6 +215,10 @@ class ModelRunner:
                                                   self._treedef, kv_sharding=kv_sharding),
                                 donate_argnums=(1, 2, 3), static_argnames=("spec",))
         self._copy_fn = jax.jit(_copy_pages, donate_argnums=(0,))
+        # The LoRA adapters' device slots (lora_layers.py); None when max_loras is 0.
+        self.lora = (lora_layers.allocate(cfg, self.engine, jnp.dtype(self.engine.dtype),
+                                          self.engine.unroll_layers)
+                     if self.engine.max_loras else None)
         # Compiled steps on disk, loaded without tracing on a restart (executable_store.py).
         self.store = ExecutableStore.for_jax_cache(
             repr(cfg), repr(self.engine), repr(self.routes), params, self.kv)
@@ -246,6 +252,13 @@ class ModelRunner:
             idx = np.zeros((2, width), np.int32)
             idx[:, :len(pairs[i:i + width])] = np.array(pairs[i:i + width], np.int32).T
             self.kv = self._copy_fn(self.kv, idx[0], idx[1])
+
+    def set_lora_slot(self, slot: int, adapter) -> None:
+        """Write `adapter` (lora.LoRAAdapter; None: zeros) into LoRA slot `slot`, after the
+        steps dispatched before and before those after. Never compiles after warm-up."""
+        host = lora_layers.host_slot(adapter, self.cfg, self.engine.max_lora_rank,
+                                     jnp.dtype(self.engine.dtype))
+        self.lora = lora_layers.write_slot(self.lora, np.int32(slot), host)
 
     def kv_lost(self) -> bool:
         """The KV cache's buffers are gone (donated to a step that then failed)."""
@@ -284,7 +297,7 @@ class ModelRunner:
         slot, outs = self._step_buffers(p)
         try:
             kv, slot, results = fn(self._leaves, kv, slot, outs, p.buf, p.prev_tokens,
-                                   p.bitmask, self._rng, np.uint32(step_index))
+                                   p.bitmask, self.lora, self._rng, np.uint32(step_index))
         except Exception:
             self._buffers.pop(p.signature, None)   # they may have been donated: make new ones
             raise
@@ -317,8 +330,8 @@ class ModelRunner:
         compilation and the bench)."""
         p = self.prepare(inp)
         return self._step_fn.trace(self._leaves, self.kv, *self._step_buffers(p), p.buf,
-                                   p.prev_tokens, p.bitmask, self._rng, np.uint32(0),
-                                   spec=p.spec)
+                                   p.prev_tokens, p.bitmask, self.lora, self._rng,
+                                   np.uint32(0), spec=p.spec)
 
     def lower(self, inp: StepInput | PackedInput):
         """The step lowered for `inp`'s shapes (for ahead-of-time compilation and the bench)."""
@@ -362,12 +375,14 @@ class ModelRunner:
         later. A workload known to be all greedy without logprobs needs only `plain`."""
         inputs = [self.prepare(i)   # packed once, for the compile and the run
                   for i in warmup_inputs(buckets, self.engine.max_num_seqs, variants,
-                                         self.cfg.vocab_size)]
+                                         self.cfg.vocab_size, self.lora is not None)]
         self.compile_ahead(inputs, on_done=on_done)
         with pool_oom_as_config_error(self.cfg, self.engine, "a warm-up step"):
             for inp in inputs:
                 self.step(inp)
             self.copy_pages([(0, 0)])      # the page copy of n > 1 requests' forks
+            if self.lora is not None:      # the program that swaps adapters in
+                self.set_lora_slot(0, None)
 
     def all_logits(self, tokens, md: AttentionMetadata) -> np.ndarray:
         """Teacher-forced logits [T, V] for every new token (tests, perplexity)."""

@@ -20,6 +20,10 @@ Order and priority (first come, first served):
 n completions of one prompt (SamplingParams.n): forked from the first once its prompt is
 computed, sharing its pages (forks.py).
 
+LoRA (max_loras > 0): a running request holds its adapter's device slot (lora.LoRASlots); a
+waiting request whose adapter finds no slot waits at the head of the queue like one that
+does not fit. Its prefix-cache keys chain from the adapter's key.
+
 All decisions of a step are returned in one `SchedulerOutput`; `update` applies the sampled
 tokens, advances counters, registers newly filled pages in the prefix cache and applies the
 finishing rules (stop/eos token ids, max_tokens, max_model_len). Stop *strings* need text, so
@@ -41,6 +45,7 @@ import numpy as np
 from jaxinfer.config import EngineConfig
 from jaxinfer.errors import InvalidRequestError
 from jaxinfer.forks import Forks
+from jaxinfer.lora import LoRASlots
 from jaxinfer.page_table import PageAllocator, PageList, extend_page_keys
 from jaxinfer.request import MAX_BANNED_IDS, PENDING, FinishReason, Request, RequestStatus
 
@@ -90,7 +95,7 @@ class SchedulerOutput:
 class Scheduler(Forks):
     def __init__(self, *, max_num_seqs: int, max_num_batched_tokens: int, page_size: int,
                  num_pages: int, max_model_len: int, enable_prefix_caching: bool = True,
-                 eos_token_ids: Sequence[int] = (),
+                 eos_token_ids: Sequence[int] = (), max_loras: int = 0,
                  clock: Callable[[], float] = time.monotonic):
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -106,6 +111,7 @@ class Scheduler(Forks):
         self._fork_rows = 0          # rows the running requests' forks will take
         self._reserved: set[str] = set()   # ids of completions not forked yet
         self._copies: list[tuple[int, int]] = []   # (src, dst) pages, for take_copies
+        self.lora_slots = LoRASlots(max_loras) if max_loras else None
 
     @classmethod
     def from_config(cls, config: EngineConfig, eos_token_ids: Sequence[int] = (),
@@ -115,7 +121,7 @@ class Scheduler(Forks):
                    page_size=config.page_size, num_pages=config.total_pages,
                    max_model_len=config.max_model_len,
                    enable_prefix_caching=config.enable_prefix_caching,
-                   eos_token_ids=eos_token_ids, **kw)
+                   eos_token_ids=eos_token_ids, max_loras=config.max_loras, **kw)
 
     # --- requests in and out ------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -128,6 +134,9 @@ class Scheduler(Forks):
             raise InvalidRequestError(f"n is {len(ids)}; this engine runs at most "
                                       f"{self.max_num_seqs} sequences at once (max_num_seqs)",
                                       field="n")
+        if request.lora is not None and self.lora_slots is None:
+            raise InvalidRequestError("this engine serves no LoRA adapters (max_loras is 0)",
+                                      field="lora")
         if request.num_tokens >= self.max_model_len:
             raise InvalidRequestError(
                 f"prompt has {request.num_tokens} tokens; max_model_len is {self.max_model_len},"
@@ -167,6 +176,7 @@ class Scheduler(Forks):
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
             self._fork_rows -= len(forks)
+            self._lora_leave(request)
         else:
             self.waiting.remove(request)
         # Completions it was to fork run on their own, first in the queue.
@@ -242,8 +252,11 @@ class Scheduler(Forks):
                 break    # preempted with a token in flight: readmit once it is known
             if len(self.running) + self._fork_rows + 1 + len(request.forks) > self.max_num_seqs:
                 break    # rows for all n completions
+            if not self._lora_enter(request):
+                break    # every adapter slot is held by running requests
             n = self._admit(request, budget)
             if n == 0:
+                self._lora_leave(request)
                 break
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
@@ -359,6 +372,7 @@ class Scheduler(Forks):
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
+        self._lora_leave(request)
         self._fork_rows -= len(request.forks)
         self._release_pages(request)
         request.status = RequestStatus.PREEMPTED
@@ -370,7 +384,8 @@ class Scheduler(Forks):
         """Take prefix-cache hits and pages for the first chunk; the chunk length, 0 if the
         pool cannot hold it (then the request keeps nothing)."""
         if self.allocator.enable_prefix_caching:
-            extend_page_keys(request.page_keys, request.all_token_ids, self.page_size)
+            extend_page_keys(request.page_keys, request.all_token_ids, self.page_size,
+                             root=_root(request))
             # At least one token must be computed, for the logits of the next token.
             usable = request.page_keys[:(request.num_tokens - 1) // self.page_size]
             request.page_ids = PageList(self.allocator.match_prefix(usable))
@@ -398,12 +413,25 @@ class Scheduler(Forks):
             return
         # Computed tokens only: a trailing PENDING token must never be hashed into a key.
         extend_page_keys(request.page_keys, request.all_token_ids, self.page_size,
-                         full * self.page_size)
+                         full * self.page_size, _root(request))
         for i in range(request.num_cached_pages, full):
             self.allocator.cache_page(request.page_ids[i], request.page_keys[i])
         request.num_cached_pages = full
+
+    def _lora_enter(self, request: Request) -> bool:
+        """The request's adapter takes (or shares) a slot as it starts running; False: none."""
+        return request.lora is None or self.lora_slots.enter(request.lora)
+
+    def _lora_leave(self, request: Request) -> None:
+        if request.lora is not None:
+            self.lora_slots.leave(request.lora)
 
     def _at_length_limit(self, request: Request, count: int) -> bool:
         """`count` output tokens reach max_tokens or max_model_len."""
         return (count >= request.sampling_params.max_tokens
                 or request.num_prompt_tokens + count >= self.max_model_len)
+
+
+def _root(request: Request) -> bytes | None:
+    """What the request's prefix-cache keys chain from: its adapter's key (or nothing)."""
+    return None if request.lora is None else request.lora.encode()

@@ -31,7 +31,7 @@ OPTIMIZED_WORKER = "gw0"
 OPTIMIZED_FILES = frozenset((
     "test_fp8_quality.py", "test_hf_parity.py", "test_serve_lifecycle.py", "test_convert.py",
     "test_serve.py", "test_batch_generate.py", "test_engine_text.py",
-    "test_structured_output.py", "test_openai_http.py",
+    "test_structured_output.py", "test_openai_http.py", "test_lora_hf.py",
 ))
 _WORKER = os.environ.get("PYTEST_XDIST_WORKER")
 if (not ON_GPU and _WORKER not in (None, OPTIMIZED_WORKER)
@@ -80,6 +80,7 @@ LONGEST_FIRST = (
     "test_engine.py",                   # ~65 s
     "test_paged_attention.py",          # ~65 s
     "test_hf_parity.py",                # ~60 s
+    "test_lora_hf.py",                  # ~45 s
     "test_model_glue.py",               # ~50 s
     "test_ragged_paged_attention.py",   # ~50 s
     "test_serve_lifecycle.py",          # ~50 s

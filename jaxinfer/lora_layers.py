@@ -1,0 +1,90 @@
+"""LoRA on the device: every adapter in use sits in one of `max_loras` fixed slots of one set
+of arrays, and each projection's low-rank update is computed for the whole mixed batch in
+one pass (the stacked, segmented form Punica and S-LoRA use, as two plain GEMMs XLA runs).
+
+Per projection (lora.MODULES) and layer: A [in, N, R] and B [N, R, out] (N slots, R the
+engine's max_lora_rank; the scaling folded into B). Each token names its row's slot (-1: no
+adapter); the update of x [T, in] is
+
+    (x @ A.reshape(in, N*R)) masked to the token's own slot's R columns, @ B.reshape(N*R, out)
+
+so every token reads all N slots' (small) weights and only its own contribute. Writing an
+adapter into a slot (`write_slot`) is a program of its own with the slot as a value: swapping
+adapters never recompiles. Scanned models keep each array with a leading L axis (`stacked`),
+unrolled ones a dict per layer (read in place, as their base weights are).
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxinfer.config import EngineConfig, ModelConfig
+from jaxinfer.lora import LoRAAdapter, module_shapes
+
+
+def allocate(cfg: ModelConfig, engine: EngineConfig, dtype, unrolled: bool):
+    """All slots empty (zeros): module -> (A, B), with a leading L axis (scanned), or a
+    tuple of such dicts per layer (unrolled)."""
+    n, r, layers = engine.max_loras, engine.max_lora_rank, cfg.num_layers
+    lead = () if unrolled else (layers,)
+
+    def one():
+        return {m: (jnp.zeros(lead + (din, n, r), dtype), jnp.zeros(lead + (n, r, dout), dtype))
+                for m, (din, dout) in module_shapes(cfg).items()}
+    return tuple(one() for _ in range(layers)) if unrolled else one()
+
+
+def host_slot(adapter: LoRAAdapter | None, cfg: ModelConfig, rank: int, dtype):
+    """module -> (A [L, in, R], B [L, R, out]) numpy in `dtype`: the adapter zero-padded to
+    rank R, zeros for the modules it does not target (all zeros for None)."""
+    out = {}
+    for m, (din, dout) in module_shapes(cfg).items():
+        a = np.zeros((cfg.num_layers, din, rank), dtype)
+        b = np.zeros((cfg.num_layers, rank, dout), dtype)
+        if adapter is not None and m in adapter.weights:
+            wa, wb = adapter.weights[m]
+            a[..., :wa.shape[-1]] = wa
+            b[:, :wb.shape[1]] = wb
+        out[m] = (a, b)
+    return out
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def write_slot(weights, slot, host):
+    """`weights` (allocate's form, donated) with slot `slot` (a traced int32) holding `host`
+    (host_slot's arrays)."""
+    if isinstance(weights, tuple):      # unrolled: one dict per layer
+        return tuple({m: (a.at[:, slot].set(host[m][0][i].astype(a.dtype)),
+                          b.at[slot].set(host[m][1][i].astype(b.dtype)))
+                      for m, (a, b) in layer.items()} for i, layer in enumerate(weights))
+    return {m: (a.at[:, :, slot].set(host[m][0].astype(a.dtype)),
+                b.at[:, slot].set(host[m][1].astype(b.dtype)))
+            for m, (a, b) in weights.items()}
+
+
+def token_mask(index, num_slots: int, dtype):
+    """index [T] i32 (a slot, -1 none) -> [T, N] one-hot in dtype."""
+    return (index[:, None] == jnp.arange(num_slots, dtype=index.dtype)[None, :]).astype(dtype)
+
+
+def delta(x, pair, mask):
+    """The update of one projection for x [T, in]: pair (A [in, N, R], B [N, R, out]),
+    mask [T, N] (token_mask) -> [T, out] in x's dtype."""
+    a, b = pair
+    t, (din, n, r) = x.shape[0], a.shape
+    xa = jnp.dot(x, a.reshape(din, n * r).astype(x.dtype), preferred_element_type=jnp.float32)
+    xa = (xa.reshape(t, n, r) * mask[:, :, None].astype(jnp.float32)).astype(x.dtype)
+    return jnp.dot(xa.reshape(t, n * r), b.reshape(n * r, -1).astype(x.dtype),
+                   preferred_element_type=jnp.float32).astype(x.dtype)
+
+
+def fused_delta(x, lora, modules):
+    """The updates of `modules` (e.g. ("q", "k", "v")) concatenated along the output axis:
+    the fused projection's layout ([q | k | v], [gate | up]). lora: (layer's weights, mask)."""
+    weights, mask = lora
+    parts = [delta(x, weights[m], mask) for m in modules]
+    return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=-1)
+

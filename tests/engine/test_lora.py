@@ -1,0 +1,234 @@
+"""Multi-LoRA serving: adapters in PEFT's format, applied per row in mixed batches.
+
+The tiny model's oracle is the same model with each adapter merged into its weights
+(W + A B * scaling); SmolLM2's is HF transformers + peft loading the same GGUF and adapters."""
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from checkpoints.model_state import build_model
+from dense_reference import random_flat
+from engine_util import TINY, random_prompts, tiny_engine
+from jaxinfer.config import EngineConfig
+from jaxinfer.engine import Engine
+from jaxinfer.errors import ConfigError, InvalidRequestError
+from jaxinfer.lora import read_peft
+from jaxinfer.request import SamplingParams
+from jaxinfer.routes import Routes
+from lora_util import write_adapter
+
+GREEDY = dict(temperature=0.0, max_tokens=10)
+FLAT_NAMES = {"q": "wq", "k": "wk", "v": "wv", "o": "wo", "gate": "w_gate", "up": "w_up",
+              "down": "w_down"}
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory):
+    """Three tiny adapters: all modules at rank 8; q/v only at rank 4 with rsLoRA; MLP only
+    on two layers at rank 16."""
+    root = tmp_path_factory.mktemp("adapters")
+    return {
+        "all": write_adapter(root / "all", TINY, rank=8, seed=1, std=0.25),
+        "qv": write_adapter(root / "qv", TINY, rank=4, alpha=8, seed=2, std=0.35,
+                            modules=("q", "v"), config_extra={"use_rslora": True}),
+        "mlp": write_adapter(root / "mlp", TINY, rank=16, alpha=8, seed=3, std=0.25,
+                             modules=("gate", "up", "down"), layers=[0, 1]),
+    }
+
+
+def merged_engine(path, **kw) -> Engine:
+    """The tiny model with the adapter at `path` merged into its weights, no LoRA."""
+    flat = random_flat(TINY, seed=11, std=0.08)
+    if path is not None:
+        adapter = read_peft("merged", path, TINY, 64)
+        for m, (a, b) in adapter.weights.items():
+            flat[FLAT_NAMES[m]] = flat[FLAT_NAMES[m]] + a @ b
+    graphdef, params = build_model(TINY, flat, jnp.float32)
+    cfg = EngineConfig(max_model_len=128, max_num_seqs=8, max_num_batched_tokens=64,
+                       page_size=4, **kw)
+    return Engine(TINY, cfg, graphdef, params)
+
+
+def generate(engine, prompts, params):
+    ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+    done = engine.run_until_done(use_tqdm=False)
+    return [done[i].token_ids for i in ids]
+
+
+def lora_engine(adapters, **kw) -> Engine:
+    engine = tiny_engine(**{"max_loras": 2, "max_lora_rank": 16, **kw})
+    for name, path in adapters.items():
+        engine.load_lora(name, path)
+    return engine
+
+
+def check_nothing_held(engine):
+    sched = engine.scheduler
+    sched.allocator.check()
+    assert sched.allocator.num_used == 0 and not sched.running and not sched.waiting
+    assert sched.lora_slots.num_held == 0
+
+
+def test_a_mixed_batch_matches_each_adapter_merged_into_the_weights(adapters):
+    prompts = random_prompts(8, seed=5)
+    names = [None, "all", "qv", "mlp", "all", None, "mlp", "qv"]
+    # three adapters over two slots: adapters wait for a slot, then swap in
+    engine = lora_engine(adapters)
+    got = generate(engine, prompts, [SamplingParams(**GREEDY, lora=n) for n in names])
+    expected = {}
+    for name in set(names):
+        want = generate(merged_engine(None if name is None else adapters[name]),
+                        [p for p, n in zip(prompts, names) if n == name],
+                        [SamplingParams(**GREEDY)] * names.count(name))
+        expected[name] = iter(want)
+    assert got == [next(expected[n]) for n in names]
+    base = [g for g, n in zip(got, names) if n is None]
+    assert all(g not in base for g, n in zip(got, names) if n is not None)  # adapters matter
+    check_nothing_held(engine)
+
+
+def test_unrolled_layers_on_the_gpu_s_kernel_routes_give_the_merged_tokens(adapters):
+    """The GPU's form: a dict of adapter weights per layer, Pallas attention (interpreted)
+    with the fused RoPE + K/V write; the fused decode front stands aside for LoRA."""
+    routes = Routes(attention="pallas", interpret=True, fused_glue=True, front_max_rows=8)
+    prompts = random_prompts(4, seed=8)
+    names = ["all", None, "qv", "all"]
+    graphdef, params = build_model(TINY, random_flat(TINY, seed=11, std=0.08), jnp.float32,
+                                   unroll_layers=True)
+    engine = Engine(TINY, EngineConfig(max_model_len=128, max_num_seqs=8, page_size=4,
+                                       max_num_batched_tokens=64, max_loras=2,
+                                       max_lora_rank=16), graphdef, params, routes=routes)
+    assert isinstance(engine.runner.lora, tuple)     # a dict per layer
+    for name in ("all", "qv"):
+        engine.load_lora(name, adapters[name])
+    got = generate(engine, prompts, [SamplingParams(**GREEDY, lora=n) for n in names])
+    for g, p, n in zip(got, prompts, names):
+        merged = merged_engine(None if n is None else adapters[n])
+        assert g == generate(merged, [p], [SamplingParams(**GREEDY)])[0]
+
+
+def test_a_request_gives_the_same_tokens_alone_and_among_other_adapters(adapters):
+    prompts = random_prompts(6, seed=9)
+    names = ["qv", "all", None, "mlp", "qv", "all"]
+    params = [SamplingParams(**GREEDY, lora=n) for n in names]
+    engine = lora_engine(adapters, max_loras=3)
+    together = generate(engine, prompts, params)
+    alone = [generate(engine, [p], [sp])[0] for p, sp in zip(prompts, params)]
+    assert together == alone
+    check_nothing_held(engine)
+
+
+def test_swapping_adapters_in_and_out_compiles_nothing_after_warmup(adapters):
+    engine = lora_engine(adapters, max_loras=1, max_num_seqs=4)
+    engine.warmup(progress=False)
+    compiles = engine.compiles()
+    prompts = random_prompts(6, seed=3)
+    names = ["all", "qv", "mlp", None, "qv", "all"]
+    for p, n in zip(prompts, names):      # each adapter in its turn takes the one slot
+        generate(engine, [p], [SamplingParams(**GREEDY, lora=n)])
+    generate(engine, prompts, [SamplingParams(**GREEDY, lora=n) for n in names])
+    assert engine.compiles() == compiles
+    check_nothing_held(engine)
+
+
+def test_the_prefix_cache_never_shares_pages_between_adapters(adapters):
+    engine = lora_engine(adapters)
+    prompt = random_prompts(1, lo=30, hi=31, seed=4)
+    base = generate(engine, prompt, [SamplingParams(**GREEDY)])
+    seen = []
+
+    def hits(name):
+        rid = engine.add_request(prompt[0], SamplingParams(**GREEDY, lora=name))
+        engine.step()
+        seen.append(engine.scheduler.get(rid).num_prefix_hit_tokens)
+        return engine.run_until_done(use_tqdm=False)[rid].token_ids
+
+    with_all = hits("all")
+    assert with_all != base and seen[-1] == 0     # the base model's pages are not reused
+    assert hits("all") == with_all and seen[-1] > 0    # the adapter's own are
+    assert hits("qv") != with_all and seen[-1] == 0
+    # unloaded and loaded again under its name, another adapter starts from nothing
+    engine.unload_lora("all")
+    engine.load_lora("all", adapters["mlp"])
+    assert hits("all") == hits("mlp")
+    assert seen[-2] == 0
+    check_nothing_held(engine)
+
+
+def test_n_completions_and_preemption_keep_their_adapter(adapters):
+    prompts = random_prompts(4, lo=20, hi=30, seed=6)
+    params = [SamplingParams(temperature=0.0, max_tokens=12, lora=n, n=k)
+              for n, k in (("all", 2), ("qv", 1), ("all", 1), (None, 2))]
+    # a pool this small preempts requests mid-answer
+    engine = lora_engine(adapters, num_pages=24)
+    ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+    done = engine.run_until_done(use_tqdm=False)
+    assert engine.scheduler.num_preemptions > 0
+    for rid, p, sp in zip(ids, prompts, params):
+        want = generate(merged_engine(None if sp.lora is None else adapters[sp.lora]), [p],
+                        [SamplingParams(temperature=0.0, max_tokens=12)])[0]
+        assert [c.token_ids for c in done[rid].outputs] == [want] * sp.n
+    check_nothing_held(engine)
+
+
+def test_unknown_and_unloaded_adapters_are_refused_naming_the_field(adapters):
+    engine = lora_engine(adapters)
+    with pytest.raises(InvalidRequestError, match="no LoRA adapter named 'nope'") as e:
+        engine.add_request({"prompt_token_ids": [5, 6]}, SamplingParams(lora="nope"))
+    assert e.value.field == "lora"
+    engine.unload_lora("qv")
+    with pytest.raises(InvalidRequestError, match="'qv'"):
+        engine.add_request({"prompt_token_ids": [5, 6]}, SamplingParams(lora="qv"))
+    with pytest.raises(InvalidRequestError, match="already loaded"):
+        engine.load_lora("all", adapters["mlp"])
+    assert engine.lora_names() == ["all", "mlp"]
+    plain = tiny_engine()
+    with pytest.raises(InvalidRequestError, match="max_loras is 0") as e:
+        plain.add_request({"prompt_token_ids": [5, 6]}, SamplingParams(lora="all"))
+    assert e.value.field == "lora"
+    with pytest.raises(ConfigError, match="max_loras"):
+        plain.load_lora("all", adapters["all"])
+    with pytest.raises(InvalidRequestError, match="lora"):
+        SamplingParams(lora="")
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda d: (d / "adapter_config.json").unlink(), "adapter_config.json not found"),
+    (lambda d: (d / "adapter_config.json").write_text("{"), "does not parse"),
+    (lambda d: _config(d, r=32), "rank 32 exceeds max_lora_rank 16"),
+    (lambda d: _config(d, use_dora=True), "DoRA is not supported"),
+    (lambda d: _config(d, peft_type="PREFIX_TUNING"), "only LORA"),
+    (lambda d: _config(d, r=4), r"has shape \(\d+, \d+\); the base model .* with r=4 needs"),
+    (lambda d: (d / "adapter_model.safetensors").write_bytes(b"junk"), "does not load"),
+])
+def test_a_bad_adapter_is_refused_with_what_is_wrong(tmp_path, change, message):
+    path = write_adapter(tmp_path / "bad", TINY, rank=8, seed=1)
+    change(path)
+    engine = tiny_engine(max_loras=1)
+    with pytest.raises(InvalidRequestError, match=message) as e:
+        engine.load_lora("bad", path)
+    assert "'bad'" in str(e.value) and engine.lora_names() == []
+
+
+def test_adapters_for_another_model_are_refused(tmp_path):
+    other = TINY.__class__(**{**TINY.__dict__, "num_layers": TINY.num_layers + 2})
+    path = write_adapter(tmp_path / "deep", other, rank=4)
+    with pytest.raises(InvalidRequestError, match=f"layer {TINY.num_layers}, but the model"):
+        tiny_engine(max_loras=1).load_lora("deep", path)
+
+
+def _config(path, **changes):
+    conf = json.loads((path / "adapter_config.json").read_text())
+    conf.update(changes)
+    (path / "adapter_config.json").write_text(json.dumps(conf))
+
+
+def test_lora_settings_are_checked():
+    with pytest.raises(ConfigError, match="max_lora_rank"):
+        EngineConfig(max_loras=1, max_lora_rank=65)
+    with pytest.raises(ConfigError, match="tensor_parallel"):
+        EngineConfig(max_loras=1, tensor_parallel=2)
+    with pytest.raises(ConfigError, match="max_loras"):
+        EngineConfig(max_loras=-1)
