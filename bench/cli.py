@@ -35,6 +35,8 @@ SUITES = {
                    "fixed-length workload"),
     "serving": ("bench.serving", "gRPC / HTTP serving under Poisson arrivals: latency percentiles "
                 "vs request rate"),
+    "lora": ("bench.lora", "output tokens/s serving LoRA adapters (rows spread over them) vs "
+             "the same engine without LoRA"),
 }
 ALIASES = {"paged_attention": ["kernels"]}
 
@@ -216,9 +218,19 @@ def _serving(p):
     p.add_argument("--tls-ca", default=None, help="CA / certificate for a TLS --target")
 
 
+def _lora(p):
+    _per_device(p, "--batch-sizes", "1,64", "1,4", "comma-separated batch sizes")
+    p.add_argument("--adapters", type=int, default=8, help="random adapters the rows spread over")
+    p.add_argument("--rank", type=int, default=16, help="their rank (every projection)")
+    p.add_argument("--input-len", type=int, default=128, help="prompt tokens per request")
+    p.add_argument("--output-len", type=int, default=128, help="output tokens per request")
+    p.set_defaults(model="llama-3-8b")
+
+
 _SUITE_ARGS = {"compile": _compile, "decode": _decode, "fusion": _fusion, "profile": _profile,
                "paged_attention": _paged_attention, "fp8_matmul": _fp8_matmul,
-               "batching": _batching, "throughput": _throughput, "serving": _serving}
+               "batching": _batching, "throughput": _throughput, "serving": _serving,
+               "lora": _lora}
 _OP_SUITES = ("paged_attention", "fp8_matmul")   # time ops, not an engine: no engine flags
 
 

@@ -9,6 +9,7 @@ from jaxinfer.config import (ATTENTION_IMPLS, DTYPES, KV_DTYPES, KV_SCALES, LM_H
 from jaxinfer.request import SamplingParams
 
 DEFAULT_MODEL = "smollm2"
+DEFAULT_MAX_LORAS = 4    # device adapter slots when --lora is given without --max-loras
 
 
 def add_engine_args(p: argparse.ArgumentParser):
@@ -62,6 +63,17 @@ def add_engine_args(p: argparse.ArgumentParser):
     g.add_argument("--no-async-scheduling", action="store_true",
                    help="wait for each step's tokens before preparing the next (otherwise the "
                         "host prepares step t+1 while step t runs)")
+    g = p.add_argument_group("LoRA adapters")
+    g.add_argument("--lora", action="append", type=lora_module, default=[],
+                   metavar="NAME=PATH",
+                   help="serve the PEFT adapter in directory PATH as NAME (repeatable; "
+                        "requests name it as their model or SamplingParams.lora)")
+    g.add_argument("--max-loras", type=int, default=None,
+                   help="adapters on the device at once (default: 4 with --lora, else 0: "
+                        "LoRA off; the servers' runtime loading needs it above 0)")
+    g.add_argument("--max-lora-rank", type=int, default=16, help="largest adapter rank (<= 64)")
+    g.add_argument("--max-cpu-loras", type=int, default=0,
+                   help="adapters kept in host memory (0: --max-loras)")
 
 
 def engine_config_from_args(args) -> EngineConfig:
@@ -76,7 +88,19 @@ def engine_config_from_args(args) -> EngineConfig:
         unroll_layers={"auto": None, "scan": False, "unroll": True}[args.layer_loop],
         async_scheduling=not args.no_async_scheduling,
         compile_cache="off" if args.no_compile_cache else args.compile_cache_dir,
-        warmup={"auto": None, "on": True, "off": False}[args.warmup])
+        warmup={"auto": None, "on": True, "off": False}[args.warmup],
+        max_loras=(args.max_loras if args.max_loras is not None
+                   else DEFAULT_MAX_LORAS if args.lora else 0),
+        max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras)
+
+
+def lora_module(text: str) -> tuple[str, str]:
+    """--lora's NAME=PATH."""
+    name, sep, path = text.partition("=")
+    if not sep or not name.strip() or not path.strip():
+        raise argparse.ArgumentTypeError(f"expected NAME=PATH (an adapter's name and its "
+                                         f"PEFT directory), got {text!r}")
+    return name.strip(), path.strip()
 
 
 def add_sampling_args(p: argparse.ArgumentParser):
@@ -88,10 +112,13 @@ def add_sampling_args(p: argparse.ArgumentParser):
     g.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p * p_max")
     g.add_argument("--seed", type=int, default=None, help="per-request sampling seed")
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--use-lora", default=None, metavar="NAME",
+                   help="answer with this LoRA adapter (one of --lora's); default: the base "
+                        "model")
 
 
 def sampling_params_from_args(args) -> SamplingParams:
     """The SamplingParams the sampling flags (add_sampling_args) describe."""
     return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                           top_p=args.top_p, top_k=args.top_k, min_p=args.min_p, seed=args.seed,
-                          stop=tuple(args.stop))
+                          stop=tuple(args.stop), lora=args.use_lora)

@@ -358,7 +358,7 @@ def run_batch_file(args) -> int:
     if Path(args.output).resolve() == Path(args.input).resolve():
         raise JaxinferError("--output must not be the --input file")
     defaults = sampling_params_from_args(args)  # before loading: bad flags fail fast
-    engine = Engine.from_model(args.model, engine_config_from_args(args))
+    engine = Engine.from_model(args.model, engine_config_from_args(args), args.lora)
     if engine.config.warmup:
         engine.warmup(progress=True)
     summary = generate_file(engine, args.input, args.output, defaults, progress=True,

@@ -35,7 +35,7 @@ def cmd_generate(args) -> int:
     if args.prompt is None:
         raise JaxinferError("give a PROMPT, or --input prompts.jsonl --output out.jsonl")
     params = sampling_params_from_args(args)   # bad flags fail before the model loads
-    llm = LLM(args.model, engine_config=engine_config_from_args(args))
+    llm = LLM(args.model, engine_config=engine_config_from_args(args), lora_modules=args.lora)
     prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
     out = llm.generate([prompt], params, use_tqdm=False)[0]
     print((args.prompt if not args.chat else "") + out.text)

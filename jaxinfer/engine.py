@@ -99,10 +99,15 @@ class Engine:
         self._no_prev = jax.device_put(np.zeros(engine_cfg.max_num_seqs, np.int32))
 
     @classmethod
-    def from_model(cls, model: str, engine_cfg: EngineConfig) -> "Engine":
+    def from_model(cls, model: str, engine_cfg: EngineConfig, loras=()) -> "Engine":
+        """The engine of `model` (any source load_model takes), serving the LoRA adapters
+        `loras` ((name, PEFT directory) pairs) from the start."""
         compile_cache.enable(engine_cfg.compile_cache)    # loading compiles too
         cfg, graphdef, params, tokenizer = load_model(model, engine_cfg)
-        return cls(cfg, engine_cfg, graphdef, params, tokenizer, model_name=str(model))
+        engine = cls(cfg, engine_cfg, graphdef, params, tokenizer, model_name=str(model))
+        for name, path in loras:
+            engine.load_lora(name, path)
+        return engine
 
     # --- requests -----------------------------------------------------------------------
     def add_request(self, prompt, sampling_params: SamplingParams | None = None,
@@ -147,8 +152,12 @@ class Engine:
         self._lora_registry().unload(name)
 
     def lora_names(self) -> list[str]:
-        """The loaded adapters' names, in load order."""
+        """The loaded adapters' names, in load order (safe from any thread)."""
         return [] if self.loras is None else self.loras.names
+
+    def lora_path(self, name: str) -> str:
+        """The directory adapter `name` was loaded from."""
+        return self._lora_registry().path_of(name)
 
     def _lora_registry(self) -> LoRARegistry:
         if self.loras is None:
@@ -164,16 +173,34 @@ class Engine:
                                       field="lora")
         return self.loras.key_of(name)
 
-    def _load_lora_slots(self) -> None:
-        """The adapters the scheduler gave slots since the last step, onto the device."""
+    def _load_lora_slots(self, out: SchedulerOutput) -> SchedulerOutput:
+        """The adapters the scheduler gave slots since the last step, onto the device.
+        One whose weights cannot be read (out of host memory, and its directory gone) fails
+        its requests alone: they come back with FinishReason.ERROR and leave `out`."""
+        failed = False
         for slot, key in self.scheduler.lora_slots.take_loads():
-            self.runner.set_lora_slot(slot, self.loras.weights(key))
+            try:
+                adapter = self.loras.weights(key)
+            except InvalidRequestError as e:
+                for req in [r for r in self.scheduler.running if r.lora == key]:
+                    self.scheduler.finish(req.request_id, FinishReason.ERROR)
+                    self._groups.emit(self._outputs, self._error_output(req, e), self._deltas)
+                self.scheduler.lora_slots.forget(key)
+                failed = True
+                continue
+            self.runner.set_lora_slot(slot, adapter)
+        if not failed:
+            return out
+        live = self.scheduler.requests
+        return SchedulerOutput(tuple(r for r in out.rows if r.request_id in live),
+                               out.preempted_ids)
 
     def encode_prompt(self, prompt, sampling_params: SamplingParams) -> list[int]:
         """A prompt's validated token ids (and `sampling_params` checked against this model):
         what add_request does before queueing. Safe from any thread (servers tokenize off
         the engine's thread, then add {"prompt_token_ids": ids})."""
         check_params_for_model(sampling_params, self.tokenizer, self.model_config.vocab_size)
+        self._lora_key(sampling_params.lora)     # an adapter that is loaded
         self._grammars.check(sampling_params)    # a grammar is compiled (and cached) here
         return prompt_token_ids(prompt, self.tokenizer, self.model_config.vocab_size,
                                 self.config.max_model_len)
@@ -241,12 +268,12 @@ class Engine:
         t1 = clock()
         self._blame = None     # a failure in the scheduler: every running request
         out = self.scheduler.schedule()
+        if self.loras is not None:
+            out = self._load_lora_slots(out)
         t2 = ta = tb = t3 = t4 = t5 = clock()
         new = None
         if not out.is_empty:
             self._blame = out
-            if self.loras is not None:
-                self._load_lora_slots()
             bucket = self.buckets.choose(out.num_tokens, out.num_rows, out.max_pages)
             arrays = batch.prepare(out, bucket, self.config.page_size)
             ta = clock()
@@ -384,7 +411,8 @@ class Engine:
             text=text.text, new_token_ids=new_ids,
             text_delta=delta, finish_reason=reason,
             logprobs=list(text.logprobs) if req.sampling_params.logprobs is not None else None,
-            prompt=text.prompt, ttft_s=req.ttft_s, latency_s=req.latency_s)
+            prompt=text.prompt, ttft_s=req.ttft_s, latency_s=req.latency_s,
+            lora=None if req.lora is None else self.loras.name_of(req.lora))
 
     # --- driving ------------------------------------------------------------------------
     @staticmethod

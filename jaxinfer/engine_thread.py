@@ -11,6 +11,7 @@ plus requests the scheduler has not admitted. That count, bounded by `max_waitin
 """
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import queue
 import threading
@@ -70,6 +71,13 @@ class EngineThread:
         """Cancel a request; with notify its sink gets the final (cancelled) output."""
         self._inbox.put(("abort", request_id, notify))
 
+    def call(self, fn: Callable[[object], object]) -> concurrent.futures.Future:
+        """Run fn(engine) on the engine thread, between steps (e.g. loading a LoRA adapter);
+        the future gets its result or exception."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._inbox.put(("call", fn, future))
+        return future
+
     def stop(self, timeout: float = 10.0) -> None:
         self._inbox.put(("stop",))
         if self._thread.is_alive():
@@ -122,6 +130,14 @@ class EngineThread:
             return
         self._sinks[request_id] = sink
         self._waiting[request_id] = submitted
+
+    def _call(self, fn, future) -> None:
+        if not future.set_running_or_notify_cancel():
+            return
+        try:
+            future.set_result(fn(self.engine))
+        except Exception as e:     # the caller reports it
+            future.set_exception(e)
 
     def _abort(self, request_id, notify) -> None:
         out = self.engine.abort_request(request_id)

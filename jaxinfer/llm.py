@@ -22,11 +22,13 @@ Prompt = Union[str, list, dict]  # text, chat messages, or {"prompt_token_ids": 
 
 class LLM:
     def __init__(self, model: str = "smollm2", *, engine_config: EngineConfig | None = None,
-                 **engine_kwargs):
+                 lora_modules=(), **engine_kwargs):
+        """lora_modules: (name, PEFT directory) pairs of LoRA adapters to serve from the
+        start (needs max_loras > 0)."""
         cfg = engine_config or EngineConfig()
         if engine_kwargs:
             cfg = cfg.replace(**engine_kwargs)
-        self.engine = Engine.from_model(model, cfg)
+        self.engine = Engine.from_model(model, cfg, lora_modules)
         if self.engine.config.warmup:     # so that no generate() compiles
             self.engine.warmup(progress=True)
 

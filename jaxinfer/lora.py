@@ -254,6 +254,11 @@ class LoRASlots:
         if self._users[key] <= 0:
             del self._users[key]
 
+    def forget(self, key: str) -> None:
+        """Free `key`'s slot (its weights never reached it); no running request holds it."""
+        if not self._users.get(key):
+            self._slot.pop(key, None)
+
     def slot(self, key: str) -> int:
         return self._slot[key]
 

@@ -127,6 +127,18 @@ class ChatRequest(_Sampling):
     add_generation_prompt: bool = True
 
 
+class LoadLoRAAdapterRequest(_Strict):
+    """POST /v1/load_lora_adapter, as vLLM's."""
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRAAdapterRequest(_Strict):
+    """POST /v1/unload_lora_adapter, as vLLM's (lora_int_id is accepted and unused)."""
+    lora_name: str
+    lora_int_id: int | None = None
+
+
 class TokenizeRequest(_Strict):
     model: str | None = None
     prompt: str | None = None

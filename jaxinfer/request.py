@@ -219,6 +219,7 @@ class RequestOutput:
     latency_s: float | None = None   # arrival to finish
     error: str | None = None         # why, when finish_reason is ERROR
     completions: list[CompletionOutput] | None = None   # n > 1: all n (see `outputs`)
+    lora: str | None = None          # the LoRA adapter that answered (its name), None: none
 
     @property
     def finished(self) -> bool:

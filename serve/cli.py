@@ -76,6 +76,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds in-flight requests get to finish after SIGTERM")
     g.add_argument("--log-prompts", action="store_true",
                    help="log prompts (off by default: prompts may hold private data)")
+    g.add_argument("--allow-runtime-lora", action="store_true",
+                   help="let clients load and unload LoRA adapters while serving (HTTP "
+                        "/v1/load_lora_adapter, gRPC LoadLoRAAdapter; a load reads a path on "
+                        "this machine, so keep the token on)")
 
 
 def serve_config_from_args(args):
@@ -96,14 +100,15 @@ def serve_config_from_args(args):
                        max_waiting=args.max_waiting, auth_token=token,
                        tls_cert=args.tls_cert, tls_key=args.tls_key,
                        max_message_bytes=args.max_message_bytes,
-                       grace_period_s=args.grace_period, log_prompts=args.log_prompts)
+                       grace_period_s=args.grace_period, log_prompts=args.log_prompts,
+                       allow_runtime_lora=args.allow_runtime_lora)
 
 
 def _engine_factory(args, on_engine=None):
     def make_engine():  # runs on the engine thread
         log = logging.getLogger("jaxinfer.serve")
         t0 = time.perf_counter()
-        engine = Engine.from_model(args.model, engine_config_from_args(args))
+        engine = Engine.from_model(args.model, engine_config_from_args(args), args.lora)
         if on_engine is not None:
             on_engine(engine)
         log.info("loaded %s in %.1f s; compiling %d buckets", args.model,

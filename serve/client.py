@@ -66,6 +66,8 @@ def build_request(prompt, sampling=None, request_id: str | None = None) -> pb.Ge
                                                           else value))
         elif name == "stop_token_ids":
             req.sampling.stop_token_ids.extend(value)
+        elif name == "lora":
+            req.sampling.lora = _encode(value)
         elif name == "structured_outputs":
             structured_to_proto(dataclasses.asdict(StructuredOutputsParams.coerce(value)),
                                 req.sampling.structured_outputs)
@@ -148,6 +150,20 @@ class Client:
     def model_info(self, timeout: float | None = None) -> pb.ModelInfoResponse:
         return self.stub.ModelInfo(pb.ModelInfoRequest(), timeout=timeout,
                                    metadata=self._metadata)
+
+    def load_lora_adapter(self, name: str, path: str, timeout: float | None = None
+                          ) -> list[str]:
+        """Load the PEFT adapter at `path` (on the server's machine) as `name`; returns the
+        adapters loaded after it. The server needs --allow-runtime-lora."""
+        return list(self.stub.LoadLoRAAdapter(
+            pb.LoadLoRAAdapterRequest(lora_name=name, lora_path=str(path)), timeout=timeout,
+            metadata=self._metadata).lora_adapters)
+
+    def unload_lora_adapter(self, name: str, timeout: float | None = None) -> list[str]:
+        """Unload adapter `name`; returns the adapters still loaded."""
+        return list(self.stub.UnloadLoRAAdapter(
+            pb.UnloadLoRAAdapterRequest(lora_name=name), timeout=timeout,
+            metadata=self._metadata).lora_adapters)
 
     def wait_until_ready(self, timeout: float | None = None, service: str = "") -> None:
         """Block until the server reports SERVING: through a port not open yet and a model

@@ -46,6 +46,8 @@ def sampling_from_proto(sp: pb.SamplingParams) -> SamplingParams:
         kw["skip_special_tokens"] = sp.skip_special_tokens
     if sp.HasField("structured_outputs"):
         kw["structured_outputs"] = structured_from_proto(sp.structured_outputs)
+    if sp.lora:
+        kw["lora"] = _utf8(sp.lora, "lora")
     return SamplingParams(**kw)  # validates; errors name the field
 
 
@@ -121,7 +123,7 @@ def model_info(engine, max_waiting: int) -> pb.ModelInfoResponse:
         vocab_size=mcfg.vocab_size, has_tokenizer=engine.tokenizer is not None,
         max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
         page_size=cfg.page_size, max_waiting_requests=max_waiting, device=device_name(),
-        jax_version=jax.__version__,
+        jax_version=jax.__version__, lora_adapters=engine.lora_names(),
         buckets=[pb.Bucket(num_tokens=b.num_tokens, num_seqs=b.num_seqs,
                            pages_per_seq=b.pages_per_seq, decode_only=b.decode_only)
                  for b in engine.buckets.all_buckets()])

@@ -39,7 +39,7 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
-    __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "seed", "stop", "stop_token_ids", "ignore_eos", "logprobs", "min_tokens", "include_stop_str_in_output", "skip_special_tokens", "structured_outputs", "n")
+    __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "seed", "stop", "stop_token_ids", "ignore_eos", "logprobs", "min_tokens", "include_stop_str_in_output", "skip_special_tokens", "structured_outputs", "n", "lora")
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
@@ -58,6 +58,7 @@ class SamplingParams(_message.Message):
     SKIP_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STRUCTURED_OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     N_FIELD_NUMBER: _ClassVar[int]
+    LORA_FIELD_NUMBER: _ClassVar[int]
     max_tokens: int
     temperature: float
     top_p: float
@@ -76,7 +77,8 @@ class SamplingParams(_message.Message):
     skip_special_tokens: bool
     structured_outputs: StructuredOutputs
     n: int
-    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[bytes]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: bool = ..., logprobs: _Optional[int] = ..., min_tokens: _Optional[int] = ..., include_stop_str_in_output: bool = ..., skip_special_tokens: bool = ..., structured_outputs: _Optional[_Union[StructuredOutputs, _Mapping]] = ..., n: _Optional[int] = ...) -> None: ...
+    lora: bytes
+    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[bytes]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: bool = ..., logprobs: _Optional[int] = ..., min_tokens: _Optional[int] = ..., include_stop_str_in_output: bool = ..., skip_special_tokens: bool = ..., structured_outputs: _Optional[_Union[StructuredOutputs, _Mapping]] = ..., n: _Optional[int] = ..., lora: _Optional[bytes] = ...) -> None: ...
 
 class StructuredOutputs(_message.Message):
     __slots__ = ("json", "regex", "choice", "grammar", "json_object", "any_whitespace")
@@ -179,7 +181,7 @@ class Bucket(_message.Message):
     def __init__(self, num_tokens: _Optional[int] = ..., num_seqs: _Optional[int] = ..., pages_per_seq: _Optional[int] = ..., decode_only: bool = ...) -> None: ...
 
 class ModelInfoResponse(_message.Message):
-    __slots__ = ("model", "context_length", "dtype", "weights_dtype", "kv_dtype", "vocab_size", "has_tokenizer", "max_num_seqs", "max_num_batched_tokens", "page_size", "buckets", "max_waiting_requests", "device", "jax_version")
+    __slots__ = ("model", "context_length", "dtype", "weights_dtype", "kv_dtype", "vocab_size", "has_tokenizer", "max_num_seqs", "max_num_batched_tokens", "page_size", "buckets", "max_waiting_requests", "device", "jax_version", "lora_adapters")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -194,6 +196,7 @@ class ModelInfoResponse(_message.Message):
     MAX_WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     JAX_VERSION_FIELD_NUMBER: _ClassVar[int]
+    LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     model: str
     context_length: int
     dtype: str
@@ -208,4 +211,25 @@ class ModelInfoResponse(_message.Message):
     max_waiting_requests: int
     device: str
     jax_version: str
-    def __init__(self, model: _Optional[str] = ..., context_length: _Optional[int] = ..., dtype: _Optional[str] = ..., weights_dtype: _Optional[str] = ..., kv_dtype: _Optional[str] = ..., vocab_size: _Optional[int] = ..., has_tokenizer: bool = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., page_size: _Optional[int] = ..., buckets: _Optional[_Iterable[_Union[Bucket, _Mapping]]] = ..., max_waiting_requests: _Optional[int] = ..., device: _Optional[str] = ..., jax_version: _Optional[str] = ...) -> None: ...
+    lora_adapters: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, model: _Optional[str] = ..., context_length: _Optional[int] = ..., dtype: _Optional[str] = ..., weights_dtype: _Optional[str] = ..., kv_dtype: _Optional[str] = ..., vocab_size: _Optional[int] = ..., has_tokenizer: bool = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., page_size: _Optional[int] = ..., buckets: _Optional[_Iterable[_Union[Bucket, _Mapping]]] = ..., max_waiting_requests: _Optional[int] = ..., device: _Optional[str] = ..., jax_version: _Optional[str] = ..., lora_adapters: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class LoadLoRAAdapterRequest(_message.Message):
+    __slots__ = ("lora_name", "lora_path")
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    LORA_PATH_FIELD_NUMBER: _ClassVar[int]
+    lora_name: str
+    lora_path: str
+    def __init__(self, lora_name: _Optional[str] = ..., lora_path: _Optional[str] = ...) -> None: ...
+
+class UnloadLoRAAdapterRequest(_message.Message):
+    __slots__ = ("lora_name",)
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    lora_name: str
+    def __init__(self, lora_name: _Optional[str] = ...) -> None: ...
+
+class LoRAAdapters(_message.Message):
+    __slots__ = ("lora_adapters",)
+    LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    lora_adapters: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, lora_adapters: _Optional[_Iterable[str]] = ...) -> None: ...

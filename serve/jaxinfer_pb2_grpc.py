@@ -44,6 +44,16 @@ class InferenceStub(object):
                 request_serializer=serve_dot_jaxinfer__pb2.ModelInfoRequest.SerializeToString,
                 response_deserializer=serve_dot_jaxinfer__pb2.ModelInfoResponse.FromString,
                 _registered_method=True)
+        self.LoadLoRAAdapter = channel.unary_unary(
+                '/jaxinfer.v1.Inference/LoadLoRAAdapter',
+                request_serializer=serve_dot_jaxinfer__pb2.LoadLoRAAdapterRequest.SerializeToString,
+                response_deserializer=serve_dot_jaxinfer__pb2.LoRAAdapters.FromString,
+                _registered_method=True)
+        self.UnloadLoRAAdapter = channel.unary_unary(
+                '/jaxinfer.v1.Inference/UnloadLoRAAdapter',
+                request_serializer=serve_dot_jaxinfer__pb2.UnloadLoRAAdapterRequest.SerializeToString,
+                response_deserializer=serve_dot_jaxinfer__pb2.LoRAAdapters.FromString,
+                _registered_method=True)
 
 
 class InferenceServicer(object):
@@ -63,6 +73,20 @@ class InferenceServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoRAAdapter(self, request, context):
+        """LoRA adapters at run time (the server needs --allow-runtime-lora, else
+        FAILED_PRECONDITION); each answers with the adapters loaded after it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoRAAdapter(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_InferenceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -75,6 +99,16 @@ def add_InferenceServicer_to_server(servicer, server):
                     servicer.ModelInfo,
                     request_deserializer=serve_dot_jaxinfer__pb2.ModelInfoRequest.FromString,
                     response_serializer=serve_dot_jaxinfer__pb2.ModelInfoResponse.SerializeToString,
+            ),
+            'LoadLoRAAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoRAAdapter,
+                    request_deserializer=serve_dot_jaxinfer__pb2.LoadLoRAAdapterRequest.FromString,
+                    response_serializer=serve_dot_jaxinfer__pb2.LoRAAdapters.SerializeToString,
+            ),
+            'UnloadLoRAAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoRAAdapter,
+                    request_deserializer=serve_dot_jaxinfer__pb2.UnloadLoRAAdapterRequest.FromString,
+                    response_serializer=serve_dot_jaxinfer__pb2.LoRAAdapters.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -131,6 +165,60 @@ class Inference(object):
             '/jaxinfer.v1.Inference/ModelInfo',
             serve_dot_jaxinfer__pb2.ModelInfoRequest.SerializeToString,
             serve_dot_jaxinfer__pb2.ModelInfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoRAAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/jaxinfer.v1.Inference/LoadLoRAAdapter',
+            serve_dot_jaxinfer__pb2.LoadLoRAAdapterRequest.SerializeToString,
+            serve_dot_jaxinfer__pb2.LoRAAdapters.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoRAAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/jaxinfer.v1.Inference/UnloadLoRAAdapter',
+            serve_dot_jaxinfer__pb2.UnloadLoRAAdapterRequest.SerializeToString,
+            serve_dot_jaxinfer__pb2.LoRAAdapters.FromString,
             options,
             channel_credentials,
             insecure,

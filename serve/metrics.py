@@ -48,6 +48,13 @@ class Metrics:
                             registry=r)
         self.requests = Counter("jaxinfer_requests", "Finished requests by outcome",
                                 ["outcome"], registry=r)
+        self.lora_requests = Counter("jaxinfer_lora_requests",
+                                     "Finished requests per LoRA adapter", ["adapter"],
+                                     registry=r)
+        self.lora_tokens = Counter("jaxinfer_lora_output_tokens",
+                                   "Tokens generated per LoRA adapter", ["adapter"], registry=r)
+        self.loras_loaded = Gauge("jaxinfer_lora_adapters_loaded", "LoRA adapters loaded",
+                                  registry=r)
 
 
 class StepObserver:
@@ -82,12 +89,22 @@ class StepObserver:
         self._count(m.compiles, self._compiles(), "_last_compiles")
         m.output_tokens.inc(len(outputs))
         self._tokens_per_s(len(outputs))
+        self._per_adapter(outputs)
         fed = self.engine.buckets.real_tokens - self._real_tokens
         self._real_tokens = self.engine.buckets.real_tokens
         device_s = self.engine.last_step_s - self.engine.last_host_s
         # Every row sampled and the step fed one token per row: a decode step.
         if outputs and fed == len(outputs) and device_s > 0:
             m.hbm_bw.set(self.decode_bytes(outputs) / device_s)
+
+    def _per_adapter(self, outputs) -> None:
+        m = self.m
+        m.loras_loaded.set(len(self.engine.lora_names()))
+        for o in outputs:
+            if o.lora is not None:
+                m.lora_tokens.labels(o.lora).inc()
+                if o.finished:
+                    m.lora_requests.labels(o.lora).inc()
 
     def queue_time(self, seconds: float) -> None:
         self.m.queue.observe(seconds)

@@ -1,14 +1,16 @@
 """The OpenAI-compatible HTTP API (FastAPI), beside the gRPC service on the same engine thread.
 
     POST /v1/completions        POST /v1/chat/completions     (stream: server-sent events)
-    GET  /v1/models             GET  /v1/models/{model}
+    GET  /v1/models             GET  /v1/models/{model}   (the model and its LoRA adapters)
+    POST /v1/load_lora_adapter  POST /v1/unload_lora_adapter  (with --allow-runtime-lora)
     POST /tokenize              POST /detokenize
     GET  /health                200 when ready; 503 while loading or draining
     GET  /metrics               the server's Prometheus registry
 
 Errors have OpenAI's shape, {"error": {"message", "type", "param", "code"}}: 400 for an invalid
 field (`param` names it), 401 for a missing or wrong bearer token (when auth is on; /health
-stays open for health probes), 404 for an unknown model or path,
+stays open for health probes), 404 for an unknown model or path (a request's `model` is the
+served model or a loaded LoRA adapter, which then answers),
 413 for a body over the size limit, 429 when the waiting queue is full, 500 when the engine
 step running the request failed (other requests go on; mid-stream: an error event), 503 while
 loading, draining or after the engine failed for good. A client that disconnects (mid-stream or while waiting) has its requests aborted;
@@ -20,6 +22,7 @@ status code rather than a broken stream.
 """
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import hmac
 import json
@@ -27,13 +30,13 @@ import logging
 import time
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jaxinfer import openai_protocol as oai
 from jaxinfer import openai_responses as oresp
-from jaxinfer.errors import InvalidRequestError
+from jaxinfer.errors import ConfigError, InvalidRequestError
 from serve.admission import Admission, Refused, RequestFailed
 from serve.openai_stream import Call, EventStream, failing_as_event, sse
 from serve.auth import digest
@@ -53,6 +56,7 @@ class HttpSettings:
     auth_token: str | None = None
     max_body_bytes: int = 4 << 20
     log_prompts: bool = False
+    allow_runtime_lora: bool = False    # /v1/load_lora_adapter and /v1/unload_lora_adapter
 
 
 class ApiError(Exception):
@@ -111,11 +115,22 @@ class OpenAIApi:
                            code="invalid_json") from None
 
     def check_model(self, model: str | None) -> str:
+        """The model a request names: the served model (also for None) or a loaded LoRA
+        adapter's name; 404 for anything else."""
         self.admission.check()
-        if model is not None and model != self.model_name:
+        if model is None or model == self.model_name:
+            return self.model_name
+        adapters = self._engine.lora_names()
+        if model not in adapters:
+            also = f" and the LoRA adapters {', '.join(map(repr, adapters))}" if adapters else ""
             raise ApiError(404, f"the model '{model}' does not exist; this server serves "
-                                f"'{self.model_name}'", param="model", code="model_not_found")
-        return self.model_name
+                                f"'{self.model_name}'{also}", param="model",
+                           code="model_not_found")
+        return model
+
+    def _for_model(self, model: str, params):
+        """The request's params with its LoRA adapter when `model` names one."""
+        return params if model == self.model_name else dataclasses.replace(params, lora=model)
 
     def token_text(self, token_id: int) -> str:
         if self._token_text is None:     # the engine (and its tokenizer) loads after start
@@ -134,7 +149,8 @@ class OpenAIApi:
         self.authorize(request)
         req = oai.parse(oai.CompletionRequest, await self.read_json(request))
         model = self.check_model(req.model)
-        params, prompts = oai.completion_params(req), oai.completion_prompts(req)
+        params = self._for_model(model, oai.completion_params(req))
+        prompts = oai.completion_prompts(req)
         return await self._serve(request, "cmpl", model, prompts, params, req, arrival,
                                  chat=False)
 
@@ -143,7 +159,7 @@ class OpenAIApi:
         self.authorize(request)
         req = oai.parse(oai.ChatRequest, await self.read_json(request))
         model = self.check_model(req.model)
-        params = oai.chat_params(req, self._engine.config.max_model_len)
+        params = self._for_model(model, oai.chat_params(req, self._engine.config.max_model_len))
         messages = oai.chat_prompt(req)
         return await self._serve(request, "chatcmpl", model, [messages], params, req, arrival,
                                  chat=True)
@@ -250,16 +266,53 @@ class OpenAIApi:
     def models(self, request: Request) -> dict:
         self.authorize(request)
         self.admission.check()
-        return {"object": "list", "data": [self._model_card()]}
+        return {"object": "list", "data": [self._model_card(m) for m in
+                                           [self.model_name, *self._engine.lora_names()]]}
 
     def model(self, request: Request, model: str) -> dict:
         self.authorize(request)
-        self.check_model(model)
-        return self._model_card()
+        return self._model_card(self.check_model(model))
 
-    def _model_card(self) -> dict:
-        return {"id": self.model_name, "object": "model", "created": oresp.now(),
-                "owned_by": "jaxinfer", "max_model_len": self._engine.config.max_model_len}
+    def _model_card(self, model: str) -> dict:
+        card = {"id": model, "object": "model", "created": oresp.now(), "owned_by": "jaxinfer",
+                "max_model_len": self._engine.config.max_model_len}
+        if model != self.model_name:     # a LoRA adapter, as vLLM lists one
+            try:
+                card.update(root=self._engine.lora_path(model), parent=self.model_name)
+            except InvalidRequestError:      # unloaded meanwhile
+                pass
+        return card
+
+    # --- LoRA adapters at run time ------------------------------------------------------
+    async def load_lora_adapter(self, request: Request):
+        req = oai.parse(oai.LoadLoRAAdapterRequest, await self._runtime_lora(request))
+        if req.lora_name == self.model_name:
+            raise InvalidRequestError(f"'{req.lora_name}' is the served model's name",
+                                      field="lora_name")
+        await self._on_engine(lambda engine: engine.load_lora(req.lora_name, req.lora_path))
+        return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' added successfully.")
+
+    async def unload_lora_adapter(self, request: Request):
+        req = oai.parse(oai.UnloadLoRAAdapterRequest, await self._runtime_lora(request))
+        await self._on_engine(lambda engine: engine.unload_lora(req.lora_name))
+        return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' removed "
+                                 f"successfully.")
+
+    async def _runtime_lora(self, request: Request):
+        """The body of a load/unload call, once it is allowed."""
+        self.authorize(request)
+        if not self.settings.allow_runtime_lora:
+            raise ApiError(404, "loading LoRA adapters at run time is off: start the server "
+                                "with --allow-runtime-lora", code="not_found")
+        self.admission.check()
+        return await self.read_json(request)
+
+    async def _on_engine(self, fn):
+        """fn(engine) on the engine thread; LoRA off is a 400 naming the setting."""
+        try:
+            return await asyncio.wrap_future(self.admission.engine.call(fn))
+        except ConfigError as e:
+            raise ApiError(400, str(e), param="lora_name") from None
 
     async def tokenize(self, request: Request) -> dict:
         self.authorize(request)
@@ -310,6 +363,8 @@ def build_app(admission: Admission, settings: HttpSettings) -> FastAPI:
     app.add_api_route("/v1/chat/completions", api.chat, methods=["POST"])
     app.add_api_route("/v1/models", api.models, methods=["GET"])
     app.add_api_route("/v1/models/{model:path}", api.model, methods=["GET"])
+    app.add_api_route("/v1/load_lora_adapter", api.load_lora_adapter, methods=["POST"])
+    app.add_api_route("/v1/unload_lora_adapter", api.unload_lora_adapter, methods=["POST"])
     app.add_api_route("/tokenize", api.tokenize, methods=["POST"])
     app.add_api_route("/detokenize", api.detokenize, methods=["POST"])
     app.add_api_route("/health", api.health, methods=["GET"])

@@ -56,6 +56,9 @@ class ServeConfig:
     max_message_bytes: int = 4 << 20
     grace_period_s: float = 30.0
     log_prompts: bool = False
+    # LoRA adapters loaded and unloaded while serving (HTTP /v1/load_lora_adapter, gRPC
+    # LoadLoRAAdapter): off unless asked for, since a load reads a path on this machine.
+    allow_runtime_lora: bool = False
 
 
 def _build(cfg: ServeConfig, service, health_servicer) -> tuple[grpc.aio.Server, int]:
@@ -155,7 +158,8 @@ async def serve(cfg: ServeConfig, make_engine: Callable[[], object]) -> int:
     grpc_server = health_servicer = grpc_port = None
     if cfg.port is not None:
         health_servicer = health.aio.HealthServicer()
-        grpc_server, grpc_port = _build(cfg, InferenceService(admission, cfg.log_prompts),
+        grpc_server, grpc_port = _build(cfg, InferenceService(admission, cfg.log_prompts,
+                                                                 cfg.allow_runtime_lora),
                                         health_servicer)
         await _set_health(health_servicer, _NOT_SERVING)
         await grpc_server.start()
@@ -163,7 +167,8 @@ async def serve(cfg: ServeConfig, make_engine: Callable[[], object]) -> int:
     if cfg.http_port is not None:
         http = await _start_http(
             build_app(admission, HttpSettings(cfg.served_model_name, cfg.auth_token,
-                                              cfg.max_message_bytes, cfg.log_prompts)),
+                                              cfg.max_message_bytes, cfg.log_prompts,
+                                              cfg.allow_runtime_lora)),
             cfg.host, cfg.http_port, cfg.tls_cert, cfg.tls_key)
     if cfg.metrics_port is not None:
         metrics_http = await _start_http(

@@ -7,6 +7,8 @@ Status codes (no handler lets an exception escape as UNKNOWN):
                       trailing metadata jaxinfer-field)
   RESOURCE_EXHAUSTED  the waiting queue is at its limit
   UNAVAILABLE         still loading, draining for shutdown, or the engine failed for good
+  FAILED_PRECONDITION a LoRA adapter load/unload when the server does not allow them (no
+                      --allow-runtime-lora) or serves no adapters (max_loras 0)
   INTERNAL            the engine step running the request failed (other requests go on),
                       or a bug (logged with its traceback)
 A client that cancels or passes its deadline has its request aborted in the engine.
@@ -21,7 +23,7 @@ import time
 
 import grpc
 
-from jaxinfer.errors import InvalidRequestError
+from jaxinfer.errors import ConfigError, InvalidRequestError
 from serve import convert
 from serve import jaxinfer_pb2 as pb
 from serve import jaxinfer_pb2_grpc as pb_grpc
@@ -63,6 +65,13 @@ def add_to_server(service: "InferenceService", server) -> None:
         "ModelInfo": grpc.unary_unary_rpc_method_handler(
             service.ModelInfo, request_deserializer=_lenient(pb.ModelInfoRequest),
             response_serializer=pb.ModelInfoResponse.SerializeToString),
+        "LoadLoRAAdapter": grpc.unary_unary_rpc_method_handler(
+            service.LoadLoRAAdapter, request_deserializer=_lenient(pb.LoadLoRAAdapterRequest),
+            response_serializer=pb.LoRAAdapters.SerializeToString),
+        "UnloadLoRAAdapter": grpc.unary_unary_rpc_method_handler(
+            service.UnloadLoRAAdapter,
+            request_deserializer=_lenient(pb.UnloadLoRAAdapterRequest),
+            response_serializer=pb.LoRAAdapters.SerializeToString),
     }
     name = pb.DESCRIPTOR.services_by_name["Inference"].full_name
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, handlers),))
@@ -85,6 +94,8 @@ def guarded(handler):
             await context.abort(_REFUSED[e.reason], str(e))
         except RequestFailed as e:
             await context.abort(grpc.StatusCode.INTERNAL, str(e))
+        except ConfigError as e:      # an engine setting that rules the call out
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         except InvalidRequestError as e:
             field = e.field or "request"
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{field}: {e}",
@@ -97,8 +108,10 @@ def guarded(handler):
 
 
 class InferenceService(pb_grpc.InferenceServicer):
-    def __init__(self, admission: Admission, log_prompts: bool = False):
+    def __init__(self, admission: Admission, log_prompts: bool = False,
+                 allow_runtime_lora: bool = False):
         self._admission, self._log_prompts = admission, log_prompts
+        self._allow_runtime_lora = allow_runtime_lora
         self._engine, self._metrics = admission.engine, admission.metrics
         self._ids = itertools.count()
 
@@ -106,6 +119,24 @@ class InferenceService(pb_grpc.InferenceServicer):
     async def ModelInfo(self, request, context):
         self._admission.check()
         return convert.model_info(self._engine.engine, self._engine.max_waiting)
+
+    @guarded
+    async def LoadLoRAAdapter(self, request, context):
+        return await self._on_engine(
+            lambda engine: engine.load_lora(request.lora_name, request.lora_path))
+
+    @guarded
+    async def UnloadLoRAAdapter(self, request, context):
+        return await self._on_engine(lambda engine: engine.unload_lora(request.lora_name))
+
+    async def _on_engine(self, fn) -> pb.LoRAAdapters:
+        """A LoRA load/unload on the engine thread; the adapters loaded after it."""
+        if not self._allow_runtime_lora:
+            raise ConfigError("loading LoRA adapters at run time is off: start the server "
+                              "with --allow-runtime-lora")
+        self._admission.check()
+        await asyncio.wrap_future(self._engine.call(fn))
+        return pb.LoRAAdapters(lora_adapters=self._engine.engine.lora_names())
 
     @guarded
     async def Generate(self, request, context):

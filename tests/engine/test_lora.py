@@ -8,9 +8,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from checkpoints.fp8 import LINEAR_NAMES, dequantize_linear, quantize_linear
 from checkpoints.model_state import build_model
 from dense_reference import random_flat
 from engine_util import TINY, random_prompts, tiny_engine
+from jaxinfer.cli import main
 from jaxinfer.config import EngineConfig
 from jaxinfer.engine import Engine
 from jaxinfer.errors import ConfigError, InvalidRequestError
@@ -38,9 +40,10 @@ def adapters(tmp_path_factory):
     }
 
 
-def merged_engine(path, **kw) -> Engine:
-    """The tiny model with the adapter at `path` merged into its weights, no LoRA."""
-    flat = random_flat(TINY, seed=11, std=0.08)
+def merged_engine(path, base=None, **kw) -> Engine:
+    """The tiny model with the adapter at `path` merged into its weights, no LoRA; `base`:
+    weights that replace the model's own first."""
+    flat = {**random_flat(TINY, seed=11, std=0.08), **(base or {})}
     if path is not None:
         adapter = read_peft("merged", path, TINY, 64)
         for m, (a, b) in adapter.weights.items():
@@ -109,6 +112,25 @@ def test_unrolled_layers_on_the_gpu_s_kernel_routes_give_the_merged_tokens(adapt
         assert g == generate(merged, [p], [SamplingParams(**GREEDY)])[0]
 
 
+def test_fp8_base_weights_take_adapters_too(adapters):
+    """FP8 linears (weight-only on the CPU: x @ the dequantized weights) plus each adapter
+    give the float model whose linears are the dequantized FP8 weights plus the adapter."""
+    flat = random_flat(TINY, seed=11, std=0.08)
+    graphdef, params = build_model(TINY, flat, jnp.float32, fp8=True)
+    engine = Engine(TINY, EngineConfig(max_model_len=128, max_num_seqs=8, page_size=4,
+                                       max_num_batched_tokens=64, max_loras=2,
+                                       max_lora_rank=16), graphdef, params)
+    for name in ("all", "mlp"):
+        engine.load_lora(name, adapters[name])
+    prompts, names = random_prompts(3, seed=12), ["all", None, "mlp"]
+    got = generate(engine, prompts, [SamplingParams(**GREEDY, lora=n) for n in names])
+    dequantized = {k: np.asarray(dequantize_linear(*quantize_linear(flat[k])))
+                   for k in LINEAR_NAMES}
+    for g, p, n in zip(got, prompts, names):
+        merged = merged_engine(None if n is None else adapters[n], base=dequantized)
+        assert g == generate(merged, [p], [SamplingParams(**GREEDY)])[0], n
+
+
 def test_a_request_gives_the_same_tokens_alone_and_among_other_adapters(adapters):
     prompts = random_prompts(6, seed=9)
     names = ["qv", "all", None, "mlp", "qv", "all"]
@@ -173,6 +195,27 @@ def test_n_completions_and_preemption_keep_their_adapter(adapters):
     check_nothing_held(engine)
 
 
+def test_adapters_out_of_host_memory_are_read_again_and_a_vanished_one_fails_alone(
+        adapters, tmp_path):
+    import shutil
+    gone = shutil.copytree(adapters["qv"], tmp_path / "qv")
+    engine = lora_engine({"all": adapters["all"], "qv": gone}, max_loras=1, max_cpu_loras=1)
+    prompts = random_prompts(3, seed=21)
+    first = [generate(engine, [p], [SamplingParams(**GREEDY, lora=n)])[0]
+             for p, n in zip(prompts, ["all", "qv", "all"])]     # each swap reads again
+    merged = {n: merged_engine(adapters[n]) for n in ("all", "qv")}
+    assert first == [generate(merged[n], [p], [SamplingParams(**GREEDY)])[0]
+                     for p, n in zip(prompts, ["all", "qv", "all"])]
+    shutil.rmtree(gone)       # "qv" is out of host memory and now off the disk too
+    ids = [engine.add_request(p, SamplingParams(**GREEDY, lora=n))
+           for p, n in zip(prompts, ["all", "qv", None])]
+    done = engine.run_until_done(use_tqdm=False)
+    assert done[ids[1]].finish_reason == "error" and "adapter_config.json" in done[ids[1]].error
+    assert done[ids[0]].token_ids == first[0]
+    assert done[ids[2]].finish_reason == "length"
+    check_nothing_held(engine)
+
+
 def test_unknown_and_unloaded_adapters_are_refused_naming_the_field(adapters):
     engine = lora_engine(adapters)
     with pytest.raises(InvalidRequestError, match="no LoRA adapter named 'nope'") as e:
@@ -232,3 +275,30 @@ def test_lora_settings_are_checked():
         EngineConfig(max_loras=1, tensor_parallel=2)
     with pytest.raises(ConfigError, match="max_loras"):
         EngineConfig(max_loras=-1)
+
+
+def test_the_command_line_serves_adapters_in_an_offline_batch(adapters, tmp_path, capsys):
+    lines = [{"id": i, "prompt_token_ids": p["prompt_token_ids"], "max_tokens": 6,
+              "temperature": 0.0, **({"lora": n} if n else {})}
+             for i, (p, n) in enumerate(zip(random_prompts(4, seed=2),
+                                            [None, "all", "qv", "all"]))]
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    loras = [f"{n}={adapters[n]}" for n in ("all", "qv")]
+    assert main(["generate", "--model", "tiny", "--input", str(inp), "--output", str(out),
+                 *[a for lo in loras for a in ("--lora", lo)]]) == 0
+    got = {r["id"]: r["token_ids"] for r in map(json.loads, out.read_text().splitlines())}
+    engine = Engine.from_model("tiny", EngineConfig(max_loras=2),
+                               [("all", adapters["all"]), ("qv", adapters["qv"])])
+    params = [SamplingParams(max_tokens=6, temperature=0.0, lora=line.get("lora"))
+              for line in lines]
+    assert [got[i] for i in range(4)] == generate(
+        engine, [{"prompt_token_ids": line["prompt_token_ids"]} for line in lines], params)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "--model", "tiny", "--lora", "nameonly"])
+    assert e.value.code == 2
+    assert "expected NAME=PATH" in capsys.readouterr().err
+    assert main(["generate", "--model", "tiny", "--input", str(inp), "--output",
+                 str(tmp_path / "o2.jsonl"), "--lora", f"all={tmp_path}"]) == 2
+    assert "adapter_config.json not found" in capsys.readouterr().err

@@ -44,6 +44,16 @@ def tiny_client(srv, **kw):
     return openai.OpenAI(base_url=srv.http_url + "/v1", api_key="none", max_retries=0, **kw)
 
 
+def test_lora_adapters_cannot_be_loaded_unless_the_server_allows_it(tiny):
+    status, body = call(tiny.http_url + "/v1/load_lora_adapter",
+                        {"lora_name": "a", "lora_path": "/nonexistent"})
+    assert status == 404 and "--allow-runtime-lora" in body["error"]["message"]
+    status, body = call(tiny.http_url + "/v1/completions",
+                        {"model": "a", "prompt": [5, 6], "max_tokens": 2})
+    assert status == 404 and body["error"]["code"] == "model_not_found"
+    assert [m["id"] for m in call(tiny.http_url + "/v1/models")[1]["data"]] == ["tiny"]
+
+
 def test_503_while_loading(tiny):
     health, (status, body) = tiny.early
     assert health == 503
