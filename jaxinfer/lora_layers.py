@@ -1,14 +1,16 @@
 """LoRA on the device: every adapter in use sits in one of `max_loras` fixed slots of one set
 of arrays, and each projection's low-rank update is computed for the whole mixed batch in
-one pass (the stacked, segmented form Punica and S-LoRA use, as two plain GEMMs XLA runs).
+one pass (the stacked, segmented form Punica and S-LoRA use).
 
 Per projection (lora.MODULES) and layer: A [in, N, R] and B [N, R, out] (N slots, R the
 engine's max_lora_rank; the scaling folded into B). Each token names its row's slot (-1: no
-adapter); the update of x [T, in] is
-
-    (x @ A.reshape(in, N*R)) masked to the token's own slot's R columns, @ B.reshape(N*R, out)
-
-so every token reads all N slots' (small) weights and only its own contribute. Writing an
+adapter). The update of x [T, in] takes one of two forms, by the step's static T:
+  - T >= N: two plain GEMMs over every slot,
+        (x @ A.reshape(in, N*R)) masked to the token's own slot's R columns, @ B.reshape(N*R, out)
+    every token reads all N slots' (small) weights and only its own contribute;
+  - T < N (small decode steps): each token's own slot gathered, A[:, slot] and B[slot], so
+    the step reads T slots' weights, not N (at batch 1, 1/N of the bytes).
+Writing an
 adapter into a slot (`write_slot`) is a program of its own with the slot as a value: swapping
 adapters never recompiles. Scanned models keep each array with a leading L axis (`stacked`),
 unrolled ones a dict per layer (read in place, as their base weights are).
@@ -70,21 +72,30 @@ def token_mask(index, num_slots: int, dtype):
     return (index[:, None] == jnp.arange(num_slots, dtype=index.dtype)[None, :]).astype(dtype)
 
 
-def delta(x, pair, mask):
+def delta(x, pair, index):
     """The update of one projection for x [T, in]: pair (A [in, N, R], B [N, R, out]),
-    mask [T, N] (token_mask) -> [T, out] in x's dtype."""
+    index [T] i32 (each token's slot, -1 none) -> [T, out] in x's dtype."""
     a, b = pair
     t, (din, n, r) = x.shape[0], a.shape
+    if t < n:      # read only the tokens' own slots
+        own = jnp.maximum(index, 0)
+        xa = jnp.einsum("ti,itr->tr", x, a[:, own].astype(x.dtype),
+                        preferred_element_type=jnp.float32)
+        xa = (xa * (index >= 0)[:, None].astype(jnp.float32)).astype(x.dtype)
+        return jnp.einsum("tr,tro->to", xa, b[own].astype(x.dtype),
+                          preferred_element_type=jnp.float32).astype(x.dtype)
+    mask = token_mask(index, n, jnp.float32)
     xa = jnp.dot(x, a.reshape(din, n * r).astype(x.dtype), preferred_element_type=jnp.float32)
-    xa = (xa.reshape(t, n, r) * mask[:, :, None].astype(jnp.float32)).astype(x.dtype)
+    xa = (xa.reshape(t, n, r) * mask[:, :, None]).astype(x.dtype)
     return jnp.dot(xa.reshape(t, n * r), b.reshape(n * r, -1).astype(x.dtype),
                    preferred_element_type=jnp.float32).astype(x.dtype)
 
 
 def fused_delta(x, lora, modules):
     """The updates of `modules` (e.g. ("q", "k", "v")) concatenated along the output axis:
-    the fused projection's layout ([q | k | v], [gate | up]). lora: (layer's weights, mask)."""
-    weights, mask = lora
-    parts = [delta(x, weights[m], mask) for m in modules]
+    the fused projection's layout ([q | k | v], [gate | up]). lora: (the layer's weights,
+    each token's slot [T])."""
+    weights, index = lora
+    parts = [delta(x, weights[m], index) for m in modules]
     return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=-1)
 

@@ -131,7 +131,7 @@ class Attention(nnx.Module):
                  norm: RMSNorm | None = None, lora=None):
         """x [T, E] normed; with `norm`, the residual rows that norm is still to be applied to
         (folded into the fused front, ops.front_norm_applies). lora: (this layer's adapter
-        weights, the tokens' slot mask) or None (lora_layers.py); the fused front, which
+        weights, each token's slot [T]) or None (lora_layers.py); the fused front, which
         projects inside the attention kernel, does not run with it."""
         cfg, w = self.cfg, self.wqkv
         bias = None if w.bias is None else w.bias[...]
@@ -331,11 +331,7 @@ class Decoder(nnx.Module):
             h, kv = self(padded, kv, md_padded, routes, lora)
             return h[:t], kv
         x = self.embed[...][tokens]                                     # [T, E]
-        weights, mask = None, None
-        if lora is not None:
-            weights = lora[0]
-            first = weights[0] if isinstance(weights, tuple) else weights
-            mask = lora_layers.token_mask(lora[1], first["q"][0].shape[-2], x.dtype)  # [T, N]
+        weights, slots = (None, None) if lora is None else lora     # slots [T] i32
         freqs = md.positions.astype(jnp.float32)[:, None] * self.inv_freq[...][None, :]
         cos, sin = jnp.cos(freqs), jnp.sin(freqs)                        # [T, D/2]
         if self.unroll_layers:
@@ -349,7 +345,7 @@ class Decoder(nnx.Module):
                 with jax.named_scope("decoder_layer"):  # bench/hlo.py counts kernels by it
                     x, delta, cache = _unrolled_layer(
                         graphdef, routes, state, x, delta, cache, jnp.int32(index), md, cos,
-                        sin, None if weights is None else (weights[i], mask))
+                        sin, None if weights is None else (weights[i], slots))
                 kv = kv.with_layer(i, cache)
             return self.final_norm.add_norm(x, delta)[1], kv
         if isinstance(kv, KVLayers):
@@ -362,7 +358,7 @@ class Decoder(nnx.Module):
             layer_state, layer, layer_lora = xs
             h, delta, kv = nnx.merge(graphdef, layer_state)(
                 h, None, kv, layer, md, cos, sin, routes,
-                None if layer_lora is None else (layer_lora, mask))
+                None if layer_lora is None else (layer_lora, slots))
             return (h + delta, kv), None
 
         layer_ids = jnp.arange(self.cfg.num_layers, dtype=jnp.int32)
