@@ -31,16 +31,17 @@ from jaxinfer.request import RequestOutput, SamplingParams
 
 class AsyncLLM:
     def __init__(self, model: str = "smollm2", *, engine_config: EngineConfig | None = None,
-                 max_waiting: int = 1 << 20, **engine_kwargs):
+                 max_waiting: int = 1 << 20, lora_modules=(), **engine_kwargs):
         """Load the model (and compile every bucket) on the engine thread; returns once it is
         ready to serve. `max_waiting`: requests handed in and not yet scheduled beyond which
-        `generate` raises QueueFullError."""
+        `generate` raises QueueFullError. lora_modules: (name, PEFT directory) pairs of LoRA
+        adapters to serve from the start (needs max_loras > 0)."""
         cfg = engine_config or EngineConfig()
         if engine_kwargs:
             cfg = cfg.replace(**engine_kwargs)
 
         def make():
-            engine = Engine.from_model(model, cfg)
+            engine = Engine.from_model(model, cfg, lora_modules)
             if engine.config.warmup:
                 engine.warmup(progress=True)
             return engine
@@ -84,6 +85,15 @@ class AsyncLLM:
         finally:
             if not finished:
                 self._thread.abort(rid)
+
+    async def load_lora(self, name: str, path) -> None:
+        """Serve the PEFT adapter in directory `path` as `name` (Engine.load_lora), loaded on
+        the engine thread between steps."""
+        await asyncio.wrap_future(self._thread.call(lambda e: e.load_lora(name, path)))
+
+    async def unload_lora(self, name: str) -> None:
+        """Stop serving adapter `name` (Engine.unload_lora)."""
+        await asyncio.wrap_future(self._thread.call(lambda e: e.unload_lora(name)))
 
     def abort(self, request_id: str) -> None:
         """Cancel a request by id: its generator yields the cancelled final output (text so

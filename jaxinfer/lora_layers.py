@@ -5,11 +5,12 @@ one pass (the stacked, segmented form Punica and S-LoRA use).
 Per projection (lora.MODULES) and layer: A [in, N, R] and B [N, R, out] (N slots, R the
 engine's max_lora_rank; the scaling folded into B). Each token names its row's slot (-1: no
 adapter). The update of x [T, in] takes one of two forms, by the step's static T:
-  - T >= N: two plain GEMMs over every slot,
+  - T > N: two plain GEMMs over every slot,
         (x @ A.reshape(in, N*R)) masked to the token's own slot's R columns, @ B.reshape(N*R, out)
     every token reads all N slots' (small) weights and only its own contribute;
-  - T < N (small decode steps): each token's own slot gathered, A[:, slot] and B[slot], so
-    the step reads T slots' weights, not N (at batch 1, 1/N of the bytes).
+  - T <= N (small decode steps): each token's own slot gathered, A[:, slot] and B[slot], so
+    the step reads T slots' weights, not N (at batch 1, 1/N of the bytes; a GPU step padded
+    to 8 rows gathers the padding's slot 0 again, from cache).
 Writing an
 adapter into a slot (`write_slot`) is a program of its own with the slot as a value: swapping
 adapters never recompiles. Scanned models keep each array with a leading L axis (`stacked`),
@@ -77,7 +78,7 @@ def delta(x, pair, index):
     index [T] i32 (each token's slot, -1 none) -> [T, out] in x's dtype."""
     a, b = pair
     t, (din, n, r) = x.shape[0], a.shape
-    if t < n:      # read only the tokens' own slots
+    if t <= n:      # read only the tokens' own slots
         own = jnp.maximum(index, 0)
         xa = jnp.einsum("ti,itr->tr", x, a[:, own].astype(x.dtype),
                         preferred_element_type=jnp.float32)

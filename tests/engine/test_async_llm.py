@@ -105,3 +105,30 @@ def test_n_completions_stream_by_index_then_one_final_output(llm):
     for i in (0, 1):
         joined = [t for d in deltas if d.outputs[0].index == i for t in d.new_token_ids]
         assert joined == out.outputs[i].token_ids
+
+
+def test_lora_adapters_stream_and_load_at_run_time(tmp_path):
+    from checkpoints.synthetic_lora import write_random_adapter
+    from jaxinfer.config import EngineConfig, standard_config
+    from jaxinfer.engine import Engine
+
+    paths = [write_random_adapter(tmp_path / n, standard_config("tiny"), rank=4, seed=i,
+                                  std=0.3) for i, n in enumerate(("a", "b"))]
+    kw = dict(max_num_seqs=2, max_num_batched_tokens=16, max_model_len=64, max_loras=1)
+    prompt = {"prompt_token_ids": [5, 6, 7, 8]}
+    with AsyncLLM("tiny", lora_modules=[("a", paths[0])], **kw) as llm:
+        async def run():
+            await llm.load_lora("b", paths[1])
+            got = {n: (await _collect(llm, prompt, SamplingParams(
+                temperature=0.0, max_tokens=8, lora=n)))[-1].token_ids for n in ("a", "b")}
+            await llm.unload_lora("b")
+            with pytest.raises(InvalidRequestError, match="no LoRA adapter named 'b'"):
+                await llm.unload_lora("b")
+            return got
+        got = asyncio.run(run())
+        assert llm.engine.lora_names() == ["a"]
+    want = Engine.from_model("tiny", EngineConfig(**kw), [("a", paths[0]), ("b", paths[1])])
+    for name in ("a", "b"):
+        rid = want.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=8, lora=name))
+        assert got[name] == want.run_until_done(use_tqdm=False)[rid].token_ids
+    assert got["a"] != got["b"]
