@@ -258,9 +258,6 @@ class EngineConfig:
               f"max_lora_rank must be in [1, 64], got {self.max_lora_rank!r}")
         check(isinstance(self.max_cpu_loras, int) and self.max_cpu_loras >= 0,
               f"max_cpu_loras must be >= 0 (0: max_loras), got {self.max_cpu_loras!r}")
-        check(not (self.max_loras and self.tensor_parallel > 1),
-              "LoRA adapters (max_loras > 0) are served on one device: tensor_parallel must "
-              "be 1")
         check(isinstance(self.compile_cache, str) and self.compile_cache.strip() != "",
               f"compile_cache must be 'auto', 'off' or a directory, got {self.compile_cache!r}")
 

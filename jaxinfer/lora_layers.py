@@ -28,16 +28,18 @@ from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.lora import LoRAAdapter, module_shapes
 
 
-def allocate(cfg: ModelConfig, engine: EngineConfig, dtype, unrolled: bool):
+def allocate(cfg: ModelConfig, engine: EngineConfig, dtype, unrolled: bool, sharding=None):
     """All slots empty (zeros): module -> (A, B), with a leading L axis (scanned), or a
-    tuple of such dicts per layer (unrolled)."""
+    tuple of such dicts per layer (unrolled). sharding: where they live (tensor parallel:
+    replicated on the mesh; GSPMD splits the updates' work beside the sharded projections)."""
     n, r, layers = engine.max_loras, engine.max_lora_rank, cfg.num_layers
     lead = () if unrolled else (layers,)
 
     def one():
-        return {m: (jnp.zeros(lead + (din, n, r), dtype), jnp.zeros(lead + (n, r, dout), dtype))
+        return {m: (np.zeros(lead + (din, n, r), dtype), np.zeros(lead + (n, r, dout), dtype))
                 for m, (din, dout) in module_shapes(cfg).items()}
-    return tuple(one() for _ in range(layers)) if unrolled else one()
+    weights = tuple(one() for _ in range(layers)) if unrolled else one()
+    return jax.device_put(weights) if sharding is None else jax.device_put(weights, sharding)
 
 
 def host_slot(adapter: LoRAAdapter | None, cfg: ModelConfig, rank: int, dtype):
@@ -92,11 +94,15 @@ def delta(x, pair, index):
                    preferred_element_type=jnp.float32).astype(x.dtype)
 
 
-def fused_delta(x, lora, modules):
-    """The updates of `modules` (e.g. ("q", "k", "v")) concatenated along the output axis:
-    the fused projection's layout ([q | k | v], [gate | up]). lora: (the layer's weights,
-    each token's slot [T])."""
+def fused_delta(x, lora, modules, shards: int = 1):
+    """The updates of `modules` (e.g. ("q", "k", "v")) concatenated along the output axis
+    in the fused projection's layout: [q | k | v], [gate | up], or under tensor parallelism
+    shard-major, [n shards, (own q, k, v)] (model.py). lora: (the layer's weights, each
+    token's slot [T])."""
     weights, index = lora
     parts = [delta(x, weights[m], index) for m in modules]
-    return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=-1)
+    if len(parts) == 1:
+        return parts[0]
+    t = x.shape[0]
+    return jnp.concatenate([p.reshape(t, shards, -1) for p in parts], axis=-1).reshape(t, -1)
 

@@ -148,7 +148,7 @@ class Attention(nnx.Module):
         # the QKV bias is added by attend: inside the RoPE + K/V write kernel where that runs
         qkv = self.wqkv(x, routes, add_bias=False)
         if lora is not None:
-            qkv = qkv + lora_layers.fused_delta(x, lora, ("q", "k", "v"))
+            qkv = qkv + lora_layers.fused_delta(x, lora, ("q", "k", "v"), self.layout.attn)
         o, kv = self.attend(qkv, kv, layer, md, cos, sin, routes, bias=bias)
         out = self.wo(o, routes)
         return (out if lora is None else out + lora_layers.fused_delta(o, lora, ("o",))), kv
@@ -210,7 +210,7 @@ class MLP(nnx.Module):
                 return fused
         gu = self.w_gateup(x, routes)
         if lora is not None:
-            gu = gu + lora_layers.fused_delta(x, lora, ("gate", "up"))
+            gu = gu + lora_layers.fused_delta(x, lora, ("gate", "up"), self.shards)
         gu = gu.reshape(t, self.shards, 2, -1)                          # [T, m, 2, F/m]
         gate, up = gu[:, :, 0].reshape(t, -1), gu[:, :, 1].reshape(t, -1)  # [T, F] each
         h = jax.nn.silu(gate) * up

@@ -216,8 +216,10 @@ class ModelRunner:
                                 donate_argnums=(1, 2, 3), static_argnames=("spec",))
         self._copy_fn = jax.jit(_copy_pages, donate_argnums=(0,))
         # The LoRA adapters' device slots (lora_layers.py); None when max_loras is 0.
+        self._replicated = (None if self.layout.mesh is None
+                            else self.layout.named(jax.sharding.PartitionSpec()))
         self.lora = (lora_layers.allocate(cfg, self.engine, jnp.dtype(self.engine.dtype),
-                                          self.engine.unroll_layers)
+                                          self.engine.unroll_layers, self._replicated)
                      if self.engine.max_loras else None)
         # Compiled steps on disk, loaded without tracing on a restart (executable_store.py).
         self.store = ExecutableStore.for_jax_cache(
@@ -258,6 +260,8 @@ class ModelRunner:
         steps dispatched before and before those after. Never compiles after warm-up."""
         host = lora_layers.host_slot(adapter, self.cfg, self.engine.max_lora_rank,
                                      jnp.dtype(self.engine.dtype))
+        if self._replicated is not None:
+            host = jax.device_put(host, self._replicated)
         self.lora = lora_layers.write_slot(self.lora, np.int32(slot), host)
 
     def kv_lost(self) -> bool:

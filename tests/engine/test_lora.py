@@ -271,8 +271,6 @@ def _config(path, **changes):
 def test_lora_settings_are_checked():
     with pytest.raises(ConfigError, match="max_lora_rank"):
         EngineConfig(max_loras=1, max_lora_rank=65)
-    with pytest.raises(ConfigError, match="tensor_parallel"):
-        EngineConfig(max_loras=1, tensor_parallel=2)
     with pytest.raises(ConfigError, match="max_loras"):
         EngineConfig(max_loras=-1)
 

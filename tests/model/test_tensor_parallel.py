@@ -1,5 +1,6 @@
 """Tensor parallelism on 8 virtual CPU devices: greedy outputs under continuous batching are
-identical at tp = 1, 2, 4 (tiny model: reference and Pallas attention, FP8 weights) and
+identical at tp = 1, 2, 4 (tiny model: reference and Pallas attention, FP8 weights, LoRA
+adapters in a mixed batch) and
 tp = 1, 2 (SmolLM2, whose 9/3 heads replicate attention at tp=2); weights (the int8 LM head's
 and its dense copy's too) and the KV cache really are sharded; the compiled step gathers no
 weight.
@@ -23,13 +24,26 @@ TINY_PROMPTS, TINY_ARRIVALS = 4, [0, 0, 2, 5]
 
 # --- the child: computes everything, prints one JSON line -------------------------------
 
-def _engine_tokens(engine, prompts, max_tokens, arrivals):
+def _engine_tokens(engine, prompts, max_tokens, arrivals, loras=None):
     from engine_util import run_staggered
     from jaxinfer.request import SamplingParams
 
-    greedy = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    outs = run_staggered(engine, prompts, [greedy] * len(prompts), arrivals)
+    params = [SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
+                             lora=lora) for lora in (loras or [None] * len(prompts))]
+    outs = run_staggered(engine, prompts, params, arrivals)
     return [o.token_ids for o in outs]
+
+
+def _tiny_lora(tp: int, prompts, root) -> list:
+    """Greedy tokens of a mixed batch over two adapters (and the base model) at `tp`."""
+    from checkpoints.synthetic_lora import write_random_adapter
+    from engine_util import TINY
+
+    engine = _tiny(tp, max_loras=2, max_lora_rank=8)
+    for i, name in enumerate(("a", "b")):
+        engine.load_lora(name, write_random_adapter(f"{root}/{name}", TINY, rank=4 + 4 * i,
+                                                    seed=i, std=0.3))
+    return _engine_tokens(engine, prompts, 8, TINY_ARRIVALS, ["a", None, "b", "a"])
 
 
 def _specs(engine) -> dict:
@@ -133,6 +147,9 @@ def child_main() -> dict:
             res[f"gathered{tp}"] = _gathered_elements(engine)
     res["tiny_pallas2"] = _engine_tokens(_tiny(2, attention_impl="pallas"), prompts, 8,
                                          TINY_ARRIVALS)
+    import tempfile
+    with tempfile.TemporaryDirectory() as root:
+        res["tiny_lora"] = {str(tp): _tiny_lora(tp, prompts, root) for tp in (1, 2, 4)}
     engine = _tiny(2, unroll_layers=True)    # the GPU's layer loop: a KV pool per layer
     res["tiny_unrolled2"] = _engine_tokens(engine, prompts, 8, TINY_ARRIVALS)
     kv = engine.runner.kv
@@ -187,6 +204,13 @@ def test_tiny_greedy_identical_at_tp_1_2_4(results):
     assert len({tuple(t) for t in tiny["1"]}) == TINY_PROMPTS, "prompts should differ"
     assert tiny["2"] == tiny["1"]
     assert tiny["4"] == tiny["1"]
+
+
+def test_tiny_lora_adapters_identical_at_tp_1_2_4(results):
+    lora = results["tiny_lora"]
+    assert lora["2"] == lora["1"] and lora["4"] == lora["1"]
+    assert lora["1"][0] != results["tiny"]["1"][0]      # the adapter changes the answer
+    assert lora["1"][1] == results["tiny"]["1"][1]      # the base row is the base model's
 
 
 def test_tiny_pallas_attention_per_shard_matches(results):
