@@ -35,6 +35,7 @@ from jaxinfer.errors import ConfigError, EngineDeadError
 from jaxinfer.engine_io import (Detokenized, build_step_input, check_params_for_model,
                                 logprob_dict, pending_source, prompt_token_ids)
 from jaxinfer.loading import load_model
+from jaxinfer.engine_lora import EngineLoRA
 from jaxinfer.lora import LoRARegistry
 from jaxinfer.errors import InvalidRequestError
 from jaxinfer.request import FinishReason, Request, RequestOutput, SamplingParams
@@ -62,7 +63,7 @@ class _InFlight:
     waits: bool = False
 
 
-class Engine:
+class Engine(EngineLoRA):
     def __init__(self, cfg: ModelConfig, engine_cfg: EngineConfig, graphdef, params,
                  tokenizer=None, *, model_name: str | None = None, routes: Routes | None = None):
         """routes: the kernels' routes (tests compare them); None chooses them from
@@ -139,61 +140,6 @@ class Engine:
             self._grammars.add(cid, p)
         self._groups.add(rid, params.n)
         return rid
-
-    # --- LoRA adapters ------------------------------------------------------------------
-    def load_lora(self, name: str, path) -> None:
-        """Serve the PEFT adapter in directory `path` as `name` (requests name it in
-        SamplingParams.lora). InvalidRequestError if it does not fit the model or the
-        engine's max_lora_rank; ConfigError if the engine serves none (max_loras 0)."""
-        self._lora_registry().load(name, path)
-
-    def unload_lora(self, name: str) -> None:
-        """Stop serving `name`; requests already queued with it finish with it."""
-        self._lora_registry().unload(name)
-
-    def lora_names(self) -> list[str]:
-        """The loaded adapters' names, in load order (safe from any thread)."""
-        return [] if self.loras is None else self.loras.names
-
-    def lora_path(self, name: str) -> str:
-        """The directory adapter `name` was loaded from."""
-        return self._lora_registry().path_of(name)
-
-    def _lora_registry(self) -> LoRARegistry:
-        if self.loras is None:
-            raise ConfigError("this engine serves no LoRA adapters: build it with max_loras "
-                              "> 0 (--max-loras)")
-        return self.loras
-
-    def _lora_key(self, name: str | None) -> str | None:
-        if name is None:
-            return None
-        if self.loras is None:
-            raise InvalidRequestError("this engine serves no LoRA adapters (max_loras is 0)",
-                                      field="lora")
-        return self.loras.key_of(name)
-
-    def _load_lora_slots(self, out: SchedulerOutput) -> SchedulerOutput:
-        """The adapters the scheduler gave slots since the last step, onto the device.
-        One whose weights cannot be read (out of host memory, and its directory gone) fails
-        its requests alone: they come back with FinishReason.ERROR and leave `out`."""
-        failed = False
-        for slot, key in self.scheduler.lora_slots.take_loads():
-            try:
-                adapter = self.loras.weights(key)
-            except InvalidRequestError as e:
-                for req in [r for r in self.scheduler.running if r.lora == key]:
-                    self.scheduler.finish(req.request_id, FinishReason.ERROR)
-                    self._groups.emit(self._outputs, self._error_output(req, e), self._deltas)
-                self.scheduler.lora_slots.forget(key)
-                failed = True
-                continue
-            self.runner.set_lora_slot(slot, adapter)
-        if not failed:
-            return out
-        live = self.scheduler.requests
-        return SchedulerOutput(tuple(r for r in out.rows if r.request_id in live),
-                               out.preempted_ids)
 
     def encode_prompt(self, prompt, sampling_params: SamplingParams) -> list[int]:
         """A prompt's validated token ids (and `sampling_params` checked against this model):
