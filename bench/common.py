@@ -136,7 +136,11 @@ def engine_argv(args) -> list[str]:
 def engine_config(args):
     """The EngineConfig of the engine flags in `args`, its dtype resolved for this backend."""
     from jaxinfer.args import engine_config_from_args
+    from jaxinfer.errors import ConfigError
 
+    if getattr(args, "lora", None):
+        raise ConfigError("the bench suites load no LoRA adapters (--lora); `jaxinfer bench "
+                          "lora` writes its own, and --max-loras measures LoRA on without them")
     return engine_config_from_args(args).for_backend(jax.default_backend())
 
 

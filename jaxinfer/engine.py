@@ -389,6 +389,8 @@ class Engine(EngineLoRA):
                 if on_done is not None:
                     on_done(next(finished), total)
             self.runner.warmup(buckets, on_done=done, variants=variants)
+            if self.loras is not None:
+                self._warm_lora_slots()
         loaded = CompileCounter.loaded() - l0
         return {"compiles": CompileCounter.count() - c0 - loaded, "loaded_from_cache": loaded,
                 "loaded_from_store": (store.loaded if store is not None else 0) - s0,

@@ -42,6 +42,11 @@ class EngineLoRA:
                                       field="lora")
         return self.loras.key_of(name)
 
+    def _warm_lora_slots(self) -> None:
+        """Compile the program that writes a slot, by writing slot 0 with what it holds."""
+        key = self.scheduler.lora_slots.key_at(0)
+        self.runner.set_lora_slot(0, None if key is None else self.loras.weights(key))
+
     def _load_lora_slots(self, out: SchedulerOutput) -> SchedulerOutput:
         """The adapters the scheduler gave slots since the last step, onto the device.
         One whose weights cannot be read (out of host memory, and its directory gone) fails

@@ -259,6 +259,10 @@ class LoRASlots:
         if not self._users.get(key):
             self._slot.pop(key, None)
 
+    def key_at(self, slot: int) -> str | None:
+        """The adapter in `slot` (or about to be written there), None if it is empty."""
+        return next((k for k, s in self._slot.items() if s == slot), None)
+
     def slot(self, key: str) -> int:
         return self._slot[key]
 

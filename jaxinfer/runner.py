@@ -385,8 +385,6 @@ class ModelRunner:
             for inp in inputs:
                 self.step(inp)
             self.copy_pages([(0, 0)])      # the page copy of n > 1 requests' forks
-            if self.lora is not None:      # the program that swaps adapters in
-                self.set_lora_slot(0, None)
 
     def all_logits(self, tokens, md: AttentionMetadata) -> np.ndarray:
         """Teacher-forced logits [T, V] for every new token (tests, perplexity)."""

@@ -27,3 +27,9 @@ def test_lora_suite_schema(tmp_path):
         base = next(b for b in rows if b["batch"] == r["batch"] and b["mode"] == "base")
         assert abs(r["vs_base"] - r["output_tokens_per_s"] / base["output_tokens_per_s"]) < 1e-3
     assert [r["adapters"] for r in rows if r["mode"] == "lora"] == [1, 2]
+
+
+def test_suites_refuse_adapters_they_would_not_load(capsys):
+    from jaxinfer.cli import main
+    assert main(["bench", "decode", "--model", "tiny", "--lora", "a=/nowhere"]) == 2
+    assert "load no LoRA adapters" in capsys.readouterr().err

@@ -150,8 +150,10 @@ def test_swapping_adapters_in_and_out_compiles_nothing_after_warmup(adapters):
     names = ["all", "qv", "mlp", None, "qv", "all"]
     for p, n in zip(prompts, names):      # each adapter in its turn takes the one slot
         generate(engine, [p], [SamplingParams(**GREEDY, lora=n)])
-    generate(engine, prompts, [SamplingParams(**GREEDY, lora=n) for n in names])
+    batch = generate(engine, prompts, [SamplingParams(**GREEDY, lora=n) for n in names])
     assert engine.compiles() == compiles
+    engine.warmup(progress=False)     # again, with an adapter in the slot: it stays there
+    assert generate(engine, prompts, [SamplingParams(**GREEDY, lora=n) for n in names]) == batch
     check_nothing_held(engine)
 
 
