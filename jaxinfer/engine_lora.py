@@ -16,6 +16,15 @@ class EngineLoRA:
         engine's max_lora_rank; ConfigError if the engine serves none (max_loras 0)."""
         self._lora_registry().load(name, path)
 
+    def read_lora(self, name: str, path):
+        """load_lora's reading and checking alone, safe from any thread; `add_lora` on the
+        engine's thread then serves it (servers keep the engine's thread off the disk)."""
+        return self._lora_registry().read(name, path)
+
+    def add_lora(self, adapter) -> None:
+        """Serve an adapter `read_lora` returned."""
+        self._lora_registry().add(adapter)
+
     def unload_lora(self, name: str) -> None:
         """Stop serving `name`; requests already queued with it finish with it."""
         self._lora_registry().unload(name)

@@ -163,18 +163,32 @@ class LoRARegistry:
     def load(self, name: str, path) -> LoRAAdapter:
         """Read, check and register the adapter at `path` as `name` (InvalidRequestError if
         it does not fit the model, or if the name is taken)."""
+        self._check_name(name)
+        return self.add(self.read(name, path))
+
+    def read(self, name: str, path) -> LoRAAdapter:
+        """The adapter at `path`, read and checked, not registered: safe from any thread
+        (servers read off the engine's thread, then `add` on it)."""
+        self._check_name(name)
+        return read_peft(name, path, self.cfg, self.max_rank)
+
+    def add(self, adapter: LoRAAdapter) -> LoRAAdapter:
+        """Register an adapter `read` returned, under its name."""
+        name = adapter.name
+        self._check_name(name)
+        key = f"{name}#{next(self._serial)}"
+        self._keys[name] = key
+        self._paths[key] = (name, adapter.path)
+        self._keep(key, adapter)
+        return adapter
+
+    def _check_name(self, name) -> None:
         if not isinstance(name, str) or not name or name != name.strip():
             raise InvalidRequestError(f"a LoRA adapter name is a non-empty string without "
                                       f"surrounding spaces, got {name!r}", field="lora_name")
         if name in self._keys:
             raise InvalidRequestError(f"a LoRA adapter named {name!r} is already loaded "
                                       f"(unload it first)", field="lora_name")
-        adapter = read_peft(name, path, self.cfg, self.max_rank)
-        key = f"{name}#{next(self._serial)}"
-        self._keys[name] = key
-        self._paths[key] = (name, adapter.path)
-        self._keep(key, adapter)
-        return adapter
 
     def unload(self, name: str) -> None:
         """Stop serving `name`: new requests cannot name it; requests already queued with it

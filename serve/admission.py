@@ -59,6 +59,11 @@ class Admission:
         if not self.engine.ready.is_set():
             raise Refused("loading", "the model is still loading")
 
+    async def off_engine(self, fn, *args):
+        """fn(*args) on the tokenizer pool: work that must stall neither the engine's thread
+        nor the event loop (reading a LoRA adapter from disk)."""
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
     async def submit(self, rid: str, prompt, params,
                      deltas: asyncio.Queue | None = None) -> asyncio.Queue:
         """Validate and tokenize a request off the engine thread (on a small pool: a long

@@ -289,7 +289,12 @@ class OpenAIApi:
         if req.lora_name == self.model_name:
             raise InvalidRequestError(f"'{req.lora_name}' is the served model's name",
                                       field="lora_name")
-        await self._on_engine(lambda engine: engine.load_lora(req.lora_name, req.lora_path))
+        try:        # read off the engine's thread: streams do not wait for the disk
+            adapter = await self.admission.off_engine(self._engine.read_lora, req.lora_name,
+                                                      req.lora_path)
+        except ConfigError as e:
+            raise ApiError(400, str(e), param="lora_name") from None
+        await self._on_engine(lambda engine: engine.add_lora(adapter))
         return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' added successfully.")
 
     async def unload_lora_adapter(self, request: Request):

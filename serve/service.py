@@ -122,8 +122,10 @@ class InferenceService(pb_grpc.InferenceServicer):
 
     @guarded
     async def LoadLoRAAdapter(self, request, context):
-        return await self._on_engine(
-            lambda engine: engine.load_lora(request.lora_name, request.lora_path))
+        self._check_runtime_lora()
+        adapter = await self._admission.off_engine(   # streams do not wait for the disk
+            self._engine.engine.read_lora, request.lora_name, request.lora_path)
+        return await self._on_engine(lambda engine: engine.add_lora(adapter))
 
     @guarded
     async def UnloadLoRAAdapter(self, request, context):
@@ -131,12 +133,15 @@ class InferenceService(pb_grpc.InferenceServicer):
 
     async def _on_engine(self, fn) -> pb.LoRAAdapters:
         """A LoRA load/unload on the engine thread; the adapters loaded after it."""
+        self._check_runtime_lora()
+        await asyncio.wrap_future(self._engine.call(fn))
+        return pb.LoRAAdapters(lora_adapters=self._engine.engine.lora_names())
+
+    def _check_runtime_lora(self) -> None:
         if not self._allow_runtime_lora:
             raise ConfigError("loading LoRA adapters at run time is off: start the server "
                               "with --allow-runtime-lora")
         self._admission.check()
-        await asyncio.wrap_future(self._engine.call(fn))
-        return pb.LoRAAdapters(lora_adapters=self._engine.engine.lora_names())
 
     @guarded
     async def Generate(self, request, context):
