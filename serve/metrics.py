@@ -98,6 +98,8 @@ class StepObserver:
             m.hbm_bw.set(self.decode_bytes(outputs) / device_s)
 
     def _per_adapter(self, outputs) -> None:
+        if not self.engine.config.max_loras:     # no adapters: nothing to count per step
+            return
         m = self.m
         m.loras_loaded.set(len(self.engine.lora_names()))
         for o in outputs:
