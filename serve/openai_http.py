@@ -22,7 +22,6 @@ status code rather than a broken stream.
 """
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import hmac
 import json
@@ -30,25 +29,22 @@ import logging
 import time
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jaxinfer import openai_protocol as oai
 from jaxinfer import openai_responses as oresp
-from jaxinfer.errors import ConfigError, InvalidRequestError
+from jaxinfer.errors import InvalidRequestError
 from serve.admission import Admission, Refused, RequestFailed
+from serve.openai_errors import ApiError, error_response
+from serve.openai_lora import LoRAEndpoints
 from serve.openai_stream import Call, EventStream, failing_as_event, sse
 from serve.auth import digest
 
 log = logging.getLogger("jaxinfer.serve")
 _REFUSED = {"loading": (503, "service_unavailable"), "draining": (503, "service_unavailable"),
             "failed": (503, "service_unavailable"), "queue_full": (429, "rate_limit_exceeded")}
-_ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error",
-                404: "invalid_request_error", 405: "invalid_request_error",
-                413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error",
-                503: "server_error"}
-
 
 @dataclasses.dataclass(frozen=True)
 class HttpSettings:
@@ -59,20 +55,7 @@ class HttpSettings:
     allow_runtime_lora: bool = False    # /v1/load_lora_adapter and /v1/unload_lora_adapter
 
 
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None,
-                 code: str | None = None):
-        super().__init__(message)
-        self.status, self.param, self.code = status, param, code
-
-
-def error_response(status: int, message: str, param: str | None = None,
-                   code: str | None = None) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": _ERROR_TYPES.get(status, "error"),
-                                   "param": param, "code": code}}, status_code=status)
-
-
-class OpenAIApi:
+class OpenAIApi(LoRAEndpoints):
     def __init__(self, admission: Admission, settings: HttpSettings):
         self.admission, self.settings = admission, settings
         self._expected = (digest(f"Bearer {settings.auth_token}") if settings.auth_token
@@ -282,42 +265,6 @@ class OpenAIApi:
             except InvalidRequestError:      # unloaded meanwhile
                 pass
         return card
-
-    # --- LoRA adapters at run time ------------------------------------------------------
-    async def load_lora_adapter(self, request: Request):
-        req = oai.parse(oai.LoadLoRAAdapterRequest, await self._runtime_lora(request))
-        if req.lora_name == self.model_name:
-            raise InvalidRequestError(f"'{req.lora_name}' is the served model's name",
-                                      field="lora_name")
-        try:        # read off the engine's thread: streams do not wait for the disk
-            adapter = await self.admission.off_engine(self._engine.read_lora, req.lora_name,
-                                                      req.lora_path)
-        except ConfigError as e:
-            raise ApiError(400, str(e), param="lora_name") from None
-        await self._on_engine(lambda engine: engine.add_lora(adapter))
-        return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' added successfully.")
-
-    async def unload_lora_adapter(self, request: Request):
-        req = oai.parse(oai.UnloadLoRAAdapterRequest, await self._runtime_lora(request))
-        await self._on_engine(lambda engine: engine.unload_lora(req.lora_name))
-        return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' removed "
-                                 f"successfully.")
-
-    async def _runtime_lora(self, request: Request):
-        """The body of a load/unload call, once it is allowed."""
-        self.authorize(request)
-        if not self.settings.allow_runtime_lora:
-            raise ApiError(404, "loading LoRA adapters at run time is off: start the server "
-                                "with --allow-runtime-lora", code="not_found")
-        self.admission.check()
-        return await self.read_json(request)
-
-    async def _on_engine(self, fn):
-        """fn(engine) on the engine thread; LoRA off is a 400 naming the setting."""
-        try:
-            return await asyncio.wrap_future(self.admission.engine.call(fn))
-        except ConfigError as e:
-            raise ApiError(400, str(e), param="lora_name") from None
 
     async def tokenize(self, request: Request) -> dict:
         self.authorize(request)
