@@ -78,6 +78,18 @@ def test_model_info(client):
     assert len(info.buckets) >= 2 and any(b.decode_only for b in info.buckets)
 
 
+def test_lora_loading_is_refused_unless_the_server_allows_it(client):
+    with pytest.raises(grpc.RpcError) as e:
+        client.load_lora_adapter("a", "/nonexistent", timeout=10)
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "--allow-runtime-lora" in e.value.details()
+    with pytest.raises(grpc.RpcError) as e:      # this server serves no adapters
+        client.complete([5, 6], {"max_tokens": 2, "lora": "a"}, timeout=30)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert e.value.details().startswith("lora: ")
+    assert list(client.model_info(timeout=10).lora_adapters) == []
+
+
 def test_stream_equals_llm_generate(server):
     """Concurrent greedy and seeded streams give LLM.generate's tokens and finish reasons."""
     ps = prompts(8, seed=random.randrange(1 << 30))
