@@ -32,7 +32,7 @@ MODULES = ("q", "k", "v", "o", "gate", "up", "down")
 MAX_RANK = 64
 _KEY = re.compile(r"^(?:base_model\.model\.)?(?:model\.)?layers\.(\d+)\."
                   r"(?:self_attn|mlp)\.(q|k|v|o|gate|up|down)_proj\.lora_([AB])\.weight$")
-# adapter_config.json settings that change the update's math in ways served here as not-off
+# adapter_config.json settings whose math is not served here: refused when set
 _UNSUPPORTED = {"use_dora": "DoRA", "lora_bias": "a LoRA bias",
                 "modules_to_save": "modules_to_save (fully trained extra modules)",
                 "layer_replication": "layer_replication", "rank_pattern": "rank_pattern",
