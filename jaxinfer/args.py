@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 
 from jaxinfer.config import (ATTENTION_IMPLS, DTYPES, KV_DTYPES, KV_SCALES, LM_HEADS,
-                             STANDARD_CONFIGS_DIR, WEIGHT_FORMATS, EngineConfig)
+                             SPECULATIVE_METHODS, STANDARD_CONFIGS_DIR, WEIGHT_FORMATS,
+                             EngineConfig)
 from jaxinfer.request import SamplingParams
 
 DEFAULT_MODEL = "smollm2"
@@ -74,6 +75,23 @@ def add_engine_args(p: argparse.ArgumentParser):
     g.add_argument("--max-lora-rank", type=int, default=16, help="largest adapter rank (<= 64)")
     g.add_argument("--max-cpu-loras", type=int, default=0,
                    help="adapters kept in host memory (0: --max-loras)")
+    d = EngineConfig()
+    g = p.add_argument_group("speculative decoding")
+    g.add_argument("--num-speculative-tokens", type=int, default=0, metavar="K",
+                   help="tokens proposed per row and step, all verified in one forward pass "
+                        "(0: off); outputs keep the model's distribution, greedy ones are "
+                        "identical")
+    g.add_argument("--speculative-method", choices=SPECULATIVE_METHODS,
+                   default=d.speculative_method,
+                   help="the proposer: ngram (prompt lookup: what followed the latest earlier "
+                        "occurrence of the context's last tokens)")
+    g.add_argument("--prompt-lookup-min", type=int, default=d.prompt_lookup_min,
+                   help="shortest suffix the ngram proposer matches")
+    g.add_argument("--prompt-lookup-max", type=int, default=d.prompt_lookup_max,
+                   help="longest suffix the ngram proposer matches (tried first)")
+    g.add_argument("--speculative-disable-batch-size", type=int,
+                   default=d.speculative_disable_batch_size,
+                   help="steps with more running requests than this do not speculate")
 
 
 def engine_config_from_args(args) -> EngineConfig:
@@ -91,7 +109,11 @@ def engine_config_from_args(args) -> EngineConfig:
         warmup={"auto": None, "on": True, "off": False}[args.warmup],
         max_loras=(args.max_loras if args.max_loras is not None
                    else DEFAULT_MAX_LORAS if args.lora else 0),
-        max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras)
+        max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras,
+        num_speculative_tokens=args.num_speculative_tokens,
+        speculative_method=args.speculative_method, prompt_lookup_min=args.prompt_lookup_min,
+        prompt_lookup_max=args.prompt_lookup_max,
+        speculative_disable_batch_size=args.speculative_disable_batch_size)
 
 
 def lora_module(text: str) -> tuple[str, str]:

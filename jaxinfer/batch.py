@@ -33,7 +33,8 @@ class StepArrays:
     page_table: np.ndarray    # [B, pages_per_seq] i32  (padding: page 0)
     seq_lens: np.ndarray      # [B] i32  context length incl. this step's tokens (padding: 0)
     query_start: np.ndarray   # [B+1] i32  cumulative new-token counts
-    logits_index: np.ndarray  # [B] i32  index in T of each row's last token (padding: 0)
+    logits_index: np.ndarray  # [B] i32  index in T of each row's last token (padding: 0);
+                              # verify buckets: [T] = 0 .. T-1, a token sampled at each
     samples: np.ndarray       # [B] bool  row yields a sampled token (padding: False)
     decode_only: bool         # static: T == B and every real row has one token
     request_ids: tuple[str, ...]  # request of each real row; rows beyond it are padding
@@ -82,8 +83,11 @@ def prepare(output: SchedulerOutput, bucket: Bucket, page_size: int) -> StepArra
 
     seq_lens = np.zeros(B, np.int32)
     seq_lens[:n_rows] = start + q_len
-    logits_index = np.zeros(B, np.int32)
-    logits_index[:n_rows] = query_start[1:n_rows + 1] - 1
+    if bucket.verify:
+        logits_index = np.arange(T, dtype=np.int32)
+    else:
+        logits_index = np.zeros(B, np.int32)
+        logits_index[:n_rows] = query_start[1:n_rows + 1] - 1
     samples = np.zeros(B, bool)
     samples[:n_rows] = samples_
     return StepArrays(

@@ -12,6 +12,10 @@ small set of buckets (num_tokens T, num_seqs B, pages_per_seq) compiled ahead of
                    up to max_num_batched_tokens, with B = min(T, max_num_seqs). B is cheap to
                    over-provision here: it only sizes the metadata and the B logits rows,
                    noise next to a T-token forward pass.
+  verify buckets   speculative decoding (speculative.py): B rows of up to k + 1 tokens (the
+                   last token and k proposed ones), T = B * (k + 1), and a sampled token at
+                   EVERY token (`verify`: T logits rows), geometric in B up to the engine's
+                   speculative_rows. Chosen with `choose_verify`.
 
 Geometric steps (factor `growth`, the limits themselves always included) keep the bucket count
 logarithmic and the padding bounded: at most a fraction (1 - 1/growth) of a bucket is padding.
@@ -37,6 +41,12 @@ class Bucket:
     num_seqs: int        # B
     pages_per_seq: int
     decode_only: bool    # T == B and every real row has one token
+    verify: bool = False  # a token is sampled at every one of the T tokens (speculative step)
+
+    @property
+    def num_samples(self) -> int:
+        """Logits rows (sampled tokens) of a step of this shape: T for verify, else B."""
+        return self.num_tokens if self.verify else self.num_seqs
 
 
 def geometric(lo: int, hi: int, growth: float = 2.0) -> list[int]:
@@ -54,7 +64,8 @@ def geometric(lo: int, hi: int, growth: float = 2.0) -> list[int]:
 class Buckets:
     def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, max_pages_per_seq: int,
                  *, min_tokens: int = 16, growth: float = 2.0,
-                 pages_per_seq_levels: Sequence[int] | None = None):
+                 pages_per_seq_levels: Sequence[int] | None = None,
+                 num_speculative_tokens: int = 0, speculative_rows: int = 0):
         # A step never has more rows than tokens, whatever max_num_seqs says.
         self.max_num_seqs = min(max_num_seqs, max_num_batched_tokens)
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -66,21 +77,27 @@ class Buckets:
             raise ValueError(f"pages_per_seq_levels must lie in [1, {max_pages_per_seq}] and "
                              f"include it, got {pages_per_seq_levels}")
         self.page_levels = levels
+        self.verify_width = num_speculative_tokens + 1
+        self.verify_sizes = (geometric(1, min(speculative_rows, self.max_num_seqs), growth)
+                             if num_speculative_tokens and speculative_rows else [])
         self.real_tokens = 0
         self.padded_tokens = 0
 
     @classmethod
     def from_config(cls, config, **kw) -> "Buckets":
         """From an EngineConfig (anything with max_num_seqs, max_num_batched_tokens,
-        pages_per_seq)."""
+        pages_per_seq; num_speculative_tokens and speculative_rows where it has them)."""
         return cls(config.max_num_seqs, config.max_num_batched_tokens, config.pages_per_seq,
-                   **kw)
+                   num_speculative_tokens=getattr(config, "num_speculative_tokens", 0),
+                   speculative_rows=getattr(config, "speculative_rows", 0), **kw)
 
     def all_buckets(self) -> list[Bucket]:
         """Every shape `choose` can return, for ahead-of-time compilation."""
         out = [Bucket(b, b, p, True) for b in self.decode_sizes for p in self.page_levels]
         out += [Bucket(t, min(t, self.max_num_seqs), p, False)
                 for t in self.mixed_sizes for p in self.page_levels]
+        out += [Bucket(b * self.verify_width, b, p, False, True)
+                for b in self.verify_sizes for p in self.page_levels]
         return out
 
     def choose(self, num_tokens: int, num_seqs: int, max_pages: int) -> Bucket:
@@ -103,6 +120,26 @@ class Buckets:
         else:
             t = self.mixed_sizes[bisect.bisect_left(self.mixed_sizes, num_tokens)]
             bucket = Bucket(t, min(t, self.max_num_seqs), pages, False)
+        self.real_tokens += num_tokens
+        self.padded_tokens += bucket.num_tokens
+        return bucket
+
+    def choose_verify(self, num_tokens: int, num_seqs: int, max_pages: int) -> Bucket:
+        """The smallest verify bucket holding a speculative step of num_seqs rows (each of at
+        most k + 1 tokens, num_tokens in all); records the padding."""
+        if not self.verify_sizes or not 1 <= num_seqs <= self.verify_sizes[-1]:
+            raise ValueError(f"a verify step needs 1 <= num_seqs <= "
+                             f"{(self.verify_sizes or [0])[-1]} (speculative rows), got "
+                             f"{num_seqs}")
+        if not num_seqs <= num_tokens <= num_seqs * self.verify_width:
+            raise ValueError(f"a verify step of {num_seqs} rows holds {num_seqs} to "
+                             f"{num_seqs * self.verify_width} tokens, got {num_tokens}")
+        if max_pages > self.page_levels[-1]:
+            raise ValueError(f"max_pages {max_pages} exceeds pages_per_seq "
+                             f"{self.page_levels[-1]}")
+        pages = self.page_levels[bisect.bisect_left(self.page_levels, max_pages)]
+        b = self.verify_sizes[bisect.bisect_left(self.verify_sizes, num_seqs)]
+        bucket = Bucket(b * self.verify_width, b, pages, False, True)
         self.real_tokens += num_tokens
         self.padded_tokens += bucket.num_tokens
         return bucket

@@ -166,6 +166,8 @@ LM_HEADS = ("bf16", "int8", "auto")
 KV_DTYPES = ("auto", "bf16", "fp8")
 KV_SCALES = ("static", "token")
 ATTENTION_IMPLS = ("auto", "reference", "pallas")
+SPECULATIVE_METHODS = ("ngram",)
+MAX_SPECULATIVE_TOKENS = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -218,6 +220,17 @@ class EngineConfig:
     max_loras: int = 0
     max_lora_rank: int = 16
     max_cpu_loras: int = 0
+    # Speculative decoding (speculative.py): up to num_speculative_tokens tokens proposed per
+    # row and step (0: off) by `speculative_method`, all scored in one step and accepted by
+    # the rejection rule (outputs keep the model's distribution: greedy ones are identical).
+    # "ngram" proposes what followed the latest earlier occurrence of the context's last
+    # prompt_lookup_max .. prompt_lookup_min tokens. Steps of more than
+    # speculative_disable_batch_size rows do not speculate.
+    num_speculative_tokens: int = 0
+    speculative_method: str = "ngram"
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
+    speculative_disable_batch_size: int = 8
 
     def __post_init__(self):
         def check(cond, msg):
@@ -258,8 +271,36 @@ class EngineConfig:
               f"max_lora_rank must be in [1, 64], got {self.max_lora_rank!r}")
         check(isinstance(self.max_cpu_loras, int) and self.max_cpu_loras >= 0,
               f"max_cpu_loras must be >= 0 (0: max_loras), got {self.max_cpu_loras!r}")
+        check(isinstance(self.num_speculative_tokens, int)
+              and 0 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS,
+              f"num_speculative_tokens must be in [0, {MAX_SPECULATIVE_TOKENS}] (0: off), got "
+              f"{self.num_speculative_tokens!r}")
+        check(self.speculative_method in SPECULATIVE_METHODS,
+              f"speculative_method must be one of {SPECULATIVE_METHODS}, got "
+              f"{self.speculative_method!r}")
+        check(isinstance(self.prompt_lookup_min, int) and isinstance(self.prompt_lookup_max, int)
+              and 1 <= self.prompt_lookup_min <= self.prompt_lookup_max,
+              f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+              f"{self.prompt_lookup_min!r} and {self.prompt_lookup_max!r}")
+        check(isinstance(self.speculative_disable_batch_size, int)
+              and self.speculative_disable_batch_size >= 1,
+              f"speculative_disable_batch_size must be >= 1, got "
+              f"{self.speculative_disable_batch_size!r}")
+        if self.num_speculative_tokens:
+            rows = min(self.speculative_disable_batch_size, self.max_num_seqs)
+            check(rows * (self.num_speculative_tokens + 1) <= self.max_num_batched_tokens,
+                  f"a speculative step of {rows} rows (speculative_disable_batch_size, at most "
+                  f"max_num_seqs) x {self.num_speculative_tokens + 1} tokens "
+                  f"(num_speculative_tokens + 1) exceeds max_num_batched_tokens "
+                  f"{self.max_num_batched_tokens}")
         check(isinstance(self.compile_cache, str) and self.compile_cache.strip() != "",
               f"compile_cache must be 'auto', 'off' or a directory, got {self.compile_cache!r}")
+
+    @property
+    def speculative_rows(self) -> int:
+        """The most rows a speculative step has (0: speculation off)."""
+        return (min(self.speculative_disable_batch_size, self.max_num_seqs)
+                if self.num_speculative_tokens else 0)
 
     @property
     def pages_per_seq(self) -> int:

@@ -16,6 +16,11 @@ resolved (text, stop strings, finishing). So `step()` returns the outputs of the
 the one it dispatched. A request that turns out to be finished at t wastes its row in t+1;
 steps whose running requests use penalties or a grammar wait for the previous step first
 (the penalty window and the grammar's next token bitmask need the last token).
+
+Speculative decoding (EngineConfig.num_speculative_tokens, speculative.py): while every
+running request is in decode, none waits and there are at most speculative_rows of them, the
+step in flight is read first, the proposer guesses each request's next tokens and the step
+verifies them (a verify bucket); it is read at once, since what it keeps decides the next.
 """
 from __future__ import annotations
 
@@ -28,7 +33,7 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
-from jaxinfer import batch, compile_cache
+from jaxinfer import batch, compile_cache, speculative
 from jaxinfer.buckets import Buckets
 from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.errors import ConfigError, EngineDeadError
@@ -36,6 +41,7 @@ from jaxinfer.engine_io import (Detokenized, build_step_input, check_params_for_
                                 logprob_dict, pending_source, prompt_token_ids)
 from jaxinfer.loading import load_model
 from jaxinfer.engine_lora import EngineLoRA
+from jaxinfer.engine_spec import EngineSpeculation
 from jaxinfer.lora import LoRARegistry
 from jaxinfer.errors import InvalidRequestError
 from jaxinfer.request import FinishReason, Request, RequestOutput, SamplingParams
@@ -63,7 +69,7 @@ class _InFlight:
     waits: bool = False
 
 
-class Engine(EngineLoRA):
+class Engine(EngineLoRA, EngineSpeculation):
     def __init__(self, cfg: ModelConfig, engine_cfg: EngineConfig, graphdef, params,
                  tokenizer=None, *, model_name: str | None = None, routes: Routes | None = None):
         """routes: the kernels' routes (tests compare them); None chooses them from
@@ -98,6 +104,11 @@ class Engine(EngineLoRA):
         self._blame = None   # the SchedulerOutput of the step being dispatched or read
         self._waited = 0.0   # seconds the current step() spent waiting for tokens
         self._no_prev = jax.device_put(np.zeros(engine_cfg.max_num_seqs, np.int32))
+        # Speculative decoding: the proposer (any speculative.Proposer may replace it) and
+        # what it achieved; None when num_speculative_tokens is 0.
+        self.proposer = speculative.make_proposer(engine_cfg)
+        self.spec_stats = (speculative.SpecStats(engine_cfg.num_speculative_tokens)
+                           if self.proposer is not None else None)
 
     @classmethod
     def from_model(cls, model: str, engine_cfg: EngineConfig, loras=()) -> "Engine":
@@ -208,19 +219,21 @@ class Engine(EngineLoRA):
         self._waited = 0.0
         outputs = self._outputs
         prev = self._inflight
-        if prev is not None and prev.waits and self._needs_last_tokens():
+        if prev is not None and ((prev.waits and self._needs_last_tokens())
+                                 or self._may_speculate()):
             outputs += self._finish(prev)
             prev = self._inflight = None
         t1 = clock()
         self._blame = None     # a failure in the scheduler: every running request
-        out = self.scheduler.schedule()
+        out = self.scheduler.schedule(self._drafts() if prev is None else None)
         if self.loras is not None:
             out = self._load_lora_slots(out)
         t2 = ta = tb = t3 = t4 = t5 = clock()
         new = None
         if not out.is_empty:
             self._blame = out
-            bucket = self.buckets.choose(out.num_tokens, out.num_rows, out.max_pages)
+            bucket = (self.buckets.choose_verify if out.verify else self.buckets.choose)(
+                out.num_tokens, out.num_rows, out.max_pages)
             arrays = batch.prepare(out, bucket, self.config.page_size)
             ta = clock()
             sources = pending_source(None if prev is None else prev.row_of,
@@ -249,7 +262,7 @@ class Engine(EngineLoRA):
         waited_before = self._waited
         if prev is not None:
             outputs += self._finish(prev)
-        if new is not None and not self.config.async_scheduling:
+        if new is not None and (not self.config.async_scheduling or out.verify):
             outputs += self._finish(new)
             new = None
         self._inflight = new
@@ -299,6 +312,8 @@ class Engine(EngineLoRA):
         return self._update(step.out, sampled)
 
     def _update(self, out: SchedulerOutput, sampled) -> list[RequestOutput]:
+        if out.verify:
+            return self._update_verify(out, sampled)
         tokens = [int(t) for t in sampled.tokens[:out.num_rows]]
         got_token = {r.request_id: r for r in self.scheduler.resolve(out, tokens)}
         self.num_generated += len(got_token)
@@ -412,4 +427,6 @@ class Engine(EngineLoRA):
         s = dict(self.scheduler.stats())
         s.update(compiles=CompileCounter.count(), steps=self.num_steps,
                  padding_fraction=self.buckets.padding_fraction)
+        if self.spec_stats is not None:
+            s["speculative"] = self.spec_stats.as_dict()
         return s

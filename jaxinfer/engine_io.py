@@ -12,7 +12,7 @@ from jaxinfer.errors import ConfigError, InvalidRequestError, InvalidTypeError
 from jaxinfer.kv_cache import AttentionMetadata
 from jaxinfer.request import PENDING, SamplingParams
 from jaxinfer.step_input import StepInput, all_allowed, bitmask_words
-from jaxinfer.sampling import SampleOutput, SamplingArrays
+from jaxinfer.sampling import DEFAULT_WINDOW, SampleOutput, SamplingArrays
 from jaxinfer.scheduler import SchedulerOutput
 from jaxinfer.tokenizer import IncrementalDetokenizer
 
@@ -175,17 +175,49 @@ def build_step_input(arrays: StepArrays, out: SchedulerOutput, scheduler, prev_t
     structured_output.Matcher of the requests with a grammar (their rows' token bitmask)."""
     requests = scheduler.requests
     reqs = [requests[rid] for rid in arrays.request_ids]
-    samp = SamplingArrays.from_params(
-        [r.sampling_params for r in reqs], [r.num_output_tokens for r in reqs],
-        [r.all_token_ids for r in reqs], batch_size=len(arrays.seq_lens),
-        banned=[scheduler.banned_ids(r) if r.sampling_params.min_tokens else ()
-                for r in reqs])
+    if out.verify:
+        samp = verify_sampling(out, reqs, scheduler, len(arrays.logits_index))
+    else:
+        samp = SamplingArrays.from_params(
+            [r.sampling_params for r in reqs], [r.num_output_tokens for r in reqs],
+            [r.all_token_ids for r in reqs], batch_size=len(arrays.seq_lens),
+            banned=[scheduler.banned_ids(r) if r.sampling_params.min_tokens else ()
+                    for r in reqs])
     md = AttentionMetadata(arrays.positions, arrays.slot_mapping, arrays.token_seq,
                            arrays.page_table, arrays.seq_lens, arrays.query_start,
                            decode_only=arrays.decode_only)
     bitmask = token_bitmask(arrays, matchers, vocab_size) if samp.full else None
     return StepInput(arrays.tokens, md, arrays.logits_index, samp, prev_tokens, prev_index,
                      bitmask, lora_index(arrays, reqs, scheduler.lora_slots))
+
+
+class _DraftContexts:
+    """Per sampled token of a verify step, its context: the request's tokens and the
+    proposals before it. Built only for the rows the penalty window reads."""
+
+    def __init__(self):
+        self.items: list = []
+
+    def __getitem__(self, i: int) -> list[int]:
+        ids, draft, j = self.items[i]
+        return [*ids[-DEFAULT_WINDOW:], *draft[:j]]
+
+
+def verify_sampling(out: SchedulerOutput, reqs, scheduler, num_samples: int) -> SamplingArrays:
+    """A verify step's sampling arrays: a row per fed token (speculative.py), each drawn as a
+    plain step would draw it there: the request's parameters, its generated count (the
+    seeded key's step) and penalty context advanced by the proposals before it."""
+    params, counts, banned = [], [], []
+    contexts = _DraftContexts()
+    for row, r in zip(out.rows, reqs):
+        count, draft, p = r.num_output_tokens, row.token_ids[1:], r.sampling_params
+        for j in range(row.num_tokens):
+            params.append(p)
+            counts.append(count + j)
+            contexts.items.append((r.all_token_ids, draft, j))
+            banned.append(scheduler.banned_ids(r, count + j) if p.min_tokens else ())
+    return SamplingArrays.from_params(params, counts, contexts, batch_size=num_samples,
+                                      banned=banned)
 
 
 def lora_index(arrays: StepArrays, reqs, slots) -> np.ndarray | None:
@@ -221,7 +253,7 @@ def token_bitmask(arrays: StepArrays, matchers, vocab_size: int):
     """The `full` step's [B, ceil(V/32)] token bitmask: each sampling row with a grammar gets
     its matcher's allowed tokens; with no such row, the shared device-resident all-ones mask
     (nothing to transfer)."""
-    rows = len(arrays.seq_lens)
+    rows = len(arrays.logits_index)   # verify steps: a row per token (no grammar there)
     guided = [(b, m) for b, rid in enumerate(arrays.request_ids)
               if arrays.samples[b] and (m := matchers.get(rid)) is not None] if matchers else ()
     if not guided:

@@ -3,6 +3,8 @@ and runner): loading and unloading by name, each request's adapter key, and the 
 the scheduler gave device slots written to the device before the step that needs them."""
 from __future__ import annotations
 
+import dataclasses
+
 from jaxinfer.errors import ConfigError, InvalidRequestError
 from jaxinfer.lora import LoRARegistry
 from jaxinfer.request import FinishReason
@@ -75,5 +77,5 @@ class EngineLoRA:
         if not failed:
             return out
         live = self.scheduler.requests
-        return SchedulerOutput(tuple(r for r in out.rows if r.request_id in live),
-                               out.preempted_ids)
+        return dataclasses.replace(out, rows=tuple(r for r in out.rows
+                                                   if r.request_id in live))

@@ -112,8 +112,11 @@ def _packed_step(graphdef, routes, treedef, leaves, kv, slot, outs, buf, prev_to
     logits = model.logits(h[inp.logits_index], routes)                  # [B, V] f32
     out = sampling.sample(logits, inp.sampling, jax.random.fold_in(rng, step_index),
                           token_bitmask=inp.token_bitmask)
-    # The sampled tokens padded to [S]: the next step's prev_tokens (one shape for all buckets).
-    next_tokens = jnp.zeros_like(inp.prev_tokens).at[:out.tokens.shape[0]].set(out.tokens)
+    # The sampled tokens padded to [S]: the next step's prev_tokens (one shape for all buckets);
+    # a verify step's: each row's last kept token.
+    last = (sampling.verify_last_tokens(tokens, out.tokens, inp.md.query_start)
+            if inp.verify else out.tokens)
+    next_tokens = jnp.zeros_like(inp.prev_tokens).at[:last.shape[0]].set(last)
     results = (out, next_tokens)
     if outs is not None:
         # A use of `outs` that XLA folds away (a select on a constant): jit drops an argument

@@ -328,3 +328,18 @@ def sample(logits: jax.Array, arrays: SamplingArrays, rng: jax.Array, *,
     logprob, top_ids, top_lp = jax.lax.cond(jnp.any(arrays.num_logprobs >= 0), _logprobs,
                                             _no_logprobs, logits, tokens)
     return SampleOutput(tokens, logprob, top_ids, top_lp)
+
+
+def verify_last_tokens(fed: jax.Array, sampled: jax.Array, query_start: jax.Array) -> jax.Array:
+    """[B] each row's last kept token in a verify step (speculative.py): `fed` [T] the tokens
+    fed (row b's at query_start[b]:query_start[b+1], its last token then its proposals),
+    `sampled` [T] the token sampled at each; a row keeps sampled tokens while they equal the
+    proposal fed after them, and the first that does not."""
+    t, b = fed.shape[0], query_start.shape[0] - 1
+    j = jnp.arange(t // b)                                      # static width: k + 1
+    at = query_start[:-1, None] + j[None, :]                    # [B, k+1]
+    n = (query_start[1:] - query_start[:-1])[:, None]
+    s = sampled[jnp.minimum(at, t - 1)]
+    held = (s == fed[jnp.minimum(at + 1, t - 1)]) & (j[None, :] + 1 < n)
+    m = jnp.sum(jnp.cumprod(held.astype(jnp.int32), axis=1), axis=1)
+    return jnp.take_along_axis(s, m[:, None], axis=1)[:, 0]

@@ -20,6 +20,11 @@ Order and priority (first come, first served):
 n completions of one prompt (SamplingParams.n): forked from the first once its prompt is
 computed, sharing its pages (forks.py).
 
+Speculative decoding (speculative.py): `schedule(drafts)` gives each running request in
+decode with a proposal its last token plus the proposed ones, a `verify` step: nothing is
+PENDING after its commit (the kept tokens are not known until it is read) and the engine
+reads it before scheduling again, handing each kept token to `push_token`.
+
 LoRA (max_loras > 0): a running request holds its adapter's device slot (lora.LoRASlots); a
 waiting request whose adapter finds no slot waits at the head of the queue like one that
 does not fit. Its prefix-cache keys chain from the adapter's key.
@@ -74,6 +79,9 @@ class ScheduledRow(NamedTuple):
 class SchedulerOutput:
     rows: tuple[ScheduledRow, ...]   # running requests first (oldest first), then admitted ones
     preempted_ids: tuple[str, ...] = ()
+    # A speculative step: every row is a decode row whose token_ids are its last token and
+    # the proposed ones (none for some rows), and a token is sampled at each of them.
+    verify: bool = False
 
     @property
     def num_rows(self) -> int:
@@ -213,6 +221,11 @@ class Scheduler(Forks):
         return self.requests[request_id]
 
     @property
+    def free_rows(self) -> int:
+        """Rows a step could still give waiting requests (the running ones' forks count)."""
+        return self.max_num_seqs - len(self.running) - self._fork_rows
+
+    @property
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
@@ -223,7 +236,13 @@ class Scheduler(Forks):
                 "kv_usage": a.num_used / a.num_usable, "prefix_cache_hit_rate": a.hit_rate}
 
     # --- one step -----------------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, drafts: dict[str, Sequence[int]] | None = None) -> SchedulerOutput:
+        """The next step. `drafts` (request id -> proposed tokens): a speculative step, for
+        an engine that checked every running request is in decode with nothing pending and
+        none is waiting: each request is fed its last token and its proposal, cut to what
+        its length limits leave room for."""
+        if drafts:
+            return self._schedule_verify(drafts)
         budget = self.max_num_batched_tokens
         rows: list[ScheduledRow] = []
         preempted: list[str] = []
@@ -266,6 +285,54 @@ class Scheduler(Forks):
             budget -= n
         return SchedulerOutput(tuple(rows), tuple(preempted))
 
+    def _schedule_verify(self, drafts: dict[str, Sequence[int]]) -> SchedulerOutput:
+        rows: list[ScheduledRow] = []
+        preempted: list[str] = []
+        for request in list(self.running):
+            if request.status != RequestStatus.RUNNING:
+                continue     # preempted for an older request's pages this step
+            if request.num_pending or request.num_uncomputed_tokens != 1:
+                raise RuntimeError(f"request {request.request_id!r} is not in decode with "
+                                   f"nothing pending: it cannot take a proposal")
+            # Every kept token but the last is fed back: proposals fit in the room left.
+            room = min(request.sampling_params.max_tokens - request.num_output_tokens,
+                       self.max_model_len - request.num_tokens) - 1
+            draft = tuple(drafts.get(request.request_id, ()))[:max(room, 0)]
+            n = 1 + len(draft)
+            if not self._make_room(request, n, preempted):
+                continue
+            start = request.num_computed_tokens
+            rows.append(ScheduledRow(request.request_id, (request.all_token_ids[start], *draft),
+                                     start, request.page_ids.array(), True))
+        return SchedulerOutput(tuple(r for r in rows if r.request_id not in preempted),
+                               tuple(preempted), verify=True)
+
+    def push_token(self, request: Request, token: int, fed: bool) -> bool:
+        """A token a verify step kept for `request`, in order: appended, and the finishing
+        rules applied (as `resolve` does for one). `fed`: it equals the proposal that was fed
+        in its place, so its K/V is in the cache and it counts as computed (every kept token
+        but the last). Returns whether the request finished."""
+        request.output_token_ids.append(token)
+        request.all_token_ids.append(token)
+        if fed:
+            request.num_computed_tokens += 1
+        if request.first_token_time is None:
+            request.first_token_time = self.clock()
+        params, count = request.sampling_params, request.num_output_tokens
+        if token in params.stop_token_ids or (not params.ignore_eos
+                                              and token in self.eos_token_ids):
+            self.finish(request.request_id, FinishReason.STOP)
+        elif self._at_length_limit(request, count):
+            self.finish(request.request_id, FinishReason.LENGTH)
+        return request.is_finished
+
+    def settle(self, request: Request) -> None:
+        """After a verify step's tokens for `request` are pushed: register its newly full
+        pages in the prefix cache."""
+        if (not request.is_finished and self.allocator.enable_prefix_caching
+                and request.num_computed_tokens // self.page_size > request.num_cached_pages):
+            self._cache_full_pages(request)
+
     def update(self, output: SchedulerOutput, sampled_token_ids: Sequence[int]) -> list[Request]:
         """Apply one step's results (`commit` then `resolve`: the synchronous engine).
         `sampled_token_ids[i]` belongs to `output.rows[i]` and is ignored for rows that do
@@ -286,6 +353,9 @@ class Scheduler(Forks):
                 continue   # finished from outside between schedule and commit
             if request.num_computed_tokens != start:
                 raise RuntimeError(f"stale scheduler output for {rid!r}")
+            if output.verify:   # the last token is computed; proposals count once kept
+                request.num_computed_tokens = start + 1
+                continue
             request.num_computed_tokens = start + len(token_ids)
             if samples:
                 request.output_token_ids.append(PENDING)

@@ -23,10 +23,17 @@ from jaxinfer.request import SamplingParams
 class StepInput:
     tokens: jax.Array                  # [T] i32 (padding: 0)
     md: AttentionMetadata
-    logits_index: jax.Array            # [B] i32  index in T of each row's last new token
-    sampling: sampling.SamplingArrays  # per-row parameters [B, ...]
+    logits_index: jax.Array            # [B] i32  index in T of each row's last new token;
+                                       # [T] (every token) in a verify step (speculative.py)
+    sampling: sampling.SamplingArrays  # per-row parameters [B, ...] ([T, ...] in a verify step)
+
+    @property
+    def verify(self) -> bool:
+        """Static: a verify step (speculative.py), a token sampled at every one of the T."""
+        return self.logits_index.shape[0] > self.md.seq_lens.shape[0]
     # Async scheduling: tokens the host does not know yet come from the previous step's
-    # sampled tokens (its third output, padded to max_num_seqs), still on the device.
+    # sampled tokens (its third output, padded to max_num_seqs; a verify step's: each row's
+    # last kept token), still on the device.
     prev_tokens: jax.Array             # [S] i32  S = max_num_seqs (zeros when unused)
     prev_index: jax.Array              # [T] i32  row of prev_tokens for token t, -1 = tokens[t]
     # Structured output: the tokens each row may sample (sampling.py), [B, ceil(V/32)] i32 in
@@ -134,14 +141,15 @@ def dummy_input(bucket, full: bool = False, max_num_seqs: int | None = None,
     if full and vocab_size is None:
         raise ValueError("dummy_input: the full variant needs vocab_size (its token bitmask)")
     t, b, w = bucket.num_tokens, bucket.num_seqs, bucket.pages_per_seq
+    r = bucket.num_samples
     zeros = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731
     md = AttentionMetadata(zeros(t), np.full(t, -1, np.int32), zeros(t), zeros(b, w), zeros(b),
                            zeros(b + 1), decode_only=bucket.decode_only)
     rows = [SamplingParams(repetition_penalty=1.1)] if full else []
     samp = sampling.SamplingArrays.from_params(rows, [0] * len(rows), [[0]] * len(rows),
-                                               batch_size=b)
-    return StepInput(zeros(t), md, zeros(b), samp, zeros(max_num_seqs or b),
-                     np.full(t, -1, np.int32), all_allowed(b, vocab_size) if full else None,
+                                               batch_size=r)
+    return StepInput(zeros(t), md, zeros(r), samp, zeros(max_num_seqs or b),
+                     np.full(t, -1, np.int32), all_allowed(r, vocab_size) if full else None,
                      np.full(t, -1, np.int32) if lora else None)
 
 

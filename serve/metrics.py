@@ -9,6 +9,7 @@ decode step runs to the memory roofline.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -55,6 +56,19 @@ class Metrics:
                                    "Tokens generated per LoRA adapter", ["adapter"], registry=r)
         self.loras_loaded = Gauge("jaxinfer_lora_adapters_loaded", "LoRA adapters loaded",
                                   registry=r)
+        # Speculative decoding (vLLM's spec_decode counters): a draft is one row's proposal
+        # in one step.
+        self.spec_drafts = Counter("jaxinfer_spec_decode_num_drafts",
+                                   "Speculative proposals verified (one per row and step)",
+                                   registry=r)
+        self.spec_draft_tokens = Counter("jaxinfer_spec_decode_num_draft_tokens",
+                                         "Tokens proposed", registry=r)
+        self.spec_accepted = Counter("jaxinfer_spec_decode_num_accepted_tokens",
+                                     "Proposed tokens kept", registry=r)
+        self.spec_accepted_per_pos = Counter(
+            "jaxinfer_spec_decode_num_accepted_tokens_per_pos",
+            "Proposed tokens kept, by their position in the proposal (0 = first)",
+            ["position"], registry=r)
 
 
 class StepObserver:
@@ -71,6 +85,7 @@ class StepObserver:
         metrics.pages_total.set(engine.scheduler.allocator.num_usable)
         self._recent = collections.deque()  # (time, tokens) of the steps in the window
         self._last_preemptions = self._last_compiles = 0  # totals already counted
+        self._last_spec = None       # speculative.SpecStats totals already counted
         self._count(metrics.compiles, self._compiles(), "_last_compiles")  # the warmup's
 
     def gauges(self, num_waiting: int) -> None:
@@ -87,14 +102,16 @@ class StepObserver:
         m.step_time.observe(self.engine.last_step_s)
         self.gauges(num_waiting)
         self._count(m.compiles, self._compiles(), "_last_compiles")
-        m.output_tokens.inc(len(outputs))
-        self._tokens_per_s(len(outputs))
+        tokens = sum(len(o.new_token_ids) for o in outputs)   # several a row when speculating
+        m.output_tokens.inc(tokens)
+        self._tokens_per_s(tokens)
         self._per_adapter(outputs)
+        self._speculation()
         fed = self.engine.buckets.real_tokens - self._real_tokens
         self._real_tokens = self.engine.buckets.real_tokens
         device_s = self.engine.last_step_s - self.engine.last_host_s
-        # Every row sampled and the step fed one token per row: a decode step.
-        if outputs and fed == len(outputs) and device_s > 0:
+        # Every row sampled one token and the step fed one token per row: a decode step.
+        if outputs and fed == len(outputs) == tokens and device_s > 0:
             m.hbm_bw.set(self.decode_bytes(outputs) / device_s)
 
     def _per_adapter(self, outputs) -> None:
@@ -104,9 +121,22 @@ class StepObserver:
         m.loras_loaded.set(len(self.engine.lora_names()))
         for o in outputs:
             if o.lora is not None:
-                m.lora_tokens.labels(o.lora).inc()
+                m.lora_tokens.labels(o.lora).inc(len(o.new_token_ids))
                 if o.finished:
                     m.lora_requests.labels(o.lora).inc()
+
+    def _speculation(self) -> None:
+        now = self.engine.spec_stats
+        if now is None:
+            return
+        m, was = self.m, self._last_spec or type(now)(now.k)
+        m.spec_drafts.inc(now.num_drafts - was.num_drafts)
+        m.spec_draft_tokens.inc(now.num_draft_tokens - was.num_draft_tokens)
+        m.spec_accepted.inc(now.num_accepted_tokens - was.num_accepted_tokens)
+        for j, (a, b) in enumerate(zip(now.accepted_per_pos, was.accepted_per_pos)):
+            if a > b:
+                m.spec_accepted_per_pos.labels(str(j)).inc(a - b)
+        self._last_spec = dataclasses.replace(now, accepted_per_pos=list(now.accepted_per_pos))
 
     def queue_time(self, seconds: float) -> None:
         self.m.queue.observe(seconds)

@@ -52,8 +52,8 @@ def count_scheduled_tokens(engine) -> list[int]:
     fed = []
     schedule = engine.scheduler.schedule
 
-    def counted():
-        out = schedule()
+    def counted(*args, **kw):
+        out = schedule(*args, **kw)
         fed.append(out.num_tokens)
         return out
     engine.scheduler.schedule = counted

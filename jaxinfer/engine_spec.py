@@ -1,0 +1,84 @@
+"""The engine's speculative decoding (a mixin of Engine: it reads the engine's proposer,
+scheduler and text state): when a step verifies proposals, what each row proposes, and a
+verify step's kept tokens in, one at a time (speculative.py has the rule)."""
+from __future__ import annotations
+
+import logging
+
+from jaxinfer import speculative
+from jaxinfer.engine_io import logprob_dict
+from jaxinfer.request import FinishReason, RequestOutput
+from jaxinfer.scheduler import SchedulerOutput
+
+log = logging.getLogger("jaxinfer.engine")
+
+
+class EngineSpeculation:
+    def _may_speculate(self) -> bool:
+        """The next step may verify proposals: speculation on, every running request in
+        decode (its last token, possibly pending, the only one to feed) without a grammar,
+        at most speculative_rows of them, and no waiting request a free row could admit."""
+        if self.proposer is None:
+            return False
+        s = self.scheduler
+        return ((not s.waiting or s.free_rows <= 0)
+                and 0 < len(s.running) <= self.config.speculative_rows
+                and all(r.num_uncomputed_tokens == 1 and r.request_id not in self._grammars
+                        for r in s.running))
+
+    def _drafts(self) -> dict[str, list[int]] | None:
+        """The proposer's tokens for each running request (nothing pending): the next
+        step's `drafts`; None when speculation is off now or nothing was proposed."""
+        if not self._may_speculate():
+            return None
+        k = self.config.num_speculative_tokens
+        drafts = {}
+        for r in self.scheduler.running:
+            proposal = self.proposer.propose(r.all_token_ids, k)
+            if proposal:
+                drafts[r.request_id] = list(proposal)[:k]
+        return drafts or None
+
+    def _update_verify(self, out: SchedulerOutput, sampled) -> list[RequestOutput]:
+        """A verify step's tokens in (speculative.py): each row keeps its sampled tokens up
+        to the first that differs from its proposal, one at a time through the finishing
+        rules and stop strings, so nothing after the end of a request is kept."""
+        tokens, outputs, first = sampled.tokens, [], 0
+        for row in out.rows:
+            at, first = first, first + row.num_tokens
+            req = self.scheduler.requests.get(row.request_id)
+            if req is None:
+                continue   # finished (or aborted) after this step was scheduled
+            drawn = tokens[at:first]
+            kept = speculative.accepted_count(drawn[:-1], row.token_ids[1:])
+            self.spec_stats.record(row.num_tokens - 1, kept)
+            text, logprobs = self._text[req.request_id], req.sampling_params.logprobs
+            new_ids, deltas, reason = [], [], None
+            try:
+                for j in range(kept + 1):
+                    token = int(drawn[j])
+                    done = self.scheduler.push_token(req, token, fed=j < kept)
+                    delta, stop_hit = text.add(token, done=done, defer=not self._deltas)
+                    new_ids.append(token)
+                    deltas.append(delta)
+                    if logprobs is not None:
+                        text.logprobs.append(logprob_dict(sampled, at + j, logprobs))
+                    if stop_hit and not req.is_finished:
+                        self.scheduler.finish(req.request_id, FinishReason.STOP)
+                    if req.is_finished:
+                        reason = FinishReason.STOP if stop_hit else req.finish_reason
+                        break
+            except Exception as e:   # text work fails one request, not the step
+                log.error("request %s failed after its tokens", req.request_id, exc_info=e)
+                if not req.is_finished:
+                    self.scheduler.finish(req.request_id, FinishReason.ERROR)
+                self._groups.emit(outputs, self._error_output(req, e), self._deltas)
+                continue
+            self.num_generated += len(new_ids)
+            self.scheduler.settle(req)
+            if reason is not None or self._deltas:
+                self._groups.emit(outputs, self._output(req, new_ids, "".join(deltas), reason),
+                                  self._deltas)
+            if reason is not None:
+                self._forget(req.request_id)
+        return outputs

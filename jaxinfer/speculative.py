@@ -1,0 +1,118 @@
+"""Speculative decoding, the host's side: proposers and the acceptance count.
+
+A speculative step (EngineConfig.num_speculative_tokens = k > 0) feeds each decode row its
+last token plus up to k tokens a proposer guessed, samples a token at EVERY one of them in one
+forward pass (a verify bucket, buckets.py), and keeps the sampled tokens up to and including
+the first that differs from the proposal:
+
+    fed      t   p1  p2  p3        (t: the row's last token; p: proposed)
+    sampled  s0  s1  s2  s3        (s_j: the model's token after t p1 .. pj)
+    kept     s0 .. sm              m = leading j with s_j == p_{j+1}; s_m is the correction,
+                                   or the bonus token when every proposal held (m = k)
+
+Each s_j is drawn exactly as a plain step would draw it at that place (same penalties, same
+seeded key: fold_in(key(seed), tokens generated before it)), and a proposal is kept only where
+the draw equals it. For a proposer that returns tokens (not distributions) this IS the
+rejection rule of speculative sampling, with the proposal distribution one-hot: accept p with
+probability P(p), else draw from P without p. So outputs keep the model's distribution
+exactly; greedy and seeded outputs are the very tokens a plain run gives.
+
+The K/V of rejected proposals stays in its slots and is overwritten later: the row's
+num_computed_tokens counts only kept tokens (scheduler.push_token).
+
+Proposers (`Proposer`): `NgramProposer` (prompt lookup: what followed the latest earlier
+occurrence of the context's last n tokens, n from prompt_lookup_max down to
+prompt_lookup_min). Anything with `propose(token_ids, k) -> list[int]` can stand in
+(Engine.proposer), e.g. the bench's replay proposer.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Protocol, Sequence
+
+import numpy as np
+
+
+class Proposer(Protocol):
+    def propose(self, token_ids: Sequence[int], k: int) -> list[int]:
+        """Up to k tokens guessed to follow `token_ids` (a request's prompt + output)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class NgramProposer:
+    """Prompt lookup: the tokens that followed the latest earlier occurrence of the context's
+    last n tokens, for the longest n in [n_min, n_max] that occurs; none when none does."""
+
+    n_min: int = 2
+    n_max: int = 4
+
+    def propose(self, token_ids: Sequence[int], k: int) -> list[int]:
+        a = np.asarray(token_ids, np.int32)
+        size = len(a)
+        for n in range(min(self.n_max, size - 1), self.n_min - 1, -1):
+            # Windows a[i:i+n] for i < size - n (the suffix itself excluded).
+            windows = np.lib.stride_tricks.sliding_window_view(a[:-1], n)
+            hits = np.flatnonzero((windows == a[size - n:]).all(axis=1))
+            if len(hits):
+                start = int(hits[-1]) + n
+                return a[start:start + k].tolist()
+        return []
+
+
+def make_proposer(config) -> Proposer | None:
+    """The proposer an EngineConfig asks for; None when speculation is off."""
+    if not config.num_speculative_tokens:
+        return None
+    if config.speculative_method == "ngram":
+        return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+    raise ValueError(f"unknown speculative_method {config.speculative_method!r}")
+
+
+def accepted_count(sampled: Sequence[int], proposed: Sequence[int]) -> int:
+    """How many proposals hold: the leading j with sampled[j] == proposed[j]."""
+    m = 0
+    for s, p in zip(sampled, proposed):
+        if int(s) != int(p):
+            break
+        m += 1
+    return m
+
+
+@dataclasses.dataclass
+class SpecStats:
+    """What speculation did so far. A draft is one row's proposal in one step."""
+
+    k: int
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list = None    # [k]: drafts whose proposal j held (j = 0 .. k-1)
+
+    def __post_init__(self):
+        if self.accepted_per_pos is None:
+            self.accepted_per_pos = [0] * self.k
+
+    def record(self, proposed: int, accepted: int) -> None:
+        if proposed:
+            self.num_drafts += 1
+            self.num_draft_tokens += proposed
+            self.num_accepted_tokens += accepted
+            for j in range(accepted):
+                self.accepted_per_pos[j] += 1
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted over proposed tokens."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens a row gains per speculative step: 1 + accepted proposals per draft."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+    def as_dict(self) -> dict:
+        return {"num_drafts": self.num_drafts, "num_draft_tokens": self.num_draft_tokens,
+                "num_accepted_tokens": self.num_accepted_tokens,
+                "accepted_per_pos": list(self.accepted_per_pos),
+                "acceptance_rate": round(self.acceptance_rate, 4),
+                "mean_accepted_length": round(self.mean_accepted_length, 4)}
