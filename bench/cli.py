@@ -37,6 +37,8 @@ SUITES = {
                 "vs request rate"),
     "lora": ("bench.lora", "output tokens/s serving LoRA adapters (rows spread over them) vs "
              "the same engine without LoRA"),
+    "speculative": ("bench.speculative", "speculative decoding: the verify step's cost vs a "
+                    "decode step, and end-to-end tokens/s with vs without it"),
 }
 ALIASES = {"paged_attention": ["kernels"]}
 
@@ -227,10 +229,21 @@ def _lora(p):
     p.set_defaults(model="llama-3-8b")
 
 
+def _speculative(p):
+    _per_device(p, "--batch-sizes", "1,64", "1,4", "comma-separated batch sizes")
+    p.add_argument("--input-len", type=int, default=128,
+                   help="prompt tokens per request (synthetic weights)")
+    p.add_argument("--output-len", type=int, default=128, help="output tokens per request")
+    p.add_argument("--context", type=int, default=512,
+                   help="context length of the verify-step timing")
+    p.add_argument("--reps", type=int, default=10, help="timed repeats of the step timing")
+    p.set_defaults(model="llama-3-8b", num_speculative_tokens=4)
+
+
 _SUITE_ARGS = {"compile": _compile, "decode": _decode, "fusion": _fusion, "profile": _profile,
                "paged_attention": _paged_attention, "fp8_matmul": _fp8_matmul,
                "batching": _batching, "throughput": _throughput, "serving": _serving,
-               "lora": _lora}
+               "lora": _lora, "speculative": _speculative}
 _OP_SUITES = ("paged_attention", "fp8_matmul")   # time ops, not an engine: no engine flags
 
 
