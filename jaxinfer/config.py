@@ -166,7 +166,7 @@ LM_HEADS = ("bf16", "int8", "auto")
 KV_DTYPES = ("auto", "bf16", "fp8")
 KV_SCALES = ("static", "token")
 ATTENTION_IMPLS = ("auto", "reference", "pallas")
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "self")
 MAX_SPECULATIVE_TOKENS = 16
 
 
@@ -224,12 +224,14 @@ class EngineConfig:
     # row and step (0: off) by `speculative_method`, all scored in one step and accepted by
     # the rejection rule (outputs keep the model's distribution: greedy ones are identical).
     # "ngram" proposes what followed the latest earlier occurrence of the context's last
-    # prompt_lookup_max .. prompt_lookup_min tokens. Steps of more than
-    # speculative_disable_batch_size rows do not speculate.
+    # prompt_lookup_max .. prompt_lookup_min tokens; "self" drafts greedily with the model's
+    # first speculative_draft_layers layers (0: half of them) and its LM head, on the device.
+    # Steps of more than speculative_disable_batch_size rows do not speculate.
     num_speculative_tokens: int = 0
     speculative_method: str = "ngram"
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
+    speculative_draft_layers: int = 0
     speculative_disable_batch_size: int = 8
 
     def __post_init__(self):
@@ -282,6 +284,9 @@ class EngineConfig:
               and 1 <= self.prompt_lookup_min <= self.prompt_lookup_max,
               f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
               f"{self.prompt_lookup_min!r} and {self.prompt_lookup_max!r}")
+        check(isinstance(self.speculative_draft_layers, int) and self.speculative_draft_layers >= 0,
+              f"speculative_draft_layers must be >= 0 (0: half the model's layers), got "
+              f"{self.speculative_draft_layers!r}")
         check(isinstance(self.speculative_disable_batch_size, int)
               and self.speculative_disable_batch_size >= 1,
               f"speculative_disable_batch_size must be >= 1, got "
@@ -301,6 +306,10 @@ class EngineConfig:
         """The most rows a speculative step has (0: speculation off)."""
         return (min(self.speculative_disable_batch_size, self.max_num_seqs)
                 if self.num_speculative_tokens else 0)
+
+    def draft_layers(self, num_layers: int) -> int:
+        """Layers self-speculation drafts with, for a model of `num_layers`."""
+        return self.speculative_draft_layers or max(1, num_layers // 2)
 
     @property
     def pages_per_seq(self) -> int:

@@ -76,6 +76,10 @@ class Engine(EngineLoRA, EngineSpeculation):
         engine_cfg and the backend (routes.Routes.choose)."""
         engine_cfg = engine_cfg.for_backend(jax.default_backend())
         compile_cache.enable(engine_cfg.compile_cache)
+        if (engine_cfg.num_speculative_tokens and engine_cfg.speculative_method == "self"
+                and engine_cfg.draft_layers(cfg.num_layers) > cfg.num_layers):
+            raise ConfigError(f"speculative_draft_layers {engine_cfg.speculative_draft_layers} "
+                              f"exceeds the model's {cfg.num_layers} layers")
         if engine_cfg.max_model_len > cfg.max_position_embeddings:
             raise ConfigError(f"max_model_len {engine_cfg.max_model_len} exceeds the model's "
                               f"context length {cfg.max_position_embeddings}")
@@ -106,7 +110,7 @@ class Engine(EngineLoRA, EngineSpeculation):
         self._no_prev = jax.device_put(np.zeros(engine_cfg.max_num_seqs, np.int32))
         # Speculative decoding: the proposer (any speculative.Proposer may replace it) and
         # what it achieved; None when num_speculative_tokens is 0.
-        self.proposer = speculative.make_proposer(engine_cfg)
+        self.proposer = speculative.make_proposer(engine_cfg, cfg.num_layers)
         self.spec_stats = (speculative.SpecStats(engine_cfg.num_speculative_tokens)
                            if self.proposer is not None else None)
 
@@ -228,6 +232,8 @@ class Engine(EngineLoRA, EngineSpeculation):
         out = self.scheduler.schedule(self._drafts() if prev is None else None)
         if self.loras is not None:
             out = self._load_lora_slots(out)
+        if out.verify and getattr(self.proposer, "on_device", False):
+            out = self._draft_on_device(out)
         t2 = ta = tb = t3 = t4 = t5 = clock()
         new = None
         if not out.is_empty:
@@ -404,6 +410,7 @@ class Engine(EngineLoRA, EngineSpeculation):
                 if on_done is not None:
                     on_done(next(finished), total)
             self.runner.warmup(buckets, on_done=done, variants=variants)
+            self.runner.warmup_drafts(self.buckets.verify_sizes)
             if self.loras is not None:
                 self._warm_lora_slots()
         loaded = CompileCounter.loaded() - l0

@@ -3,7 +3,11 @@ scheduler and text state): when a step verifies proposals, what each row propose
 verify step's kept tokens in, one at a time (speculative.py has the rule)."""
 from __future__ import annotations
 
+import bisect
+import dataclasses
 import logging
+
+import numpy as np
 
 from jaxinfer import speculative
 from jaxinfer.engine_io import logprob_dict
@@ -38,6 +42,31 @@ class EngineSpeculation:
             if proposal:
                 drafts[r.request_id] = list(proposal)[:k]
         return drafts or None
+
+    def _draft_on_device(self, out: SchedulerOutput) -> SchedulerOutput:
+        """A verify step whose proposals are drafted on the device (self-speculation): the
+        rows' reserved places filled with the draft program's tokens, padded to the verify
+        bucket's rows (runner.draft)."""
+        sizes, n = self.buckets.verify_sizes, out.num_rows
+        b = sizes[bisect.bisect_left(sizes, n)]
+        tokens, positions, seq_lens, lengths = (np.zeros(b, np.int32) for _ in range(4))
+        table = np.zeros((b, self.config.pages_per_seq), np.int32)
+        for i, row in enumerate(out.rows):
+            tokens[i], positions[i] = row.token_ids[0], row.start_pos
+            seq_lens[i], lengths[i] = row.start_pos + 1, row.num_tokens - 1
+            table[i, :len(row.page_ids)] = row.page_ids
+        lora = None
+        if self.loras is not None:
+            slots = self.scheduler.lora_slots
+            lora = np.full(b, -1, np.int32)
+            for i, row in enumerate(out.rows):
+                key = self.scheduler.requests[row.request_id].lora
+                lora[i] = -1 if key is None else slots.slot(key)
+        drafted = self.runner.draft(tokens, positions, table, seq_lens, lengths, lora)
+        return dataclasses.replace(out, rows=tuple(
+            row._replace(token_ids=(row.token_ids[0],
+                                    *map(int, drafted[i, :row.num_tokens - 1])))
+            for i, row in enumerate(out.rows)))
 
     def _update_verify(self, out: SchedulerOutput, sampled) -> list[RequestOutput]:
         """A verify step's tokens in (speculative.py): each row keeps its sampled tokens up

@@ -315,20 +315,23 @@ class Decoder(nnx.Module):
         self.inv_freq = nnx.Variable(jnp.asarray(rope_inv_freq(cfg)))  # [D/2], not a param
 
     def __call__(self, tokens, kv: KVCache | KVLayers, md: AttentionMetadata,
-                 routes: Routes = Routes(), lora=None):
+                 routes: Routes = Routes(), lora=None, num_layers: int | None = None):
         """tokens [T] -> final hidden states [T, E] (normed) and the updated cache: scanned,
         one KVCache of all layers; unrolled, that or KVLayers (kv_cache.py; the runner's
         pool). A decode step of fewer rows than ops.decode_rows asks for runs padded to that
         (GPU: one pad here instead of a pad and a slice around every small linear).
         lora: (the adapters' weights in lora_layers.allocate's form, each token's slot [T]
-        i32, -1 for none) or None: no LoRA work in the step."""
+        i32, -1 for none) or None: no LoRA work in the step. num_layers (static): run only
+        the first that many layers, then the final norm (self-speculation's draft: an early
+        exit; the cache's other layers are left alone)."""
+        n = self.cfg.num_layers if num_layers is None else num_layers
         t = tokens.shape[0]
         rows = ops.decode_rows(t, routes) if md.decode_only else t
         if rows > t:
             padded, md_padded = pad_decode_rows(tokens, md, rows)
             if lora is not None:
                 lora = (lora[0], jnp.pad(lora[1], (0, rows - t), constant_values=-1))
-            h, kv = self(padded, kv, md_padded, routes, lora)
+            h, kv = self(padded, kv, md_padded, routes, lora, num_layers)
             return h[:t], kv
         x = self.embed[...][tokens]                                     # [T, E]
         weights, slots = (None, None) if lora is None else lora     # slots [T] i32
@@ -339,8 +342,8 @@ class Decoder(nnx.Module):
             if isinstance(kv, KVLayers) and len(kv.layers) != self.cfg.num_layers:
                 raise ConfigError(f"a KV pool of {len(kv.layers)} layers for a model of "
                                   f"{self.cfg.num_layers}")
-            for i, layer in enumerate(self.layers):
-                graphdef, state = nnx.split(layer)
+            for i in range(n):
+                graphdef, state = nnx.split(self.layers[i])
                 cache, index = kv.layer(i)      # KVLayers: layer i's own arrays, at index 0
                 with jax.named_scope("decoder_layer"):  # bench/hlo.py counts kernels by it
                     x, delta, cache = _unrolled_layer(
@@ -352,6 +355,8 @@ class Decoder(nnx.Module):
             raise ConfigError("the scanned decoder takes the pool as one KVCache of all layers "
                               "(kv_cache.allocate_kv), not KVLayers")
         graphdef, state = nnx.split(self.layers)
+        if n < self.cfg.num_layers:
+            state, weights = jax.tree.map(lambda a: a[:n], (state, weights))
 
         def body(carry, xs):     # the MLP's add stays in the layer's body (XLA fuses it)
             h, kv = carry
@@ -361,7 +366,7 @@ class Decoder(nnx.Module):
                 None if layer_lora is None else (layer_lora, slots))
             return (h + delta, kv), None
 
-        layer_ids = jnp.arange(self.cfg.num_layers, dtype=jnp.int32)
+        layer_ids = jnp.arange(n, dtype=jnp.int32)
         (x, kv), _ = jax.lax.scan(body, (x, kv), (state, layer_ids, weights))
         return self.final_norm(x), kv
 

@@ -22,8 +22,11 @@ num_computed_tokens counts only kept tokens (scheduler.push_token).
 
 Proposers (`Proposer`): `NgramProposer` (prompt lookup: what followed the latest earlier
 occurrence of the context's last n tokens, n from prompt_lookup_max down to
-prompt_lookup_min). Anything with `propose(token_ids, k) -> list[int]` can stand in
-(Engine.proposer), e.g. the bench's replay proposer.
+prompt_lookup_min), and `SelfDraft` (self-speculation: the model's own first layers and LM
+head draft k tokens greedily, on the device: runner._draft_tokens; its K/V for those layers
+is what the verify step writes there too, so it needs no cache of its own). Anything with
+`propose(token_ids, k) -> list[int]` can stand in (Engine.proposer), e.g. the bench's replay
+proposer.
 """
 from __future__ import annotations
 
@@ -59,12 +62,27 @@ class NgramProposer:
         return []
 
 
-def make_proposer(config) -> Proposer | None:
-    """The proposer an EngineConfig asks for; None when speculation is off."""
+@dataclasses.dataclass(frozen=True)
+class SelfDraft:
+    """Self-speculation: the proposal is drafted on the device after the step is scheduled
+    (Engine fills it in); `propose` only reserves its k places."""
+
+    num_layers: int
+    on_device = True
+
+    def propose(self, token_ids: Sequence[int], k: int) -> list[int]:
+        return [0] * k
+
+
+def make_proposer(config, num_layers: int = 0) -> Proposer | None:
+    """The proposer an EngineConfig asks for; None when speculation is off. num_layers:
+    the model's (self-speculation drafts with speculative_draft_layers of them, 0: half)."""
     if not config.num_speculative_tokens:
         return None
     if config.speculative_method == "ngram":
         return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+    if config.speculative_method == "self":
+        return SelfDraft(config.draft_layers(num_layers))
     raise ValueError(f"unknown speculative_method {config.speculative_method!r}")
 
 

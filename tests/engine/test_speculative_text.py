@@ -1,6 +1,6 @@
 """Speculative decoding on the embedded SmolLM2 through LLM.generate: greedy answers (stop
-strings, chat) identical to a run without it, and prompt lookup keeping proposals on a
-prompt that asks to quote a given text."""
+strings, chat) identical to a run without it with prompt lookup and with self-speculation,
+and prompt lookup keeping proposals on a prompt that asks to quote a given text."""
 import pytest
 
 from jaxinfer import LLM, SamplingParams
@@ -51,3 +51,16 @@ def test_prompt_lookup_keeps_proposals_when_quoting(spec):
     accepted = now["num_accepted_tokens"] - before["num_accepted_tokens"]
     # A quoted text is the proposer's best case: most proposals hold.
     assert drafts > 5 and accepted / drafts > 1.5, (drafts, accepted)
+
+
+def test_self_speculation_answers_are_identical(plain):
+    """The model's first 22 of 30 layers draft: an early exit that was never trained for
+    it, so few proposals hold; the answers are the plain run's all the same."""
+    llm = LLM("smollm2", num_speculative_tokens=3, speculative_method="self",
+              speculative_draft_layers=22, **ENGINE)
+    params = SamplingParams(temperature=0.0, max_tokens=32)
+    want = plain.generate(PROMPTS, params, use_tqdm=False)
+    got = llm.generate(PROMPTS, params, use_tqdm=False)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    stats = llm.engine.spec_stats
+    assert stats.num_drafts > 20 and 0 < stats.num_accepted_tokens < stats.num_draft_tokens
