@@ -4,15 +4,18 @@ set of weights (speculative.py has the rule; --num-speculative-tokens is k).
 1. The verify step's device cost (runner, no host): a decode step of B rows vs a verify step
    of B rows x (k + 1) tokens at the same context (`verify_vs_decode`: the second over the
    first), median of --reps pipelined steps.
-2. End to end (engine, all requests queued at once, greedy), per batch size and workload:
+2. End to end (engine, greedy), per batch size and workload, `mode`:
      plain  an engine without speculation
-     spec   the same engine with speculation and the workload's proposer
+     ngram  with speculation, prompt lookup proposing
+     self   with self-speculation (the model's first --speculative-draft-layers layers)
+     replay with speculation, the proposer replaying plain's own greedy continuation, so
+            every proposal holds: a CEILING, never a real figure
    Workloads:
-     replay    (synthetic weights) random prompts; the proposer replays the plain run's own
-               greedy continuation, so every proposal holds: a CEILING, never a real figure
-     grounded  (a real model) chat prompts that quote, edit or summarise a given text; ngram
-               (prompt lookup)
-     chat      (a real model) general chat prompts; ngram
+     replay    (synthetic weights: random prompts of --input-len, all queued at once) plain,
+               replay
+     grounded  (a real model: chat prompts that quote, edit or summarise a given text, batch
+               at a time) plain, ngram, self
+     chat      (a real model: general chat prompts) plain, ngram, self
    Per row: output tokens/s over the whole run, `speedup` over plain's, the median step,
    mean accepted length (tokens a row gains per speculative step), acceptance rate, whether
    the outputs equal plain's token for token, compiles during the run (should be 0).
@@ -31,7 +34,6 @@ from jaxinfer.engine import Engine
 from jaxinfer.loading import load_model
 from jaxinfer.request import SamplingParams
 from jaxinfer.runner import CompileCounter
-from jaxinfer.speculative import NgramProposer
 
 KEYS = ["batch", "workload", "mode", "output_tokens_per_s", "speedup", "step_ms",
         "mean_accepted_length", "acceptance_rate", "identical", "compiles_during_run"]
@@ -171,16 +173,21 @@ def run(args) -> int:
     cfg, graphdef, params, tokenizer = load_model(args.model, spec_cfg)
     plain_cfg = spec_cfg.replace(num_speculative_tokens=0)
     engines = {"plain": Engine(cfg, plain_cfg, graphdef, params, tokenizer),
-               "spec": Engine(cfg, spec_cfg, graphdef, params, tokenizer)}
+               "ngram": Engine(cfg, spec_cfg.replace(speculative_method="ngram"), graphdef,
+                               params, tokenizer)}
+    if tokenizer is not None:     # self-speculation drafts nothing real with random weights
+        engines["self"] = Engine(cfg, spec_cfg.replace(speculative_method="self"), graphdef,
+                                 params, tokenizer)
     for name, engine in engines.items():
         warm = engine.warmup(progress=False, variants=("plain",))
         print(f"{name}: compiled {warm['buckets']} buckets in {warm['seconds']:.1f}s",
               file=sys.stderr, flush=True)
     result = new_result(args, model=args.model, dtype=spec_cfg.dtype, weights=args.weights,
                         kv_dtype=args.kv_dtype, k=args.num_speculative_tokens,
+                        draft_layers=spec_cfg.draft_layers(cfg.num_layers),
                         speculative_disable_batch_size=spec_cfg.speculative_disable_batch_size,
                         input_len=args.input_len, output_len=args.output_len)
-    result["step_cost"] = step_costs(engines["spec"], cfg, args)
+    result["step_cost"] = step_costs(engines["ngram"], cfg, args)
     print_table(result["step_cost"], STEP_KEYS)
     greedy = SamplingParams(temperature=0.0, max_tokens=args.output_len,
                             ignore_eos=tokenizer is None)
@@ -191,18 +198,19 @@ def run(args) -> int:
             groups = [chosen[i:i + batch] for i in range(0, len(chosen), batch)]
             measure(engines["plain"], [chosen[:1]], greedy)      # untimed first runs
             plain, want = measure(engines["plain"], groups, greedy)
-            spec = engines["spec"]
-            spec.proposer = (ReplayProposer(args.input_len, {
-                tuple(p["prompt_token_ids"]): w for p, w in zip(chosen, want)})
-                if workload == "replay" else NgramProposer(spec_cfg.prompt_lookup_min,
-                                                           spec_cfg.prompt_lookup_max))
-            measure(spec, [chosen[:1]], greedy)
-            got, outs = measure(spec, groups, greedy)
-            got.update(speedup=round(got["output_tokens_per_s"] / plain["output_tokens_per_s"],
-                                     4), identical=outs == want)
-            save(result, args.out, [{"batch": batch, "workload": workload, "mode": "plain",
-                                     **plain, "speedup": 1.0},
-                                    {"batch": batch, "workload": workload, "mode": "spec",
-                                     **got}])
+            rows = [{"batch": batch, "workload": workload, "mode": "plain", **plain,
+                     "speedup": 1.0}]
+            for mode in (["replay"] if workload == "replay" else ["ngram", "self"]):
+                spec = engines["ngram" if mode == "replay" else mode]
+                if mode == "replay":
+                    spec.proposer = ReplayProposer(args.input_len, {
+                        tuple(p["prompt_token_ids"]): w for p, w in zip(chosen, want)})
+                measure(spec, [chosen[:1]], greedy)
+                got, outs = measure(spec, groups, greedy)
+                rows.append({"batch": batch, "workload": workload, "mode": mode, **got,
+                             "speedup": round(got["output_tokens_per_s"]
+                                              / plain["output_tokens_per_s"], 4),
+                             "identical": outs == want})
+            save(result, args.out, rows)
     print_table(result["rows"], KEYS)
     return 0

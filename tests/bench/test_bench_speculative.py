@@ -27,10 +27,10 @@ def test_speculative_suite_schema(tmp_path):
         cost["verify_step_ms"] / cost["decode_step_ms"], rel=1e-2)
     rows = result["rows"]
     assert [(r["batch"], r["workload"], r["mode"]) for r in rows] == [
-        (b, "replay", m) for b in (1, 3) for m in ("plain", "spec")]
+        (b, "replay", m) for b in (1, 3) for m in ("plain", "replay")]
     for r in rows:
         assert r["output_tokens"] == 9 * r["batch"] and r["compiles_during_run"] == 0
-    spec1, spec3 = (r for r in rows if r["mode"] == "spec")
+    spec1, spec3 = (r for r in rows if r["mode"] == "replay")
     assert spec1["identical"] and spec1["acceptance_rate"] == 1.0
     assert spec1["mean_accepted_length"] > 3 and spec1["steps"] < rows[0]["steps"]
     assert spec3["identical"] and spec3["drafts"] == 0     # switched itself off
