@@ -319,13 +319,17 @@ def generate_file(engine, input_path, output_path, defaults: SamplingParams | No
     total = sum(1 for _ in _input_lines(input_path))
     max_queued = max_queued or 4 * engine.config.max_num_seqs
     t0, c0, steps0 = time.perf_counter(), engine.compiles(), engine.num_steps
+    spec0 = engine.spec_stats.as_dict() if engine.spec_stats is not None else None
     with open(output_path, "ab") as out_file, tqdm(
             total=total, desc="generating", unit="req", disable=not progress, file=log) as bar:
         run = _BatchRun(engine, _input_lines(input_path), out_file, done,
                         defaults or SamplingParams(), chat, max_queued, bar, log)
         run.run()
     wall = time.perf_counter() - t0
-    return summarize(run, wall, engine.compiles() - c0, engine.num_steps - steps0)
+    summary = summarize(run, wall, engine.compiles() - c0, engine.num_steps - steps0)
+    if spec0 is not None:     # speculative decoding: drafts, kept tokens, mean accepted length
+        summary["speculative"] = engine.spec_stats.since(spec0)
+    return summary
 
 
 def _percentiles(name: str, values: list[float]) -> dict:

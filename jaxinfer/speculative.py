@@ -128,6 +128,14 @@ class SpecStats:
         """Tokens a row gains per speculative step: 1 + accepted proposals per draft."""
         return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
 
+    def since(self, before: dict) -> dict:
+        """What speculation did since `before` (an earlier as_dict()), in as_dict's form."""
+        now = self.as_dict()
+        diff = SpecStats(self.k, *(now[f] - before[f] for f in (
+            "num_drafts", "num_draft_tokens", "num_accepted_tokens")),
+            [a - b for a, b in zip(now["accepted_per_pos"], before["accepted_per_pos"])])
+        return diff.as_dict()
+
     def as_dict(self) -> dict:
         return {"num_drafts": self.num_drafts, "num_draft_tokens": self.num_draft_tokens,
                 "num_accepted_tokens": self.num_accepted_tokens,

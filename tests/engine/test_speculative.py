@@ -3,6 +3,8 @@ identical, unseeded draws from the same distribution), its stand-aside rules, no
 leaked through aborts and preemptions mid-speculation, nothing compiled after warm-up."""
 import argparse
 import dataclasses
+import io
+import json
 
 import numpy as np
 import pytest
@@ -10,6 +12,7 @@ from scipy import stats
 
 from engine_util import random_prompts, tiny_engine
 from jaxinfer.args import add_engine_args, engine_config_from_args
+from jaxinfer.batch_generate import generate_file
 from jaxinfer.buckets import Buckets
 from jaxinfer.config import EngineConfig
 from jaxinfer.errors import ConfigError
@@ -234,6 +237,26 @@ def test_nothing_compiles_after_warmup(method):
                                               logprobs=1, repetition_penalty=1.2)] * 5)
     assert engine.spec_stats.num_drafts > 0
     assert CompileCounter.count() == before
+
+
+def test_the_offline_summary_reports_speculation(tmp_path):
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text("".join(json.dumps({**p, "max_tokens": 30, "temperature": 0,
+                                       "ignore_eos": True}) + "\n"
+                           for p in looping_prompts(4, seed=9)))
+    engine = tiny_engine(num_speculative_tokens=K)
+    generate(engine, looping_prompts(2, seed=10), [SamplingParams(max_tokens=20)] * 2)
+    before = engine.spec_stats.as_dict()
+    summary = generate_file(engine, inp, out, log=io.StringIO())
+    got = summary["speculative"]
+    now = engine.spec_stats.as_dict()
+    assert 0 < got["num_drafts"] == now["num_drafts"] - before["num_drafts"]
+    assert got["num_accepted_tokens"] == now["num_accepted_tokens"] - before["num_accepted_tokens"]
+    assert got["mean_accepted_length"] == pytest.approx(1 + got["num_accepted_tokens"]
+                                                        / got["num_drafts"], abs=1e-4)
+    assert summary["output_tokens"] == 4 * 30
+    assert "speculative" not in generate_file(tiny_engine(), inp, tmp_path / "o2.jsonl",
+                                              log=io.StringIO())
 
 
 # --- the pieces: buckets, scheduler, config -------------------------------------------------
