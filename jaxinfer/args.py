@@ -84,14 +84,18 @@ def add_engine_args(p: argparse.ArgumentParser):
     g.add_argument("--speculative-method", choices=SPECULATIVE_METHODS,
                    default=d.speculative_method,
                    help="the proposer: ngram (prompt lookup: what followed the latest earlier "
-                        "occurrence of the context's last tokens) or self (the model's own "
-                        "first layers draft on the device)")
+                        "occurrence of the context's last tokens), self (the model's own "
+                        "first layers draft on the device) or draft (--speculative-model "
+                        "drafts)")
     g.add_argument("--prompt-lookup-min", type=int, default=d.prompt_lookup_min,
                    help="shortest suffix the ngram proposer matches")
     g.add_argument("--prompt-lookup-max", type=int, default=d.prompt_lookup_max,
                    help="longest suffix the ngram proposer matches (tried first)")
     g.add_argument("--speculative-draft-layers", type=int, default=d.speculative_draft_layers,
                    help="layers self-speculation drafts with (0: half the model's)")
+    g.add_argument("--speculative-model", default="", metavar="MODEL",
+                   help="the draft model of --speculative-method draft (any --model source "
+                        "with the same vocabulary)")
     g.add_argument("--speculative-disable-batch-size", type=int,
                    default=d.speculative_disable_batch_size,
                    help="steps with more running requests than this do not speculate")
@@ -117,6 +121,7 @@ def engine_config_from_args(args) -> EngineConfig:
         speculative_method=args.speculative_method, prompt_lookup_min=args.prompt_lookup_min,
         prompt_lookup_max=args.prompt_lookup_max,
         speculative_draft_layers=args.speculative_draft_layers,
+        speculative_model=args.speculative_model,
         speculative_disable_batch_size=args.speculative_disable_batch_size)
 
 

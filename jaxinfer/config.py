@@ -166,7 +166,7 @@ LM_HEADS = ("bf16", "int8", "auto")
 KV_DTYPES = ("auto", "bf16", "fp8")
 KV_SCALES = ("static", "token")
 ATTENTION_IMPLS = ("auto", "reference", "pallas")
-SPECULATIVE_METHODS = ("ngram", "self")
+SPECULATIVE_METHODS = ("ngram", "self", "draft")
 MAX_SPECULATIVE_TOKENS = 16
 
 
@@ -225,13 +225,16 @@ class EngineConfig:
     # the rejection rule (outputs keep the model's distribution: greedy ones are identical).
     # "ngram" proposes what followed the latest earlier occurrence of the context's last
     # prompt_lookup_max .. prompt_lookup_min tokens; "self" drafts greedily with the model's
-    # first speculative_draft_layers layers (0: half of them) and its LM head, on the device.
+    # first speculative_draft_layers layers (0: half of them) and its LM head, on the device;
+    # "draft" drafts greedily with the model speculative_model (any source load_model takes,
+    # the same vocabulary), which keeps its own K/V pool on the same pages (draft_model.py).
     # Steps of more than speculative_disable_batch_size rows do not speculate.
     num_speculative_tokens: int = 0
     speculative_method: str = "ngram"
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
     speculative_draft_layers: int = 0
+    speculative_model: str = ""
     speculative_disable_batch_size: int = 8
 
     def __post_init__(self):
@@ -287,6 +290,9 @@ class EngineConfig:
         check(isinstance(self.speculative_draft_layers, int) and self.speculative_draft_layers >= 0,
               f"speculative_draft_layers must be >= 0 (0: half the model's layers), got "
               f"{self.speculative_draft_layers!r}")
+        check(not (self.num_speculative_tokens and self.speculative_method == "draft")
+              or (isinstance(self.speculative_model, str) and self.speculative_model.strip()),
+              "speculative_method 'draft' needs speculative_model: the model that drafts")
         check(isinstance(self.speculative_disable_batch_size, int)
               and self.speculative_disable_batch_size >= 1,
               f"speculative_disable_batch_size must be >= 1, got "

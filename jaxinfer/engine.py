@@ -40,6 +40,7 @@ from jaxinfer.errors import ConfigError, EngineDeadError
 from jaxinfer.engine_io import (Detokenized, build_step_input, check_params_for_model,
                                 logprob_dict, pending_source, prompt_token_ids)
 from jaxinfer.loading import load_model
+from jaxinfer.draft_model import DraftModel
 from jaxinfer.engine_lora import EngineLoRA
 from jaxinfer.engine_spec import EngineSpeculation
 from jaxinfer.lora import LoRARegistry
@@ -71,9 +72,12 @@ class _InFlight:
 
 class Engine(EngineLoRA, EngineSpeculation):
     def __init__(self, cfg: ModelConfig, engine_cfg: EngineConfig, graphdef, params,
-                 tokenizer=None, *, model_name: str | None = None, routes: Routes | None = None):
+                 tokenizer=None, *, model_name: str | None = None, routes: Routes | None = None,
+                 draft_model=None):
         """routes: the kernels' routes (tests compare them); None chooses them from
-        engine_cfg and the backend (routes.Routes.choose)."""
+        engine_cfg and the backend (routes.Routes.choose). draft_model: (ModelConfig,
+        graphdef, params) of the model that drafts with speculative_method "draft"; None
+        loads engine_cfg.speculative_model."""
         engine_cfg = engine_cfg.for_backend(jax.default_backend())
         compile_cache.enable(engine_cfg.compile_cache)
         if (engine_cfg.num_speculative_tokens and engine_cfg.speculative_method == "self"
@@ -113,6 +117,12 @@ class Engine(EngineLoRA, EngineSpeculation):
         self.proposer = speculative.make_proposer(engine_cfg, cfg.num_layers)
         self.spec_stats = (speculative.SpecStats(engine_cfg.num_speculative_tokens)
                            if self.proposer is not None else None)
+        self.draft_model = None      # draft_model.DraftModel of speculative_method "draft"
+        if isinstance(self.proposer, speculative.ModelDraft):
+            if draft_model is None:
+                draft_model = load_model(engine_cfg.speculative_model,
+                                         engine_cfg.replace(num_speculative_tokens=0))[:3]
+            self.draft_model = DraftModel(cfg, draft_model[0], self.config, *draft_model[1:])
 
     @classmethod
     def from_model(cls, model: str, engine_cfg: EngineConfig, loras=()) -> "Engine":
@@ -295,6 +305,8 @@ class Engine(EngineLoRA, EngineSpeculation):
             lost = self.runner.kv_lost()
             if lost:
                 self.runner.rebuild_kv()
+            if self.draft_model is not None and self.draft_model.kv_lost():
+                self.draft_model.rebuild_kv()   # every request's draft K/V is recomputed
             for req in self.scheduler.recover(failed, cache_lost=lost):
                 self._groups.emit(self._outputs, self._error_output(req, error), self._deltas)
         except Exception as e:
@@ -410,7 +422,10 @@ class Engine(EngineLoRA, EngineSpeculation):
                 if on_done is not None:
                     on_done(next(finished), total)
             self.runner.warmup(buckets, on_done=done, variants=variants)
-            self.runner.warmup_drafts(self.buckets.verify_sizes)
+            if self.draft_model is not None:
+                self.draft_model.warmup(self.buckets.verify_sizes)
+            else:
+                self.runner.warmup_drafts(self.buckets.verify_sizes)
             if self.loras is not None:
                 self._warm_lora_slots()
         loaded = CompileCounter.loaded() - l0

@@ -44,9 +44,9 @@ class EngineSpeculation:
         return drafts or None
 
     def _draft_on_device(self, out: SchedulerOutput) -> SchedulerOutput:
-        """A verify step whose proposals are drafted on the device (self-speculation): the
-        rows' reserved places filled with the draft program's tokens, padded to the verify
-        bucket's rows (runner.draft)."""
+        """A verify step whose proposals are drafted on the device (self-speculation, or a
+        draft model after it caught up): the rows' reserved places filled with the draft
+        program's tokens, padded to the verify bucket's rows (runner.draft)."""
         sizes, n = self.buckets.verify_sizes, out.num_rows
         b = sizes[bisect.bisect_left(sizes, n)]
         tokens, positions, seq_lens, lengths = (np.zeros(b, np.int32) for _ in range(4))
@@ -55,14 +55,17 @@ class EngineSpeculation:
             tokens[i], positions[i] = row.token_ids[0], row.start_pos
             seq_lens[i], lengths[i] = row.start_pos + 1, row.num_tokens - 1
             table[i, :len(row.page_ids)] = row.page_ids
-        lora = None
-        if self.loras is not None:
+        lora, drafter = None, self.runner
+        if self.draft_model is not None:
+            self.draft_model.catch_up(self.scheduler.requests, out.rows)
+            drafter = self.draft_model.runner
+        elif self.loras is not None:
             slots = self.scheduler.lora_slots
             lora = np.full(b, -1, np.int32)
             for i, row in enumerate(out.rows):
                 key = self.scheduler.requests[row.request_id].lora
                 lora[i] = -1 if key is None else slots.slot(key)
-        drafted = self.runner.draft(tokens, positions, table, seq_lens, lengths, lora)
+        drafted = drafter.draft(tokens, positions, table, seq_lens, lengths, lora)
         return dataclasses.replace(out, rows=tuple(
             row._replace(token_ids=(row.token_ids[0],
                                     *map(int, drafted[i, :row.num_tokens - 1])))
@@ -81,6 +84,9 @@ class EngineSpeculation:
             drawn = tokens[at:first]
             kept = speculative.accepted_count(drawn[:-1], row.token_ids[1:])
             self.spec_stats.record(row.num_tokens - 1, kept)
+            if self.draft_model is not None:
+                # Its pool holds the K/V of the fed tokens that were kept (and the last one).
+                req.num_draft_computed = row.start_pos + min(kept, row.num_tokens - 2) + 1
             text, logprobs = self._text[req.request_id], req.sampling_params.logprobs
             new_ids, deltas, reason = [], [], None
             try:

@@ -277,6 +277,9 @@ class Request:
     forks: tuple[tuple[str, SamplingParams], ...] = ()
     # The key of its LoRA adapter's load (lora.LoRARegistry.key_of), None for the base model.
     lora: str | None = None
+    # Speculative decoding with a draft model (draft_model.py): the leading tokens whose K/V
+    # the draft model's own pool holds at this request's pages (0 again when they go).
+    num_draft_computed: int = 0
 
     def __post_init__(self):
         if not isinstance(self.request_id, str) or not self.request_id:

@@ -474,6 +474,7 @@ class Scheduler(Forks):
         request.page_ids = PageList()
         request.num_computed_tokens = 0
         request.num_cached_pages = 0
+        request.num_draft_computed = 0
 
     def _cache_full_pages(self, request: Request) -> None:
         if not self.allocator.enable_prefix_caching:

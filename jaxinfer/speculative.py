@@ -22,9 +22,10 @@ num_computed_tokens counts only kept tokens (scheduler.push_token).
 
 Proposers (`Proposer`): `NgramProposer` (prompt lookup: what followed the latest earlier
 occurrence of the context's last n tokens, n from prompt_lookup_max down to
-prompt_lookup_min), and `SelfDraft` (self-speculation: the model's own first layers and LM
+prompt_lookup_min), `SelfDraft` (self-speculation: the model's own first layers and LM
 head draft k tokens greedily, on the device: runner._draft_tokens; its K/V for those layers
-is what the verify step writes there too, so it needs no cache of its own). Anything with
+is what the verify step writes there too, so it needs no cache of its own) and `ModelDraft`
+(a smaller model drafts greedily on the device, with its own K/V pool: draft_model.py). Anything with
 `propose(token_ids, k) -> list[int]` can stand in (Engine.proposer), e.g. the bench's replay
 proposer.
 """
@@ -74,6 +75,18 @@ class SelfDraft:
         return [0] * k
 
 
+@dataclasses.dataclass(frozen=True)
+class ModelDraft:
+    """A draft model drafts on the device after the step is scheduled (Engine fills the
+    proposal in); `propose` only reserves its k places."""
+
+    model: str
+    on_device = True
+
+    def propose(self, token_ids: Sequence[int], k: int) -> list[int]:
+        return [0] * k
+
+
 def make_proposer(config, num_layers: int = 0) -> Proposer | None:
     """The proposer an EngineConfig asks for; None when speculation is off. num_layers:
     the model's (self-speculation drafts with speculative_draft_layers of them, 0: half)."""
@@ -83,6 +96,8 @@ def make_proposer(config, num_layers: int = 0) -> Proposer | None:
         return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
     if config.speculative_method == "self":
         return SelfDraft(config.draft_layers(num_layers))
+    if config.speculative_method == "draft":
+        return ModelDraft(config.speculative_model)
     raise ValueError(f"unknown speculative_method {config.speculative_method!r}")
 
 

@@ -11,12 +11,18 @@ TINY = standard_config("tiny")
 _TINY_MODEL = {}
 
 
-def tiny_engine(routes=None, **engine_kw) -> Engine:
-    """The tiny twin with random weights large enough that greedy outputs vary by prompt;
-    routes: the kernels' routes (None: chosen from the config and the backend)."""
+def tiny_model():
+    """(graphdef, params) of the tiny twin with random weights large enough that greedy
+    outputs vary by prompt (built once per process)."""
     if not _TINY_MODEL:
         _TINY_MODEL["m"] = build_model(TINY, random_flat(TINY, seed=11, std=0.08), jnp.float32)
-    graphdef, params = _TINY_MODEL["m"]
+    return _TINY_MODEL["m"]
+
+
+def tiny_engine(routes=None, **engine_kw) -> Engine:
+    """The tiny twin (tiny_model) in an engine; routes: the kernels' routes (None: chosen
+    from the config and the backend)."""
+    graphdef, params = tiny_model()
     cfg = EngineConfig(**{"max_model_len": 128, "max_num_seqs": 8,
                           "max_num_batched_tokens": 64, "page_size": 4, **engine_kw})
     return Engine(TINY, cfg, graphdef, params, routes=routes)

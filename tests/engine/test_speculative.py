@@ -10,11 +10,16 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from engine_util import random_prompts, tiny_engine
+import jax.numpy as jnp
+
+from checkpoints.model_state import build_model
+from dense_reference import random_flat
+from engine_util import TINY, random_prompts, tiny_engine, tiny_model
 from jaxinfer.args import add_engine_args, engine_config_from_args
 from jaxinfer.batch_generate import generate_file
 from jaxinfer.buckets import Buckets
 from jaxinfer.config import EngineConfig
+from jaxinfer.engine import Engine
 from jaxinfer.errors import ConfigError
 from jaxinfer.request import Request, SamplingParams
 from jaxinfer.runner import CompileCounter
@@ -112,6 +117,56 @@ def test_self_speculation_drafts_with_the_first_layers_on_the_device():
                     speculative_draft_layers=3)
 
 
+def draft_engine(seed=None, **kw):
+    """The tiny model drafted for by the tiny model: with its own weights (seed None: every
+    greedy proposal holds) or random ones of `seed`."""
+    graphdef, params = tiny_model()
+    if seed is not None:
+        graphdef, params = build_model(TINY, random_flat(TINY, seed=seed, std=0.08),
+                                       jnp.float32)
+    cfg = EngineConfig(**{"max_model_len": 128, "max_num_seqs": 8, "max_num_batched_tokens": 64,
+                          "page_size": 4, "num_speculative_tokens": K,
+                          "speculative_method": "draft", "speculative_model": "tiny", **kw})
+    return Engine(TINY, cfg, *tiny_model(), draft_model=(TINY, graphdef, params))
+
+
+def test_a_draft_model_drafts_with_its_own_cache():
+    """speculative_method "draft": a model of the same vocabulary drafts from its own K/V
+    pool on the engine's pages, catching up on the tokens it has not seen. The model as its
+    own draft: every greedy proposal holds (its pool is right: catch-up, drafted positions,
+    kept counts); another model's proposals fail; outputs are identical either way."""
+    prompts = looping_prompts(3, seed=11) + random_prompts(3, seed=12)
+    params = ([SamplingParams(temperature=0.0, max_tokens=30)] * 3
+              + [SamplingParams(temperature=0.8, seed=3, max_tokens=25, logprobs=1)] * 3)
+    want = generate(tiny_engine(), prompts, params)
+    same = draft_engine()
+    greedy = [SamplingParams(temperature=0.0, max_tokens=30)] * 6
+    assert [o.token_ids for o in generate(same, prompts, greedy)[:3]] == [
+        o.token_ids for o in want[:3]]
+    assert same.spec_stats.num_drafts > 20 and same.spec_stats.acceptance_rate == 1.0
+    # Again on the same pages and prefix-cache hits: its pool is caught up again, not trusted.
+    before = same.spec_stats.as_dict()
+    generate(same, prompts, greedy)
+    assert same.spec_stats.since(before)["acceptance_rate"] == 1.0
+    other = draft_engine(seed=12)
+    assert [o.token_ids for o in generate(other, prompts, params)] == [
+        o.token_ids for o in want]
+    assert other.spec_stats.num_drafts > 20
+    assert other.scheduler.allocator.num_used == 0
+
+
+def test_a_draft_model_must_share_the_vocabulary():
+    with pytest.raises(ConfigError, match="speculative_model"):
+        EngineConfig(num_speculative_tokens=2, speculative_method="draft")
+    small = dataclasses.replace(TINY, vocab_size=256)
+    graphdef, params = build_model(small, random_flat(small, seed=1, std=0.08), jnp.float32)
+    cfg = EngineConfig(max_model_len=128, page_size=4, max_num_batched_tokens=64,
+                       num_speculative_tokens=2, speculative_method="draft",
+                       speculative_model="small")
+    with pytest.raises(ConfigError, match="vocabulary of 256 tokens; the model's has 512"):
+        Engine(TINY, cfg, *tiny_model(), draft_model=(small, graphdef, params))
+
+
 def test_seeded_sampling_penalties_logprobs_and_stops_are_identical():
     """Each verified token is drawn as a plain step draws it there: same key, penalties,
     banned ids; so seeded outputs are the very same tokens, logprobs included."""
@@ -198,14 +253,18 @@ def test_no_speculation_above_the_batch_size_or_with_a_grammar():
     assert engine.spec_stats.num_drafts > 0
 
 
-def test_nothing_leaks_through_aborts_and_preemptions_mid_speculation():
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_nothing_leaks_through_aborts_and_preemptions_mid_speculation(method):
     """A pool too small for every row's proposals: verify steps preempt; requests aborted
-    between steps; the rest finish as they would without speculation."""
+    between steps; the rest finish as they would without speculation (the draft model's
+    pool recomputed for the preempted ones)."""
     prompts = looping_prompts(6, seed=5)
     params = [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)] * 6
-    small = dict(num_pages=34, max_num_seqs=6, speculative_disable_batch_size=6)
+    small = dict(num_pages=34, max_num_seqs=6, speculative_disable_batch_size=6,
+                 num_speculative_tokens=4)
     want = generate(tiny_engine(num_pages=34), prompts, params)
-    engine = tiny_engine(num_speculative_tokens=4, **small)
+    engine = (draft_engine(**small) if method == "draft"
+              else tiny_engine(speculative_method=method, **small))
     ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
     final, step = {}, 0
     while engine.has_unfinished_requests():
@@ -224,9 +283,10 @@ def test_nothing_leaks_through_aborts_and_preemptions_mid_speculation():
     assert final[ids[1]].finish_reason == "cancelled"
 
 
-@pytest.mark.parametrize("method", ["ngram", "self"])
+@pytest.mark.parametrize("method", ["ngram", "self", "draft"])
 def test_nothing_compiles_after_warmup(method):
-    engine = tiny_engine(num_speculative_tokens=K, speculative_method=method)
+    engine = (draft_engine(seed=5) if method == "draft"
+              else tiny_engine(num_speculative_tokens=K, speculative_method=method))
     warm = engine.warmup(progress=False)
     verify = [b for b in engine.buckets.all_buckets() if b.verify]
     assert verify and warm["buckets"] == len(engine.buckets.all_buckets())

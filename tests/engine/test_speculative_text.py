@@ -1,6 +1,7 @@
 """Speculative decoding on the embedded SmolLM2 through LLM.generate: greedy answers (stop
-strings, chat) identical to a run without it with prompt lookup and with self-speculation,
-and prompt lookup keeping proposals on a prompt that asks to quote a given text."""
+strings, chat) identical to a run without it with each proposer (prompt lookup,
+self-speculation, a draft model), and prompt lookup keeping proposals on a prompt that asks
+to quote a given text."""
 import pytest
 
 from jaxinfer import LLM, SamplingParams
@@ -64,3 +65,17 @@ def test_self_speculation_answers_are_identical(plain):
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     stats = llm.engine.spec_stats
     assert stats.num_drafts > 20 and 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+
+
+def test_a_draft_model_answers_identically(plain):
+    """speculative_method "draft" loaded by name. SmolLM2 is the one real model shipped, so
+    it drafts for itself: every greedy proposal holds (a check of the draft model's own KV
+    pool on real weights, not a speed-up)."""
+    llm = LLM("smollm2", num_speculative_tokens=3, speculative_method="draft",
+              speculative_model="smollm2", **ENGINE)
+    params = SamplingParams(temperature=0.0, max_tokens=24)
+    want = plain.generate(PROMPTS, params, use_tqdm=False)
+    got = llm.generate(PROMPTS, params, use_tqdm=False)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    stats = llm.engine.spec_stats
+    assert stats.num_drafts > 10 and stats.acceptance_rate > 0.9
