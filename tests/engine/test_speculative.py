@@ -368,3 +368,10 @@ def test_config_and_flags():
          "--speculative-disable-batch-size", "4"]))
     assert (cfg.num_speculative_tokens, cfg.prompt_lookup_max, cfg.speculative_rows) == (4, 5, 4)
     assert engine_config_from_args(p.parse_args([])).speculative_rows == 0
+
+
+def test_the_cli_refuses_a_bad_speculative_config(capsys):
+    from jaxinfer.cli import main
+    assert main(["generate", "hi", "--model", "tiny", "--num-speculative-tokens", "2",
+                 "--speculative-method", "draft"]) == 2
+    assert "needs speculative_model" in capsys.readouterr().err
