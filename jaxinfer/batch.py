@@ -21,7 +21,7 @@ import itertools
 import numpy as np
 
 from jaxinfer.buckets import Bucket
-from jaxinfer.scheduler import SchedulerOutput
+from jaxinfer.scheduler_output import SchedulerOutput
 
 
 @dataclasses.dataclass(frozen=True)

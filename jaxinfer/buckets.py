@@ -110,19 +110,12 @@ class Buckets:
         if num_tokens > self.max_num_batched_tokens:
             raise ValueError(f"num_tokens {num_tokens} exceeds max_num_batched_tokens "
                              f"{self.max_num_batched_tokens}")
-        if max_pages > self.page_levels[-1]:
-            raise ValueError(f"max_pages {max_pages} exceeds pages_per_seq "
-                             f"{self.page_levels[-1]}")
-        pages = self.page_levels[bisect.bisect_left(self.page_levels, max_pages)]
+        pages = self._pages(max_pages)
         if num_tokens == num_seqs:
             b = self.decode_sizes[bisect.bisect_left(self.decode_sizes, num_seqs)]
-            bucket = Bucket(b, b, pages, True)
-        else:
-            t = self.mixed_sizes[bisect.bisect_left(self.mixed_sizes, num_tokens)]
-            bucket = Bucket(t, min(t, self.max_num_seqs), pages, False)
-        self.real_tokens += num_tokens
-        self.padded_tokens += bucket.num_tokens
-        return bucket
+            return self._record(num_tokens, Bucket(b, b, pages, True))
+        t = self.mixed_sizes[bisect.bisect_left(self.mixed_sizes, num_tokens)]
+        return self._record(num_tokens, Bucket(t, min(t, self.max_num_seqs), pages, False))
 
     def choose_verify(self, num_tokens: int, num_seqs: int, max_pages: int) -> Bucket:
         """The smallest verify bucket holding a speculative step of num_seqs rows (each of at
@@ -134,12 +127,19 @@ class Buckets:
         if not num_seqs <= num_tokens <= num_seqs * self.verify_width:
             raise ValueError(f"a verify step of {num_seqs} rows holds {num_seqs} to "
                              f"{num_seqs * self.verify_width} tokens, got {num_tokens}")
+        b = self.verify_sizes[bisect.bisect_left(self.verify_sizes, num_seqs)]
+        return self._record(num_tokens, Bucket(b * self.verify_width, b,
+                                               self._pages(max_pages), False, True))
+
+    def _pages(self, max_pages: int) -> int:
+        """The smallest page-table width holding `max_pages` pages."""
         if max_pages > self.page_levels[-1]:
             raise ValueError(f"max_pages {max_pages} exceeds pages_per_seq "
                              f"{self.page_levels[-1]}")
-        pages = self.page_levels[bisect.bisect_left(self.page_levels, max_pages)]
-        b = self.verify_sizes[bisect.bisect_left(self.verify_sizes, num_seqs)]
-        bucket = Bucket(b * self.verify_width, b, pages, False, True)
+        return self.page_levels[bisect.bisect_left(self.page_levels, max_pages)]
+
+    def _record(self, num_tokens: int, bucket: Bucket) -> Bucket:
+        """Count a step of `num_tokens` real tokens padded to `bucket`; returns the bucket."""
         self.real_tokens += num_tokens
         self.padded_tokens += bucket.num_tokens
         return bucket

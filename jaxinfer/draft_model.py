@@ -24,7 +24,7 @@ from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.errors import ConfigError
 from jaxinfer.kv_cache import AttentionMetadata
 from jaxinfer.runner import ModelRunner
-from jaxinfer.scheduler import ScheduledRow, SchedulerOutput
+from jaxinfer.scheduler_output import ScheduledRow, SchedulerOutput
 
 
 def _forward(graphdef, routes, params, kv, tokens, md, kv_sharding=None):

@@ -50,7 +50,8 @@ from jaxinfer.request_group import RequestGroups, completion_id
 from jaxinfer.routes import Routes
 from jaxinfer.runner import CompileCounter, ModelRunner
 from jaxinfer.sampling import uses_penalty
-from jaxinfer.scheduler import Scheduler, SchedulerOutput
+from jaxinfer.scheduler import Scheduler
+from jaxinfer.scheduler_output import SchedulerOutput
 from jaxinfer.structured_output import RequestGrammars
 
 
@@ -349,10 +350,7 @@ class Engine(EngineLoRA, EngineSpeculation):
                 delta, stop_hit = text.add(tokens[b], done=req.is_finished or grammar_done,
                                            defer=not self._deltas)
             except Exception as e:   # text work fails one request, not the step
-                log.error("request %s failed after its token", req.request_id, exc_info=e)
-                if not req.is_finished:
-                    self.scheduler.finish(req.request_id, FinishReason.ERROR)
-                self._groups.emit(outputs, self._error_output(req, e), self._deltas)
+                self._text_failed(outputs, req, e)
                 continue
             stop_hit = stop_hit or grammar_done
             if stop_hit and not req.is_finished:
@@ -361,12 +359,23 @@ class Engine(EngineLoRA, EngineSpeculation):
             reason = FinishReason.STOP if stop_hit else req.finish_reason
             if req.sampling_params.logprobs is not None:
                 text.logprobs.append(logprob_dict(sampled, b, req.sampling_params.logprobs))
-            if reason is not None or self._deltas:
-                self._groups.emit(outputs, self._output(req, [tokens[b]], delta, reason),
-                                  self._deltas)
-            if reason is not None:
-                self._forget(req.request_id)
+            self._emit(outputs, req, [tokens[b]], delta, reason)
         return outputs
+
+    def _text_failed(self, outputs: list, req: Request, error: Exception) -> None:
+        """Text work (detokenizing, stop strings, a grammar) failed for `req`: it alone
+        fails, with what it emitted so far."""
+        log.error("request %s failed after its tokens", req.request_id, exc_info=error)
+        if not req.is_finished:
+            self.scheduler.finish(req.request_id, FinishReason.ERROR)
+        self._groups.emit(outputs, self._error_output(req, error), self._deltas)
+
+    def _emit(self, outputs: list, req: Request, new_ids, delta: str, reason) -> None:
+        """A row's output for this step (every step with deltas, else only its final one)."""
+        if reason is not None or self._deltas:
+            self._groups.emit(outputs, self._output(req, new_ids, delta, reason), self._deltas)
+        if reason is not None:
+            self._forget(req.request_id)
 
     def _forget(self, request_id: str) -> None:
         """Drop a finished request's text and grammar state."""

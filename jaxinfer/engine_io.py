@@ -13,7 +13,7 @@ from jaxinfer.kv_cache import AttentionMetadata
 from jaxinfer.request import PENDING, SamplingParams
 from jaxinfer.step_input import StepInput, all_allowed, bitmask_words
 from jaxinfer.sampling import DEFAULT_WINDOW, SampleOutput, SamplingArrays
-from jaxinfer.scheduler import SchedulerOutput
+from jaxinfer.scheduler_output import SchedulerOutput
 from jaxinfer.tokenizer import IncrementalDetokenizer
 
 

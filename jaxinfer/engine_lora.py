@@ -8,7 +8,7 @@ import dataclasses
 from jaxinfer.errors import ConfigError, InvalidRequestError
 from jaxinfer.lora import LoRARegistry
 from jaxinfer.request import FinishReason
-from jaxinfer.scheduler import SchedulerOutput
+from jaxinfer.scheduler_output import SchedulerOutput
 
 
 class EngineLoRA:

@@ -5,16 +5,13 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-import logging
 
 import numpy as np
 
 from jaxinfer import speculative
 from jaxinfer.engine_io import logprob_dict
 from jaxinfer.request import FinishReason, RequestOutput
-from jaxinfer.scheduler import SchedulerOutput
-
-log = logging.getLogger("jaxinfer.engine")
+from jaxinfer.scheduler_output import SchedulerOutput
 
 
 class EngineSpeculation:
@@ -104,16 +101,9 @@ class EngineSpeculation:
                         reason = FinishReason.STOP if stop_hit else req.finish_reason
                         break
             except Exception as e:   # text work fails one request, not the step
-                log.error("request %s failed after its tokens", req.request_id, exc_info=e)
-                if not req.is_finished:
-                    self.scheduler.finish(req.request_id, FinishReason.ERROR)
-                self._groups.emit(outputs, self._error_output(req, e), self._deltas)
+                self._text_failed(outputs, req, e)
                 continue
             self.num_generated += len(new_ids)
             self.scheduler.settle(req)
-            if reason is not None or self._deltas:
-                self._groups.emit(outputs, self._output(req, new_ids, "".join(deltas), reason),
-                                  self._deltas)
-            if reason is not None:
-                self._forget(req.request_id)
+            self._emit(outputs, req, new_ids, "".join(deltas), reason)
         return outputs

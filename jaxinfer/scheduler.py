@@ -23,7 +23,7 @@ computed, sharing its pages (forks.py).
 Speculative decoding (speculative.py): `schedule(drafts)` gives each running request in
 decode with a proposal its last token plus the proposed ones, a `verify` step: nothing is
 PENDING after its commit (the kept tokens are not known until it is read) and the engine
-reads it before scheduling again, handing each kept token to `push_token`.
+reads it before scheduling again, handing each kept token to `push_token` (verify_steps.py).
 
 LoRA (max_loras > 0): a running request holds its adapter's device slot (lora.LoRASlots); a
 waiting request whose adapter finds no slot waits at the head of the queue like one that
@@ -40,12 +40,8 @@ from __future__ import annotations
 
 import bisect
 import collections
-import dataclasses
-import functools
 import time
-from typing import Callable, NamedTuple, Sequence
-
-import numpy as np
+from typing import Callable, Sequence
 
 from jaxinfer.config import EngineConfig
 from jaxinfer.errors import InvalidRequestError
@@ -53,54 +49,13 @@ from jaxinfer.forks import Forks
 from jaxinfer.lora import LoRASlots
 from jaxinfer.page_table import PageAllocator, PageList, extend_page_keys
 from jaxinfer.request import MAX_BANNED_IDS, PENDING, FinishReason, Request, RequestStatus
+from jaxinfer.scheduler_output import ScheduledRow, SchedulerOutput
+from jaxinfer.verify_steps import VerifySteps
+
+__all__ = ["Scheduler", "ScheduledRow", "SchedulerOutput"]
 
 
-class ScheduledRow(NamedTuple):
-    """One request's share of a step (a named tuple: hundreds are made every step)."""
-
-    request_id: str
-    token_ids: tuple[int, ...]   # fed this step
-    start_pos: int               # position of token_ids[0] in the request
-    page_ids: np.ndarray         # [pages] i32, read-only: all pages of the request, covering
-                                 # start_pos + len(token_ids)
-    samples: bool                # this chunk ends the request's tokens: sample the next one
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
-
-    @property
-    def seq_len(self) -> int:
-        """Context length including this step's tokens."""
-        return self.start_pos + len(self.token_ids)
-
-
-@dataclasses.dataclass(frozen=True)
-class SchedulerOutput:
-    rows: tuple[ScheduledRow, ...]   # running requests first (oldest first), then admitted ones
-    preempted_ids: tuple[str, ...] = ()
-    # A speculative step: every row is a decode row whose token_ids are its last token and
-    # the proposed ones (none for some rows), and a token is sampled at each of them.
-    verify: bool = False
-
-    @property
-    def num_rows(self) -> int:
-        return len(self.rows)
-
-    @functools.cached_property
-    def num_tokens(self) -> int:
-        return sum(r.num_tokens for r in self.rows)
-
-    @property
-    def max_pages(self) -> int:
-        return max((len(r.page_ids) for r in self.rows), default=0)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.rows
-
-
-class Scheduler(Forks):
+class Scheduler(Forks, VerifySteps):
     def __init__(self, *, max_num_seqs: int, max_num_batched_tokens: int, page_size: int,
                  num_pages: int, max_model_len: int, enable_prefix_caching: bool = True,
                  eos_token_ids: Sequence[int] = (), max_loras: int = 0,
@@ -284,54 +239,6 @@ class Scheduler(Forks):
             rows.append(self._row(request, n))
             budget -= n
         return SchedulerOutput(tuple(rows), tuple(preempted))
-
-    def _schedule_verify(self, drafts: dict[str, Sequence[int]]) -> SchedulerOutput:
-        rows: list[ScheduledRow] = []
-        preempted: list[str] = []
-        for request in list(self.running):
-            if request.status != RequestStatus.RUNNING:
-                continue     # preempted for an older request's pages this step
-            if request.num_pending or request.num_uncomputed_tokens != 1:
-                raise RuntimeError(f"request {request.request_id!r} is not in decode with "
-                                   f"nothing pending: it cannot take a proposal")
-            # Every kept token but the last is fed back: proposals fit in the room left.
-            room = min(request.sampling_params.max_tokens - request.num_output_tokens,
-                       self.max_model_len - request.num_tokens) - 1
-            draft = tuple(drafts.get(request.request_id, ()))[:max(room, 0)]
-            n = 1 + len(draft)
-            if not self._make_room(request, n, preempted):
-                continue
-            start = request.num_computed_tokens
-            rows.append(ScheduledRow(request.request_id, (request.all_token_ids[start], *draft),
-                                     start, request.page_ids.array(), True))
-        return SchedulerOutput(tuple(r for r in rows if r.request_id not in preempted),
-                               tuple(preempted), verify=True)
-
-    def push_token(self, request: Request, token: int, fed: bool) -> bool:
-        """A token a verify step kept for `request`, in order: appended, and the finishing
-        rules applied (as `resolve` does for one). `fed`: it equals the proposal that was fed
-        in its place, so its K/V is in the cache and it counts as computed (every kept token
-        but the last). Returns whether the request finished."""
-        request.output_token_ids.append(token)
-        request.all_token_ids.append(token)
-        if fed:
-            request.num_computed_tokens += 1
-        if request.first_token_time is None:
-            request.first_token_time = self.clock()
-        params, count = request.sampling_params, request.num_output_tokens
-        if token in params.stop_token_ids or (not params.ignore_eos
-                                              and token in self.eos_token_ids):
-            self.finish(request.request_id, FinishReason.STOP)
-        elif self._at_length_limit(request, count):
-            self.finish(request.request_id, FinishReason.LENGTH)
-        return request.is_finished
-
-    def settle(self, request: Request) -> None:
-        """After a verify step's tokens for `request` are pushed: register its newly full
-        pages in the prefix cache."""
-        if (not request.is_finished and self.allocator.enable_prefix_caching
-                and request.num_computed_tokens // self.page_size > request.num_cached_pages):
-            self._cache_full_pages(request)
 
     def update(self, output: SchedulerOutput, sampled_token_ids: Sequence[int]) -> list[Request]:
         """Apply one step's results (`commit` then `resolve`: the synchronous engine).

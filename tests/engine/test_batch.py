@@ -7,7 +7,7 @@ import pytest
 
 from jaxinfer.batch import prepare
 from jaxinfer.buckets import Bucket
-from jaxinfer.scheduler import ScheduledRow, SchedulerOutput
+from jaxinfer.scheduler_output import ScheduledRow, SchedulerOutput
 
 S = 4   # page size
 

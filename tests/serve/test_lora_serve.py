@@ -34,14 +34,10 @@ def adapters(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(adapters):
-    srv = ServerProcess([*ARGS, "--http-port", "0", "--lora", f"terse={adapters['terse']}",
-                         "--lora", f"wordy={adapters['wordy']}", "--allow-runtime-lora"])
-    try:
-        srv.wait_listening()
+    with ServerProcess([*ARGS, "--http-port", "0", "--lora", f"terse={adapters['terse']}",
+                       "--lora", f"wordy={adapters['wordy']}", "--allow-runtime-lora"]) as srv:
         srv.wait_serving(timeout=300)
         yield srv
-    finally:
-        srv.stop()
 
 
 @pytest.fixture(scope="module")

@@ -35,15 +35,11 @@ CHATS = [[{"role": "user", "content": "Name three colors."}],
 def smol(tmp_path_factory):
     token_file = tmp_path_factory.mktemp("auth") / "token"
     token_file.write_text(TOKEN)
-    srv = ServerProcess([*SMOL_ARGS, "--http-port", "0", "--auth-token-file", str(token_file),
-                         "--max-message-bytes", str(MAX_BODY), "--metrics-auth",
-                         "--grace-period", "120"])
-    try:
-        srv.wait_listening()
+    with ServerProcess([*SMOL_ARGS, "--http-port", "0", "--auth-token-file", str(token_file),
+                       "--max-message-bytes", str(MAX_BODY), "--metrics-auth",
+                       "--grace-period", "120"]) as srv:
         srv.wait_serving(timeout=300)
         yield srv
-    finally:
-        srv.stop()
 
 
 @pytest.fixture(scope="module")

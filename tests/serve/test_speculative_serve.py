@@ -20,13 +20,9 @@ QUOTE = [{"role": "user", "content": "Repeat this text exactly:\n\nOne ring to r
 
 @pytest.fixture(scope="module")
 def server():
-    srv = ServerProcess([*ARGS, "--http-port", "0"])
-    try:
-        srv.wait_listening()
+    with ServerProcess([*ARGS, "--http-port", "0"]) as srv:
         srv.wait_serving(timeout=300)
         yield srv
-    finally:
-        srv.stop()
 
 
 @pytest.fixture(scope="module")
