@@ -59,12 +59,12 @@ def test_self_speculation_answers_are_identical(plain):
     it, so few proposals hold; the answers are the plain run's all the same."""
     llm = LLM("smollm2", num_speculative_tokens=3, speculative_method="self",
               speculative_draft_layers=22, **ENGINE)
-    params = SamplingParams(temperature=0.0, max_tokens=32)
-    want = plain.generate(PROMPTS, params, use_tqdm=False)
-    got = llm.generate(PROMPTS, params, use_tqdm=False)
+    params = SamplingParams(temperature=0.0, max_tokens=24)
+    want = plain.generate(PROMPTS[:2], params, use_tqdm=False)
+    got = llm.generate(PROMPTS[:2], params, use_tqdm=False)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     stats = llm.engine.spec_stats
-    assert stats.num_drafts > 20 and 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    assert stats.num_drafts > 10 and 0 < stats.num_accepted_tokens < stats.num_draft_tokens
 
 
 def test_a_draft_model_answers_identically(plain):
@@ -73,9 +73,9 @@ def test_a_draft_model_answers_identically(plain):
     pool on real weights, not a speed-up)."""
     llm = LLM("smollm2", num_speculative_tokens=3, speculative_method="draft",
               speculative_model="smollm2", **ENGINE)
-    params = SamplingParams(temperature=0.0, max_tokens=24)
-    want = plain.generate(PROMPTS, params, use_tqdm=False)
-    got = llm.generate(PROMPTS, params, use_tqdm=False)
+    params = SamplingParams(temperature=0.0, max_tokens=16)
+    want = plain.generate(PROMPTS[1:3], params, use_tqdm=False)
+    got = llm.generate(PROMPTS[1:3], params, use_tqdm=False)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     stats = llm.engine.spec_stats
-    assert stats.num_drafts > 10 and stats.acceptance_rate > 0.9
+    assert stats.num_drafts > 5 and stats.acceptance_rate > 0.9
