@@ -6,7 +6,7 @@ engine's own page ids, so it needs no allocator: a request's pages hold the targ
 the engine's pool and the draft's in this one. What the draft's pool holds for a request is
 tracked on the host (Request.num_draft_computed, 0 again whenever its pages go); before a
 speculative step each row catches up, running its tokens the draft has not seen through the
-draft model (prefill chunks, no logits), then the draft program (runner._draft_tokens, all
+draft model (prefill chunks, no logits), then the draft program (drafting.draft_tokens, all
 the draft's layers) proposes k tokens. Prompt pages served from the prefix cache, or shared
 by n > 1 completions, are written again with the same values (same tokens, same positions).
 """

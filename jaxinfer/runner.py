@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxinfer import executable_store, kv_calibration, lora_layers, sampling
+from jaxinfer import drafting, executable_store, kv_calibration, lora_layers, sampling
 from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.errors import ConfigError
 from jaxinfer.executable_store import ExecutableStore
@@ -130,37 +130,6 @@ def _packed_step(graphdef, routes, treedef, leaves, kv, slot, outs, buf, prev_to
     return kv, slot, results
 
 
-def _draft_tokens(graphdef, routes, treedef, leaves, kv, tokens, positions, page_table, seq_lens,
-                  lengths, lora, lora_index, *, k, num_layers, page_size, kv_sharding=None):
-    """Self-speculation's draft (speculative.py): k greedy tokens per row from the model's
-    first `num_layers` layers and its LM head, one decode step of those layers per token,
-    all in one program. Row b feeds tokens[b] at positions[b] (its context, seq_lens[b] - 1
-    tokens, is in the cache), then each drafted token; the first lengths[b] fed tokens' K/V
-    of those layers is written (what the verify step writes again, the same values), the
-    rest nowhere. Padding rows: seq_lens 0, lengths 0. Returns (kv, [B, k] tokens)."""
-    model = nnx.merge(graphdef, jax.tree_util.tree_unflatten(treedef, leaves))
-    b, width = page_table.shape
-    rows = jnp.arange(b, dtype=jnp.int32)
-
-    def one(j, carry):
-        kv, token, out = carry
-        pos = positions + j
-        page = page_table[rows, jnp.minimum(pos // page_size, width - 1)]
-        md = AttentionMetadata(pos, jnp.where(j < lengths, page * page_size + pos % page_size,
-                                              -1),
-                               rows, page_table, jnp.where(seq_lens > 0, seq_lens + j, 0),
-                               jnp.arange(b + 1, dtype=jnp.int32), decode_only=True)
-        h, kv = model(token, kv, md, routes, None if lora is None else (lora, lora_index),
-                      num_layers=num_layers)
-        if kv_sharding is not None:
-            kv = jax.lax.with_sharding_constraint(kv, kv_sharding)
-        token = jnp.argmax(model.logits(h, routes), axis=-1).astype(jnp.int32)
-        return kv, token, out.at[:, j].set(token)
-
-    kv, _, out = jax.lax.fori_loop(0, k, one, (kv, tokens, jnp.zeros((b, k), jnp.int32)))
-    return kv, out
-
-
 @jax.jit
 def _copy_out(results):
     """The step's results copied out of its persistent buffers for the caller (one small
@@ -253,7 +222,7 @@ class ModelRunner:
         self._draft_fn = None
         if self.engine.num_speculative_tokens and self.engine.speculative_method == "self":
             self._draft_fn = jax.jit(functools.partial(
-                _draft_tokens, graphdef, self.routes, self._treedef,
+                drafting.draft_tokens, graphdef, self.routes, self._treedef,
                 k=self.engine.num_speculative_tokens,
                 num_layers=self.engine.draft_layers(cfg.num_layers),
                 page_size=self.engine.page_size, kv_sharding=kv_sharding),
@@ -309,8 +278,8 @@ class ModelRunner:
 
     def draft(self, tokens, positions, page_table, seq_lens, lengths, lora_index=None
               ) -> np.ndarray:
-        """Self-speculation's proposals [B, k] (numpy; waits for them): see _draft_tokens.
-        The cache is updated in place, after the steps dispatched before."""
+        """The on-device proposals [B, k] (numpy; waits for them): drafting.draft_tokens. The
+        cache is updated in place, after the steps dispatched before."""
         self.kv, out = self._draft_fn(self._leaves, self.kv, tokens, positions, page_table,
                                       seq_lens, lengths, self.lora, lora_index)
         return np.asarray(jax.device_get(out))

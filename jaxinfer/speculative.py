@@ -18,16 +18,16 @@ probability P(p), else draw from P without p. So outputs keep the model's distri
 exactly; greedy and seeded outputs are the very tokens a plain run gives.
 
 The K/V of rejected proposals stays in its slots and is overwritten later: the row's
-num_computed_tokens counts only kept tokens (scheduler.push_token).
+num_computed_tokens counts only kept tokens (verify_steps.push_token).
 
 Proposers (`Proposer`): `NgramProposer` (prompt lookup: what followed the latest earlier
 occurrence of the context's last n tokens, n from prompt_lookup_max down to
 prompt_lookup_min), `SelfDraft` (self-speculation: the model's own first layers and LM
-head draft k tokens greedily, on the device: runner._draft_tokens; its K/V for those layers
+head draft k tokens greedily, on the device: drafting.draft_tokens; its K/V for those layers
 is what the verify step writes there too, so it needs no cache of its own) and `ModelDraft`
-(a smaller model drafts greedily on the device, with its own K/V pool: draft_model.py). Anything with
-`propose(token_ids, k) -> list[int]` can stand in (Engine.proposer), e.g. the bench's replay
-proposer.
+(a smaller model drafts greedily on the device, with its own K/V pool: draft_model.py).
+Anything with `propose(token_ids, k) -> list[int]` can stand in (Engine.proposer), e.g. the
+bench's replay proposer.
 """
 from __future__ import annotations
 
