@@ -28,6 +28,7 @@ import dataclasses
 import itertools
 import logging
 import time
+import warnings
 
 import jax
 import numpy as np
@@ -118,6 +119,11 @@ class Engine(EngineLoRA, EngineSpeculation):
         self.proposer = speculative.make_proposer(engine_cfg, cfg.num_layers)
         self.spec_stats = (speculative.SpecStats(engine_cfg.num_speculative_tokens)
                            if self.proposer is not None else None)
+        if self.proposer is not None and jax.default_backend() == "gpu":
+            warnings.warn("speculative decoding is not validated on GPUs yet: on an H100, "
+                          "greedy outputs of Llama-3-8B's shape with every proposal replayed "
+                          "from a plain run differed from that run (docs/performance.md, "
+                          "Known gaps)", stacklevel=2)
         self.draft_model = None      # draft_model.DraftModel of speculative_method "draft"
         if isinstance(self.proposer, speculative.ModelDraft):
             if draft_model is None:
