@@ -28,20 +28,18 @@ import dataclasses
 import itertools
 import logging
 import time
-import warnings
 
 import jax
 import numpy as np
 from tqdm import tqdm
 
-from jaxinfer import batch, compile_cache, speculative
+from jaxinfer import batch, compile_cache
 from jaxinfer.buckets import Buckets
 from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.errors import ConfigError, EngineDeadError
 from jaxinfer.engine_io import (Detokenized, build_step_input, check_params_for_model,
                                 logprob_dict, pending_source, prompt_token_ids)
 from jaxinfer.loading import load_model
-from jaxinfer.draft_model import DraftModel
 from jaxinfer.engine_lora import EngineLoRA
 from jaxinfer.engine_spec import EngineSpeculation
 from jaxinfer.lora import LoRARegistry
@@ -82,10 +80,6 @@ class Engine(EngineLoRA, EngineSpeculation):
         loads engine_cfg.speculative_model."""
         engine_cfg = engine_cfg.for_backend(jax.default_backend())
         compile_cache.enable(engine_cfg.compile_cache)
-        if (engine_cfg.num_speculative_tokens and engine_cfg.speculative_method == "self"
-                and engine_cfg.draft_layers(cfg.num_layers) > cfg.num_layers):
-            raise ConfigError(f"speculative_draft_layers {engine_cfg.speculative_draft_layers} "
-                              f"exceeds the model's {cfg.num_layers} layers")
         if engine_cfg.max_model_len > cfg.max_position_embeddings:
             raise ConfigError(f"max_model_len {engine_cfg.max_model_len} exceeds the model's "
                               f"context length {cfg.max_position_embeddings}")
@@ -114,22 +108,7 @@ class Engine(EngineLoRA, EngineSpeculation):
         self._blame = None   # the SchedulerOutput of the step being dispatched or read
         self._waited = 0.0   # seconds the current step() spent waiting for tokens
         self._no_prev = jax.device_put(np.zeros(engine_cfg.max_num_seqs, np.int32))
-        # Speculative decoding: the proposer (any speculative.Proposer may replace it) and
-        # what it achieved; None when num_speculative_tokens is 0.
-        self.proposer = speculative.make_proposer(engine_cfg, cfg.num_layers)
-        self.spec_stats = (speculative.SpecStats(engine_cfg.num_speculative_tokens)
-                           if self.proposer is not None else None)
-        if self.proposer is not None and jax.default_backend() == "gpu":
-            warnings.warn("speculative decoding is not validated on GPUs yet: on an H100, "
-                          "greedy outputs of Llama-3-8B's shape with every proposal replayed "
-                          "from a plain run differed from that run (docs/performance.md, "
-                          "Known gaps)", stacklevel=2)
-        self.draft_model = None      # draft_model.DraftModel of speculative_method "draft"
-        if isinstance(self.proposer, speculative.ModelDraft):
-            if draft_model is None:
-                draft_model = load_model(engine_cfg.speculative_model,
-                                         engine_cfg.replace(num_speculative_tokens=0))[:3]
-            self.draft_model = DraftModel(cfg, draft_model[0], self.config, *draft_model[1:])
+        self._init_speculation(cfg, draft_model)
 
     @classmethod
     def from_model(cls, model: str, engine_cfg: EngineConfig, loras=()) -> "Engine":
@@ -437,10 +416,7 @@ class Engine(EngineLoRA, EngineSpeculation):
                 if on_done is not None:
                     on_done(next(finished), total)
             self.runner.warmup(buckets, on_done=done, variants=variants)
-            if self.draft_model is not None:
-                self.draft_model.warmup(self.buckets.verify_sizes)
-            else:
-                self.runner.warmup_drafts(self.buckets.verify_sizes)
+            self._warm_drafts()
             if self.loras is not None:
                 self._warm_lora_slots()
         loaded = CompileCounter.loaded() - l0

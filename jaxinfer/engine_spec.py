@@ -5,16 +5,55 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import warnings
 
+import jax
 import numpy as np
 
 from jaxinfer import speculative
+from jaxinfer.config import ModelConfig
+from jaxinfer.draft_model import DraftModel
+from jaxinfer.errors import ConfigError
+from jaxinfer.loading import load_model
 from jaxinfer.engine_io import logprob_dict
 from jaxinfer.request import FinishReason, RequestOutput
 from jaxinfer.scheduler_output import SchedulerOutput
 
 
 class EngineSpeculation:
+    def _init_speculation(self, cfg: ModelConfig, draft_model=None) -> None:
+        """The proposer (any speculative.Proposer may replace it), what it achieved, and
+        the draft model of speculative_method "draft" (`draft_model`: its (ModelConfig,
+        graphdef, params), None: load config.speculative_model); all None when
+        num_speculative_tokens is 0."""
+        config = self.config
+        if (config.num_speculative_tokens and config.speculative_method == "self"
+                and config.draft_layers(cfg.num_layers) > cfg.num_layers):
+            raise ConfigError(f"speculative_draft_layers {config.speculative_draft_layers} "
+                              f"exceeds the model's {cfg.num_layers} layers")
+        self.proposer = speculative.make_proposer(config, cfg.num_layers)
+        self.spec_stats = (speculative.SpecStats(config.num_speculative_tokens)
+                           if self.proposer is not None else None)
+        if self.proposer is not None and jax.default_backend() == "gpu":
+            warnings.warn("speculative decoding is not validated on GPUs yet: on an H100, "
+                          "greedy outputs of Llama-3-8B's shape with every proposal replayed "
+                          "from a plain run differed from that run (docs/performance.md, "
+                          "Known gaps)", stacklevel=3)
+        self.draft_model = None
+        if isinstance(self.proposer, speculative.ModelDraft):
+            if draft_model is None:
+                draft_model = load_model(config.speculative_model,
+                                         config.replace(num_speculative_tokens=0))[:3]
+            self.draft_model = DraftModel(cfg, draft_model[0], config, *draft_model[1:])
+
+    def _warm_drafts(self) -> None:
+        """Compile the on-device drafting (the draft model's catch-up and draft programs, or
+        self-speculation's draft program) for every verify size; nothing otherwise."""
+        if self.draft_model is not None:
+            self.draft_model.warmup(self.buckets.verify_sizes)
+        else:
+            self.runner.warmup_drafts(self.buckets.verify_sizes)
+
     def _may_speculate(self) -> bool:
         """The next step may verify proposals: speculation on, every running request in
         decode (its last token, possibly pending, the only one to feed) without a grammar,
