@@ -4,6 +4,7 @@ plain run's, the verify-step timing covers the batch sizes that speculate, and n
 compiles while timing. No timing asserts."""
 import json
 
+import numpy as np
 import pytest
 
 from bench import cli
@@ -32,6 +33,7 @@ def test_speculative_suite_schema(tmp_path):
         assert r["output_tokens"] == 9 * r["batch"] and r["compiles_during_run"] == 0
     spec1, spec3 = (r for r in rows if r["mode"] == "replay")
     assert spec1["identical"] and spec1["acceptance_rate"] == 1.0
+    assert spec1["replay_rounds"] == 1      # plain's outputs are the verify steps' own here
     assert spec1["mean_accepted_length"] > 3 and spec1["steps"] < rows[0]["steps"]
     assert spec3["identical"] and spec3["drafts"] == 0     # switched itself off
 
@@ -39,3 +41,34 @@ def test_speculative_suite_schema(tmp_path):
 def test_speculative_suite_needs_k():
     with pytest.raises(SystemExit, match="num-speculative-tokens"):
         cli.main(["speculative", "--model", "tiny", "--num-speculative-tokens", "0"])
+
+
+def test_replay_fixed_point_reaches_the_verify_steps_continuation():
+    """Replay started from wrong continuations (every third token changed): each run agrees
+    with the greedy continuation further than the last, until one keeps every proposal; the
+    proposer then replays exactly the greedy outputs, and a run with it keeps all of them."""
+    from bench.speculative import ReplayProposer, measure, replay_fixed_point
+    from jaxinfer.config import EngineConfig
+    from jaxinfer.engine import Engine
+    from jaxinfer.request import SamplingParams
+    from engine_util import TINY, tiny_model
+
+    graphdef, params = tiny_model()
+    cfg = TINY
+    ecfg = EngineConfig(max_model_len=64, max_num_seqs=2, max_num_batched_tokens=32,
+                        enable_prefix_caching=False, num_speculative_tokens=3)
+    rng = np.random.default_rng(3)
+    prompts = [{"prompt_token_ids": rng.integers(3, cfg.vocab_size, 6).tolist()}
+               for _ in range(2)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    plain = Engine(cfg, ecfg.replace(num_speculative_tokens=0), graphdef, params)
+    _, want = measure(plain, [prompts], greedy)
+    wrong = [[(t + 1) % cfg.vocab_size if i % 3 == 2 else t for i, t in enumerate(w)]
+             for w in want]
+    spec = Engine(cfg, ecfg, graphdef, params)
+    rounds = replay_fixed_point(spec, prompts, [prompts], wrong, greedy, 6)
+    assert 1 < rounds <= 5
+    assert isinstance(spec.proposer, ReplayProposer)
+    assert [spec.proposer.continuations[tuple(p["prompt_token_ids"])] for p in prompts] == want
+    row, outs = measure(spec, [prompts], greedy)
+    assert outs == want and row["acceptance_rate"] == 1.0
