@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-import warnings
 
-import jax
 import numpy as np
 
 from jaxinfer import speculative
@@ -34,11 +32,6 @@ class EngineSpeculation:
         self.proposer = speculative.make_proposer(config, cfg.num_layers)
         self.spec_stats = (speculative.SpecStats(config.num_speculative_tokens)
                            if self.proposer is not None else None)
-        if self.proposer is not None and jax.default_backend() == "gpu":
-            warnings.warn("speculative decoding is not validated on GPUs yet: on an H100, "
-                          "greedy outputs of Llama-3-8B's shape with every proposal replayed "
-                          "from a plain run differed from that run (docs/performance.md, "
-                          "Known gaps)", stacklevel=3)
         self.draft_model = None
         if isinstance(self.proposer, speculative.ModelDraft):
             if draft_model is None:
