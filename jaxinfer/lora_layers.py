@@ -2,19 +2,24 @@
 of arrays, and each projection's low-rank update is computed for the whole mixed batch in
 one pass (the stacked, segmented form Punica and S-LoRA use).
 
-Per projection (lora.MODULES) and layer: A [in, N, R] and B [N, R, out] (N slots, R the
-engine's max_lora_rank; the scaling folded into B). Each token names its row's slot (-1: no
-adapter). The update of x [T, in] takes one of two forms, by the step's static T:
+The projections that share an input share one update (GROUPS, as the model fuses them: q, k
+and v; gate and up): per group and layer, A [in, N, G*R] holds each module's A side by side
+and B [N, G*R, out] each module's B on the block of rows its A feeds and the columns of its
+own output in the fused projection's layout (under tensor parallelism shard-major: [n
+shards, (own q, k, v)]), zeros elsewhere. N slots, R the engine's max_lora_rank, G the
+group's modules; the scaling folded into B. One update is two GEMMs, so a layer's LoRA is 4
+of them pairs, not 7: a step of a few rows is bound by the number of kernels, not by the
+bytes of the (small) weights. Each token names its row's slot (-1: no adapter). The update
+of x [T, in] takes one of two forms, by the step's static T:
   - T > N: two plain GEMMs over every slot,
-        (x @ A.reshape(in, N*R)) masked to the token's own slot's R columns, @ B.reshape(N*R, out)
-    every token reads all N slots' (small) weights and only its own contribute;
+        (x @ A.reshape(in, N*R')) masked to the token's own slot's columns, @ B.reshape(N*R', out)
+    every token reads all N slots' weights and only its own contribute;
   - T <= N (small decode steps): each token's own slot gathered, A[:, slot] and B[slot], so
     the step reads T slots' weights, not N (at batch 1, 1/N of the bytes; a GPU step padded
     to 8 rows gathers the padding's slot 0 again, from cache).
-Writing an
-adapter into a slot (`write_slot`) is a program of its own with the slot as a value: swapping
-adapters never recompiles. Scanned models keep each array with a leading L axis (`stacked`),
-unrolled ones a dict per layer (read in place, as their base weights are).
+Writing an adapter into a slot (`write_slot`) is a program of its own with the slot as a
+value: swapping adapters never recompiles. Scanned models keep each array with a leading L
+axis (`stacked`), unrolled ones a dict per layer (read in place, as their base weights are).
 """
 from __future__ import annotations
 
@@ -27,33 +32,57 @@ import numpy as np
 from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.lora import LoRAAdapter, module_shapes
 
+# group -> (its modules in the fused projection's order, the layout axis that shards it)
+GROUPS = {"qkv": (("q", "k", "v"), "attn"), "o": (("o",), "attn"),
+          "gateup": (("gate", "up"), "mlp"), "down": (("down",), "mlp")}
+
+
+def group_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int, int]]:
+    """group -> (in, modules, out): its input width, how many modules share it, and the
+    width of their fused output."""
+    shapes = module_shapes(cfg)
+    return {g: (shapes[mods[0]][0], len(mods), sum(shapes[m][1] for m in mods))
+            for g, (mods, _) in GROUPS.items()}
+
 
 def allocate(cfg: ModelConfig, engine: EngineConfig, dtype, unrolled: bool, sharding=None):
-    """All slots empty (zeros): module -> (A, B), with a leading L axis (scanned), or a
+    """All slots empty (zeros): group -> (A, B), with a leading L axis (scanned), or a
     tuple of such dicts per layer (unrolled). sharding: where they live (tensor parallel:
     replicated on the mesh; GSPMD splits the updates' work beside the sharded projections)."""
     n, r, layers = engine.max_loras, engine.max_lora_rank, cfg.num_layers
     lead = () if unrolled else (layers,)
 
     def one():
-        return {m: (np.zeros(lead + (din, n, r), dtype), np.zeros(lead + (n, r, dout), dtype))
-                for m, (din, dout) in module_shapes(cfg).items()}
+        return {g: (np.zeros(lead + (din, n, k * r), dtype),
+                    np.zeros(lead + (n, k * r, dout), dtype))
+                for g, (din, k, dout) in group_shapes(cfg).items()}
     weights = tuple(one() for _ in range(layers)) if unrolled else one()
     return jax.device_put(weights) if sharding is None else jax.device_put(weights, sharding)
 
 
-def host_slot(adapter: LoRAAdapter | None, cfg: ModelConfig, rank: int, dtype):
-    """module -> (A [L, in, R], B [L, R, out]) numpy in `dtype`: the adapter zero-padded to
-    rank R, zeros for the modules it does not target (all zeros for None)."""
-    out = {}
-    for m, (din, dout) in module_shapes(cfg).items():
-        a = np.zeros((cfg.num_layers, din, rank), dtype)
-        b = np.zeros((cfg.num_layers, rank, dout), dtype)
-        if adapter is not None and m in adapter.weights:
-            wa, wb = adapter.weights[m]
-            a[..., :wa.shape[-1]] = wa
-            b[:, :wb.shape[1]] = wb
-        out[m] = (a, b)
+def host_slot(adapter: LoRAAdapter | None, cfg: ModelConfig, rank: int, dtype,
+              shards: dict[str, int] | None = None):
+    """group -> (A [L, in, G*R], B [L, G*R, out]) numpy in `dtype`: one slot's weights in
+    allocate's layout (module docstring), the adapter zero-padded to rank R, zeros for the
+    modules it does not target (all zeros for None). shards: the layout's shard count per
+    axis ("attn", "mlp"; the model's TPLayout), which orders each group's output columns as
+    the fused projection's; None: 1."""
+    shapes, out = module_shapes(cfg), {}
+    for g, (din, k, dout) in group_shapes(cfg).items():
+        mods, axis = GROUPS[g]
+        n = (shards or {}).get(axis, 1)
+        a = np.zeros((cfg.num_layers, din, k * rank), dtype)
+        b = np.zeros((cfg.num_layers, k * rank, n, dout // n), dtype)
+        col = 0
+        for i, m in enumerate(mods):
+            width = shapes[m][1] // n           # module m's columns in each shard
+            if adapter is not None and m in adapter.weights:
+                wa, wb = adapter.weights[m]     # [L, in, r], [L, r, out_m]
+                rows = slice(i * rank, i * rank + wa.shape[-1])
+                a[..., rows] = wa
+                b[:, rows, :, col:col + width] = wb.reshape(wb.shape[:2] + (n, width))
+            col += width
+        out[g] = (a, b.reshape(cfg.num_layers, k * rank, dout))
     return out
 
 
@@ -94,15 +123,8 @@ def delta(x, pair, index):
                    preferred_element_type=jnp.float32).astype(x.dtype)
 
 
-def fused_delta(x, lora, modules, shards: int = 1):
-    """The updates of `modules` (e.g. ("q", "k", "v")) concatenated along the output axis
-    in the fused projection's layout: [q | k | v], [gate | up], or under tensor parallelism
-    shard-major, [n shards, (own q, k, v)] (model.py). lora: (the layer's weights, each
-    token's slot [T])."""
+def fused_delta(x, lora, group: str):
+    """The update of `group` (GROUPS: "qkv", "o", "gateup", "down") for x [T, in], in the
+    fused projection's output layout. lora: (the layer's weights, each token's slot [T])."""
     weights, index = lora
-    parts = [delta(x, weights[m], index) for m in modules]
-    if len(parts) == 1:
-        return parts[0]
-    t = x.shape[0]
-    return jnp.concatenate([p.reshape(t, shards, -1) for p in parts], axis=-1).reshape(t, -1)
-
+    return delta(x, weights[group], index)

@@ -148,10 +148,10 @@ class Attention(nnx.Module):
         # the QKV bias is added by attend: inside the RoPE + K/V write kernel where that runs
         qkv = self.wqkv(x, routes, add_bias=False)
         if lora is not None:
-            qkv = qkv + lora_layers.fused_delta(x, lora, ("q", "k", "v"), self.layout.attn)
+            qkv = qkv + lora_layers.fused_delta(x, lora, "qkv")
         o, kv = self.attend(qkv, kv, layer, md, cos, sin, routes, bias=bias)
         out = self.wo(o, routes)
-        return (out if lora is None else out + lora_layers.fused_delta(o, lora, ("o",))), kv
+        return (out if lora is None else out + lora_layers.fused_delta(o, lora, "o")), kv
 
     def attend(self, qkv, kv: KVCache, layer, md: AttentionMetadata, cos, sin, routes: Routes,
                bias=None, scales=None):
@@ -210,12 +210,12 @@ class MLP(nnx.Module):
                 return fused
         gu = self.w_gateup(x, routes)
         if lora is not None:
-            gu = gu + lora_layers.fused_delta(x, lora, ("gate", "up"), self.shards)
+            gu = gu + lora_layers.fused_delta(x, lora, "gateup")
         gu = gu.reshape(t, self.shards, 2, -1)                          # [T, m, 2, F/m]
         gate, up = gu[:, :, 0].reshape(t, -1), gu[:, :, 1].reshape(t, -1)  # [T, F] each
         h = jax.nn.silu(gate) * up
         y = self.w_down(h, routes)
-        return y if lora is None else y + lora_layers.fused_delta(h, lora, ("down",))
+        return y if lora is None else y + lora_layers.fused_delta(h, lora, "down")
 
 
 class DecoderLayer(nnx.Module):

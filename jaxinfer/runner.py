@@ -271,7 +271,8 @@ class ModelRunner:
         """Write `adapter` (lora.LoRAAdapter; None: zeros) into LoRA slot `slot`, after the
         steps dispatched before and before those after. Never compiles after warm-up."""
         host = lora_layers.host_slot(adapter, self.cfg, self.engine.max_lora_rank,
-                                     jnp.dtype(self.engine.dtype))
+                                     jnp.dtype(self.engine.dtype),
+                                     {"attn": self.layout.attn, "mlp": self.layout.mlp})
         if self._replicated is not None:
             host = jax.device_put(host, self._replicated)
         self.lora = lora_layers.write_slot(self.lora, np.int32(slot), host)
