@@ -1,4 +1,4 @@
-"""lora_layers.delta's two forms (slots gathered for T <= N, every slot masked for T > N)
+"""lora_layers.delta's two forms (slots gathered for 2T < N, every slot masked otherwise)
 against a per-token numpy reference on random data."""
 import jax.numpy as jnp
 import numpy as np
