@@ -11,7 +11,8 @@ import os
 
 from jaxinfer.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from jaxinfer.lora import LoRARequest
-from jaxinfer.request import CompletionOutput, FinishReason, RequestOutput, SamplingParams
+from jaxinfer.request import (CompletionOutput, FinishReason, Logprob, RequestOutput,
+                              SamplingParams)
 from jaxinfer.structured_output import StructuredOutputsParams
 
 PDL_FLAG = "--xla_gpu_enable_pdl=true"
@@ -26,7 +27,7 @@ def _default_xla_flags(env=os.environ) -> None:
 _default_xla_flags()
 
 __all__ = ["LLM", "AsyncLLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput",
-           "CompletionOutput", "FinishReason", "BeamSearchParams", "BeamSearchOutput",
+           "CompletionOutput", "Logprob", "FinishReason", "BeamSearchParams", "BeamSearchOutput",
            "BeamSearchSequence", "LoRARequest"]
 
 

@@ -58,7 +58,7 @@ from jaxinfer.engine import Engine
 from jaxinfer.errors import InvalidRequestError, JaxinferError
 from jaxinfer.openai_batch import (BatchLine, batch_custom_id, batch_record, batch_response,
                                    in_body, parse_batch_line)
-from jaxinfer.request import FinishReason, RequestOutput, SamplingParams
+from jaxinfer.request import FinishReason, LogprobDicts, RequestOutput, SamplingParams
 
 PROMPT_FIELDS = ("prompt", "messages", "prompt_token_ids")
 SAMPLING_FIELDS = frozenset(SamplingParams.fields())
@@ -146,8 +146,8 @@ def result_record(req: LineRequest, out: RequestOutput) -> dict:
     return rec
 
 
-def _logprobs_json(logprobs: list[dict[int, float]]) -> list[dict[str, float]]:
-    return [{str(t): lp for t, lp in d.items()} for d in logprobs]
+def _logprobs_json(logprobs: LogprobDicts) -> list[dict[str, float]]:
+    return [{str(t): lp.logprob for t, lp in d.items()} for d in logprobs]
 
 
 class _BatchRun:

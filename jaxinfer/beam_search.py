@@ -18,7 +18,7 @@ import dataclasses
 import math
 
 from jaxinfer.errors import InvalidRequestError, InvalidTypeError, JaxinferError
-from jaxinfer.request import MAX_LOGPROBS, FinishReason, SamplingParams
+from jaxinfer.request import MAX_LOGPROBS, FinishReason, LogprobDicts, SamplingParams
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,7 +56,7 @@ class BeamSearchSequence:
     logprobs of each generated token ({id: logprob}); `text` the generated text."""
 
     tokens: list[int]
-    logprobs: list[dict[int, float]]
+    logprobs: LogprobDicts
     cum_logprob: float = 0.0
     text: str | None = None
     finish_reason: str | None = None    # "stop" (an EOS token) or "length"
@@ -139,11 +139,11 @@ def _extend(engine, live, probe: SamplingParams, width: int):
         out = done[rid]
         if out.finish_reason == FinishReason.ERROR:
             raise JaxinferError(f"beam search: an engine step failed: {out.error}")
-        top = sorted(out.logprobs[0].items(), key=lambda kv: -kv[1])[:2 * width]
+        top = sorted(out.logprobs[0].items(), key=lambda kv: -kv[1].logprob)[:2 * width]
         entry = by_state.setdefault(id(state), (state, []))
         entry[1].extend(BeamSearchSequence(beam.tokens + [token], beam.logprobs + [out.logprobs[0]],
-                                           beam.cum_logprob + logprob)
-                        for token, logprob in top)
+                                           beam.cum_logprob + lp.logprob)
+                        for token, lp in top)
     return list(by_state.values())
 
 

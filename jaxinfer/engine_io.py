@@ -2,6 +2,7 @@
 (incremental detokenization, stop strings cut correctly), logprobs as dicts."""
 from __future__ import annotations
 
+import functools
 import operator
 from typing import Sequence
 
@@ -10,7 +11,7 @@ import numpy as np
 from jaxinfer.batch import StepArrays
 from jaxinfer.errors import ConfigError, InvalidRequestError, InvalidTypeError
 from jaxinfer.kv_cache import AttentionMetadata
-from jaxinfer.request import PENDING, SamplingParams
+from jaxinfer.request import PENDING, Logprob, SamplingParams
 from jaxinfer.step_input import StepInput, all_allowed, bitmask_words
 from jaxinfer.sampling import DEFAULT_WINDOW, SampleOutput, SamplingArrays
 from jaxinfer.scheduler_output import SchedulerOutput
@@ -120,7 +121,7 @@ class Detokenized:
         self._held: list[int] = []   # tokens not decoded yet (add(defer=True))
         self.text = ""       # emitted so far (what the caller has seen)
         self.prompt = prompt
-        self.logprobs: list[dict[int, float]] = []  # per output token, when asked for
+        self.logprobs: list[dict[int, Logprob]] = []  # per output token, when asked for
 
     def add(self, token: int, done: bool, defer: bool = False) -> tuple[str, bool]:
         """Append a token; returns (delta to emit, whether a stop string ended the text).
@@ -264,9 +265,26 @@ def token_bitmask(arrays: StepArrays, matchers, vocab_size: int):
     return mask
 
 
-def logprob_dict(sampled: SampleOutput, row: int, n: int) -> dict[int, float]:
-    """Row's top-n logprobs plus its chosen token's: {token_id: logprob}."""
-    d = {int(t): float(lp) for t, lp in zip(sampled.top_ids[row, :n],
-                                            sampled.top_logprobs[row, :n])}
-    d[int(sampled.tokens[row])] = float(sampled.logprob[row])
+def token_texts(tokenizer):
+    """A token id's text, special tokens included, cached (Logprob.decoded_token); None
+    without a tokenizer."""
+    if tokenizer is None:
+        return None
+    return functools.lru_cache(maxsize=None)(
+        lambda token_id: tokenizer.decode([token_id], skip_special_tokens=False))
+
+
+def logprob_dict(sampled: SampleOutput, row: int, n: int, token_text=None
+                 ) -> dict[int, Logprob]:
+    """Row's top-n logprobs plus its chosen token's: {token_id: Logprob}, ranked 1..n for
+    the top-n and by the device's rank for a chosen token outside them; token_text: a token
+    id's text (None: no decoded_token)."""
+    def text(t):
+        return None if token_text is None else token_text(t)
+    d = {int(t): Logprob(float(lp), i + 1, text(int(t)))
+         for i, (t, lp) in enumerate(zip(sampled.top_ids[row, :n],
+                                         sampled.top_logprobs[row, :n]))}
+    chosen = int(sampled.tokens[row])
+    if chosen not in d:
+        d[chosen] = Logprob(float(sampled.logprob[row]), int(sampled.rank[row]), text(chosen))
     return d

@@ -126,7 +126,8 @@ class EngineSpeculation:
                     new_ids.append(token)
                     deltas.append(delta)
                     if logprobs is not None:
-                        text.logprobs.append(logprob_dict(sampled, at + j, logprobs))
+                        text.logprobs.append(logprob_dict(sampled, at + j, logprobs,
+                                                          self._token_text))
                     if stop_hit and not req.is_finished:
                         self.scheduler.finish(req.request_id, FinishReason.STOP)
                     if req.is_finished:

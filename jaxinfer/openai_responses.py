@@ -10,7 +10,7 @@ from typing import Sequence
 
 from jaxinfer.errors import InvalidRequestError
 from jaxinfer.openai_protocol import FINISH_REASONS, TokenText
-from jaxinfer.request import FinishReason, RequestOutput
+from jaxinfer.request import FinishReason, Logprob, RequestOutput
 
 
 def new_id(prefix: str) -> str:
@@ -38,9 +38,10 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def _top(d: dict[int, float], n: int) -> list[tuple[int, float]]:
-    """The n most likely of a logprob dict (which also holds the chosen token)."""
-    return sorted(d.items(), key=lambda kv: -kv[1])[:n]
+def _top(d: dict[int, Logprob], n: int) -> list[tuple[int, float]]:
+    """The n most likely (id, logprob) of a logprob dict (which also holds the chosen
+    token)."""
+    return sorted(((t, lp.logprob) for t, lp in d.items()), key=lambda kv: -kv[1])[:n]
 
 
 @dataclasses.dataclass
@@ -53,7 +54,7 @@ class Choice:
     n: int = 1                       # completions per prompt (SamplingParams.n)
     text: str = ""
     token_ids: list[int] = dataclasses.field(default_factory=list)
-    token_logprobs: list[dict[int, float]] = dataclasses.field(default_factory=list)
+    token_logprobs: list[dict[int, Logprob]] = dataclasses.field(default_factory=list)
     finish_reason: str | None = None
     prompt_tokens: int = 0           # the prompt's tokens, on its first choice only (usage)
 
@@ -68,7 +69,7 @@ class Choice:
                     prompt_tokens=0 if i else len(out.prompt_token_ids))
                 for i, c in enumerate(out.outputs)]
 
-    def add(self, out: RequestOutput) -> tuple[list[int], list[dict[int, float]]]:
+    def add(self, out: RequestOutput) -> tuple[list[int], list[dict[int, Logprob]]]:
         """Take one delta; returns its new token ids and their logprob dicts. With n > 1 a
         delta is one completion's (its finish reason in out.outputs[0])."""
         new = list(out.new_token_ids)
@@ -114,7 +115,7 @@ def completion_logprobs(ids, dicts, n: int, token_text: TokenText, offset: int) 
     for tok in tokens:
         offsets.append(offset)
         offset += len(tok)
-    return {"tokens": tokens, "token_logprobs": [d[t] for t, d in zip(ids, dicts)],
+    return {"tokens": tokens, "token_logprobs": [d[t].logprob for t, d in zip(ids, dicts)],
             "top_logprobs": [{token_text(t): lp for t, lp in _top(d, n)} for d in dicts],
             "text_offset": offsets}
 
@@ -125,7 +126,7 @@ def chat_logprobs(ids, dicts, n: int, token_text: TokenText) -> dict:
         text = token_text(t)
         return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
 
-    return {"content": [{**entry(t, d[t]), "top_logprobs": [entry(a, lp) for a, lp in _top(d, n)]}
+    return {"content": [{**entry(t, d[t].logprob), "top_logprobs": [entry(a, lp) for a, lp in _top(d, n)]}
                         for t, d in zip(ids, dicts)]}
 
 

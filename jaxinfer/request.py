@@ -184,6 +184,21 @@ def _sequence(value, field: str, what: str) -> tuple:
 PENDING = -1  # an output token sampled on the device, not yet seen by the host
 
 
+@dataclasses.dataclass(frozen=True)
+class Logprob:
+    """One token's logprob in a logprobs dict, as vLLM's: `rank` 1 for the most likely token
+    of the vocabulary (raw logits: before penalties, temperature and masks), `decoded_token`
+    its text (special tokens included; None without a tokenizer)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# per generated token: {token id: Logprob} of the top-n and the chosen token
+LogprobDicts = list[dict[int, Logprob]]
+
+
 @dataclasses.dataclass
 class CompletionOutput:
     """One completion of a request, shaped as vLLM's (`RequestOutput.outputs`)."""
@@ -192,7 +207,7 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     cumulative_logprob: float | None   # sum of the chosen tokens' logprobs (with logprobs)
-    logprobs: list[dict[int, float]] | None
+    logprobs: LogprobDicts | None
     finish_reason: str | None          # "stop", "length", "cancelled", "error"
 
 
@@ -213,7 +228,7 @@ class RequestOutput:
     new_token_ids: list[int] = dataclasses.field(default_factory=list)
     text_delta: str = ""
     finish_reason: FinishReason | None = None
-    logprobs: list[dict[int, float]] | None = None  # per generated token: top-n {id: logprob}
+    logprobs: LogprobDicts | None = None  # per generated token: top-n {id: Logprob}
     prompt: str | None = None
     ttft_s: float | None = None      # time to first token
     latency_s: float | None = None   # arrival to finish
@@ -236,7 +251,7 @@ class RequestOutput:
     def completion(self, index: int) -> CompletionOutput:
         """This output's single completion as a CompletionOutput numbered `index`."""
         cumulative = (None if self.logprobs is None else
-                      sum(d[t] for d, t in zip(self.logprobs, self.token_ids)))
+                      sum(d[t].logprob for d, t in zip(self.logprobs, self.token_ids)))
         return CompletionOutput(index, self.text, self.token_ids, cumulative, self.logprobs,
                                 None if self.finish_reason is None else str(self.finish_reason))
 

@@ -9,9 +9,10 @@ Order per row (vLLM / HF semantics):
      top-k set), then min-p (prob >= min_p * max prob), and draw by Gumbel-max over the full
      vocab with the row's own key.
 
-Logprobs (`SampleOutput.logprob`, `top_ids`, `top_logprobs`) are vLLM's default "raw logprobs":
-log_softmax of the model's logits BEFORE penalties and temperature. Every row gets the chosen
-token's logprob and the top MAX_LOGPROBS (20) ids + logprobs; the host slices each request's n.
+Logprobs (`SampleOutput.logprob`, `rank`, `top_ids`, `top_logprobs`) are vLLM's default "raw
+logprobs": log_softmax of the model's logits BEFORE penalties and temperature. Every row gets
+the chosen token's logprob and rank (the tokens at least as likely, itself included) and the
+top MAX_LOGPROBS (20) ids + logprobs; the host slices each request's n.
 
 Keys: a row with a seed uses fold_in(key(seed), generated tokens so far), with key(seed) the
 threefry key [seed >> 32, seed & 0xffffffff] (= jax.random.key(seed) under x64, or for seeds
@@ -180,7 +181,7 @@ def _penalty_window(users, full: bool, token_ids, generated_counts, batch_size, 
 
 @functools.partial(
     jax.tree_util.register_dataclass,
-    data_fields=["tokens", "logprob", "top_ids", "top_logprobs"], meta_fields=[])
+    data_fields=["tokens", "logprob", "top_ids", "top_logprobs", "rank"], meta_fields=[])
 @dataclasses.dataclass(frozen=True)
 class SampleOutput:
     """Logprobs are raw (before penalties/temperature); all-zero ids / -inf logprobs when no
@@ -190,6 +191,7 @@ class SampleOutput:
     logprob: jax.Array       # [B] f32  the sampled token's logprob
     top_ids: jax.Array       # [B, 20] i32  best MAX_LOGPROBS token ids, descending
     top_logprobs: jax.Array  # [B, 20] f32  their logprobs
+    rank: jax.Array          # [B] i32  the sampled token's rank in the vocabulary (1: best)
 
 
 def apply_penalties(logits: jax.Array, arrays: SamplingArrays) -> jax.Array:
@@ -294,15 +296,16 @@ def mask_disallowed(logits, token_bitmask):
 
 def _logprobs(logits, tokens):
     logz = jax.nn.logsumexp(logits, axis=-1, keepdims=True)
-    chosen = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0] - logz[:, 0]
+    picked = jnp.take_along_axis(logits, tokens[:, None], axis=-1)          # [B, 1]
     top, ids = jax.lax.top_k(logits, min(MAX_LOGPROBS, logits.shape[-1]))
-    return chosen, ids.astype(jnp.int32), top - logz
+    rank = jnp.sum(logits >= picked, axis=-1, dtype=jnp.int32)   # as vLLM: itself counted
+    return picked[:, 0] - logz[:, 0], ids.astype(jnp.int32), top - logz, rank
 
 
 def _no_logprobs(logits, tokens):
     b, n = logits.shape[0], min(MAX_LOGPROBS, logits.shape[-1])
     return (jnp.full((b,), -jnp.inf, jnp.float32), jnp.zeros((b, n), jnp.int32),
-            jnp.full((b, n), -jnp.inf, jnp.float32))
+            jnp.full((b, n), -jnp.inf, jnp.float32), jnp.zeros((b,), jnp.int32))
 
 
 def sample(logits: jax.Array, arrays: SamplingArrays, rng: jax.Array, *,
@@ -325,9 +328,9 @@ def sample(logits: jax.Array, arrays: SamplingArrays, rng: jax.Array, *,
         jnp.any(sampled),
         lambda: jnp.where(sampled, _draw(adjusted, arrays, rng, candidates), greedy),
         lambda: greedy).astype(jnp.int32)
-    logprob, top_ids, top_lp = jax.lax.cond(jnp.any(arrays.num_logprobs >= 0), _logprobs,
-                                            _no_logprobs, logits, tokens)
-    return SampleOutput(tokens, logprob, top_ids, top_lp)
+    logprob, top_ids, top_lp, rank = jax.lax.cond(jnp.any(arrays.num_logprobs >= 0),
+                                                  _logprobs, _no_logprobs, logits, tokens)
+    return SampleOutput(tokens, logprob, top_ids, top_lp, rank)
 
 
 def verify_last_tokens(fed: jax.Array, sampled: jax.Array, query_start: jax.Array) -> jax.Array:

@@ -91,8 +91,9 @@ def response_from_output(out: RequestOutput) -> pb.GenerateResponse:
     if out.logprobs is not None and out.new_token_ids:
         # RequestOutput.logprobs accumulates; the new tokens' entries are its tail.
         for tok, lp in zip(out.new_token_ids, out.logprobs[-len(out.new_token_ids):]):
-            resp.logprobs.add(token_id=tok, logprob=lp[tok],
-                              top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.items()])
+            resp.logprobs.add(token_id=tok, logprob=lp[tok].logprob,
+                              top=[pb.TopLogprob(token_id=t, logprob=v.logprob)
+                                   for t, v in lp.items()])
     if out.finish_reason is not None:
         resp.finish_reason = _FINISH[out.finish_reason]
     elif out.completions is not None:       # n > 1: one completion's delta

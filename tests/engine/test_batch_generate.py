@@ -265,7 +265,7 @@ def test_openai_batch_matches_llm_generate(llm, tmp_path):
     texts = [tok.decode([t], skip_special_tokens=False) for t in ref_cmpl.token_ids]
     assert lp["tokens"] == texts and "".join(texts) == c["text"]
     np.testing.assert_allclose(lp["token_logprobs"],
-                               [d[t] for t, d in zip(ref_cmpl.token_ids, ref_cmpl.logprobs)],
+                               [d[t].logprob for t, d in zip(ref_cmpl.token_ids, ref_cmpl.logprobs)],
                                atol=1e-5)
     assert lp["text_offset"] == list(np.cumsum([0] + [len(t) for t in texts[:-1]]))
     assert [len(top) for top in lp["top_logprobs"]] == [2] * 6

@@ -94,7 +94,9 @@ def test_stop_token_ids_max_tokens_and_logprobs():
     assert len(lp.logprobs) == 3
     for tok, d in zip(lp.token_ids, lp.logprobs):
         assert tok in d and len(d) in (4, 5)
-        assert max(d.values()) == d[tok]   # greedy: the chosen token is the most likely
+        assert max(v.logprob for v in d.values()) == d[tok].logprob  # greedy: the most likely
+        assert d[tok].rank == 1 and d[tok].decoded_token is None      # no tokenizer
+        assert sorted(v.rank for v in d.values())[:4] == [1, 2, 3, 4]
 
 
 def test_abort_frees_pages():

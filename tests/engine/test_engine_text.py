@@ -51,7 +51,7 @@ def test_stop_string_ends_the_request_and_is_cut(llm):
 
 def test_chat_and_outputs_in_vllm_shape(llm):
     """LLM.chat answers a conversation (or several) as generate does; RequestOutput.outputs
-    holds it as vLLM's CompletionOutput."""
+    holds it as vLLM's CompletionOutput, its logprobs as vLLM's Logprob."""
     params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=1)
     [want] = llm.generate([CHAT], params, use_tqdm=False)
     [one] = llm.chat(CHAT, params, use_tqdm=False)
@@ -61,8 +61,11 @@ def test_chat_and_outputs_in_vllm_shape(llm):
     assert (c.index, c.text, c.token_ids, c.finish_reason) == (
         0, one.text, one.token_ids, str(one.finish_reason))
     assert c.cumulative_logprob == pytest.approx(
-        sum(d[t] for d, t in zip(one.logprobs, one.token_ids)))
+        sum(d[t].logprob for d, t in zip(one.logprobs, one.token_ids)))
     assert c.cumulative_logprob < 0
+    tok = llm.engine.tokenizer         # each Logprob as vLLM's: greedy picks rank 1
+    for d, t in zip(one.logprobs, one.token_ids):
+        assert (d[t].rank, d[t].decoded_token) == (1, tok.decode([t], skip_special_tokens=False))
     assert llm.generate("Hi", SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[
         0].cumulative_logprob is None
 

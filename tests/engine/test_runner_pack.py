@@ -127,15 +127,15 @@ def test_step_writes_its_results_into_persistent_buffers_and_copies_them_out():
     # index are pruned as with fresh outputs.
     entry = text[text.index("ENTRY"):]
     params = {int(i): name for name, i in re.findall(r"(\S+) = \S+ parameter\((\d+)\)", entry)}
-    for o in range(n_out - 5, n_out):
+    for o in range(n_out - 6, n_out):
         assert not _users(entry, params[alias[o]])
     n_kv = len(jax.tree_util.tree_leaves(runner.kv))
-    assert len(params) == len(runner._leaves) + n_kv + 1 + 5 + 2   # + buf, prev_tokens
+    assert len(params) == len(runner._leaves) + n_kv + 1 + 6 + 2   # + buf, prev_tokens
 
     kv, out1, next1 = runner.dispatch(runner.kv, p, 1)
     held = jax.device_get((out1, next1))
     buffers = _addresses(runner._buffers[p.signature][1])
-    assert len(buffers) == 5 and not set(buffers) & set(_addresses((out1, next1)))
+    assert len(buffers) == 6 and not set(buffers) & set(_addresses((out1, next1)))
     inp = dummy_input(bucket, max_num_seqs=runner.engine.max_num_seqs)
     later = []
     for i in range(2, 5):      # later steps on other tokens overwrite the buffers

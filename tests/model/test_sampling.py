@@ -249,6 +249,26 @@ def test_logprobs_are_raw_log_softmax():
     np.testing.assert_array_equal(out.top_ids, order)
     np.testing.assert_allclose(out.top_logprobs, np.take_along_axis(ref, order, -1),
                                rtol=1e-5, atol=1e-5)
+    # The chosen token's rank in the whole vocabulary (raw logits; itself counted, as vLLM):
+    # 1 for the greedy rows, above 1 for a row whose hot sample is not the argmax.
+    rank = (ref >= ref[np.arange(8), toks][:, None]).sum(-1)
+    np.testing.assert_array_equal(np.asarray(out.rank)[[0, 2, 3]], rank[[0, 2, 3]])
+    assert np.asarray(out.rank)[2] == 1
+
+
+def test_rank_of_a_token_outside_the_top():
+    """Hot sampling over flat logits picks tokens far down the order: each one's rank is
+    the count of tokens at least as likely, ties included."""
+    logits = jnp.asarray(np.tile(np.linspace(0.0, -1.0, 64), (8, 1)), jnp.float32)
+    logits = logits.at[:, 5].set(logits[0, 4])            # a tie between ids 4 and 5
+    params = [SamplingParams(temperature=50.0, seed=s, logprobs=1) for s in range(8)]
+    arrays = _arrays(params, [0] * 8, [None] * 8, batch_size=8)
+    out = sample_jit(logits, arrays, jax.random.key(0))
+    ref = np.asarray(logits)
+    toks = np.asarray(out.tokens)
+    want = (ref >= ref[np.arange(8), toks][:, None]).sum(-1)
+    np.testing.assert_array_equal(np.asarray(out.rank), want)
+    assert want.max() > 5                                 # some picks lie far below the top
 
 
 def test_padding_rows_do_not_change_real_rows():

@@ -130,7 +130,7 @@ def test_token_id_prompts_and_stop_strings(client, llm):
 
 def test_logprobs_equal_llm_generate(client, llm):
     [want] = llm.generate(PROMPTS[:1], greedy(6, logprobs=3), use_tqdm=False)
-    want_lp = [d[t] for d, t in zip(want.logprobs, want.token_ids)]
+    want_lp = [d[t].logprob for d, t in zip(want.logprobs, want.token_ids)]
     got = client.completions.create(model="smollm2", prompt=PROMPTS[0], max_tokens=6,
                                     temperature=0, logprobs=3).choices[0].logprobs
     np.testing.assert_allclose(got.token_logprobs, want_lp, rtol=1e-4, atol=1e-4)
@@ -144,7 +144,7 @@ def test_logprobs_equal_llm_generate(client, llm):
                                           temperature=0, logprobs=True, top_logprobs=2)
     content = chat.choices[0].logprobs.content
     np.testing.assert_allclose([c.logprob for c in content],
-                               [d[t] for d, t in zip(wchat.logprobs, wchat.token_ids)],
+                               [d[t].logprob for d, t in zip(wchat.logprobs, wchat.token_ids)],
                                rtol=1e-4, atol=1e-4)
     assert all(len(c.top_logprobs) == 2 and c.bytes == list(c.token.encode()) for c in content)
     assert content[0].top_logprobs[0].logprob >= content[0].top_logprobs[1].logprob

@@ -108,7 +108,7 @@ def test_stream_equals_llm_generate(server):
         if w.logprobs is not None:
             assert [lp.token_id for lp in g.logprobs] == w.token_ids
             np.testing.assert_allclose([lp.logprob for lp in g.logprobs],
-                                       [d[t] for d, t in zip(w.logprobs, w.token_ids)],
+                                       [d[t].logprob for d, t in zip(w.logprobs, w.token_ids)],
                                        rtol=1e-4, atol=1e-4)
 
 
