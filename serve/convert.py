@@ -91,8 +91,12 @@ def response_from_output(out: RequestOutput) -> pb.GenerateResponse:
     if out.logprobs is not None and out.new_token_ids:
         # RequestOutput.logprobs accumulates; the new tokens' entries are its tail.
         for tok, lp in zip(out.new_token_ids, out.logprobs[-len(out.new_token_ids):]):
-            resp.logprobs.add(token_id=tok, logprob=lp[tok].logprob,
-                              top=[pb.TopLogprob(token_id=t, logprob=v.logprob)
+            chosen = lp[tok]
+            resp.logprobs.add(token_id=tok, logprob=chosen.logprob, rank=chosen.rank or 0,
+                              decoded_token=chosen.decoded_token or "",
+                              top=[pb.TopLogprob(token_id=t, logprob=v.logprob,
+                                                 rank=v.rank or 0,
+                                                 decoded_token=v.decoded_token or "")
                                    for t, v in lp.items()])
     if out.finish_reason is not None:
         resp.finish_reason = _FINISH[out.finish_reason]

@@ -110,6 +110,14 @@ def test_stream_equals_llm_generate(server):
             np.testing.assert_allclose([lp.logprob for lp in g.logprobs],
                                        [d[t].logprob for d, t in zip(w.logprobs, w.token_ids)],
                                        rtol=1e-4, atol=1e-4)
+            # ranks as the engine's Logprob (hot samples fall below the top); no tokenizer:
+            # no decoded tokens
+            assert [lp.rank for lp in g.logprobs] == [d[t].rank for d, t in
+                                                      zip(w.logprobs, w.token_ids)]
+            assert [sorted(a.rank for a in lp.top) for lp in g.logprobs] == [
+                sorted(v.rank for v in d.values()) for d in w.logprobs]
+            assert {lp.decoded_token for lp in g.logprobs} == {""}
+    assert max(lp.rank for g in got for lp in g.logprobs) > 1
 
 
 def _cancel_after(target, prompt, n, rng):
