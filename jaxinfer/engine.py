@@ -38,7 +38,7 @@ from jaxinfer.buckets import Buckets
 from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.errors import ConfigError, EngineDeadError
 from jaxinfer.engine_io import (Detokenized, build_step_input, check_params_for_model,
-                                logprob_dict, pending_source, prompt_token_ids, token_texts)
+                                logprob_dict, pending_source, prompt_token_ids)
 from jaxinfer.loading import load_model
 from jaxinfer.engine_lora import EngineLoRA
 from jaxinfer.engine_spec import EngineSpeculation
@@ -86,7 +86,7 @@ class Engine(EngineLoRA, EngineSpeculation):
         self.model_config, self.config = cfg, engine_cfg
         self.model_name = model_name or cfg.name
         self.tokenizer = tokenizer
-        self._token_text = token_texts(tokenizer)      # Logprob.decoded_token
+        self._token_text = None if tokenizer is None else tokenizer.token_text  # Logprob text
         self.runner = ModelRunner(cfg, engine_cfg, graphdef, params, routes)
         eos = set(cfg.eos_token_ids) | set(tokenizer.eos_token_ids if tokenizer else ())
         self.scheduler = Scheduler.from_config(engine_cfg, eos_token_ids=sorted(eos))

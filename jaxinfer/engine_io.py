@@ -2,7 +2,6 @@
 (incremental detokenization, stop strings cut correctly), logprobs as dicts."""
 from __future__ import annotations
 
-import functools
 import operator
 from typing import Sequence
 
@@ -263,15 +262,6 @@ def token_bitmask(arrays: StepArrays, matchers, vocab_size: int):
     for b, matcher in guided:
         matcher.fill(mask, b)
     return mask
-
-
-def token_texts(tokenizer):
-    """A token id's text, special tokens included, cached (Logprob.decoded_token); None
-    without a tokenizer."""
-    if tokenizer is None:
-        return None
-    return functools.lru_cache(maxsize=None)(
-        lambda token_id: tokenizer.decode([token_id], skip_special_tokens=False))
 
 
 def logprob_dict(sampled: SampleOutput, row: int, n: int, token_text=None

@@ -30,7 +30,7 @@ def token_text_fn(tokenizer) -> TokenText:
     for a model without a tokenizer)."""
     if tokenizer is None:
         return lambda token_id: f"token_id:{token_id}"
-    return lambda token_id: tokenizer.decode([token_id], skip_special_tokens=False)
+    return tokenizer.token_text
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:

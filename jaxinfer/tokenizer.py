@@ -33,6 +33,7 @@ class Tokenizer:
         self.eos_token_ids = tuple(eos_token_ids)
         self.chat_template = chat_template
         self._template = None   # compiled on first use
+        self._token_texts: dict[int, str] = {}   # token_text's cache
         self._max_token_chars: int | None = None
 
     # --- constructors -------------------------------------------------------------------
@@ -108,6 +109,13 @@ class Tokenizer:
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def token_text(self, token_id: int) -> str:
+        """One token's text, special tokens included (logprobs' tokens), cached."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.decode([token_id], skip_special_tokens=False)
+        return text
 
     def apply_chat_template(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> str:
         """The prompt text for a chat, rendered with the model's Jinja chat template."""
