@@ -15,9 +15,9 @@ set of weights (speculative.py has the rule; --num-speculative-tokens is k).
             REPLAY_ROUNDS, the last one timed). On a GPU a verify step's logits can differ
             from a decode step's in the last bf16 bit, and synthetic weights give near-flat
             logits whose top two often tie at that precision, so the greedy tokens of
-            speculative and plain decoding can part (`identical` says whether they did);
-            each run agrees with the verify steps' own continuation at least one token
-            further than the last.
+            speculative and plain decoding can part (`identical` says whether they did).
+            A run's outputs are the verify steps' own continuation up to where its
+            proposals first failed and one token past it, so the runs converge.
    Workloads:
      replay    (synthetic weights: random prompts of --input-len, all queued at once) plain,
                replay
