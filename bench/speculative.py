@@ -135,16 +135,18 @@ def replay_fixed_point(engine: Engine, prompts, groups, want, params, prompt_len
     `prompts`: start from `want` (plain's outputs) and replay each run's outputs in the
     next until a run keeps every proposal (module docstring). -> the runs it took (the
     next, timed run replays the same); REPLAY_ROUNDS + 1 where none kept everything."""
+    def replay(outputs):
+        engine.proposer = ReplayProposer(prompt_len, {
+            tuple(p["prompt_token_ids"]): w for p, w in zip(prompts, outputs)})
+
     proposals = want
     for rounds in range(1, REPLAY_ROUNDS + 1):
-        engine.proposer = ReplayProposer(prompt_len, {
-            tuple(p["prompt_token_ids"]): w for p, w in zip(prompts, proposals)})
+        replay(proposals)
         _, outs = measure(engine, groups, params)
         if outs == proposals:
             return rounds
         proposals = outs
-    engine.proposer = ReplayProposer(prompt_len, {
-        tuple(p["prompt_token_ids"]): w for p, w in zip(prompts, proposals)})
+    replay(proposals)
     return REPLAY_ROUNDS + 1
 
 
