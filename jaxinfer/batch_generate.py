@@ -7,8 +7,9 @@ Each input line is a JSON object in one of two formats, told apart line by line:
 - jaxinfer's: exactly one of `prompt` (text), `messages` (chat) or `prompt_token_ids`;
   optionally `id` (string or integer; default "line-<N>") and any SamplingParams field, which
   overrides the CLI's sampling flags for that line. Its result: id, prompt (text prompts),
-  text, token_ids, finish_reason, prompt_tokens, completion_tokens, ttft_s, latency_s and
-  logprobs (when asked for); with `n` > 1 also `outputs`, one object per completion (index,
+  text, token_ids, finish_reason, prompt_tokens, completion_tokens, ttft_s, latency_s,
+  logprobs and prompt_logprobs (when asked for: per token {token id: logprob}, the first
+  prompt token's null); with `n` > 1 also `outputs`, one object per completion (index,
   text, token_ids, finish_reason, logprobs), the fields above being the first completion's
   and completion_tokens the sum over all.
 - OpenAI's Batch API (a line with `custom_id`), as vLLM's `run-batch` reads it:
@@ -137,6 +138,9 @@ def result_record(req: LineRequest, out: RequestOutput) -> dict:
                ttft_s=out.ttft_s, latency_s=out.latency_s)
     if out.logprobs is not None:
         rec["logprobs"] = _logprobs_json(out.logprobs)
+    if out.prompt_logprobs is not None:
+        rec["prompt_logprobs"] = [None if d is None else _logprobs_json([d])[0]
+                                  for d in out.prompt_logprobs]
     if len(completions) > 1:     # n > 1: every completion (the fields above are the first's)
         rec["outputs"] = [{"index": c.index, "text": c.text, "token_ids": c.token_ids,
                            "finish_reason": c.finish_reason,

@@ -43,6 +43,7 @@ from jaxinfer.loading import load_model
 from jaxinfer.engine_lora import EngineLoRA
 from jaxinfer.engine_spec import EngineSpeculation
 from jaxinfer.lora import LoRARegistry
+from jaxinfer.prompt_logprobs import PromptLogprobs, record_step, step_targets
 from jaxinfer.errors import InvalidRequestError
 from jaxinfer.request import FinishReason, Request, RequestOutput, SamplingParams
 from jaxinfer.request_group import RequestGroups, completion_id
@@ -94,6 +95,7 @@ class Engine(EngineLoRA, EngineSpeculation):
         self._text: dict[str, Detokenized] = {}
         self._groups = RequestGroups()     # n > 1 requests and their completions
         self._grammars = RequestGrammars(tokenizer, cfg.vocab_size)  # structured output
+        self._prompt_lp: dict[str, PromptLogprobs] = {}   # requests asking for prompt logprobs
         self.loras = (LoRARegistry(cfg, engine_cfg.max_lora_rank,
                                    engine_cfg.max_cpu_loras or engine_cfg.max_loras)
                       if engine_cfg.max_loras else None)
@@ -135,6 +137,9 @@ class Engine(EngineLoRA, EngineSpeculation):
                                       field="request_id")
         text = prompt if isinstance(prompt, str) else None
         lora = self._lora_key(params.lora)
+        if params.prompt_logprobs is not None:   # completion 0's of an n > 1 request
+            self._prompt_lp[rid if params.n == 1 else completion_id(rid, 0)] = PromptLogprobs(
+                ids, params.prompt_logprobs)
         if params.n == 1:
             self.scheduler.add(Request(rid, ids, params, lora=lora))
             self._text[rid] = Detokenized(self.tokenizer, ids, params, text)
@@ -242,9 +247,11 @@ class Engine(EngineLoRA, EngineSpeculation):
             sources = pending_source(None if prev is None else prev.row_of,
                                      None if prev is None else prev.next_tokens,
                                      self._no_prev, out, arrays)
-            step_input = build_step_input(arrays, out, self.scheduler, *sources,
-                                          self.model_config.vocab_size,
-                                          self._grammars.matchers)
+            step_input = build_step_input(
+                arrays, out, self.scheduler, *sources, self.model_config.vocab_size,
+                self._grammars.matchers,
+                step_targets(out, len(arrays.tokens), self._prompt_lp) if self._prompt_lp
+                else None)
             tb = clock()
             inp = self.runner.prepare(step_input)
             t3 = clock()
@@ -319,6 +326,8 @@ class Engine(EngineLoRA, EngineSpeculation):
     def _update(self, out: SchedulerOutput, sampled) -> list[RequestOutput]:
         if out.verify:
             return self._update_verify(out, sampled)
+        if sampled.prompt is not None:
+            record_step(out, sampled.prompt, self._prompt_lp, self._token_text)
         tokens = [int(t) for t in sampled.tokens[:out.num_rows]]
         got_token = {r.request_id: r for r in self.scheduler.resolve(out, tokens)}
         self.num_generated += len(got_token)
@@ -368,6 +377,7 @@ class Engine(EngineLoRA, EngineSpeculation):
         """Drop a finished request's text and grammar state."""
         del self._text[request_id]
         self._grammars.forget(request_id)
+        self._prompt_lp.pop(request_id, None)
 
     def _error_output(self, req: Request, error: Exception) -> RequestOutput:
         """The final output of a request that failed (its text as far as it was emitted)."""
@@ -386,8 +396,13 @@ class Engine(EngineLoRA, EngineSpeculation):
             text=text.text, new_token_ids=new_ids,
             text_delta=delta, finish_reason=reason,
             logprobs=list(text.logprobs) if req.sampling_params.logprobs is not None else None,
-            prompt=text.prompt, ttft_s=req.ttft_s, latency_s=req.latency_s,
+            prompt_logprobs=self._prompt_logprobs(req.request_id), prompt=text.prompt, ttft_s=req.ttft_s, latency_s=req.latency_s,
             lora=None if req.lora is None else self.loras.name_of(req.lora))
+
+    def _prompt_logprobs(self, request_id: str):
+        """The request's prompt logprobs once all are in (prompt_logprobs.py), else None."""
+        lp = self._prompt_lp.get(request_id)
+        return lp.entries if lp is not None and lp.done else None
 
     # --- driving ------------------------------------------------------------------------
     @staticmethod

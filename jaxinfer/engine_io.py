@@ -168,11 +168,13 @@ class Detokenized:
 
 
 def build_step_input(arrays: StepArrays, out: SchedulerOutput, scheduler, prev_tokens,
-                     prev_index, vocab_size: int, matchers=None) -> StepInput:
+                     prev_index, vocab_size: int, matchers=None,
+                     prompt_targets=None) -> StepInput:
     """The step's StepInput, numpy leaves (the runner packs them into one transfer).
     prev_tokens / prev_index: where PENDING tokens come from (step_input.StepInput); prev_tokens
     may already be on the device (the previous step's output). matchers: request id ->
-    structured_output.Matcher of the requests with a grammar (their rows' token bitmask)."""
+    structured_output.Matcher of the requests with a grammar (their rows' token bitmask).
+    prompt_targets: [T] i32 (prompt_logprobs.step_targets) or None."""
     requests = scheduler.requests
     reqs = [requests[rid] for rid in arrays.request_ids]
     if out.verify:
@@ -188,7 +190,7 @@ def build_step_input(arrays: StepArrays, out: SchedulerOutput, scheduler, prev_t
                            decode_only=arrays.decode_only)
     bitmask = token_bitmask(arrays, matchers, vocab_size) if samp.full else None
     return StepInput(arrays.tokens, md, arrays.logits_index, samp, prev_tokens, prev_index,
-                     bitmask, lora_index(arrays, reqs, scheduler.lora_slots))
+                     bitmask, lora_index(arrays, reqs, scheduler.lora_slots), prompt_targets)
 
 
 class _DraftContexts:
@@ -269,12 +271,19 @@ def logprob_dict(sampled: SampleOutput, row: int, n: int, token_text=None
     """Row's top-n logprobs plus its chosen token's: {token_id: Logprob}, ranked 1..n for
     the top-n and by the device's rank for a chosen token outside them; token_text: a token
     id's text (None: no decoded_token)."""
+    return ranked_dict(sampled.top_ids[row], sampled.top_logprobs[row], n,
+                       int(sampled.tokens[row]), sampled.logprob[row], sampled.rank[row],
+                       token_text)
+
+
+def ranked_dict(top_ids, top_logprobs, n: int, chosen: int, logprob, rank, token_text=None
+                ) -> dict[int, Logprob]:
+    """{token_id: Logprob} of the first n of `top_ids`/`top_logprobs` (ranked 1..n) and of
+    `chosen` (with its `logprob` and `rank` when it is not among them)."""
     def text(t):
         return None if token_text is None else token_text(t)
     d = {int(t): Logprob(float(lp), i + 1, text(int(t)))
-         for i, (t, lp) in enumerate(zip(sampled.top_ids[row, :n],
-                                         sampled.top_logprobs[row, :n]))}
-    chosen = int(sampled.tokens[row])
+         for i, (t, lp) in enumerate(zip(top_ids[:n], top_logprobs[:n]))}
     if chosen not in d:
-        d[chosen] = Logprob(float(sampled.logprob[row]), int(sampled.rank[row]), text(chosen))
+        d[chosen] = Logprob(float(logprob), int(rank), text(chosen))
     return d

@@ -86,6 +86,8 @@ class _Sampling(_Strict):
     # vLLM's extra field: StructuredOutputsParams' fields (json, regex, choice, grammar,
     # json_object, any_whitespace).
     structured_outputs: dict | None = None
+    # vLLM's extra field: top-n logprobs of every prompt token (not with stream=true).
+    prompt_logprobs: int | None = None
     # Known to OpenAI, not implemented: must stay null (checked in _check_unsupported).
     logit_bias: Any = None
     suffix: Any = None
@@ -195,6 +197,9 @@ def _check_unsupported(req: _Sampling) -> None:
     if req.stream_options is not None and not req.stream:
         raise InvalidRequestError("stream_options: only allowed with stream=true",
                                   field="stream_options")
+    if req.prompt_logprobs is not None and req.stream:
+        raise InvalidRequestError("prompt_logprobs: not available with stream=true",
+                                  field="prompt_logprobs")
 
 
 def _sampling(req: _Sampling, max_tokens: int, logprobs: int | None) -> SamplingParams:
@@ -208,7 +213,8 @@ def _sampling(req: _Sampling, max_tokens: int, logprobs: int | None) -> Sampling
                           stop_token_ids=req.stop_token_ids or (), ignore_eos=req.ignore_eos,
                           min_tokens=req.min_tokens,
                           include_stop_str_in_output=req.include_stop_str_in_output,
-                          skip_special_tokens=req.skip_special_tokens, logprobs=logprobs, **kw)
+                          skip_special_tokens=req.skip_special_tokens, logprobs=logprobs,
+                          prompt_logprobs=req.prompt_logprobs, **kw)
 
 
 def _structured_outputs(req: _Sampling) -> StructuredOutputsParams | None:

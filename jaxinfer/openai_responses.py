@@ -10,7 +10,7 @@ from typing import Sequence
 
 from jaxinfer.errors import InvalidRequestError
 from jaxinfer.openai_protocol import FINISH_REASONS, TokenText
-from jaxinfer.request import FinishReason, Logprob, RequestOutput
+from jaxinfer.request import FinishReason, Logprob, PromptLogprobDicts, RequestOutput
 
 
 def new_id(prefix: str) -> str:
@@ -57,6 +57,7 @@ class Choice:
     token_logprobs: list[dict[int, Logprob]] = dataclasses.field(default_factory=list)
     finish_reason: str | None = None
     prompt_tokens: int = 0           # the prompt's tokens, on its first choice only (usage)
+    prompt_logprobs: PromptLogprobDicts | None = None   # on its prompt's first choice
 
     @classmethod
     def from_final(cls, index: int, logprobs: int | None, out: RequestOutput,
@@ -66,7 +67,8 @@ class Choice:
         return [cls(index + i, logprobs, with_token_ids, text=c.text,
                     token_ids=list(c.token_ids), token_logprobs=list(c.logprobs or ()),
                     finish_reason=FINISH_REASONS[FinishReason(c.finish_reason)],
-                    prompt_tokens=0 if i else len(out.prompt_token_ids))
+                    prompt_tokens=0 if i else len(out.prompt_token_ids),
+                    prompt_logprobs=None if i else out.prompt_logprobs)
                 for i, c in enumerate(out.outputs)]
 
     def add(self, out: RequestOutput) -> tuple[list[int], list[dict[int, Logprob]]]:
@@ -80,6 +82,7 @@ class Choice:
         self.token_logprobs += dicts
         if self.index % self.n == 0:
             self.prompt_tokens = len(out.prompt_token_ids)
+            self.prompt_logprobs = out.prompt_logprobs or self.prompt_logprobs
         reason = out.finish_reason if out.completions is None else out.completions[0].finish_reason
         if reason is not None and FinishReason(reason) in FINISH_REASONS:
             self.finish_reason = FINISH_REASONS[FinishReason(reason)]
@@ -130,13 +133,29 @@ def chat_logprobs(ids, dicts, n: int, token_text: TokenText) -> dict:
                         for t, d in zip(ids, dicts)]}
 
 
+def prompt_logprobs_json(entries: PromptLogprobDicts) -> list:
+    """vLLM's prompt_logprobs: per prompt token None (the first) or {token id (a string):
+    {"logprob", "rank", "decoded_token"}}."""
+    return [None if d is None else {str(t): {"logprob": lp.logprob, "rank": lp.rank,
+                                             "decoded_token": lp.decoded_token}
+                                    for t, lp in d.items()}
+            for d in entries]
+
+
+def _prompt_logprobs(choices: Sequence[Choice], c: Choice) -> dict:
+    """{"prompt_logprobs": [...]} for a choice whose request asked for them (each choice of
+    a prompt carries its prompt's), else {}."""
+    entries = choices[c.index - c.index % c.n].prompt_logprobs
+    return {} if entries is None else {"prompt_logprobs": prompt_logprobs_json(entries)}
+
+
 def completion_response(rid: str, created: int, model: str, choices: Sequence[Choice],
                         token_text: TokenText) -> dict:
     return {"id": rid, "object": "text_completion", "created": created, "model": model,
             "choices": [{"index": c.index, "text": c.text, "finish_reason": c.finish_reason,
                          "logprobs": None if c.logprobs is None else completion_logprobs(
                              c.token_ids, c.token_logprobs, c.logprobs, token_text, 0),
-                         **_token_ids(c, c.token_ids)}
+                         **_token_ids(c, c.token_ids), **_prompt_logprobs(choices, c)}
                         for c in choices],
             "usage": usage(sum(c.prompt_tokens for c in choices),
                            sum(len(c.token_ids) for c in choices))}
@@ -151,6 +170,7 @@ def chat_response(rid: str, created: int, model: str, choices: Sequence[Choice],
                              c.token_ids, c.token_logprobs, c.logprobs, token_text),
                          **_token_ids(c, c.token_ids)}
                         for c in choices],
+            **(_prompt_logprobs(choices, choices[0]) if choices else {}),
             "usage": usage(sum(c.prompt_tokens for c in choices),
                            sum(len(c.token_ids) for c in choices))}
 

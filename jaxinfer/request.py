@@ -52,6 +52,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None       # top-n logprobs per generated token, n <= 20
+    prompt_logprobs: int | None = None   # top-n logprobs per prompt token, n <= 20
     n: int = 1                        # completions of the prompt (its pages shared)
     min_tokens: int = 0               # no EOS / stop token id / stop string before this many
     include_stop_str_in_output: bool = False   # the stop string that ended it stays in text
@@ -104,7 +105,7 @@ class SamplingParams:
             v = getattr(self, f)
             if not isinstance(v, int) or isinstance(v, bool):
                 bad(f, f"must be an integer, got {type(v).__name__}", InvalidTypeError)
-        for f in ("seed", "logprobs"):
+        for f in ("seed", "logprobs", "prompt_logprobs"):
             v = getattr(self, f)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool)):
                 bad(f, f"must be an integer or None, got {type(v).__name__}", InvalidTypeError)
@@ -155,6 +156,9 @@ class SamplingParams:
                                           or isinstance(self.logprobs, bool)
                                           or not 0 <= self.logprobs <= MAX_LOGPROBS):
             bad("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            bad("prompt_logprobs", f"must be an integer in [0, {MAX_LOGPROBS}], got "
+                                   f"{self.prompt_logprobs!r}")
 
     @property
     def greedy(self) -> bool:
@@ -162,9 +166,11 @@ class SamplingParams:
 
     def for_completion(self, index: int) -> "SamplingParams":
         """The params of completion `index` of an n > 1 request: n = 1, and a seed of its
-        own (seed + index), so seeded completions differ and each is reproducible."""
+        own (seed + index), so seeded completions differ and each is reproducible. The
+        prompt's logprobs are completion 0's alone (the others share its prompt pages)."""
         seed = None if self.seed is None else (self.seed + index) % 2**63
-        return dataclasses.replace(self, n=1, seed=seed)
+        return dataclasses.replace(self, n=1, seed=seed,
+                                   prompt_logprobs=self.prompt_logprobs if index == 0 else None)
 
     @classmethod
     def fields(cls) -> Sequence[str]:
@@ -197,6 +203,9 @@ class Logprob:
 
 # per generated token: {token id: Logprob} of the top-n and the chosen token
 LogprobDicts = list[dict[int, Logprob]]
+# per prompt token: {token id: Logprob} of the top-n and the prompt's token; None for the
+# first token (nothing precedes it)
+PromptLogprobDicts = list[dict[int, Logprob] | None]
 
 
 @dataclasses.dataclass
@@ -229,6 +238,8 @@ class RequestOutput:
     text_delta: str = ""
     finish_reason: FinishReason | None = None
     logprobs: LogprobDicts | None = None  # per generated token: top-n {id: Logprob}
+    # per prompt token (SamplingParams.prompt_logprobs), once the prompt is computed
+    prompt_logprobs: PromptLogprobDicts | None = None
     prompt: str | None = None
     ttft_s: float | None = None      # time to first token
     latency_s: float | None = None   # arrival to finish

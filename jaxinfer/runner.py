@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import dataclasses
 import functools
 import os
 import threading
@@ -112,6 +113,9 @@ def _packed_step(graphdef, routes, treedef, leaves, kv, slot, outs, buf, prev_to
     logits = model.logits(h[inp.logits_index], routes)                  # [B, V] f32
     out = sampling.sample(logits, inp.sampling, jax.random.fold_in(rng, step_index),
                           token_bitmask=inp.token_bitmask)
+    if inp.prompt_targets is not None:
+        out = dataclasses.replace(out, prompt=sampling.prompt_logprobs(
+            lambda x: model.logits(x, routes), h, inp.prompt_targets))
     # The sampled tokens padded to [S]: the next step's prev_tokens (one shape for all buckets);
     # a verify step's: each row's last kept token.
     last = (sampling.verify_last_tokens(tokens, out.tokens, inp.md.query_start)
@@ -154,6 +158,12 @@ def output_shapes(spec, vocab_size: int, num_seqs: int):
                                               for shape, name in fields])
     logits = jax.ShapeDtypeStruct((inp.logits_index.shape[0], vocab_size), jnp.float32)
     out = jax.eval_shape(sampling.sample, logits, inp.sampling, jax.random.key(0))
+    if inp.prompt_targets is not None:
+        t, n = inp.prompt_targets.shape[0], min(sampling.MAX_LOGPROBS, vocab_size)
+        f32, i32 = jnp.float32, jnp.int32
+        out = dataclasses.replace(out, prompt=sampling.PromptLogprobOutput(
+            *(jax.ShapeDtypeStruct(s, d) for s, d in (((t,), f32), ((t,), i32),
+                                                       ((t, n), i32), ((t, n), f32)))))
     return out, jax.ShapeDtypeStruct((num_seqs,), jnp.int32)
 
 
@@ -405,8 +415,8 @@ class ModelRunner:
         return len(lowered)
 
     def warmup(self, buckets, on_done=None, variants=("plain", "full")) -> None:
-        """Compile the step's sampling variants (`plain` and `full` by default) for every
-        bucket ahead of time, then run each once (writing nothing), so no request compiles
+        """Compile the step's variants (`plain` and `full` by default; step_input.VARIANTS)
+        for every bucket ahead of time, then run each once (writing nothing), so no request compiles
         later. A workload known to be all greedy without logprobs needs only `plain`."""
         inputs = [self.prepare(i)   # packed once, for the compile and the run
                   for i in warmup_inputs(buckets, self.engine.max_num_seqs, variants,

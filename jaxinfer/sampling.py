@@ -48,8 +48,13 @@ i32 beside the sampling arrays (bit v % 32 of word v // 32: token v may be sampl
 whose bit is 0 are masked out after the penalties. It travels apart from the packed input:
 a step with no grammar row passes a device-resident all-ones mask (no transfer).
 
-Static (recompile triggers): B, V, W (0 or `window`: two variants per batch bucket), dtypes,
-`candidates`. Every parameter value is dynamic.
+Prompt logprobs (SamplingParams.prompt_logprobs; `prompt_logprobs` below): a step that
+carries a prompt chunk of such a request is a third variant, `full` plus a [T] target per fed
+token (the prompt's next token, -1 for none): the logits of all T tokens, PROMPT_CHUNK at a
+time, give each target's raw logprob and rank and the top 20 there (SampleOutput.prompt).
+
+Static (recompile triggers): B, V, W (0 or `window`: two variants per batch bucket), whether
+the step has prompt targets, dtypes, `candidates`. Every parameter value is dynamic.
 """
 from __future__ import annotations
 
@@ -160,7 +165,8 @@ def uses_penalty(p: SamplingParams) -> bool:
 def needs_full(p: SamplingParams) -> bool:
     """Whether a row needs the `full` variant (anything beyond greedy argmax)."""
     return (p.temperature >= MIN_TEMPERATURE or p.logprobs is not None or uses_penalty(p)
-            or p.min_tokens > 0 or p.structured_outputs is not None)
+            or p.min_tokens > 0 or p.structured_outputs is not None
+            or p.prompt_logprobs is not None)
 
 
 def _penalty_window(users, full: bool, token_ids, generated_counts, batch_size, window):
@@ -181,7 +187,23 @@ def _penalty_window(users, full: bool, token_ids, generated_counts, batch_size, 
 
 @functools.partial(
     jax.tree_util.register_dataclass,
-    data_fields=["tokens", "logprob", "top_ids", "top_logprobs", "rank"], meta_fields=[])
+    data_fields=["logprob", "rank", "top_ids", "top_logprobs"], meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class PromptLogprobOutput:
+    """Per fed token t of a step asked for prompt logprobs: the raw logprob of its target
+    (the prompt's next token, targets[t]) given the tokens up to t, the target's rank, and the
+    top MAX_LOGPROBS there. Tokens without a target (-1): logprob -inf, rank 0."""
+
+    logprob: jax.Array       # [T] f32
+    rank: jax.Array          # [T] i32  (1: the best)
+    top_ids: jax.Array       # [T, 20] i32
+    top_logprobs: jax.Array  # [T, 20] f32
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["tokens", "logprob", "top_ids", "top_logprobs", "rank", "prompt"],
+    meta_fields=[])
 @dataclasses.dataclass(frozen=True)
 class SampleOutput:
     """Logprobs are raw (before penalties/temperature); all-zero ids / -inf logprobs when no
@@ -192,6 +214,35 @@ class SampleOutput:
     top_ids: jax.Array       # [B, 20] i32  best MAX_LOGPROBS token ids, descending
     top_logprobs: jax.Array  # [B, 20] f32  their logprobs
     rank: jax.Array          # [B] i32  the sampled token's rank in the vocabulary (1: best)
+    # The step's prompt logprobs (prompt_logprobs below), None unless it was given targets.
+    prompt: PromptLogprobOutput | None = None
+
+
+PROMPT_CHUNK = 256   # tokens whose [chunk, V] f32 logits exist at once
+
+
+def prompt_logprobs(logits_fn, h: jax.Array, targets: jax.Array) -> PromptLogprobOutput:
+    """Raw logprobs of every fed token's target (PromptLogprobOutput). `h` [T, E] the hidden
+    states of the step's tokens, `logits_fn` h [C, E] -> [C, V] f32, `targets` [T] i32 (-1:
+    none). The logits are made PROMPT_CHUNK tokens at a time, so a 2,048-token step over a
+    128k vocabulary never holds its 1 GiB of f32 logits at once."""
+    t = h.shape[0]
+    c = min(t, PROMPT_CHUNK)
+    pad = -t % c
+    hs = jnp.pad(h, ((0, pad), (0, 0))).reshape(-1, c, h.shape[-1])
+    ts = jnp.pad(targets, (0, pad), constant_values=-1).reshape(-1, c)
+
+    def chunk(args):
+        hc, tc = args
+        logits = logits_fn(hc).astype(jnp.float32)
+        lp, ids, top, rank = _logprobs(logits, jnp.maximum(tc, 0))
+        has = tc >= 0
+        return (jnp.where(has, lp, -jnp.inf), jnp.where(has, rank, 0), ids, top)
+
+    lp, rank, ids, top = jax.lax.map(chunk, (hs, ts))
+    n = min(MAX_LOGPROBS, ids.shape[-1])
+    return PromptLogprobOutput(lp.reshape(-1)[:t], rank.reshape(-1)[:t],
+                               ids.reshape(-1, n)[:t], top.reshape(-1, n)[:t])
 
 
 def apply_penalties(logits: jax.Array, arrays: SamplingArrays) -> jax.Array:

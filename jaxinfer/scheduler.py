@@ -363,8 +363,10 @@ class Scheduler(Forks, VerifySteps):
         if self.allocator.enable_prefix_caching:
             extend_page_keys(request.page_keys, request.all_token_ids, self.page_size,
                              root=_root(request))
-            # At least one token must be computed, for the logits of the next token.
-            usable = request.page_keys[:(request.num_tokens - 1) // self.page_size]
+            # At least one token must be computed, for the logits of the next token; every
+            # prompt token, for its logprob (prompt_logprobs.py).
+            usable = (request.page_keys[:(request.num_tokens - 1) // self.page_size]
+                      if request.sampling_params.prompt_logprobs is None else [])
             request.page_ids = PageList(self.allocator.match_prefix(usable))
             request.num_cached_pages = len(request.page_ids)
             request.num_computed_tokens = len(request.page_ids) * self.page_size

@@ -18,7 +18,8 @@ from jaxinfer.request import SamplingParams
 
 @functools.partial(jax.tree_util.register_dataclass,
                    data_fields=["tokens", "md", "logits_index", "sampling", "prev_tokens",
-                                "prev_index", "token_bitmask", "lora_index"], meta_fields=[])
+                                "prev_index", "token_bitmask", "lora_index", "prompt_targets"],
+                   meta_fields=[])
 @dataclasses.dataclass(frozen=True)
 class StepInput:
     tokens: jax.Array                  # [T] i32 (padding: 0)
@@ -42,6 +43,9 @@ class StepInput:
     # LoRA (lora_layers.py): each token's adapter slot, -1 for none (padding: -1); None when
     # the engine serves no adapters (max_loras 0): then the step has no LoRA work.
     lora_index: jax.Array | None = None    # [T] i32
+    # Prompt logprobs (sampling.prompt_logprobs): each token's target, the prompt's next token
+    # (-1: none); None when no row of the step asks (`full` only: the third variant).
+    prompt_targets: jax.Array | None = None    # [T] i32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,13 +135,16 @@ def all_allowed(rows: int, vocab_size: int) -> jax.Array:
 
 
 def dummy_input(bucket, full: bool = False, max_num_seqs: int | None = None,
-                vocab_size: int | None = None, lora: bool = False) -> StepInput:
+                vocab_size: int | None = None, lora: bool = False,
+                prompt: bool = False) -> StepInput:
     """An all-padding input of `bucket`'s shapes: writes nothing, used to compile ahead.
     full: the `full` sampling variant (penalty window, token bitmask; sampling.py's module
     doc) instead of the all-greedy `plain` one: the two compiled variants of each bucket;
     it needs the model's vocab_size. max_num_seqs: the engine's (the prev_tokens length;
     default the bucket's rows, for one-off compiles). lora: with a LoRA slot per token
-    (all -1), the form of an engine that serves adapters."""
+    (all -1), the form of an engine that serves adapters. prompt: with prompt targets (all
+    -1), the `prompt` variant (implies full)."""
+    full = full or prompt
     if full and vocab_size is None:
         raise ValueError("dummy_input: the full variant needs vocab_size (its token bitmask)")
     t, b, w = bucket.num_tokens, bucket.num_seqs, bucket.pages_per_seq
@@ -150,15 +157,19 @@ def dummy_input(bucket, full: bool = False, max_num_seqs: int | None = None,
                                                batch_size=r)
     return StepInput(zeros(t), md, zeros(r), samp, zeros(max_num_seqs or b),
                      np.full(t, -1, np.int32), all_allowed(r, vocab_size) if full else None,
-                     np.full(t, -1, np.int32) if lora else None)
+                     np.full(t, -1, np.int32) if lora else None,
+                     np.full(t, -1, np.int32) if prompt else None)
+
+
+VARIANTS = ("plain", "full", "prompt")
 
 
 def warmup_inputs(buckets, max_num_seqs: int, variants=("plain", "full"),
                   vocab_size: int | None = None, lora: bool = False) -> list[StepInput]:
-    """The all-padding inputs that compile `variants` (sampling `plain` / `full`) of every
-    bucket: what Engine.warmup compiles ahead of time."""
-    if not variants or set(variants) - {"plain", "full"}:
-        raise ValueError(f"warmup: variants must be from ('plain', 'full'), got {variants}")
-    return [dummy_input(b, full, max_num_seqs, vocab_size, lora) for b in buckets
-            for full in (False, True)
-            if ("full" if full else "plain") in variants]
+    """The all-padding inputs that compile `variants` (VARIANTS: sampling `plain` / `full`,
+    and `prompt`, full with prompt logprobs) of every bucket: what Engine.warmup compiles
+    ahead of time."""
+    if not variants or set(variants) - set(VARIANTS):
+        raise ValueError(f"warmup: variants must be from {VARIANTS}, got {variants}")
+    return [dummy_input(b, v != "plain", max_num_seqs, vocab_size, lora, v == "prompt")
+            for b in buckets for v in VARIANTS if v in variants]

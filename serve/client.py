@@ -107,6 +107,8 @@ class Completion:
     request_id: str
     # n > 1: every completion by index (this object's own fields are completion 0's)
     completions: list["Completion"] | None = None
+    # sampling.prompt_logprobs: one per prompt token (GenerateResponse.prompt_logprobs)
+    prompt_logprobs: list[pb.TokenLogprobs] | None = None
 
 
 class Client:
@@ -134,8 +136,9 @@ class Client:
         """Run a request to its end and join the streamed pieces (by completion index when
         it asked for n > 1: `completions`)."""
         parts: dict[int, tuple[list, list, list, list]] = {}
-        last = None
+        last, prompt_lp = None, None
         for last in self.generate(prompt, sampling, **kw):
+            prompt_lp = list(last.prompt_logprobs) or prompt_lp
             text, ids, logprobs, reason = parts.setdefault(last.index, ([], [], [], [None]))
             text.append(last.text)
             ids.extend(last.token_ids)
@@ -143,6 +146,7 @@ class Client:
             reason[0] = self.finish_reason(last) or reason[0]
         done = [Completion("".join(text), ids, reason[0], last.usage, logprobs, last.request_id)
                 for _, (text, ids, logprobs, reason) in sorted(parts.items())]
+        done[0].prompt_logprobs = prompt_lp
         if len(done) == 1:
             return done[0]
         return dataclasses.replace(done[0], completions=done)

@@ -9,7 +9,8 @@ from serve import jaxinfer_pb2 as pb
 MAX_REQUEST_ID_CHARS = 128
 # Sampling fields that are proto3 `optional` scalars: unset means the engine's default.
 _OPTIONAL_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
-                    "presence_penalty", "frequency_penalty", "seed", "logprobs", "n")
+                    "presence_penalty", "frequency_penalty", "seed", "logprobs", "n",
+                    "prompt_logprobs")
 _FINISH = {FinishReason.STOP: pb.FINISH_REASON_STOP, FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
            FinishReason.CANCELLED: pb.FINISH_REASON_CANCELLED}
 
@@ -84,20 +85,34 @@ def request_id_from_proto(req: pb.GenerateRequest) -> str | None:
     return rid
 
 
-def response_from_output(out: RequestOutput) -> pb.GenerateResponse:
-    """One streamed delta. Usage and finish reason are added by the caller on the last one."""
+def _add_logprobs(field, tokens, dicts) -> None:
+    """One TokenLogprobs per token into the repeated `field` (a None dict: the first prompt
+    token's, which has no logprob)."""
+    for tok, lp in zip(tokens, dicts):
+        if lp is None:
+            field.add(token_id=tok)
+            continue
+        chosen = lp[tok]
+        field.add(token_id=tok, logprob=chosen.logprob, rank=chosen.rank or 0,
+                  decoded_token=chosen.decoded_token or "",
+                  top=[pb.TopLogprob(token_id=t, logprob=v.logprob, rank=v.rank or 0,
+                                     decoded_token=v.decoded_token or "")
+                       for t, v in lp.items()])
+
+
+def response_from_output(out: RequestOutput, prompt_logprobs: bool = False
+                         ) -> pb.GenerateResponse:
+    """One streamed delta. Usage and finish reason are added by the caller on the last one.
+    prompt_logprobs: include the prompt's logprobs if the output has them (the caller sends
+    them once)."""
     resp = pb.GenerateResponse(request_id=out.request_id, token_ids=out.new_token_ids,
                                text=out.text_delta)
     if out.logprobs is not None and out.new_token_ids:
         # RequestOutput.logprobs accumulates; the new tokens' entries are its tail.
-        for tok, lp in zip(out.new_token_ids, out.logprobs[-len(out.new_token_ids):]):
-            chosen = lp[tok]
-            resp.logprobs.add(token_id=tok, logprob=chosen.logprob, rank=chosen.rank or 0,
-                              decoded_token=chosen.decoded_token or "",
-                              top=[pb.TopLogprob(token_id=t, logprob=v.logprob,
-                                                 rank=v.rank or 0,
-                                                 decoded_token=v.decoded_token or "")
-                                   for t, v in lp.items()])
+        _add_logprobs(resp.logprobs, out.new_token_ids,
+                      out.logprobs[-len(out.new_token_ids):])
+    if prompt_logprobs and out.prompt_logprobs is not None:
+        _add_logprobs(resp.prompt_logprobs, out.prompt_token_ids, out.prompt_logprobs)
     if out.finish_reason is not None:
         resp.finish_reason = _FINISH[out.finish_reason]
     elif out.completions is not None:       # n > 1: one completion's delta

@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14serve/jaxinfer.proto\x12\x0bjaxinfer.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\x0c\":\n\x0c\x43hatMessages\x12*\n\x08messages\x18\x01 \x03(\x0b\x32\x18.jaxinfer.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x03\"\xaa\x05\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x03H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x03H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x06 \x01(\x01H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x07 \x01(\x01H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x08 \x01(\x01H\x07\x88\x01\x01\x12\x11\n\x04seed\x18\t \x01(\x03H\x08\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\x0c\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\x03\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x15\n\x08logprobs\x18\r \x01(\x03H\t\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x0e \x01(\x03\x12\"\n\x1ainclude_stop_str_in_output\x18\x0f \x01(\x08\x12 \n\x13skip_special_tokens\x18\x10 \x01(\x08H\n\x88\x01\x01\x12:\n\x12structured_outputs\x18\x11 \x01(\x0b\x32\x1e.jaxinfer.v1.StructuredOutputs\x12\x0e\n\x01n\x18\x12 \x01(\x03H\x0b\x88\x01\x01\x12\x0c\n\x04lora\x18\x13 \x01(\x0c\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seedB\x0b\n\t_logprobsB\x16\n\x14_skip_special_tokensB\x04\n\x02_n\"\xa6\x01\n\x11StructuredOutputs\x12\x0e\n\x04json\x18\x01 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x02 \x01(\tH\x00\x12&\n\x06\x63hoice\x18\x03 \x01(\x0b\x32\x14.jaxinfer.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x04 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x05 \x01(\x08H\x00\x12\x16\n\x0e\x61ny_whitespace\x18\x06 \x01(\x08\x42\x06\n\x04kind\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\xc9\x01\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\x0cH\x00\x12*\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x15.jaxinfer.v1.TokenIdsH\x00\x12-\n\x08messages\x18\x03 \x01(\x0b\x32\x19.jaxinfer.v1.ChatMessagesH\x00\x12-\n\x08sampling\x18\x04 \x01(\x0b\x32\x1b.jaxinfer.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x05 \x01(\tB\x08\n\x06prompt\"T\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12\x0c\n\x04rank\x18\x03 \x01(\x03\x12\x15\n\rdecoded_token\x18\x04 \x01(\t\"}\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12$\n\x03top\x18\x03 \x03(\x0b\x32\x17.jaxinfer.v1.TopLogprob\x12\x0c\n\x04rank\x18\x04 \x01(\x03\x12\x15\n\rdecoded_token\x18\x05 \x01(\t\"Z\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x03\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x03\x12\x0f\n\x07ttft_ms\x18\x03 \x01(\x01\x12\x0e\n\x06\x65\x32\x65_ms\x18\x04 \x01(\x01\"\xd9\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12\x0c\n\x04text\x18\x03 \x01(\t\x12,\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1a.jaxinfer.v1.TokenLogprobs\x12\x30\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x19.jaxinfer.v1.FinishReason\x12!\n\x05usage\x18\x06 \x01(\x0b\x32\x12.jaxinfer.v1.Usage\x12\r\n\x05index\x18\x07 \x01(\x03\"\x12\n\x10ModelInfoRequest\"Z\n\x06\x42ucket\x12\x12\n\nnum_tokens\x18\x01 \x01(\x03\x12\x10\n\x08num_seqs\x18\x02 \x01(\x03\x12\x15\n\rpages_per_seq\x18\x03 \x01(\x03\x12\x13\n\x0b\x64\x65\x63ode_only\x18\x04 \x01(\x08\"\xe6\x02\n\x11ModelInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x16\n\x0e\x63ontext_length\x18\x02 \x01(\x03\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x15\n\rweights_dtype\x18\x04 \x01(\t\x12\x10\n\x08kv_dtype\x18\x05 \x01(\t\x12\x12\n\nvocab_size\x18\x06 \x01(\x03\x12\x15\n\rhas_tokenizer\x18\x07 \x01(\x08\x12\x14\n\x0cmax_num_seqs\x18\x08 \x01(\x03\x12\x1e\n\x16max_num_batched_tokens\x18\t \x01(\x03\x12\x11\n\tpage_size\x18\n \x01(\x03\x12$\n\x07\x62uckets\x18\x0b \x03(\x0b\x32\x13.jaxinfer.v1.Bucket\x12\x1c\n\x14max_waiting_requests\x18\x0c \x01(\x03\x12\x0e\n\x06\x64\x65vice\x18\r \x01(\t\x12\x13\n\x0bjax_version\x18\x0e \x01(\t\x12\x15\n\rlora_adapters\x18\x0f \x03(\t\">\n\x16LoadLoRAAdapterRequest\x12\x11\n\tlora_name\x18\x01 \x01(\t\x12\x11\n\tlora_path\x18\x02 \x01(\t\"-\n\x18UnloadLoRAAdapterRequest\x12\x11\n\tlora_name\x18\x01 \x01(\t\"%\n\x0cLoRAAdapters\x12\x15\n\rlora_adapters\x18\x01 \x03(\t*|\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03\x32\xcc\x02\n\tInference\x12I\n\x08Generate\x12\x1c.jaxinfer.v1.GenerateRequest\x1a\x1d.jaxinfer.v1.GenerateResponse0\x01\x12J\n\tModelInfo\x12\x1d.jaxinfer.v1.ModelInfoRequest\x1a\x1e.jaxinfer.v1.ModelInfoResponse\x12Q\n\x0fLoadLoRAAdapter\x12#.jaxinfer.v1.LoadLoRAAdapterRequest\x1a\x19.jaxinfer.v1.LoRAAdapters\x12U\n\x11UnloadLoRAAdapter\x12%.jaxinfer.v1.UnloadLoRAAdapterRequest\x1a\x19.jaxinfer.v1.LoRAAdaptersb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14serve/jaxinfer.proto\x12\x0bjaxinfer.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\x0c\":\n\x0c\x43hatMessages\x12*\n\x08messages\x18\x01 \x03(\x0b\x32\x18.jaxinfer.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x03\"\xdc\x05\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x03H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x03H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x06 \x01(\x01H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x07 \x01(\x01H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x08 \x01(\x01H\x07\x88\x01\x01\x12\x11\n\x04seed\x18\t \x01(\x03H\x08\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\x0c\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\x03\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x15\n\x08logprobs\x18\r \x01(\x03H\t\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x0e \x01(\x03\x12\"\n\x1ainclude_stop_str_in_output\x18\x0f \x01(\x08\x12 \n\x13skip_special_tokens\x18\x10 \x01(\x08H\n\x88\x01\x01\x12:\n\x12structured_outputs\x18\x11 \x01(\x0b\x32\x1e.jaxinfer.v1.StructuredOutputs\x12\x0e\n\x01n\x18\x12 \x01(\x03H\x0b\x88\x01\x01\x12\x0c\n\x04lora\x18\x13 \x01(\x0c\x12\x1c\n\x0fprompt_logprobs\x18\x14 \x01(\x03H\x0c\x88\x01\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seedB\x0b\n\t_logprobsB\x16\n\x14_skip_special_tokensB\x04\n\x02_nB\x12\n\x10_prompt_logprobs\"\xa6\x01\n\x11StructuredOutputs\x12\x0e\n\x04json\x18\x01 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x02 \x01(\tH\x00\x12&\n\x06\x63hoice\x18\x03 \x01(\x0b\x32\x14.jaxinfer.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x04 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x05 \x01(\x08H\x00\x12\x16\n\x0e\x61ny_whitespace\x18\x06 \x01(\x08\x42\x06\n\x04kind\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\xc9\x01\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\x0cH\x00\x12*\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x15.jaxinfer.v1.TokenIdsH\x00\x12-\n\x08messages\x18\x03 \x01(\x0b\x32\x19.jaxinfer.v1.ChatMessagesH\x00\x12-\n\x08sampling\x18\x04 \x01(\x0b\x32\x1b.jaxinfer.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x05 \x01(\tB\x08\n\x06prompt\"T\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12\x0c\n\x04rank\x18\x03 \x01(\x03\x12\x15\n\rdecoded_token\x18\x04 \x01(\t\"}\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12$\n\x03top\x18\x03 \x03(\x0b\x32\x17.jaxinfer.v1.TopLogprob\x12\x0c\n\x04rank\x18\x04 \x01(\x03\x12\x15\n\rdecoded_token\x18\x05 \x01(\t\"Z\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x03\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x03\x12\x0f\n\x07ttft_ms\x18\x03 \x01(\x01\x12\x0e\n\x06\x65\x32\x65_ms\x18\x04 \x01(\x01\"\x8e\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12\x0c\n\x04text\x18\x03 \x01(\t\x12,\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1a.jaxinfer.v1.TokenLogprobs\x12\x30\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x19.jaxinfer.v1.FinishReason\x12!\n\x05usage\x18\x06 \x01(\x0b\x32\x12.jaxinfer.v1.Usage\x12\r\n\x05index\x18\x07 \x01(\x03\x12\x33\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x1a.jaxinfer.v1.TokenLogprobs\"\x12\n\x10ModelInfoRequest\"Z\n\x06\x42ucket\x12\x12\n\nnum_tokens\x18\x01 \x01(\x03\x12\x10\n\x08num_seqs\x18\x02 \x01(\x03\x12\x15\n\rpages_per_seq\x18\x03 \x01(\x03\x12\x13\n\x0b\x64\x65\x63ode_only\x18\x04 \x01(\x08\"\xe6\x02\n\x11ModelInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x16\n\x0e\x63ontext_length\x18\x02 \x01(\x03\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x15\n\rweights_dtype\x18\x04 \x01(\t\x12\x10\n\x08kv_dtype\x18\x05 \x01(\t\x12\x12\n\nvocab_size\x18\x06 \x01(\x03\x12\x15\n\rhas_tokenizer\x18\x07 \x01(\x08\x12\x14\n\x0cmax_num_seqs\x18\x08 \x01(\x03\x12\x1e\n\x16max_num_batched_tokens\x18\t \x01(\x03\x12\x11\n\tpage_size\x18\n \x01(\x03\x12$\n\x07\x62uckets\x18\x0b \x03(\x0b\x32\x13.jaxinfer.v1.Bucket\x12\x1c\n\x14max_waiting_requests\x18\x0c \x01(\x03\x12\x0e\n\x06\x64\x65vice\x18\r \x01(\t\x12\x13\n\x0bjax_version\x18\x0e \x01(\t\x12\x15\n\rlora_adapters\x18\x0f \x03(\t\">\n\x16LoadLoRAAdapterRequest\x12\x11\n\tlora_name\x18\x01 \x01(\t\x12\x11\n\tlora_path\x18\x02 \x01(\t\"-\n\x18UnloadLoRAAdapterRequest\x12\x11\n\tlora_name\x18\x01 \x01(\t\"%\n\x0cLoRAAdapters\x12\x15\n\rlora_adapters\x18\x01 \x03(\t*|\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03\x32\xcc\x02\n\tInference\x12I\n\x08Generate\x12\x1c.jaxinfer.v1.GenerateRequest\x1a\x1d.jaxinfer.v1.GenerateResponse0\x01\x12J\n\tModelInfo\x12\x1d.jaxinfer.v1.ModelInfoRequest\x1a\x1e.jaxinfer.v1.ModelInfoResponse\x12Q\n\x0fLoadLoRAAdapter\x12#.jaxinfer.v1.LoadLoRAAdapterRequest\x1a\x19.jaxinfer.v1.LoRAAdapters\x12U\n\x11UnloadLoRAAdapter\x12%.jaxinfer.v1.UnloadLoRAAdapterRequest\x1a\x19.jaxinfer.v1.LoRAAdaptersb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'serve.jaxinfer_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=2402
-  _globals['_FINISHREASON']._serialized_end=2526
+  _globals['_FINISHREASON']._serialized_start=2505
+  _globals['_FINISHREASON']._serialized_end=2629
   _globals['_CHATMESSAGE']._serialized_start=37
   _globals['_CHATMESSAGE']._serialized_end=81
   _globals['_CHATMESSAGES']._serialized_start=83
@@ -40,33 +40,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIDS']._serialized_start=143
   _globals['_TOKENIDS']._serialized_end=166
   _globals['_SAMPLINGPARAMS']._serialized_start=169
-  _globals['_SAMPLINGPARAMS']._serialized_end=851
-  _globals['_STRUCTUREDOUTPUTS']._serialized_start=854
-  _globals['_STRUCTUREDOUTPUTS']._serialized_end=1020
-  _globals['_CHOICES']._serialized_start=1022
-  _globals['_CHOICES']._serialized_end=1048
-  _globals['_GENERATEREQUEST']._serialized_start=1051
-  _globals['_GENERATEREQUEST']._serialized_end=1252
-  _globals['_TOPLOGPROB']._serialized_start=1254
-  _globals['_TOPLOGPROB']._serialized_end=1338
-  _globals['_TOKENLOGPROBS']._serialized_start=1340
-  _globals['_TOKENLOGPROBS']._serialized_end=1465
-  _globals['_USAGE']._serialized_start=1467
-  _globals['_USAGE']._serialized_end=1557
-  _globals['_GENERATERESPONSE']._serialized_start=1560
-  _globals['_GENERATERESPONSE']._serialized_end=1777
-  _globals['_MODELINFOREQUEST']._serialized_start=1779
-  _globals['_MODELINFOREQUEST']._serialized_end=1797
-  _globals['_BUCKET']._serialized_start=1799
-  _globals['_BUCKET']._serialized_end=1889
-  _globals['_MODELINFORESPONSE']._serialized_start=1892
-  _globals['_MODELINFORESPONSE']._serialized_end=2250
-  _globals['_LOADLORAADAPTERREQUEST']._serialized_start=2252
-  _globals['_LOADLORAADAPTERREQUEST']._serialized_end=2314
-  _globals['_UNLOADLORAADAPTERREQUEST']._serialized_start=2316
-  _globals['_UNLOADLORAADAPTERREQUEST']._serialized_end=2361
-  _globals['_LORAADAPTERS']._serialized_start=2363
-  _globals['_LORAADAPTERS']._serialized_end=2400
-  _globals['_INFERENCE']._serialized_start=2529
-  _globals['_INFERENCE']._serialized_end=2861
+  _globals['_SAMPLINGPARAMS']._serialized_end=901
+  _globals['_STRUCTUREDOUTPUTS']._serialized_start=904
+  _globals['_STRUCTUREDOUTPUTS']._serialized_end=1070
+  _globals['_CHOICES']._serialized_start=1072
+  _globals['_CHOICES']._serialized_end=1098
+  _globals['_GENERATEREQUEST']._serialized_start=1101
+  _globals['_GENERATEREQUEST']._serialized_end=1302
+  _globals['_TOPLOGPROB']._serialized_start=1304
+  _globals['_TOPLOGPROB']._serialized_end=1388
+  _globals['_TOKENLOGPROBS']._serialized_start=1390
+  _globals['_TOKENLOGPROBS']._serialized_end=1515
+  _globals['_USAGE']._serialized_start=1517
+  _globals['_USAGE']._serialized_end=1607
+  _globals['_GENERATERESPONSE']._serialized_start=1610
+  _globals['_GENERATERESPONSE']._serialized_end=1880
+  _globals['_MODELINFOREQUEST']._serialized_start=1882
+  _globals['_MODELINFOREQUEST']._serialized_end=1900
+  _globals['_BUCKET']._serialized_start=1902
+  _globals['_BUCKET']._serialized_end=1992
+  _globals['_MODELINFORESPONSE']._serialized_start=1995
+  _globals['_MODELINFORESPONSE']._serialized_end=2353
+  _globals['_LOADLORAADAPTERREQUEST']._serialized_start=2355
+  _globals['_LOADLORAADAPTERREQUEST']._serialized_end=2417
+  _globals['_UNLOADLORAADAPTERREQUEST']._serialized_start=2419
+  _globals['_UNLOADLORAADAPTERREQUEST']._serialized_end=2464
+  _globals['_LORAADAPTERS']._serialized_start=2466
+  _globals['_LORAADAPTERS']._serialized_end=2503
+  _globals['_INFERENCE']._serialized_start=2632
+  _globals['_INFERENCE']._serialized_end=2964
 # @@protoc_insertion_point(module_scope)

@@ -163,13 +163,15 @@ class InferenceService(pb_grpc.InferenceServicer):
 
     async def _stream(self, rid, deltas: asyncio.Queue, clock: RequestClock, context) -> bool:
         """Write each delta as it arrives; True once the last one (with usage) is written."""
+        prompt_sent = False
         while True:
             out = await deltas.get()
             if isinstance(out, Exception):
                 raise out
             now = clock.output(out)
             check_output(out)       # a failed step: INTERNAL
-            resp = convert.response_from_output(out)
+            resp = convert.response_from_output(out, prompt_logprobs=not prompt_sent)
+            prompt_sent = prompt_sent or bool(resp.prompt_logprobs)
             if out.finished:
                 resp.usage.CopyFrom(pb.Usage(
                     prompt_tokens=len(out.prompt_token_ids),

@@ -106,3 +106,30 @@ def test_engine_greedy_is_token_identical_to_hf(hf, ours):
         assert out.prompt_token_ids == ids
         assert out.token_ids == hf_greedy(hf, ids)[0], prompt
     assert "Paris" in outs[0].text
+
+
+def test_prompt_logprobs_match_hf(hf, ours):
+    """SamplingParams.prompt_logprobs: each prompt token's logprob, rank and the top 5 there
+    equal HF's log-softmax of its logits, with prompts split over chunked prefill steps."""
+    llm = LLM("smollm2", dtype="float32", page_size=PAGE_SIZE, max_model_len=128,
+              max_num_seqs=4, max_num_batched_tokens=8)
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=1,
+                                                prompt_logprobs=5), use_tqdm=False)
+    for prompt, out in zip(PROMPTS, outs):
+        ids = out.prompt_token_ids
+        logits = hf_greedy(hf, ids)[1][:len(ids) - 1].astype(np.float64)
+        logp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1))[:, None] \
+            - logits.max(-1, keepdims=True)
+        entries = out.prompt_logprobs
+        assert len(entries) == len(ids) and entries[0] is None, prompt
+        for p in range(1, len(ids)):
+            d, row = entries[p], logp[p - 1]
+            assert abs(d[ids[p]].logprob - row[ids[p]]) <= 2e-3, (prompt, p)
+            t = ids[p]
+            assert (row > row[t] + 2e-3).sum() + 1 <= d[t].rank <= (row >= row[t] - 2e-3).sum()
+            assert d[t].decoded_token == ours[3].token_text(t)
+            top = {u: lp.logprob for u, lp in d.items() if lp.rank <= 5}
+            assert len(top) == 5
+            fifth = np.sort(row)[-5]
+            for u, lp in top.items():   # HF's top 5, up to ties within the tolerance
+                assert abs(lp - row[u]) <= 2e-3 and row[u] >= fifth - 2e-3, (prompt, p, u)

@@ -45,6 +45,7 @@ def request_lines(n=9, seed=3):
             line["id"] = f"r{i}" if i % 2 else i
         if i == 4:
             line["logprobs"] = 2
+            line["prompt_logprobs"] = 1
         lines.append(line)
     return lines
 
@@ -68,7 +69,8 @@ def reference(engine):
     lines = request_lines()
     ids = [engine.add_request({"prompt_token_ids": ln["prompt_token_ids"]},
                               dataclasses.replace(DEFAULTS, max_tokens=ln["max_tokens"],
-                                                  logprobs=ln.get("logprobs")))
+                                                  logprobs=ln.get("logprobs"),
+                                                  prompt_logprobs=ln.get("prompt_logprobs")))
            for ln in lines]
     done = engine.run_until_done(use_tqdm=False)
     return lines, {expected_id(i, ln): done[rid] for i, (ln, rid) in enumerate(zip(lines, ids))}
@@ -92,6 +94,11 @@ def test_results_match_engine_and_summary(engine, reference, tmp_path):
     with_lp = next(r for r in results if r["id"] == 4)
     assert len(with_lp["logprobs"]) == with_lp["completion_tokens"]
     assert all(str(t) in d for t, d in zip(with_lp["token_ids"], with_lp["logprobs"]))
+    assert with_lp["prompt_logprobs"] == [   # batched differently: equal to float32 rounding
+        None if d is None else {str(t): pytest.approx(lp.logprob, abs=1e-5)
+                                for t, lp in d.items()}
+        for d in ref[4].prompt_logprobs]
+    assert sum("prompt_logprobs" in r for r in results) == 1
     assert set(summary) == SUMMARY_KEYS
     assert summary["requests"] == len(lines) and summary["rejected"] == 0
     assert summary["output_tokens"] == sum(r["completion_tokens"] for r in results)

@@ -154,6 +154,24 @@ def test_logprobs_equal_llm_generate(client, llm):
         for lp in ch.choices[0].logprobs.content]
     np.testing.assert_allclose(streamed, [c.logprob for c in content], rtol=1e-6)
 
+    # vLLM's prompt_logprobs: per choice in completions, at the top of a chat response.
+    [wp] = llm.generate(PROMPTS[:1], greedy(2, prompt_logprobs=2), use_tqdm=False)
+    got = client.completions.create(model="smollm2", prompt=PROMPTS[0], max_tokens=2, n=2,
+                                    temperature=0, extra_body={"prompt_logprobs": 2})
+    for choice in got.choices:
+        entries = choice.prompt_logprobs
+        assert len(entries) == len(wp.prompt_token_ids) and entries[0] is None
+        for e, w in zip(entries[1:], wp.prompt_logprobs[1:]):
+            assert {int(t): (v["rank"], v["decoded_token"]) for t, v in e.items()} == {
+                t: (lp.rank, lp.decoded_token) for t, lp in w.items()}
+            np.testing.assert_allclose([v["logprob"] for v in e.values()],
+                                       [lp.logprob for lp in w.values()], rtol=1e-4, atol=1e-4)
+    chat = client.chat.completions.create(model="smollm2", messages=CHATS[1], max_tokens=2,
+                                          extra_body={"prompt_logprobs": 0})
+    [wc] = llm.generate([CHATS[1]], greedy(2, prompt_logprobs=0), use_tqdm=False)
+    assert [None if e is None else list(e) for e in chat.prompt_logprobs] == [
+        None if e is None else [str(t) for t in e] for e in wc.prompt_logprobs]
+
 
 def test_vllm_sampling_extras_equal_llm_generate(client, llm):
     """min_tokens, include_stop_str_in_output and skip_special_tokens (vLLM's extra body
@@ -252,6 +270,8 @@ def test_structured_output_through_response_format_and_structured_outputs(client
     (dict(max_tokens=0), 400, "max_tokens"),
     (dict(n=0), 400, "n"),
     (dict(logprobs=21), 400, "logprobs"),
+    (dict(extra_body={"prompt_logprobs": 21}), 400, "prompt_logprobs"),
+    (dict(stream=True, extra_body={"prompt_logprobs": 1}), 400, "prompt_logprobs"),
     (dict(presence_penalty=3), 400, "presence_penalty"),
     (dict(seed=-1), 400, "seed"),
     (dict(logit_bias={"5": 1}), 400, "logit_bias"),

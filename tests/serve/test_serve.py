@@ -95,7 +95,8 @@ def test_stream_equals_llm_generate(server):
     ps = prompts(8, seed=random.randrange(1 << 30))
     params = [SamplingParams(max_tokens=12, temperature=0.0) if i % 2 else
               SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, top_k=50, seed=100 + i,
-                             logprobs=2) for i in range(len(ps))]
+                             logprobs=2, prompt_logprobs=1 if i % 4 == 0 else None)
+              for i in range(len(ps))]
     llm = LLM("tiny", engine_config=EngineConfig(**ENGINE))
     want = llm.generate([{"prompt_token_ids": p} for p in ps], params, use_tqdm=False)
     with Client(server.target, token=TOKEN) as c, cf.ThreadPoolExecutor(4) as pool:
@@ -117,6 +118,16 @@ def test_stream_equals_llm_generate(server):
             assert [sorted(a.rank for a in lp.top) for lp in g.logprobs] == [
                 sorted(v.rank for v in d.values()) for d in w.logprobs]
             assert {lp.decoded_token for lp in g.logprobs} == {""}
+        if w.prompt_logprobs is None:
+            assert g.prompt_logprobs is None
+            continue
+        assert [lp.token_id for lp in g.prompt_logprobs] == w.prompt_token_ids
+        assert not g.prompt_logprobs[0].top and g.prompt_logprobs[0].rank == 0
+        for lp, d in zip(g.prompt_logprobs[1:], w.prompt_logprobs[1:]):
+            assert lp.rank == d[lp.token_id].rank
+            assert lp.logprob == pytest.approx(d[lp.token_id].logprob, abs=1e-4)
+            assert {a.token_id: a.rank for a in lp.top} == {t: v.rank for t, v in d.items()}
+    assert sum(g.prompt_logprobs is not None for g in got) == 2
     assert max(lp.rank for g in got for lp in g.logprobs) > 1
 
 
