@@ -37,6 +37,8 @@ SUITES = {
                 "vs request rate"),
     "lora": ("bench.lora", "output tokens/s serving LoRA adapters (rows spread over them) vs "
              "the same engine without LoRA"),
+    "sampling": ("bench.sampling", "what structured output (a JSON schema at batch 64) and "
+                 "n > 1 (prompt tokens computed, TTFT) cost vs plain requests"),
     "speculative": ("bench.speculative", "speculative decoding: the verify step's cost vs a "
                     "decode step, and end-to-end tokens/s with vs without it"),
 }
@@ -240,10 +242,26 @@ def _speculative(p):
     p.set_defaults(model="llama-3-8b", num_speculative_tokens=4)
 
 
+def _sampling(p):
+    p.add_argument("--cases", type=lambda t: t.split(","), default=["structured", "n"],
+                   help="comma-separated subset of structured, n")
+    _per_device(p, "--batch", "64", "4", "structured: requests at once", type=int)
+    p.add_argument("--input-len", type=int, default=128, help="structured: prompt tokens")
+    p.add_argument("--output-len", type=int, default=128, help="structured: output tokens")
+    p.add_argument("--tokenizer", default=None,
+                   help="a tokenizer.json for synthetic weights (structured output needs one)")
+    p.add_argument("--n", type=int, default=4, help="n: completions per request")
+    p.add_argument("--n-prompt-len", type=int, default=1000, help="n: prompt tokens")
+    p.add_argument("--n-output-len", type=int, default=16, help="n: output tokens")
+    p.add_argument("--reps", type=int, default=5, help="n: requests per mode (median)")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(model="llama-3-8b", max_num_batched_tokens=1024)
+
+
 _SUITE_ARGS = {"compile": _compile, "decode": _decode, "fusion": _fusion, "profile": _profile,
                "paged_attention": _paged_attention, "fp8_matmul": _fp8_matmul,
                "batching": _batching, "throughput": _throughput, "serving": _serving,
-               "lora": _lora, "speculative": _speculative}
+               "lora": _lora, "speculative": _speculative, "sampling": _sampling}
 _OP_SUITES = ("paged_attention", "fp8_matmul")   # time ops, not an engine: no engine flags
 
 
