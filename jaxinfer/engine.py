@@ -52,6 +52,7 @@ from jaxinfer.runner import CompileCounter, ModelRunner
 from jaxinfer.sampling import uses_penalty
 from jaxinfer.scheduler import Scheduler
 from jaxinfer.scheduler_output import SchedulerOutput
+from jaxinfer.sharding import fetch
 from jaxinfer.structured_output import RequestGrammars
 
 
@@ -110,7 +111,9 @@ class Engine(EngineLoRA, EngineSpeculation):
         self._deltas = True                       # the current step's `deltas`
         self._blame = None   # the SchedulerOutput of the step being dispatched or read
         self._waited = 0.0   # seconds the current step() spent waiting for tokens
-        self._no_prev = jax.device_put(np.zeros(engine_cfg.max_num_seqs, np.int32))
+        self._no_prev = self.runner.no_prev
+        if jax.process_count() > 1:
+            self._lead_followers()
         self._init_speculation(cfg, draft_model)
 
     @classmethod
@@ -123,6 +126,25 @@ class Engine(EngineLoRA, EngineSpeculation):
         for name, path in loras:
             engine.load_lora(name, path)
         return engine
+
+    def _lead_followers(self) -> None:
+        """Several processes (multihost.py): this engine leads; the others follow."""
+        from jaxinfer.multihost import RunnerMirror
+        if jax.process_index() != 0:
+            raise ConfigError(f"the engine runs on process 0 only; process "
+                              f"{jax.process_index()} follows it (multihost.follow)")
+        for flag, on in (("max_loras", self.config.max_loras),
+                         ("num_speculative_tokens", self.config.num_speculative_tokens)):
+            if on:
+                raise ConfigError(f"{flag} is not supported across several processes yet")
+        self.runner.mirror = RunnerMirror()
+
+    def release_followers(self) -> None:
+        """Several processes: let the followers' `multihost.follow` return (the engine
+        dispatches nothing after this)."""
+        if self.runner.mirror is not None:
+            self.runner.mirror.stop()
+            self.runner.mirror = None
 
     # --- requests -----------------------------------------------------------------------
     def add_request(self, prompt, sampling_params: SamplingParams | None = None,
@@ -319,7 +341,7 @@ class Engine(EngineLoRA, EngineSpeculation):
         if self.runner.fault_hook is not None:
             self.runner.fault_hook("fetch", self.runner)
         t = time.perf_counter()
-        sampled = jax.device_get(step.sampled)
+        sampled = fetch(step.sampled)
         self._waited += time.perf_counter() - t
         return self._update(step.out, sampled)
 

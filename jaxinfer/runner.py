@@ -38,7 +38,7 @@ from jaxinfer.executable_store import ExecutableStore
 from jaxinfer.kv_cache import (AttentionMetadata, KVCache, KVLayers, allocate_kv,
                                kv_pool_gib)
 from jaxinfer.routes import Routes
-from jaxinfer.sharding import kv_spec, make_layout
+from jaxinfer.sharding import fetch, kv_spec, make_layout
 from jaxinfer.step_input import PackedInput, StepInput, pack_host, unpack, warmup_inputs
 
 
@@ -170,9 +170,12 @@ def output_shapes(spec, vocab_size: int, num_seqs: int):
 def _all_logits(graphdef, routes, params, kv, tokens, md, kv_sharding=None):
     model = nnx.merge(graphdef, params)
     h, kv = model(tokens, kv, md, routes)
-    if kv_sharding is not None:
+    logits = model.logits(h, routes)                                     # [T, V] f32
+    if kv_sharding is not None:   # the logits replicated: every process reads them
         kv = jax.lax.with_sharding_constraint(kv, kv_sharding)
-    return kv, model.logits(h, routes)                                   # [T, V] f32
+        logits = jax.lax.with_sharding_constraint(logits, jax.sharding.NamedSharding(
+            kv_sharding.mesh, jax.sharding.PartitionSpec()))
+    return kv, logits
 
 
 @contextlib.contextmanager
@@ -224,6 +227,14 @@ class ModelRunner:
             self.kv = allocate_kv(cfg, self.engine, self.layout, self.static_kv_scales)
         self._rng = jax.random.key(engine.seed)
         self._num_steps = 0
+        # Several processes (multihost.py): on the leader, what sends each call the followers
+        # repeat (None on one process and on the followers); `_recent` maps the last steps'
+        # next_tokens back to their step numbers, `no_prev` stands in for them when no step
+        # is in flight (zeros: a step whose rows take no pending token).
+        self.mirror = None
+        self._quiet = False
+        self._recent: dict[int, object] = {}
+        self.no_prev = jax.device_put(np.zeros(engine.max_num_seqs, np.int32))
         self._step_fn = jax.jit(functools.partial(_packed_step, graphdef, self.routes,
                                                   self._treedef, kv_sharding=kv_sharding),
                                 donate_argnums=(1, 2, 3), static_argnames=("spec",))
@@ -254,23 +265,47 @@ class ModelRunner:
 
     def step(self, inp: StepInput | PackedInput) -> sampling.SampleOutput:
         """Run one step; returns the sampled tokens etc. as numpy (the one device->host sync)."""
-        return jax.device_get(self.submit(inp)[0])
+        return fetch(self.submit(inp)[0])
 
     def submit(self, inp: StepInput | PackedInput):
         """Dispatch one step without waiting: (SampleOutput, next_tokens [S]), both on the
         device; the cache is updated in place. Fetch the output with jax.device_get."""
+        if self.mirror is not None and not self._quiet:
+            self._mirror_step(inp)
         self._num_steps += 1
         if self.fault_hook is not None:
             self.fault_hook("dispatch", self)
         self.kv, out, next_tokens = self.dispatch(self.kv, inp, self._num_steps)
         if self.fault_hook is not None:
             self.fault_hook("dispatched", self)
+        self._recent[self._num_steps] = next_tokens
+        self._recent.pop(self._num_steps - 8, None)
         return out, next_tokens
+
+    @property
+    def num_steps(self) -> int:
+        """Steps submitted so far (each one's rng is folded with its number)."""
+        return self._num_steps
+
+    def _mirror_step(self, inp) -> None:
+        """Send the followers this step's host input (multihost.py)."""
+        src = inp.source if isinstance(inp, PackedInput) else inp
+        if src is None:
+            raise RuntimeError("a step dispatched on several processes needs its host input "
+                               "(ModelRunner.prepare keeps it)")
+        prev = src.prev_tokens
+        step = next((k for k, v in self._recent.items() if v is prev), None)
+        if step is None and prev is not self.no_prev:
+            raise RuntimeError("a step's pending tokens must come from a recent step's output "
+                               "or the runner's no_prev on several processes")
+        self.mirror.step(src, step)
 
     def copy_pages(self, pairs) -> None:
         """Copy KV pages on the device, each (source, destination) in `pairs`, after the
         steps dispatched before and before those after (copy-on-write of shared pages).
         One program of max_num_seqs pairs, padded with (0, 0): page 0 is reserved."""
+        if self.mirror is not None and not self._quiet:
+            self.mirror.call("copy", pairs=np.array(pairs, np.int32).reshape(-1, 2))
         width = self.engine.max_num_seqs
         for i in range(0, len(pairs), width):
             idx = np.zeros((2, width), np.int32)
@@ -293,7 +328,7 @@ class ModelRunner:
         cache is updated in place, after the steps dispatched before."""
         self.kv, out = self._draft_fn(self._leaves, self.kv, tokens, positions, page_table,
                                       seq_lens, lengths, self.lora, lora_index)
-        return np.asarray(jax.device_get(out))
+        return np.asarray(fetch(out))
 
     def warmup_drafts(self, sizes) -> None:
         """Compile (and run once, writing nothing) the draft program for each row count in
@@ -311,6 +346,8 @@ class ModelRunner:
 
     def rebuild_kv(self) -> None:
         """A fresh, empty KV cache (and fresh step buffers) after `kv_lost`."""
+        if self.mirror is not None:
+            self.mirror.call("rebuild")
         self._buffers.clear()
         for x in jax.tree_util.tree_leaves(self.kv):
             if not x.is_deleted():
@@ -329,7 +366,7 @@ class ModelRunner:
         return PackedInput(jax.device_put(buf),
                            prev if isinstance(prev, jax.Array) else jax.device_put(prev), spec,
                            mask if mask is None or isinstance(mask, jax.Array)
-                           else jax.device_put(mask))
+                           else jax.device_put(mask), source=inp)
 
     def dispatch(self, kv: KVCache | KVLayers, inp: StepInput | PackedInput, step_index: int):
         """(new kv, SampleOutput, next_tokens) on the device: the compiled step, dispatched
@@ -418,16 +455,22 @@ class ModelRunner:
         """Compile the step's variants (`plain` and `full` by default; step_input.VARIANTS)
         for every bucket ahead of time, then run each once (writing nothing), so no request compiles
         later. A workload known to be all greedy without logprobs needs only `plain`."""
+        if self.mirror is not None:     # the followers warm up the same buckets
+            self.mirror.call("warmup", {"variants": list(variants)})
         inputs = [self.prepare(i)   # packed once, for the compile and the run
                   for i in warmup_inputs(buckets, self.engine.max_num_seqs, variants,
                                          self.cfg.vocab_size, self.lora is not None)]
         self.compile_ahead(inputs, on_done=on_done)
-        with pool_oom_as_config_error(self.cfg, self.engine, "a warm-up step"):
-            for inp in inputs:
-                self.step(inp)
-            self.copy_pages([(0, 0)])      # the page copy of n > 1 requests' forks
+        quiet, self._quiet = self._quiet, True
+        try:
+            with pool_oom_as_config_error(self.cfg, self.engine, "a warm-up step"):
+                for inp in inputs:
+                    self.step(inp)
+                self.copy_pages([(0, 0)])      # the page copy of n > 1 requests' forks
+        finally:
+            self._quiet = quiet
 
     def all_logits(self, tokens, md: AttentionMetadata) -> np.ndarray:
         """Teacher-forced logits [T, V] for every new token (tests, perplexity)."""
         self.kv, logits = self._logits_fn(self.params, self.kv, jnp.asarray(tokens), md)
-        return np.asarray(logits)
+        return np.asarray(fetch(logits))

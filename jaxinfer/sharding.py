@@ -132,3 +132,17 @@ def kv_spec(layout: TPLayout) -> P:
     """[L, K, P, S, D] (and the FP8 scales [L, K, P, S]): split by kv head."""
     return P(None, AXIS) if layout.attn > 1 else P()
 
+
+def fetch(tree):
+    """jax.device_get that also reads arrays spanning other processes' devices (several
+    processes, one mesh: jax.distributed) when they are replicated: each process reads its
+    own copy. A sharded array that spans other processes raises."""
+    def local(x):
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+            if not x.is_fully_replicated:
+                raise ValueError(f"cannot fetch an array of shape {x.shape} sharded over "
+                                 f"other processes' devices ({x.sharding})")
+            return x.addressable_data(0)
+        return x
+    return jax.device_get(jax.tree.map(local, tree))
+

@@ -60,6 +60,8 @@ class PackedInput:
     prev_tokens: jax.Array  # [S] i32
     spec: tuple             # static: (tree structure, ((shape, dtype name), ...) per leaf)
     bitmask: jax.Array | None = None   # [B, ceil(V/32)] i32 (`full`), None (`plain`)
+    # the host form it was packed from (the steps multihost.py sends other processes)
+    source: StepInput | None = dataclasses.field(default=None, compare=False, repr=False)
 
     @property
     def signature(self) -> tuple:

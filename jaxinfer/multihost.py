@@ -1,0 +1,211 @@
+"""Several processes, one model: JAX's multi-controller runtime (`jax.distributed`).
+
+Every process loads the model with the same EngineConfig; the tensor-parallel mesh spans every
+process's devices (sharding.make_layout over jax.devices()), and each step is one SPMD program
+that every process must run, in the same order, with the same inputs. Process 0, the leader,
+runs the scheduler and the front ends; each other process, a follower, runs `follow`: its
+ModelRunner repeats the leader's runner calls (`RunnerMirror`) as the leader sends them.
+
+The messages travel through the coordination service's key-value store (the one
+jax.distributed already runs for its own bookkeeping: no other channel or port), one key per
+message in order: a step's host input (its packed StepInput as named numpy arrays, never
+pickled; the tokens a step takes from the previous step's device output are named by that
+step's number, each follower holding the same outputs), page copies, warm-ups and KV-cache
+rebuilds. Keys older than WINDOW messages are deleted: followers run every step with the
+leader (its collectives wait for them), so none lags that far.
+"""
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import logging
+
+import jax
+import numpy as np
+
+from jaxinfer import sampling
+from jaxinfer.kv_cache import AttentionMetadata
+from jaxinfer.step_input import StepInput
+
+log = logging.getLogger("jaxinfer.multihost")
+
+PREFIX = "jaxinfer/runner"
+WINDOW = 256               # messages kept in the store
+RECV_TIMEOUT_MS = 60_000   # a follower's wait per try (it waits again while the leader idles)
+_CLASSES = {c.__name__: c for c in (AttentionMetadata, sampling.SamplingArrays)}
+
+
+@dataclasses.dataclass(frozen=True)
+class DistributedConfig:
+    """jax.distributed.initialize's settings; all None: its own cluster detection (SLURM,
+    Open MPI, ...)."""
+
+    coordinator_address: str | None = None   # host:port of process 0's coordination service
+    num_processes: int | None = None
+    process_id: int | None = None
+    heartbeat_timeout_s: int = 30            # a process silent this long is declared dead
+
+
+def initialize(cfg: DistributedConfig) -> None:
+    """Join the processes of one job (once per process, before any other JAX call). On CPUs
+    the collectives run over gloo."""
+    if jax.distributed.is_initialized():
+        return
+    try:
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    except AttributeError:      # a jax without the option
+        pass
+    jax.distributed.initialize(cfg.coordinator_address, cfg.num_processes, cfg.process_id,
+                               heartbeat_timeout_seconds=cfg.heartbeat_timeout_s)
+    log.info("process %d of %d: %d local of %d devices", jax.process_index(),
+             jax.process_count(), jax.local_device_count(), jax.device_count())
+
+
+def _client():
+    from jax._src import distributed
+    client = distributed.global_state.client
+    if client is None:
+        raise RuntimeError("jax.distributed is not initialized")
+    return client
+
+
+def encode(kind: str, header: dict, arrays: dict[str, np.ndarray]) -> bytes:
+    """One message: a JSON header and named numpy arrays (np.savez, no pickles)."""
+    buf = io.BytesIO()
+    text = json.dumps({"kind": kind, **header}, default=lambda o: o.item())  # numpy scalars
+    np.savez(buf, __header__=np.frombuffer(text.encode(), np.uint8), **arrays)
+    return buf.getvalue()
+
+
+def decode(data: bytes) -> tuple[str, dict, dict[str, np.ndarray]]:
+    with np.load(io.BytesIO(data), allow_pickle=False) as z:
+        arrays = {k: z[k] for k in z.files}
+    header = json.loads(arrays.pop("__header__").tobytes())
+    return header.pop("kind"), header, arrays
+
+
+def _flatten(obj, prefix: str, header: dict, arrays: dict) -> None:
+    for f in dataclasses.fields(obj):
+        v, key = getattr(obj, f.name), prefix + f.name
+        if dataclasses.is_dataclass(v):
+            header[key] = {"class": type(v).__name__}
+            _flatten(v, key + ".", header, arrays)
+        elif v is None or isinstance(v, (bool, int, float, str)):
+            header[key] = v
+        else:
+            arrays[key] = np.asarray(v)
+
+
+def _build(cls, prefix: str, header: dict, arrays: dict):
+    kw = {}
+    for f in dataclasses.fields(cls):
+        key = prefix + f.name
+        if key in arrays:
+            kw[f.name] = arrays[key]
+        elif isinstance(header.get(key), dict):
+            kw[f.name] = _build(_CLASSES[header[key]["class"]], key + ".", header, arrays)
+        else:
+            kw[f.name] = header.get(key)
+    return cls(**kw)
+
+
+def step_message(inp: StepInput, prev_step: int | None) -> bytes:
+    """A step's host input; `prev_step`: the step whose output holds its pending tokens
+    (None: none, the runner's zeros)."""
+    mask = inp.token_bitmask
+    header = {"prev_step": prev_step,
+              "all_allowed": None if mask is None or isinstance(mask, np.ndarray)
+              else list(mask.shape)}
+    arrays: dict = {}
+    _flatten(dataclasses.replace(inp, prev_tokens=None,
+                                 token_bitmask=mask if isinstance(mask, np.ndarray) else None),
+             "", header, arrays)
+    return encode("step", header, arrays)
+
+
+def step_input(header: dict, arrays: dict, prev_tokens) -> StepInput:
+    """The StepInput of a step message, `prev_tokens` on the device."""
+    from jaxinfer.step_input import all_allowed
+    inp = _build(StepInput, "", header, arrays)
+    mask = inp.token_bitmask
+    if header["all_allowed"] is not None:
+        rows, words = header["all_allowed"]
+        mask = all_allowed(rows, words * 32)
+    return dataclasses.replace(inp, prev_tokens=prev_tokens, token_bitmask=mask)
+
+
+class Channel:
+    """Ordered messages from the leader to every follower (module doc)."""
+
+    def __init__(self, prefix: str = PREFIX):
+        self._client, self._prefix, self._next = _client(), prefix, 0
+
+    def send(self, data: bytes) -> None:
+        self._client.key_value_set_bytes(f"{self._prefix}/{self._next}", data)
+        old = self._next - WINDOW
+        if old >= 0:
+            self._client.key_value_delete(f"{self._prefix}/{old}")
+        self._next += 1
+
+    def recv(self) -> bytes:
+        """The next message (waits for it as long as it takes)."""
+        key = f"{self._prefix}/{self._next}"
+        while True:
+            try:
+                data = self._client.blocking_key_value_get_bytes(key, RECV_TIMEOUT_MS)
+                break
+            except Exception as e:      # a timeout: the leader is idle; anything else: raise
+                if "DEADLINE_EXCEEDED" not in str(e):
+                    raise
+        self._next += 1
+        return data
+
+
+class RunnerMirror:
+    """The leader's side: ModelRunner sends each call the followers must repeat."""
+
+    def __init__(self, channel: Channel | None = None):
+        self.channel = channel or Channel()
+
+    def step(self, inp: StepInput, prev_step: int | None) -> None:
+        self.channel.send(step_message(inp, prev_step))
+
+    def call(self, kind: str, header: dict | None = None, **arrays) -> None:
+        self.channel.send(encode(kind, header or {}, arrays))
+
+    def stop(self) -> None:
+        """Release the followers (`follow` returns)."""
+        self.call("stop")
+
+    def pause(self) -> None:
+        """Let the followers return from `follow(..., until_pause=True)`."""
+        self.call("pause")
+
+
+def follow(runner, buckets, channel: Channel | None = None, until_pause: bool = False
+           ) -> str:
+    """A follower's loop: repeat the leader's runner calls until it says stop (or pause,
+    with until_pause). Returns the message that ended it."""
+    channel = channel or Channel()
+    outputs: dict[int, object] = {}     # step number -> its next_tokens, recent ones
+    while True:
+        kind, header, arrays = decode(channel.recv())
+        if kind == "step":
+            prev = header["prev_step"]
+            inp = step_input(header, arrays,
+                             runner.no_prev if prev is None else outputs[prev])
+            _, next_tokens = runner.submit(inp)
+            outputs[runner.num_steps] = next_tokens
+            outputs.pop(runner.num_steps - 8, None)
+        elif kind == "copy":
+            runner.copy_pages([tuple(p) for p in arrays["pairs"].tolist()])
+        elif kind == "warmup":
+            runner.warmup(buckets, variants=tuple(header["variants"]))
+        elif kind == "rebuild":
+            runner.rebuild_kv()
+        elif kind in ("stop", "pause"):
+            if kind == "stop" or until_pause:
+                return kind
+        else:
+            raise RuntimeError(f"unknown message {kind!r} from the leader")

@@ -1,0 +1,78 @@
+"""Several processes, one model (jaxinfer/multihost.py): 2 processes x 2 CPU devices over
+loopback (gloo collectives), tensor parallel 4 across both; the leader's engine gives the
+tokens of one process on one device, greedy and seeded sampling, n > 1 and prompt logprobs
+included, with async scheduling (its steps take pending tokens from the step before)."""
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import multihost_worker as worker
+from jaxinfer import multihost
+from jaxinfer.config import EngineConfig
+from jaxinfer.kv_cache import AttentionMetadata
+from jaxinfer.sampling import SamplingArrays
+from jaxinfer.step_input import StepInput, dummy_input
+
+WORKER = Path(worker.__file__)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_tp4_equal_one_device(tmp_path):
+    out, port = tmp_path / "tokens.json", _free_port()
+    procs = [subprocess.Popen([sys.executable, str(WORKER), str(pid), "2", str(port), str(out)],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for pid in (1, 0)]
+    try:
+        logs = [p.communicate(timeout=400)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(logs)[-3000:]
+    got = json.loads(out.read_text())
+    assert got["devices"] == 4
+    model_cfg, cfg, graphdef, params, Engine = worker.engine(1)
+    want = worker.run(Engine(model_cfg, cfg, graphdef, params), warm=False)
+    assert got["tokens"] == want
+
+
+def test_step_message_round_trip():
+    """A step's host input survives the store's bytes: every array, static flag and None."""
+    bucket = type("B", (), dict(num_tokens=8, num_seqs=2, pages_per_seq=3, num_samples=2,
+                                decode_only=False))()
+    inp = dummy_input(bucket, full=True, max_num_seqs=4, vocab_size=40, lora=True, prompt=True)
+    inp = StepInput(np.arange(8, dtype=np.int32), inp.md, inp.logits_index, inp.sampling,
+                    inp.prev_tokens, inp.prev_index,
+                    np.arange(4, dtype=np.int32).reshape(2, 2), inp.lora_index,
+                    inp.prompt_targets)
+    kind, header, arrays = multihost.decode(multihost.step_message(inp, prev_step=7))
+    assert kind == "step" and header["prev_step"] == 7
+    back = multihost.step_input(header, arrays, prev_tokens=None)
+    assert isinstance(back.md, AttentionMetadata) and isinstance(back.sampling, SamplingArrays)
+    assert back.md.decode_only is False and back.prev_tokens is None
+    for a, b in zip(*(multihost.jax.tree_util.tree_leaves(x) for x in (
+            StepInput(**{**vars(inp), "prev_tokens": None}),
+            StepInput(**{**vars(back), "prev_tokens": None})))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    plain = dummy_input(bucket, max_num_seqs=4)
+    header = multihost.decode(multihost.step_message(plain, None))[1]
+    assert header["prev_step"] is None and header["token_bitmask"] is None
+    assert header["prompt_targets"] is None and header["lora_index"] is None
+
+
+def test_engine_refuses_to_run_on_a_follower(monkeypatch):
+    from jaxinfer.errors import ConfigError
+    monkeypatch.setattr(multihost.jax, "process_count", lambda: 2)
+    monkeypatch.setattr(multihost.jax, "process_index", lambda: 1)
+    model_cfg, cfg, graphdef, params, Engine = worker.engine(1)
+    with pytest.raises(ConfigError, match="process 0 only"):
+        Engine(model_cfg, EngineConfig(**worker.ENGINE), graphdef, params)

@@ -1,0 +1,82 @@
+"""One process of a multi-process engine on the CPU (tests/engine/test_multihost.py):
+
+    python tests/multihost_worker.py PROCESS_ID NUM_PROCESSES PORT OUT_JSON
+
+Each process has 2 CPU devices and joins the job over loopback (gloo collectives); the tiny
+model is tensor-parallel over all of them. Process 0 runs the engine on the requests of
+`requests()` and writes each one's tokens to OUT_JSON; the others follow it."""
+import json
+import os
+import sys
+
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import jax  # noqa: E402
+
+from jaxinfer import multihost  # noqa: E402
+
+ENGINE = dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32, page_size=4)
+
+
+def requests():
+    """(prompt, SamplingParams fields): greedy, seeded sampling, logprobs, n > 1."""
+    from engine_util import random_prompts
+    prompts = random_prompts(6, lo=3, hi=60, seed=13)
+    params = [dict(temperature=0.0, max_tokens=12, ignore_eos=True),
+              dict(temperature=0.8, seed=5, max_tokens=10, ignore_eos=True, logprobs=2),
+              dict(temperature=0.0, max_tokens=8, ignore_eos=True, n=2),
+              dict(temperature=0.9, top_k=20, seed=9, max_tokens=14, ignore_eos=True),
+              dict(temperature=0.0, max_tokens=5, ignore_eos=True, prompt_logprobs=1),
+              dict(temperature=0.0, max_tokens=16, ignore_eos=True)]
+    return prompts, params
+
+
+def engine(tp: int):
+    import jax.numpy as jnp
+    from checkpoints.model_state import build_model
+    from dense_reference import random_flat
+    from engine_util import TINY
+    from jaxinfer.config import EngineConfig
+    from jaxinfer.engine import Engine
+    from jaxinfer.sharding import make_layout
+    cfg = EngineConfig(**ENGINE, tensor_parallel=tp)
+    graphdef, params = build_model(TINY, random_flat(TINY, seed=11, std=0.08), jnp.float32,
+                                   layout=make_layout(TINY, tp))
+    return TINY, cfg, graphdef, params, Engine
+
+
+def run(engine_, warm: bool = True) -> list:
+    """Each request's completions' tokens, in request order."""
+    from jaxinfer.request import SamplingParams
+    if warm:
+        engine_.warmup(progress=False)
+    prompts, params = requests()
+    ids = [engine_.add_request(p, SamplingParams(**kw)) for p, kw in zip(prompts, params)]
+    done = engine_.run_until_done(use_tqdm=False)
+    return [[c.token_ids for c in done[i].outputs] for i in ids]
+
+
+def main():
+    pid, nproc, port, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+    multihost.initialize(multihost.DistributedConfig(f"127.0.0.1:{port}", nproc, pid,
+                                                     heartbeat_timeout_s=10))
+    tp = jax.device_count()
+    model_cfg, cfg, graphdef, params, Engine = engine(tp)
+    if pid == 0:
+        eng = Engine(model_cfg, cfg, graphdef, params)
+        tokens = run(eng)
+        eng.release_followers()
+        with open(out, "w") as f:
+            json.dump({"tokens": tokens, "devices": jax.device_count()}, f)
+    else:
+        from jaxinfer.buckets import Buckets
+        from jaxinfer.runner import ModelRunner
+        runner = ModelRunner(model_cfg, cfg, graphdef, params)
+        multihost.follow(runner, Buckets.from_config(cfg.for_backend(jax.default_backend()))
+                         .all_buckets())
+    jax.distributed.shutdown()
+
+
+if __name__ == "__main__":
+    main()
