@@ -310,7 +310,12 @@ class Engine(EngineLoRA, EngineSpeculation):
                             "wait": self._waited}
 
     def _recover(self, error: Exception) -> None:
-        """After a failed step: its requests fail, the rest start over (see `step`)."""
+        """After a failed step: its requests fail, the rest start over (see `step`). Across
+        processes nothing is recovered: a failed step most likely lost a process, and the
+        others cannot go on without it."""
+        if self.runner.mirror is not None:
+            raise EngineDeadError(f"a step failed in a job of {jax.process_count()} processes, "
+                                  f"which cannot recover it: {error!r}") from error
         blamed = self._blame
         failed = ([r.request_id for r in blamed.rows] if blamed is not None
                   else [r.request_id for r in self.scheduler.running])

@@ -70,6 +70,17 @@ def _client():
     return client
 
 
+COMPILE_BARRIER_S = 3600    # how long a process waits for the others to finish compiling
+
+
+def barrier(name: str, timeout_s: float = COMPILE_BARRIER_S) -> None:
+    """Wait until every process of the job reaches `name` (a no-op on one process). Before
+    its first run a newly compiled program waits here: processes compile at their own speed,
+    and a collective's peers wait only seconds for each other."""
+    if jax.process_count() > 1:
+        _client().wait_at_barrier(name, int(timeout_s * 1000))
+
+
 def encode(kind: str, header: dict, arrays: dict[str, np.ndarray]) -> bytes:
     """One message: a JSON header and named numpy arrays (np.savez, no pickles)."""
     buf = io.BytesIO()

@@ -31,7 +31,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxinfer import drafting, executable_store, kv_calibration, lora_layers, sampling
+from jaxinfer import (drafting, executable_store, kv_calibration, lora_layers, multihost,
+                      sampling)
 from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.errors import ConfigError
 from jaxinfer.executable_store import ExecutableStore
@@ -233,6 +234,7 @@ class ModelRunner:
         # is in flight (zeros: a step whose rows take no pending token).
         self.mirror = None
         self._quiet = False
+        self._compiles = 0     # compile_ahead calls: the barriers' names
         self._recent: dict[int, object] = {}
         self.no_prev = jax.device_put(np.zeros(engine.max_num_seqs, np.int32))
         self._step_fn = jax.jit(functools.partial(_packed_step, graphdef, self.routes,
@@ -374,8 +376,11 @@ class ModelRunner:
         persistent buffers, so the caller may keep them across later steps either way. `kv`
         is donated. For the bench's back to back runs."""
         p = self.prepare(inp)
-        fn = (self._executables.get(p.signature)
-              or functools.partial(self._step_fn, spec=p.spec))   # not compiled ahead: jit
+        fn = self._executables.get(p.signature)
+        if fn is None and jax.process_count() > 1:   # compiled by every process, then run
+            self.compile_ahead([p])
+            fn = self._executables[p.signature]
+        fn = fn or functools.partial(self._step_fn, spec=p.spec)  # not compiled ahead: jit
         slot, outs = self._step_buffers(p)
         try:
             kv, slot, results = fn(self._leaves, kv, slot, outs, p.buf, p.prev_tokens,
@@ -449,6 +454,8 @@ class ModelRunner:
                     self.store.save(futures[done], compiled, from_jax_cache)
                 if on_done is not None:
                     on_done()
+        self._compiles += 1       # several processes: none runs a new program before all
+        multihost.barrier(f"jaxinfer/compiled/{self._compiles}")   # have it (multihost.py)
         return len(lowered)
 
     def warmup(self, buckets, on_done=None, variants=("plain", "full")) -> None:

@@ -1,10 +1,11 @@
 """One process of a multi-process engine on the CPU (tests/engine/test_multihost.py):
 
-    python tests/multihost_worker.py PROCESS_ID NUM_PROCESSES PORT OUT_JSON
+    python tests/multihost_worker.py PROCESS_ID NUM_PROCESSES PORT OUT_JSON [DIE_AFTER]
 
 Each process has 2 CPU devices and joins the job over loopback (gloo collectives); the tiny
 model is tensor-parallel over all of them. Process 0 runs the engine on the requests of
-`requests()` and writes each one's tokens to OUT_JSON; the others follow it."""
+`requests()` and writes each one's tokens to OUT_JSON; the others follow it. DIE_AFTER (a
+follower's): it exits abruptly when the leader's message number DIE_AFTER arrives."""
 import json
 import os
 import sys
@@ -57,6 +58,18 @@ def run(engine_, warm: bool = True) -> list:
     return [[c.token_ids for c in done[i].outputs] for i in ids]
 
 
+def _die_after(n: int) -> None:
+    recv, count = multihost.Channel.recv, [0]
+
+    def dying(self):
+        count[0] += 1
+        if count[0] == n:
+            print("follower exits", flush=True)
+            os._exit(9)
+        return recv(self)
+    multihost.Channel.recv = dying
+
+
 def main():
     pid, nproc, port, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
     multihost.initialize(multihost.DistributedConfig(f"127.0.0.1:{port}", nproc, pid,
@@ -70,6 +83,8 @@ def main():
         with open(out, "w") as f:
             json.dump({"tokens": tokens, "devices": jax.device_count()}, f)
     else:
+        if len(sys.argv) > 5:
+            _die_after(int(sys.argv[5]))
         from jaxinfer.buckets import Buckets
         from jaxinfer.runner import ModelRunner
         runner = ModelRunner(model_cfg, cfg, graphdef, params)

@@ -3,9 +3,11 @@ loopback (gloo collectives), tensor parallel 4 across both; the leader's engine 
 tokens of one process on one device, greedy and seeded sampling, n > 1 and prompt logprobs
 included, with async scheduling (its steps take pending tokens from the step before)."""
 import json
+import re
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -27,22 +29,51 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_processes_tp4_equal_one_device(tmp_path):
-    out, port = tmp_path / "tokens.json", _free_port()
-    procs = [subprocess.Popen([sys.executable, str(WORKER), str(pid), "2", str(port), str(out)],
+def _run_pair(out: Path, *follower_args: str, timeout: float = 400):
+    """The worker as 2 processes; returns (return codes, outputs, seconds each took),
+    leader first."""
+    port = _free_port()
+    t0 = time.monotonic()
+    procs = [subprocess.Popen([sys.executable, str(WORKER), str(pid), "2", str(port), str(out),
+                               *(follower_args if pid else ())],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for pid in (1, 0)]
+             for pid in (0, 1)]
     try:
-        logs = [p.communicate(timeout=400)[0] for p in procs]
+        logs, took = [], []
+        for p in procs:
+            logs.append(p.communicate(timeout=timeout)[0])
+            took.append(time.monotonic() - t0)
     finally:
         for p in procs:
             p.kill()
-    assert [p.returncode for p in procs] == [0, 0], "\n".join(logs)[-3000:]
+    return [p.returncode for p in procs], logs, took
+
+
+def test_two_processes_tp4_equal_one_device(tmp_path):
+    out = tmp_path / "tokens.json"
+    codes, logs, _ = _run_pair(out)
+    assert codes == [0, 0], "\n".join(logs)[-3000:]
     got = json.loads(out.read_text())
     assert got["devices"] == 4
     model_cfg, cfg, graphdef, params, Engine = worker.engine(1)
     want = worker.run(Engine(model_cfg, cfg, graphdef, params), warm=False)
     assert got["tokens"] == want
+
+
+def test_a_lost_follower_ends_the_leader_loudly_and_soon(tmp_path):
+    """The follower exits mid-run: the leader's step fails, its engine is dead (no recovery
+    across processes: EngineDeadError), and JAX's coordination service, missing the
+    follower's heartbeats (10 s here), names the lost process; the leader ends non-zero
+    instead of hanging."""
+    out = tmp_path / "tokens.json"
+    codes, logs, took = _run_pair(out, "12", timeout=300)
+    assert "follower exits" in logs[1] and codes[1] == 9
+    assert codes[0] != 0 and not out.exists()
+    assert "EngineDeadError: a step failed in a job of 2 processes" in logs[0], logs[0][-3000:]
+    # JAX's words: "Task 1 heartbeat timeout" or "unhealthy (stopped sending heartbeats):\n1"
+    assert re.search(r"Task 1 heartbeat timeout|stopped sending heartbeats\):\s*1", logs[0]), \
+        logs[0][-3000:]
+    assert took[0] < 200, f"the leader took {took[0]:.0f} s to end"
 
 
 def test_step_message_round_trip():
