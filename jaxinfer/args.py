@@ -101,6 +101,42 @@ def add_engine_args(p: argparse.ArgumentParser):
                    help="steps with more running requests than this do not speculate")
 
 
+def add_distributed_args(p: argparse.ArgumentParser):
+    g = p.add_argument_group(
+        "several processes", "one model over several processes (hosts), JAX's "
+        "multi-controller runtime: run the same command in every process; process 0 "
+        "serves, the others follow it. Set --tensor-parallel to the devices of all of them")
+    g.add_argument("--coordinator-address", default=None, metavar="HOST:PORT",
+                   help="process 0's coordination service")
+    g.add_argument("--num-processes", type=int, default=None, help="processes in the job")
+    g.add_argument("--process-id", type=int, default=None, help="this process's number")
+    g.add_argument("--distributed", action="store_true",
+                   help="join a job whose settings JAX detects (SLURM, Open MPI, ...)")
+    g.add_argument("--heartbeat-timeout", type=int, default=30, metavar="S",
+                   help="a process silent this long is declared dead and the job ends")
+
+
+def distributed_from_args(args):
+    """multihost.DistributedConfig of the flags (add_distributed_args), None: one process."""
+    given = (args.coordinator_address, args.num_processes, args.process_id)
+    if not args.distributed and all(v is None for v in given):
+        return None
+    from jaxinfer.multihost import DistributedConfig
+    return DistributedConfig(*given, heartbeat_timeout_s=args.heartbeat_timeout)
+
+
+def run_in_job(args, func) -> int:
+    """func(args) here; in a job of several processes (add_distributed_args) on process 0
+    only, while every other process follows it (multihost.py)."""
+    distributed = distributed_from_args(args)
+    if distributed is not None:
+        from jaxinfer import multihost
+        if not multihost.join(distributed):
+            from jaxinfer.follower import follow_model
+            return follow_model(args.model, engine_config_from_args(args))
+    return func(args)
+
+
 def engine_config_from_args(args) -> EngineConfig:
     """The EngineConfig the engine flags (add_engine_args) describe."""
     return EngineConfig(

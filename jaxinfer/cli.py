@@ -10,8 +10,8 @@ import sys
 from bench.cli import add_bench_arguments, run_bench
 from checkpoints.calibrate import DEFAULT_WINDOWS
 from checkpoints.convert import convert
-from jaxinfer.args import (add_engine_args, add_sampling_args, engine_config_from_args,
-                           sampling_params_from_args)
+from jaxinfer.args import (add_distributed_args, add_engine_args, add_sampling_args,
+                           engine_config_from_args, run_in_job, sampling_params_from_args)
 from jaxinfer.batch_generate import run_batch_file
 from jaxinfer.config import WEIGHT_FORMATS
 from jaxinfer.errors import JaxinferError
@@ -77,6 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
                                     "batch output lines for batch lines); re-running skips ids "
                                     "and custom_ids already there")
     add_engine_args(g)
+    add_distributed_args(g)
     add_sampling_args(g)
 
     c = command("convert", "convert a checkpoint to the fast-loading orbax form",
@@ -115,6 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        if hasattr(args, "coordinator_address"):     # generate, serve: may run as a job
+            return run_in_job(args, args.func)
         return args.func(args)
     except JaxinferError as e:
         print(f"jaxinfer: error: {e}", file=sys.stderr)

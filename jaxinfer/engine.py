@@ -24,6 +24,7 @@ verifies them (a verify bucket); it is read at once, since what it keeps decides
 """
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import itertools
 import logging
@@ -138,6 +139,7 @@ class Engine(EngineLoRA, EngineSpeculation):
             if on:
                 raise ConfigError(f"{flag} is not supported across several processes yet")
         self.runner.mirror = RunnerMirror()
+        atexit.register(self.release_followers)   # the followers end with this process
 
     def release_followers(self) -> None:
         """Several processes: let the followers' `multihost.follow` return (the engine

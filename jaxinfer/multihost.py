@@ -62,6 +62,12 @@ def initialize(cfg: DistributedConfig) -> None:
              jax.process_count(), jax.local_device_count(), jax.device_count())
 
 
+def join(cfg: DistributedConfig) -> bool:
+    """initialize, then whether this process leads (process 0)."""
+    initialize(cfg)
+    return jax.process_index() == 0
+
+
 def _client():
     from jax._src import distributed
     client = distributed.global_state.client

@@ -13,8 +13,8 @@ import sys
 import time
 from pathlib import Path
 
-from jaxinfer.args import (add_engine_args, add_sampling_args, engine_config_from_args,
-                           sampling_params_from_args)
+from jaxinfer.args import (add_distributed_args, add_engine_args, add_sampling_args,
+                           engine_config_from_args, run_in_job, sampling_params_from_args)
 from jaxinfer.engine import Engine
 from jaxinfer.errors import ConfigError, JaxinferError
 from serve.client import Client
@@ -47,6 +47,7 @@ def _token(args) -> str | None:
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     add_engine_args(p)
+    add_distributed_args(p)
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: all)")
     g.add_argument("--port", type=int, default=50051, help="gRPC port (0: any free port)")
@@ -184,7 +185,7 @@ def main(argv=None, on_engine=None) -> int:
                                             "(= `jaxinfer serve`).")
     add_serve_arguments(p)
     try:
-        return run_serve(p.parse_args(argv), on_engine)
+        return run_in_job(p.parse_args(argv), lambda args: run_serve(args, on_engine))
     except JaxinferError as e:
         print(f"jaxinfer serve: error: {e}", file=sys.stderr)
         return 2

@@ -3,6 +3,7 @@ loopback (gloo collectives), tensor parallel 4 across both; the leader's engine 
 tokens of one process on one device, greedy and seeded sampling, n > 1 and prompt logprobs
 included, with async scheduling (its steps take pending tokens from the step before)."""
 import json
+import os
 import re
 import socket
 import subprocess
@@ -107,3 +108,42 @@ def test_engine_refuses_to_run_on_a_follower(monkeypatch):
     model_cfg, cfg, graphdef, params, Engine = worker.engine(1)
     with pytest.raises(ConfigError, match="process 0 only"):
         Engine(model_cfg, EngineConfig(**worker.ENGINE), graphdef, params)
+
+
+def test_jaxinfer_generate_as_a_two_process_job_equals_one_process(tmp_path):
+    """`jaxinfer generate` run as a job (the same command in 2 processes x 2 CPU devices,
+    --tensor-parallel 4): process 0 writes SmolLM2's answers, token for token those of
+    LLM.generate in one process on one device; process 1 follows and exits 0."""
+    from jaxinfer import LLM, SamplingParams
+    lines = [{"id": "a", "prompt": "The capital of France is", "max_tokens": 8,
+              "temperature": 0},
+             {"id": "b", "prompt": "def fibonacci(n):", "max_tokens": 12, "temperature": 0},
+             {"id": "c", "messages": [{"role": "user", "content": "Name three colors."}],
+              "max_tokens": 10, "temperature": 0.7, "seed": 3}]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    engine = dict(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=256)
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in engine.items()]
+    port, env = _free_port(), {**os.environ,
+                               "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    procs = [subprocess.Popen(
+        [sys.executable, "-m", "jaxinfer.cli", "generate", "--input", "in.jsonl",
+         "--output", f"out{pid}.jsonl", "--tensor-parallel", "4", *flags,
+         "--coordinator-address", f"127.0.0.1:{port}", "--num-processes", "2",
+         "--process-id", str(pid)], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True) for pid in (0, 1)]
+    try:
+        logs = [p.communicate(timeout=400)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(logs)[-3000:]
+    assert not (tmp_path / "out1.jsonl").exists()
+    results = (tmp_path / "out0.jsonl").read_text().splitlines()
+    got = {r["id"]: r["token_ids"] for r in map(json.loads, results)}
+    llm = LLM("smollm2", **engine)
+    want = llm.generate([x.get("prompt") or x["messages"] for x in lines],
+                        [SamplingParams(**{k: v for k, v in x.items()
+                                           if k not in ("id", "prompt", "messages")})
+                         for x in lines], use_tqdm=False)
+    assert got == {x["id"]: w.token_ids for x, w in zip(lines, want)}
+    assert llm.tokenizer.decode(got["a"]).startswith(" Paris")
