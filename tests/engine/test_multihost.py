@@ -62,19 +62,47 @@ def test_two_processes_tp4_equal_one_device(tmp_path):
 
 
 def test_a_lost_follower_ends_the_leader_loudly_and_soon(tmp_path):
-    """The follower exits mid-run: the leader's step fails, its engine is dead (no recovery
-    across processes: EngineDeadError), and JAX's coordination service, missing the
-    follower's heartbeats (10 s here), names the lost process; the leader ends non-zero
-    instead of hanging."""
+    """The follower exits mid-run: the leader ends non-zero instead of hanging, JAX's
+    coordination service naming the process whose heartbeats (10 s here) stopped. (Whether
+    the leader's next step fails first, EngineDeadError, depends on the machine's speed.)"""
     out = tmp_path / "tokens.json"
     codes, logs, took = _run_pair(out, "12", timeout=300)
     assert "follower exits" in logs[1] and codes[1] == 9
     assert codes[0] != 0 and not out.exists()
-    assert "EngineDeadError: a step failed in a job of 2 processes" in logs[0], logs[0][-3000:]
     # JAX's words: "Task 1 heartbeat timeout" or "unhealthy (stopped sending heartbeats):\n1"
     assert re.search(r"Task 1 heartbeat timeout|stopped sending heartbeats\):\s*1", logs[0]), \
         logs[0][-3000:]
     assert took[0] < 200, f"the leader took {took[0]:.0f} s to end"
+
+
+class _NoFollowers:
+    """A RunnerMirror that sends nothing."""
+
+    def step(self, *_):
+        pass
+
+    def call(self, *_, **__):
+        pass
+
+
+def test_a_failed_step_across_processes_is_not_recovered():
+    """On one process a failed step fails its requests and the rest go on; across processes
+    the engine is dead at once (EngineDeadError), since a peer is most likely gone."""
+    from jaxinfer.errors import EngineDeadError
+    from jaxinfer.request import SamplingParams
+    model_cfg, cfg, graphdef, params, Engine = worker.engine(1)
+    engine = Engine(model_cfg, cfg, graphdef, params)
+    engine.runner.mirror = _NoFollowers()
+    engine.add_request({"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=4))
+
+    def fail(phase, runner):
+        if phase == "dispatched":
+            raise RuntimeError("a peer is gone")
+    engine.runner.fault_hook = fail
+    with pytest.raises(EngineDeadError, match="job of .* processes"):
+        engine.step()
+    engine.runner.mirror = None                        # one process: recovered
+    assert [o.finish_reason for o in engine.step()] == ["error"]
 
 
 def test_step_message_round_trip():
