@@ -6,7 +6,8 @@ lowers each of its executables before the cache can answer. This store keys each
 step by what shapes it instead, and keeps the executable serialized
 (jax.experimental.serialize_executable) under that key:
   - jaxinfer's own code: every .py file of jaxinfer, pallas_kernels and checkpoints;
-  - jax, jaxlib and flax versions, the devices, XLA_FLAGS and JAX's configuration options;
+  - jax, jaxlib and flax versions, the platform's devices, the devices the steps run on,
+    XLA_FLAGS and JAX's configuration options;
   - the model and engine configs and the kernels' routes;
   - the params' and KV cache's tree structure, shapes, dtypes and shardings;
   - the step's input signature (bucket and sampling variant).
@@ -75,14 +76,18 @@ def _avals(tree) -> str:
 
 
 class ExecutableStore:
-    def __init__(self, directory: str | Path, *context):
+    def __init__(self, directory: str | Path, *context, devices=None):
         """`context`: what besides the code and the platform shapes the steps (the configs,
-        routes, params and KV cache); hashed once here."""
+        routes, params and KV cache); hashed once here. `devices`: those the steps run on, in
+        the order they were compiled for (a mesh's); None: the default device. A loaded step
+        runs on them, not on every device of the platform."""
         self.directory = Path(directory)
+        self.devices = list(devices) if devices is not None else jax.devices()[:1]
         jax_options = {k: v for k, v in jax.config.values.items() if "cache" not in k}
         h = hashlib.sha256()
         for part in (source_digest(), jax.__version__, jax.lib.__version__, flax.__version__,
                      repr([(d.platform, d.device_kind) for d in jax.devices()]),
+                     repr([d.id for d in self.devices]),
                      os.environ.get("XLA_FLAGS", ""), repr(sorted(jax_options.items())),
                      *(c if isinstance(c, str) else _avals(c) for c in context)):
             h.update(part.encode())
@@ -91,12 +96,12 @@ class ExecutableStore:
         self.loaded = 0     # executables loaded from the store so far
 
     @classmethod
-    def for_jax_cache(cls, *context) -> "ExecutableStore | None":
+    def for_jax_cache(cls, *context, devices=None) -> "ExecutableStore | None":
         """The store in JAX's persistent cache directory, or None when that cache is off."""
         cache_dir = jax.config.jax_compilation_cache_dir
         if not jax.config.jax_enable_compilation_cache or not cache_dir:
             return None
-        return cls(Path(cache_dir) / "jaxinfer-steps", *context)
+        return cls(Path(cache_dir) / "jaxinfer-steps", *context, devices=devices)
 
     def _path(self, signature) -> Path:
         key = hashlib.sha256((self._context + repr(signature)).encode()).hexdigest()
@@ -109,7 +114,8 @@ class ExecutableStore:
             return None
         try:
             payload, in_tree, out_tree = pickle.loads(path.read_bytes())
-            compiled = serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
+            compiled = serialize_executable.deserialize_and_load(
+                payload, in_tree, out_tree, execution_devices=self.devices)
         except Exception as e:
             log.warning("ignoring the stored step %s (%s: %s); compiling it again", path.name,
                         type(e).__name__, e)

@@ -258,7 +258,8 @@ class ModelRunner:
                      if self.engine.max_loras else None)
         # Compiled steps on disk, loaded without tracing on a restart (executable_store.py).
         self.store = ExecutableStore.for_jax_cache(
-            repr(cfg), repr(self.engine), repr(self.routes), params, self.kv)
+            repr(cfg), repr(self.engine), repr(self.routes), params, self.kv,
+            devices=None if self.layout.mesh is None else self.layout.mesh.devices.flat)
         self._buffers: dict = {}  # input signature -> (slot, output buffers or None)
         # Fault injection for tests: called as fault_hook(phase, runner) at "dispatch" (before
         # the step's call), "dispatched" (after it: the cache was donated) and "fetch" (before

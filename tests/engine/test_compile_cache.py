@@ -64,10 +64,14 @@ print(json.dumps({"compiled": CompileCounter.count() - CompileCounter.loaded(),
 """
 
 
-def _start(setting: str, cache_env: str | None = None):
+def _start(setting: str, cache_env: str | None = None, devices: int = 1):
+    """devices: CPU devices the process has (the engine runs on one of them)."""
     env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
     if cache_env:
         env["JAX_COMPILATION_CACHE_DIR"] = cache_env
+    if devices > 1:
+        env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "")
+                            + f" --xla_force_host_platform_device_count={devices}").strip()
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS), env.get("PYTHONPATH")]))
     proc = subprocess.run([sys.executable, "-c", _START, setting], env=env, text=True,
                           capture_output=True, timeout=600, cwd=TESTS.parent)
@@ -75,17 +79,18 @@ def _start(setting: str, cache_env: str | None = None):
     return json.loads(proc.stdout.strip().splitlines()[-1]), proc.stderr
 
 
-def test_a_restart_on_the_same_cache_compiles_nothing(tmp_path):
+def test_a_restart_on_the_same_cache_compiles_nothing(tmp_path, devices=2):
     """Engine start-up against an empty cache compiles; the same start in a new process on
     that cache loads every executable (0 compiled), its steps from the executable store
-    without tracing them (0 lowered), and answers the same."""
+    without tracing them (0 lowered), and answers the same. The processes have two devices
+    and the engine one: a stored step loads onto the engine's device, not onto both."""
     cache = tmp_path / "xla"
-    first, _ = _start(str(cache))
+    first, _ = _start(str(cache), devices=devices)
     assert first["compiled"] > 0 and first["warm"]["compiles"] > 0 and first["lowered"] > 0
     assert first["warm"]["loaded_from_store"] == 0
     assert any(cache.iterdir()), "nothing written to the cache"
     assert len(list((cache / "jaxinfer-steps").iterdir())) == first["lowered"]
-    again, _ = _start(str(cache))
+    again, _ = _start(str(cache), devices=devices)
     assert again["compiled"] == 0 and again["warm"]["compiles"] == 0
     assert again["lowered"] == 0 and again["warm"]["loaded_from_store"] == first["lowered"]
     assert again["loaded"] + again["warm"]["loaded_from_store"] >= first["warm"]["compiles"]
@@ -110,7 +115,7 @@ def test_steps_answered_by_the_jax_cache_are_not_stored(tmp_path):
 
 @pytest.mark.gpu
 def test_on_the_gpu_a_restart_loads_every_step_from_the_store(tmp_path):
-    test_a_restart_on_the_same_cache_compiles_nothing(tmp_path)
+    test_a_restart_on_the_same_cache_compiles_nothing(tmp_path, devices=1)
 
 
 def test_a_corrupt_cache_entry_is_skipped_with_a_warning(tmp_path):
