@@ -3,7 +3,7 @@
     out    = scheduler.schedule()                 which requests, how many tokens each
     arrays = batch.prepare(out, bucket, S)        numpy, padded to one bucket
     y      = runner.submit(build_step_input(...)) ONE jitted call, KV donated; scheduler.commit
-    return self._update(out, y)                   tokens in (scheduler.resolve), text out
+    return self._finish(out, y)                   tokens in (scheduler.resolve), text out
 
 Only this class touches both sides. Text (detokenization, stop strings) lives here because
 the scheduler sees token ids only.
@@ -14,8 +14,9 @@ sampled tokens PENDING); the next step is scheduled and dispatched at once, its 
 taking their input token from step t's device output; then step t's tokens are fetched and
 resolved (text, stop strings, finishing). So `step()` returns the outputs of the step before
 the one it dispatched. A request that turns out to be finished at t wastes its row in t+1;
-steps whose running requests use penalties or a grammar wait for the previous step first
-(the penalty window and the grammar's next token bitmask need the last token).
+steps whose running requests use penalties or a grammar wait for the previous step's tokens
+first (the penalty window and the grammar's next token bitmask need the last token), and
+leave its text work until they are dispatched.
 
 Speculative decoding (EngineConfig.num_speculative_tokens, speculative.py): while every
 running request is in decode, none waits and there are at most speculative_rows of them, the
@@ -31,7 +32,6 @@ import logging
 import time
 
 import jax
-import numpy as np
 from tqdm import tqdm
 
 from jaxinfer import batch, compile_cache
@@ -39,12 +39,13 @@ from jaxinfer.buckets import Buckets
 from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.errors import ConfigError, EngineDeadError
 from jaxinfer.engine_io import (Detokenized, build_step_input, check_params_for_model,
-                                logprob_dict, pending_source, prompt_token_ids)
+                                pending_source, prompt_token_ids)
 from jaxinfer.loading import load_model
 from jaxinfer.engine_lora import EngineLoRA
+from jaxinfer.engine_outputs import EngineOutputs
 from jaxinfer.engine_spec import EngineSpeculation
 from jaxinfer.lora import LoRARegistry
-from jaxinfer.prompt_logprobs import PromptLogprobs, record_step, step_targets
+from jaxinfer.prompt_logprobs import PromptLogprobs, step_targets
 from jaxinfer.errors import InvalidRequestError
 from jaxinfer.request import FinishReason, Request, RequestOutput, SamplingParams
 from jaxinfer.request_group import RequestGroups, completion_id
@@ -53,7 +54,6 @@ from jaxinfer.runner import CompileCounter, ModelRunner
 from jaxinfer.sampling import uses_penalty
 from jaxinfer.scheduler import Scheduler
 from jaxinfer.scheduler_output import SchedulerOutput
-from jaxinfer.sharding import fetch
 from jaxinfer.structured_output import RequestGrammars
 
 
@@ -73,7 +73,7 @@ class _InFlight:
     waits: bool = False
 
 
-class Engine(EngineLoRA, EngineSpeculation):
+class Engine(EngineLoRA, EngineSpeculation, EngineOutputs):
     def __init__(self, cfg: ModelConfig, engine_cfg: EngineConfig, graphdef, params,
                  tokenizer=None, *, model_name: str | None = None, routes: Routes | None = None,
                  draft_model=None):
@@ -108,6 +108,7 @@ class Engine(EngineLoRA, EngineSpeculation):
         self.last_host_s = 0.0
         self.last_phases: dict[str, float] = {}
         self._inflight: _InFlight | None = None
+        self._later = None   # a read step's text work, left until the next is dispatched
         self._outputs: list[RequestOutput] = []   # the current step's, so far
         self._deltas = True                       # the current step's `deltas`
         self._blame = None   # the SchedulerOutput of the step being dispatched or read
@@ -240,6 +241,7 @@ class Engine(EngineLoRA, EngineSpeculation):
         try:
             self._step()
         except Exception as e:
+            self._outputs += self._take_later()   # the tokens taken before the failure
             self._recover(e)
         return self._outputs
 
@@ -249,18 +251,24 @@ class Engine(EngineLoRA, EngineSpeculation):
         self._waited = 0.0
         outputs = self._outputs
         prev = self._inflight
-        if prev is not None and ((prev.waits and self._needs_last_tokens())
-                                 or self._may_speculate()):
+        later = None
+        if prev is not None and self._may_speculate():
             outputs += self._finish(prev)
             prev = self._inflight = None
+        elif prev is not None and prev.waits and self._needs_last_tokens():
+            # Penalty windows and grammar masks need the tokens now; their text can wait
+            # until this step is on the device.
+            later = self._finish(prev, text_later=True)
+            prev = self._inflight = None
         t1 = clock()
+        waited_early = self._waited
         self._blame = None     # a failure in the scheduler: every running request
         out = self.scheduler.schedule(self._drafts() if prev is None else None)
         if self.loras is not None:
             out = self._load_lora_slots(out)
         if out.verify and getattr(self.proposer, "on_device", False):
             out = self._draft_on_device(out)
-        t2 = ta = tb = t3 = t4 = t5 = clock()
+        t2 = ta = tb = t3 = tc = t4 = t5 = clock()
         new = None
         if not out.is_empty:
             self._blame = out
@@ -278,7 +286,7 @@ class Engine(EngineLoRA, EngineSpeculation):
                 else None)
             tb = clock()
             inp = self.runner.prepare(step_input)
-            t3 = clock()
+            t3 = tc = clock()
             sampled, next_tokens = self.runner.submit(inp)
             t4 = clock()
             self.scheduler.commit(out)
@@ -293,7 +301,9 @@ class Engine(EngineLoRA, EngineSpeculation):
                            or self._grammars.any_of(arrays.request_ids)))
             self.num_steps += 1
             t5 = clock()
-        waited_before = self._waited
+        waited_before = self._waited     # the early read's and the sync's
+        if later is not None:
+            outputs += later()
         if prev is not None:
             outputs += self._finish(prev)
         if new is not None and (not self.config.async_scheduling or out.verify):
@@ -304,10 +314,10 @@ class Engine(EngineLoRA, EngineSpeculation):
         self.last_step_s = t6 - t0
         self.last_host_s = self.last_step_s - self._waited
         # Where the host's time went (seconds): the bench reports their medians.
-        self.last_phases = {"early_resolve": t1 - t0 - waited_before, "schedule": t2 - t1,
+        self.last_phases = {"early_resolve": t1 - t0 - waited_early, "schedule": t2 - t1,
                             "prepare": t3 - t2, "prepare_arrays": ta - t2,
                             "prepare_input": tb - ta, "prepare_transfer": t3 - tb,
-                            "dispatch": t4 - t3, "commit": t5 - t4,
+                            "sync": tc - t3, "dispatch": t4 - tc, "commit": t5 - t4,
                             "resolve": t6 - t5 - (self._waited - waited_before),
                             "wait": self._waited}
 
@@ -342,96 +352,6 @@ class Engine(EngineLoRA, EngineSpeculation):
         return any(r.num_pending and (uses_penalty(r.sampling_params)
                                       or r.request_id in self._grammars)
                    for r in self.scheduler.running)
-
-    def _finish(self, step: _InFlight) -> list[RequestOutput]:
-        self._blame = step.out
-        if self.runner.fault_hook is not None:
-            self.runner.fault_hook("fetch", self.runner)
-        t = time.perf_counter()
-        sampled = fetch(step.sampled)
-        self._waited += time.perf_counter() - t
-        return self._update(step.out, sampled)
-
-    def _update(self, out: SchedulerOutput, sampled) -> list[RequestOutput]:
-        if out.verify:
-            return self._update_verify(out, sampled)
-        if sampled.prompt is not None:
-            record_step(out, sampled.prompt, self._prompt_lp, self._token_text)
-        tokens = [int(t) for t in sampled.tokens[:out.num_rows]]
-        got_token = {r.request_id: r for r in self.scheduler.resolve(out, tokens)}
-        self.num_generated += len(got_token)
-        outputs = []
-        for b, row in enumerate(out.rows):
-            req = got_token.get(row.request_id)
-            if req is None:
-                continue
-            text = self._text[req.request_id]
-            try:
-                # The grammar, then the text: a complete grammar ends the request as a stop
-                # token or string would.
-                grammar_done = (not req.is_finished
-                                and self._grammars.advance(req.request_id, tokens[b]))
-                delta, stop_hit = text.add(tokens[b], done=req.is_finished or grammar_done,
-                                           defer=not self._deltas)
-            except Exception as e:   # text work fails one request, not the step
-                self._text_failed(outputs, req, e)
-                continue
-            stop_hit = stop_hit or grammar_done
-            if stop_hit and not req.is_finished:
-                self.scheduler.finish(req.request_id, FinishReason.STOP)
-            # A stop string ends the text even when the same token also hit a length limit.
-            reason = FinishReason.STOP if stop_hit else req.finish_reason
-            if req.sampling_params.logprobs is not None:
-                text.logprobs.append(logprob_dict(sampled, b, req.sampling_params.logprobs,
-                                                  self._token_text))
-            self._emit(outputs, req, [tokens[b]], delta, reason)
-        return outputs
-
-    def _text_failed(self, outputs: list, req: Request, error: Exception) -> None:
-        """Text work (detokenizing, stop strings, a grammar) failed for `req`: it alone
-        fails, with what it emitted so far."""
-        log.error("request %s failed after its tokens", req.request_id, exc_info=error)
-        if not req.is_finished:
-            self.scheduler.finish(req.request_id, FinishReason.ERROR)
-        self._groups.emit(outputs, self._error_output(req, error), self._deltas)
-
-    def _emit(self, outputs: list, req: Request, new_ids, delta: str, reason) -> None:
-        """A row's output for this step (every step with deltas, else only its final one)."""
-        if reason is not None or self._deltas:
-            self._groups.emit(outputs, self._output(req, new_ids, delta, reason), self._deltas)
-        if reason is not None:
-            self._forget(req.request_id)
-
-    def _forget(self, request_id: str) -> None:
-        """Drop a finished request's text and grammar state."""
-        del self._text[request_id]
-        self._grammars.forget(request_id)
-        self._prompt_lp.pop(request_id, None)
-
-    def _error_output(self, req: Request, error: Exception) -> RequestOutput:
-        """The final output of a request that failed (its text as far as it was emitted)."""
-        out = self._output(req, [], "", FinishReason.ERROR)
-        out.error = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
-        self._forget(req.request_id)
-        return out
-
-    def _output(self, req: Request, new_ids, delta, reason) -> RequestOutput:
-        text = self._text[req.request_id]
-        return RequestOutput(
-            request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
-            # A copy only when final: copying every step would cost O(length) per row per step
-            # (consumers of intermediate outputs read new_token_ids; see RequestOutput).
-            token_ids=list(req.output_token_ids) if reason else req.output_token_ids,
-            text=text.text, new_token_ids=new_ids,
-            text_delta=delta, finish_reason=reason,
-            logprobs=list(text.logprobs) if req.sampling_params.logprobs is not None else None,
-            prompt_logprobs=self._prompt_logprobs(req.request_id), prompt=text.prompt, ttft_s=req.ttft_s, latency_s=req.latency_s,
-            lora=None if req.lora is None else self.loras.name_of(req.lora))
-
-    def _prompt_logprobs(self, request_id: str):
-        """The request's prompt logprobs once all are in (prompt_logprobs.py), else None."""
-        lp = self._prompt_lp.get(request_id)
-        return lp.entries if lp is not None and lp.done else None
 
     # --- driving ------------------------------------------------------------------------
     @staticmethod

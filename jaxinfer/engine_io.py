@@ -261,8 +261,7 @@ def token_bitmask(arrays: StepArrays, matchers, vocab_size: int):
     if not guided:
         return all_allowed(rows, vocab_size)
     mask = np.full((rows, bitmask_words(vocab_size)), -1, np.int32)
-    for b, matcher in guided:
-        matcher.fill(mask, b)
+    guided[0][1].fill_rows(mask, guided)
     return mask
 
 

@@ -147,6 +147,8 @@ class Grammars:
         self._compiler = xgr.GrammarCompiler(info, max_threads=4,
                                              cache_limit_bytes=GRAMMAR_CACHE_BYTES)
         self._lock = threading.Lock()     # compiles come from the servers' threads too
+        # Fills the masks of a step's grammar rows together, on several threads.
+        self._batch = xgr.BatchGrammarMatcher()
 
     def compile(self, params: StructuredOutputsParams):
         """The compiled grammar (xgrammar caches repeats); InvalidRequestError naming the
@@ -172,7 +174,7 @@ class Grammars:
                                       field=f"structured_outputs.{kind}") from None
 
     def matcher(self, params: StructuredOutputsParams) -> "Matcher":
-        return Matcher(self._xgr.GrammarMatcher(self.compile(params)))
+        return Matcher(self._xgr.GrammarMatcher(self.compile(params)), self._batch)
 
 
 class RequestGrammars:
@@ -230,12 +232,23 @@ class RequestGrammars:
 class Matcher:
     """One generation's place in its grammar."""
 
-    def __init__(self, matcher):
-        self._m = matcher
+    def __init__(self, matcher, batch=None):
+        self._m, self._batch = matcher, batch
 
     def fill(self, mask: np.ndarray, row: int) -> None:
         """Write the tokens allowed next into mask[row]."""
         self._m.fill_next_token_bitmask(mask, row)
+
+    @staticmethod
+    def fill_rows(mask: np.ndarray, rows: list[tuple[int, "Matcher"]]) -> None:
+        """Write each (row, matcher)'s allowed tokens into mask[row]: xgrammar fills them
+        together on several threads (matchers of one model's Grammars)."""
+        if len(rows) == 1 or rows[0][1]._batch is None:
+            for row, m in rows:
+                m.fill(mask, row)
+            return
+        rows[0][1]._batch.batch_fill_next_token_bitmask(
+            [m._m for _, m in rows], mask, [row for row, _ in rows])
 
     def accept(self, token: int) -> bool:
         """Advance by a sampled token; False if the grammar does not allow it."""

@@ -105,6 +105,29 @@ def test_async_runs_one_step_ahead_with_tokens_from_the_device():
     assert engine.num_steps == 5
 
 
+def test_a_penalty_step_takes_the_tokens_first_and_the_text_after_its_dispatch():
+    """A request with a penalty needs the last token before its next step; the rest of the
+    step before it (text, logprobs, outputs) is done while that next step runs."""
+    engine = tiny_engine(async_scheduling=True)
+    events = []
+    submit, text = engine.runner.submit, engine._text_outputs
+    engine.runner.submit = lambda inp: events.append("dispatch") or submit(inp)
+    engine._text_outputs = lambda *a: events.append("text") or text(*a)
+    params = SamplingParams(temperature=0.8, seed=4, max_tokens=6, repetition_penalty=1.3,
+                            logprobs=1, ignore_eos=True)
+    prompt = random_prompts(1, seed=6)[0]
+    engine.add_request(prompt, params)
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    # Each step's text after the next one's dispatch (never dispatch, text, dispatch).
+    assert events[:5] == ["dispatch", "dispatch", "text", "dispatch", "text"], events
+    assert events.count("text") == 6 and events.count("dispatch") == 6
+    want = run_staggered(tiny_engine(async_scheduling=False), [prompt], [params], [0])[0]
+    assert outs[-1].token_ids == want.token_ids and len(outs[-1].logprobs) == 6
+    _same_logprobs([outs[-1]], [want])
+
+
 def test_abort_while_a_step_is_in_flight():
     engine = tiny_engine(async_scheduling=True)
     greedy = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
