@@ -287,6 +287,12 @@ class Engine(EngineLoRA, EngineSpeculation, EngineOutputs):
             tb = clock()
             inp = self.runner.prepare(step_input)
             t3 = tc = clock()
+            if prev is not None:     # its dispatch may still be running (dispatch_thread.py)
+                self._blame = prev.out
+                self.runner.sync()
+                self._blame = out
+                tc = clock()
+                self._waited += tc - t3
             sampled, next_tokens = self.runner.submit(inp)
             t4 = clock()
             self.scheduler.commit(out)

@@ -9,6 +9,7 @@ import functools
 import logging
 import time
 
+from jaxinfer.dispatch_thread import resolve
 from jaxinfer.engine_io import logprob_dict
 from jaxinfer.prompt_logprobs import record_step
 from jaxinfer.request import FinishReason, Request, RequestOutput
@@ -27,7 +28,7 @@ class EngineOutputs:
         if self.runner.fault_hook is not None:
             self.runner.fault_hook("fetch", self.runner)
         t = time.perf_counter()
-        sampled = fetch(step.sampled)
+        sampled = fetch(resolve(step.sampled))
         self._waited += time.perf_counter() - t
         if step.out.verify:
             return self._update_verify(step.out, sampled)

@@ -34,6 +34,7 @@ from flax import nnx
 from jaxinfer import (drafting, executable_store, kv_calibration, lora_layers, multihost,
                       sampling)
 from jaxinfer.config import EngineConfig, ModelConfig
+from jaxinfer.dispatch_thread import DispatchThread, Pending, resolve
 from jaxinfer.errors import ConfigError
 from jaxinfer.executable_store import ExecutableStore
 from jaxinfer.kv_cache import (AttentionMetadata, KVCache, KVLayers, allocate_kv,
@@ -237,6 +238,13 @@ class ModelRunner:
         self._compiles = 0     # compile_ahead calls: the barriers' names
         self._recent: dict[int, object] = {}
         self.no_prev = jax.device_put(np.zeros(engine.max_num_seqs, np.int32))
+        # Steps dispatched from a thread of their own (dispatch_thread.py): on the GPU, where
+        # a sampling conditional blocks the dispatching thread, on one process, without
+        # speculation (its draft model reads the cache between steps).
+        self._thread = None
+        if (jax.default_backend() == "gpu" and jax.process_count() == 1
+                and not engine.num_speculative_tokens):
+            self.start_dispatch_thread()
         self._step_fn = jax.jit(functools.partial(_packed_step, graphdef, self.routes,
                                                   self._treedef, kv_sharding=kv_sharding),
                                 donate_argnums=(1, 2, 3), static_argnames=("spec",))
@@ -268,22 +276,44 @@ class ModelRunner:
 
     def step(self, inp: StepInput | PackedInput) -> sampling.SampleOutput:
         """Run one step; returns the sampled tokens etc. as numpy (the one device->host sync)."""
-        return fetch(self.submit(inp)[0])
+        return fetch(resolve(self.submit(inp)[0]))
 
     def submit(self, inp: StepInput | PackedInput):
         """Dispatch one step without waiting: (SampleOutput, next_tokens [S]), both on the
-        device; the cache is updated in place. Fetch the output with jax.device_get."""
+        device (dispatch_thread.Pending while the dispatch thread runs it: `resolve` them);
+        the cache is updated in place. Fetch the output with sharding.fetch."""
         if self.mirror is not None and not self._quiet:
             self._mirror_step(inp)
         self._num_steps += 1
         if self.fault_hook is not None:
             self.fault_hook("dispatch", self)
-        self.kv, out, next_tokens = self.dispatch(self.kv, inp, self._num_steps)
-        if self.fault_hook is not None:
-            self.fault_hook("dispatched", self)
+        if self._thread is None:
+            out, next_tokens = self._dispatch_step(inp, self._num_steps)
+        else:
+            done = self._thread.call(self._dispatch_step, self.prepare(inp), self._num_steps)
+            out, next_tokens = Pending(done, 0), Pending(done, 1, self.no_prev.shape)
         self._recent[self._num_steps] = next_tokens
         self._recent.pop(self._num_steps - 8, None)
         return out, next_tokens
+
+    def _dispatch_step(self, inp: StepInput | PackedInput, step_index: int):
+        if isinstance(inp.prev_tokens, Pending):      # the step before's: dispatched by now
+            inp = dataclasses.replace(inp, prev_tokens=inp.prev_tokens.get())
+        self.kv, out, next_tokens = self.dispatch(self.kv, inp, step_index)
+        if self.fault_hook is not None:
+            self.fault_hook("dispatched", self)
+        return out, next_tokens
+
+    def start_dispatch_thread(self) -> None:
+        """Dispatch steps from a thread of their own from now on (dispatch_thread.py; on by
+        default on the GPU)."""
+        self._thread = self._thread or DispatchThread()
+
+    def sync(self, raise_errors: bool = True) -> None:
+        """Until the steps handed to the dispatch thread are dispatched (their outputs exist
+        and the cache is the runner's again); raise_errors: raise what a dispatch raised."""
+        if self._thread is not None:
+            self._thread.wait(raise_errors)
 
     @property
     def num_steps(self) -> int:
@@ -309,6 +339,7 @@ class ModelRunner:
         One program of max_num_seqs pairs, padded with (0, 0): page 0 is reserved."""
         if self.mirror is not None and not self._quiet:
             self.mirror.call("copy", pairs=np.array(pairs, np.int32).reshape(-1, 2))
+        self.sync()
         width = self.engine.max_num_seqs
         for i in range(0, len(pairs), width):
             idx = np.zeros((2, width), np.int32)
@@ -318,6 +349,7 @@ class ModelRunner:
     def set_lora_slot(self, slot: int, adapter) -> None:
         """Write `adapter` (lora.LoRAAdapter; None: zeros) into LoRA slot `slot`, after the
         steps dispatched before and before those after. Never compiles after warm-up."""
+        self.sync()
         host = lora_layers.host_slot(adapter, self.cfg, self.engine.max_lora_rank,
                                      jnp.dtype(self.engine.dtype),
                                      {"attn": self.layout.attn, "mlp": self.layout.mlp})
@@ -329,6 +361,7 @@ class ModelRunner:
               ) -> np.ndarray:
         """The on-device proposals [B, k] (numpy; waits for them): drafting.draft_tokens. The
         cache is updated in place, after the steps dispatched before."""
+        self.sync()
         self.kv, out = self._draft_fn(self._leaves, self.kv, tokens, positions, page_table,
                                       seq_lens, lengths, self.lora, lora_index)
         return np.asarray(fetch(out))
@@ -345,12 +378,14 @@ class ModelRunner:
 
     def kv_lost(self) -> bool:
         """The KV cache's buffers are gone (donated to a step that then failed)."""
+        self.sync(raise_errors=False)
         return any(x.is_deleted() for x in jax.tree_util.tree_leaves(self.kv))
 
     def rebuild_kv(self) -> None:
         """A fresh, empty KV cache (and fresh step buffers) after `kv_lost`."""
         if self.mirror is not None:
             self.mirror.call("rebuild")
+        self.sync(raise_errors=False)
         self._buffers.clear()
         for x in jax.tree_util.tree_leaves(self.kv):
             if not x.is_deleted():
@@ -367,7 +402,8 @@ class ModelRunner:
         buf, spec = pack_host(inp)
         prev, mask = inp.prev_tokens, inp.token_bitmask
         return PackedInput(jax.device_put(buf),
-                           prev if isinstance(prev, jax.Array) else jax.device_put(prev), spec,
+                           prev if isinstance(prev, (jax.Array, Pending))
+                           else jax.device_put(prev), spec,
                            mask if mask is None or isinstance(mask, jax.Array)
                            else jax.device_put(mask), source=inp)
 
@@ -480,5 +516,6 @@ class ModelRunner:
 
     def all_logits(self, tokens, md: AttentionMetadata) -> np.ndarray:
         """Teacher-forced logits [T, V] for every new token (tests, perplexity)."""
+        self.sync()
         self.kv, logits = self._logits_fn(self.params, self.kv, jnp.asarray(tokens), md)
         return np.asarray(fetch(logits))

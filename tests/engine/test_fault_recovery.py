@@ -15,7 +15,8 @@ PHASES = ("dispatch", "dispatched", "fetch")
 class Faults:
     """A fault_hook raising at chosen (phase, call number) points, or at random ones; at
     "dispatched" it first deletes the KV cache, as a step that failed after its cache was
-    donated leaves it. Records the request ids of each failed step."""
+    donated leaves it. Records the request ids of each failed step (at "dispatched", those of
+    the step last dispatched: the hook may run on the dispatch thread)."""
 
     def __init__(self, engine, at=(), rate=0.0, seed=0, delete_kv=True):
         self.engine, self.at, self.rate, self.delete_kv = engine, set(at), rate, delete_kv
@@ -25,9 +26,12 @@ class Faults:
 
     def __call__(self, phase, runner):
         self.calls[phase] += 1
+        if phase == "dispatch":
+            self.dispatching = {r.request_id for r in self.engine._blame.rows}
         if (phase, self.calls[phase]) not in self.at and not self.rng.random() < self.rate:
             return
-        self.blamed.append({r.request_id for r in self.engine._blame.rows})
+        self.blamed.append(self.dispatching if phase == "dispatched"
+                           else {r.request_id for r in self.engine._blame.rows})
         if phase == "dispatched" and self.delete_kv:
             for x in jax.tree_util.tree_leaves(runner.kv):
                 x.delete()
@@ -67,10 +71,14 @@ def check_recovered(engine, faults, outs, clean_ids):
     return failed
 
 
-@pytest.mark.parametrize("async_scheduling", [False, True])
+@pytest.mark.parametrize("async_scheduling", [False, True, "thread"])
 @pytest.mark.parametrize("phase", PHASES)
 def test_one_failed_step_fails_only_its_requests(phase, async_scheduling, clean):
-    engine = tiny_engine(async_scheduling=async_scheduling)
+    """"thread": async scheduling with steps dispatched from the dispatch thread."""
+    engine = tiny_engine(async_scheduling=bool(async_scheduling))
+    if async_scheduling == "thread":
+        engine.runner.start_dispatch_thread()
+        async_scheduling = True
     engine.runner.fault_hook = faults = Faults(engine, at=[(phase, 4)])
     prompts, params, arrivals = workload()
     outs = run_staggered(engine, prompts, params, arrivals)
