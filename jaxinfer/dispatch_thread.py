@@ -4,8 +4,9 @@ On the GPU an XLA conditional (the lax.conds of the `full` and `prompt` sampling
 sampling.py) copies its predicate to the host, and the call that dispatched the step returns
 only once the step's forward pass is done. Dispatched from the engine's thread, that leaves
 the host nothing to overlap: it would prepare step t+1 and read step t only after step t's
-forward pass. ModelRunner.submit hands the call to a DispatchThread instead and returns
-Pending outputs at once. The engine prepares the next step and turns the last one's tokens
+forward pass. ModelRunner.submit hands such a step to a DispatchThread instead and returns
+Pending outputs at once (a `plain` step, greedy without a conditional, is dispatched at once:
+handing it over would only add the hop). The engine prepares the next step and turns the last one's tokens
 into text while the thread waits on the device, and waits for the thread (ModelRunner.sync)
 only when it dispatches again.
 

@@ -287,10 +287,12 @@ class ModelRunner:
         self._num_steps += 1
         if self.fault_hook is not None:
             self.fault_hook("dispatch", self)
-        if self._thread is None:
-            out, next_tokens = self._dispatch_step(inp, self._num_steps)
+        p = inp if self._thread is None else self.prepare(inp)
+        if self._thread is None or p.bitmask is None:   # `plain` has no conditional
+            self.sync()
+            out, next_tokens = self._dispatch_step(p, self._num_steps)
         else:
-            done = self._thread.call(self._dispatch_step, self.prepare(inp), self._num_steps)
+            done = self._thread.call(self._dispatch_step, p, self._num_steps)
             out, next_tokens = Pending(done, 0), Pending(done, 1, self.no_prev.shape)
         self._recent[self._num_steps] = next_tokens
         self._recent.pop(self._num_steps - 8, None)
@@ -305,8 +307,9 @@ class ModelRunner:
         return out, next_tokens
 
     def start_dispatch_thread(self) -> None:
-        """Dispatch steps from a thread of their own from now on (dispatch_thread.py; on by
-        default on the GPU)."""
+        """Dispatch the steps that sample (`full`, `prompt`) from a thread of their own from
+        now on (dispatch_thread.py; on by default on the GPU); `plain` steps, which have no
+        conditional, are dispatched at once."""
         self._thread = self._thread or DispatchThread()
 
     def sync(self, raise_errors: bool = True) -> None:

@@ -1,6 +1,6 @@
-"""Steps dispatched from a thread of their own (jaxinfer/dispatch_thread.py; on by default on
-the GPU, started by hand here): the engine returns while a dispatch still blocks, prepares
-the next step meanwhile, and its outputs are those of the synchronous engine."""
+"""Sampling steps dispatched from a thread of their own (jaxinfer/dispatch_thread.py; on by
+default on the GPU, started by hand here): the engine returns while a dispatch still blocks,
+prepares the next step meanwhile, and its outputs are those of the synchronous engine."""
 import threading
 
 import numpy as np
@@ -36,9 +36,10 @@ def _threaded(**kw):
     threads = set()
     dispatch = engine.runner.dispatch
 
-    def spy(*a):
-        threads.add(threading.current_thread().name)
-        return dispatch(*a)
+    def spy(kv, inp, *a):   # (variant, thread) of each dispatch
+        threads.add(("plain" if inp.bitmask is None else "full",
+                     threading.current_thread().name.startswith("jaxinfer-dispatch")))
+        return dispatch(kv, inp, *a)
     engine.runner.dispatch = spy
     return engine, threads
 
@@ -54,7 +55,8 @@ def test_outputs_equal_the_synchronous_engine():
         for x, y in zip(a.logprobs or [], b.logprobs or []):
             assert x.keys() == y.keys()
             assert all(abs(x[k].logprob - y[k].logprob) < 1e-4 for k in x)
-    assert threads and all(t.startswith("jaxinfer-dispatch") for t in threads)
+    # Sampling steps on the thread; greedy ones (no conditional to block on) at once.
+    assert threads == {("plain", False), ("full", True)}
     alloc = engine.scheduler.allocator
     assert alloc.num_free == alloc.num_usable and not engine.has_unfinished_requests()
 
@@ -66,10 +68,10 @@ def test_a_step_returns_while_its_dispatch_still_blocks():
     release, entered = threading.Event(), threading.Event()
     dispatch = engine.runner.dispatch
 
-    def held(*a):
+    def held(kv, inp, *a):
         entered.set()
         assert release.wait(60)
-        return dispatch(*a)
+        return dispatch(kv, inp, *a)
     engine.runner.dispatch = held
     params = SamplingParams(temperature=0.7, seed=3, max_tokens=4, ignore_eos=True)
     prompt = random_prompts(1, seed=8)[0]
