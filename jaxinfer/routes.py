@@ -32,7 +32,7 @@ class Routes:
     fp8_mlp: bool = False         # FP8 MLP: SiLU * up and down's quantization in one kernel
     fp8_norm_quant: bool = False  # FP8 layer: each RMSNorm fused into its quantization
     # the step's results written into donated buffers that keep their addresses
-    # (runner._packed_step): where XLA runs the step as a command buffer; elsewhere the
+    # (step_program.packed_step): where XLA runs the step as a command buffer; elsewhere the
     # copy-out only adds host time
     persistent_outputs: bool = False
 

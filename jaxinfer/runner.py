@@ -11,7 +11,7 @@ then calls the executable matching the input's signature (PackedInput: tree stru
 shapes + dtypes) and falls back to the jitted function (which compiles, and is counted) for
 anything else. Step inputs reach the device as one packed int32 buffer
 (step_input.py), copied into a persistent slot; on the GPU the step's results are written
-into persistent donated buffers and copied out for the caller (_packed_step says why).
+into persistent donated buffers and copied out for the caller (step_program.packed_step says why).
 
 Tensor parallel (EngineConfig.tensor_parallel > 1): params arrive sharded (loading.py), the
 cache is allocated sharded by kv head and pinned to that layout across the step (so the
@@ -41,7 +41,9 @@ from jaxinfer.kv_cache import (AttentionMetadata, KVCache, KVLayers, allocate_kv
                                kv_pool_gib)
 from jaxinfer.routes import Routes
 from jaxinfer.sharding import fetch, kv_spec, make_layout
-from jaxinfer.step_input import PackedInput, StepInput, pack_host, unpack, warmup_inputs
+from jaxinfer.step_input import PackedInput, StepInput, pack_host, warmup_inputs
+from jaxinfer.step_program import (all_logits_program, copy_out, copy_pages_program,
+                                   output_shapes, packed_step)
 
 
 class CompileCounter:
@@ -83,103 +85,6 @@ class CompileCounter:
         return cls._loaded
 
 
-def _packed_step(graphdef, routes, treedef, leaves, kv, slot, outs, buf, prev_tokens, bitmask,
-                 lora, rng, step_index, spec, kv_sharding=None):
-    """The step on a packed input, its values kept at fixed device addresses: XLA updates a
-    command buffer's (CUDA graph's) kernels whose buffers moved since the last call, and a
-    step whose layers read a moved buffer pays that on every call.
-    - `buf` is copied into `slot` first, a donated buffer one element longer that comes back
-      as an output: every layer reads positions and page tables from there, and only the
-      copy reads the fresh `buf`. The barrier keeps XLA from reading `buf` directly through
-      the copy; the extra element keeps the update from covering the whole slot.
-    - `outs` (None, or buffers shaped like the step's SampleOutput and next_tokens) are
-      donated and the step's results written into them. Fresh outputs moved on every call,
-      and XLA places step-wide values (the RoPE tables, the unpacked metadata) in output
-      allocations whose live ranges allow it: on the H200 every layer's K/V write and
-      attention kernels were updated on each batch-1 call (docs/performance.md). The caller
-      copies the results out (ModelRunner.dispatch) before the next call overwrites them.
-    `lora`: the adapters' slots (lora_layers.py), None without LoRA.
-    Returns (kv, slot, (SampleOutput, next_tokens)): the donated ones in their argument
-    order, so jit pairs each output with its own buffer."""
-    slot = jax.lax.optimization_barrier(jax.lax.dynamic_update_slice(slot, buf, (0,)))
-    inp = unpack(slot, spec, prev_tokens, bitmask)
-    # The params travel as a flat list of arrays: flattening the nnx.State (hundreds of
-    # leaves with per-layer weights) in Python on every dispatch cost more than the rest.
-    model = nnx.merge(graphdef, jax.tree_util.tree_unflatten(treedef, leaves))
-    tokens = jnp.where(inp.prev_index >= 0,
-                       inp.prev_tokens[jnp.maximum(inp.prev_index, 0)], inp.tokens)
-    h, kv = model(tokens, kv, inp.md, routes,
-                  None if inp.lora_index is None else (lora, inp.lora_index))
-    if kv_sharding is not None:     # pinned, so the donated buffers are reused in place
-        kv = jax.lax.with_sharding_constraint(kv, kv_sharding)
-    logits = model.logits(h[inp.logits_index], routes)                  # [B, V] f32
-    out = sampling.sample(logits, inp.sampling, jax.random.fold_in(rng, step_index),
-                          token_bitmask=inp.token_bitmask)
-    if inp.prompt_targets is not None:
-        out = dataclasses.replace(out, prompt=sampling.prompt_logprobs(
-            lambda x: model.logits(x, routes), h, inp.prompt_targets))
-    # The sampled tokens padded to [S]: the next step's prev_tokens (one shape for all buckets);
-    # a verify step's: each row's last kept token.
-    last = (sampling.verify_last_tokens(tokens, out.tokens, inp.md.query_start)
-            if inp.verify else out.tokens)
-    next_tokens = jnp.zeros_like(inp.prev_tokens).at[:last.shape[0]].set(last)
-    results = (out, next_tokens)
-    if outs is not None:
-        # A use of `outs` that XLA folds away (a select on a constant): jit drops an argument
-        # the program never reads, and with it the donation. (keep_unused=True would keep
-        # them too, but also the greedy variant's unread rng and step index: a host->device
-        # transfer each call.)
-        results = jax.tree.map(lambda r, o: jnp.where(False, o, r), results, outs)
-        if kv_sharding is not None:   # the buffers' layout: replicated
-            results = jax.lax.with_sharding_constraint(results, jax.sharding.NamedSharding(
-                kv_sharding.mesh, jax.sharding.PartitionSpec()))
-    return kv, slot, results
-
-
-@jax.jit
-def _copy_out(results):
-    """The step's results copied out of its persistent buffers for the caller (one small
-    program per shape, shared by every runner of the process)."""
-    return jax.tree.map(jnp.copy, results)
-
-
-def _copy_pages(kv, src, dst):
-    """kv with page src[i] copied onto page dst[i] in every array that has pages (K, V and
-    per-token scales; static scales [L, K] have none). Pairs (0, 0) are padding."""
-    def copy(a):
-        return a.at[:, :, dst].set(a[:, :, src]) if a.ndim >= 4 else a
-    return jax.tree.map(copy, kv)
-
-
-@functools.lru_cache(maxsize=256)
-def output_shapes(spec, vocab_size: int, num_seqs: int):
-    """(SampleOutput, next_tokens [S]) of ShapeDtypeStructs: what the step returns for an
-    input of `spec` (PackedInput.spec) with S = num_seqs (prev_tokens' length)."""
-    tree, fields = spec
-    inp = jax.tree_util.tree_unflatten(tree, [jax.ShapeDtypeStruct(shape, np.dtype(name))
-                                              for shape, name in fields])
-    logits = jax.ShapeDtypeStruct((inp.logits_index.shape[0], vocab_size), jnp.float32)
-    out = jax.eval_shape(sampling.sample, logits, inp.sampling, jax.random.key(0))
-    if inp.prompt_targets is not None:
-        t, n = inp.prompt_targets.shape[0], min(sampling.MAX_LOGPROBS, vocab_size)
-        f32, i32 = jnp.float32, jnp.int32
-        out = dataclasses.replace(out, prompt=sampling.PromptLogprobOutput(
-            *(jax.ShapeDtypeStruct(s, d) for s, d in (((t,), f32), ((t,), i32),
-                                                       ((t, n), i32), ((t, n), f32)))))
-    return out, jax.ShapeDtypeStruct((num_seqs,), jnp.int32)
-
-
-def _all_logits(graphdef, routes, params, kv, tokens, md, kv_sharding=None):
-    model = nnx.merge(graphdef, params)
-    h, kv = model(tokens, kv, md, routes)
-    logits = model.logits(h, routes)                                     # [T, V] f32
-    if kv_sharding is not None:   # the logits replicated: every process reads them
-        kv = jax.lax.with_sharding_constraint(kv, kv_sharding)
-        logits = jax.lax.with_sharding_constraint(logits, jax.sharding.NamedSharding(
-            kv_sharding.mesh, jax.sharding.PartitionSpec()))
-    return kv, logits
-
-
 @contextlib.contextmanager
 def pool_oom_as_config_error(cfg: ModelConfig, engine: EngineConfig, where: str):
     """Inside: a device out-of-memory error (XLA's RESOURCE_EXHAUSTED) is re-raised as a
@@ -218,7 +123,7 @@ class ModelRunner:
                               f"checkpoints.model_state.build_model(..., "
                               f"layout=sharding.make_layout(cfg, tp))")
         kv_sharding = None if self.layout.mesh is None else self.layout.named(kv_spec(self.layout))
-        self._logits_fn = jax.jit(functools.partial(_all_logits, graphdef, self.routes,
+        self._logits_fn = jax.jit(functools.partial(all_logits_program, graphdef, self.routes,
                                                     kv_sharding=kv_sharding),
                                   donate_argnums=(1,))
         # (k, v) [L, K] numpy f32 for FP8 KV with static scales (kv_calibration.py), else None
@@ -245,10 +150,10 @@ class ModelRunner:
         if (jax.default_backend() == "gpu" and jax.process_count() == 1
                 and not engine.num_speculative_tokens):
             self.start_dispatch_thread()
-        self._step_fn = jax.jit(functools.partial(_packed_step, graphdef, self.routes,
+        self._step_fn = jax.jit(functools.partial(packed_step, graphdef, self.routes,
                                                   self._treedef, kv_sharding=kv_sharding),
                                 donate_argnums=(1, 2, 3), static_argnames=("spec",))
-        self._copy_fn = jax.jit(_copy_pages, donate_argnums=(0,))
+        self._copy_fn = jax.jit(copy_pages_program, donate_argnums=(0,))
         # Self-speculation's draft program (speculative_method "self"), else None.
         self._draft_fn = None
         if self.engine.num_speculative_tokens and self.engine.speculative_method == "self":
@@ -433,11 +338,11 @@ class ModelRunner:
             out, next_tokens = results
         else:
             self._buffers[p.signature] = (slot, results)
-            out, next_tokens = _copy_out(results)
+            out, next_tokens = copy_out(results)
         return kv, out, next_tokens
 
     def _step_buffers(self, p: PackedInput):
-        """The persistent buffers of `p`'s signature (see _packed_step), made on first use:
+        """The persistent buffers of `p`'s signature (see step_program.packed_step), made on first use:
         (the input slot, one int32 longer than the packed input; the output buffers, or None
         without routes.persistent_outputs), replicated on a mesh."""
         bufs = self._buffers.get(p.signature)

@@ -1,6 +1,6 @@
 """The step input's one-buffer transfer (step_input.PackedInput): packing then unpacking
 inside a jitted function gives back every leaf bit for bit, whatever its dtype; and the
-step's persistent buffers (runner._packed_step): the input slot and the output buffers keep
+step's persistent buffers (step_program.packed_step): the input slot and the output buffers keep
 their device addresses from call to call."""
 import dataclasses
 import re
