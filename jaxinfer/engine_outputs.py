@@ -53,16 +53,17 @@ class EngineOutputs:
         tokens = [int(t) for t in sampled.tokens[:out.num_rows]]
         got_token = {r.request_id: r for r in self.scheduler.resolve(out, tokens)}
         self.num_generated += len(got_token)
+        rows = [(b, req) for b, row in enumerate(out.rows)
+                if (req := got_token.get(row.request_id)) is not None]
+        live = [(b, req) for b, req in rows if not req.is_finished]
+        try:
+            advanced = dict(zip((b for b, _ in live), self._grammars.advance_all(
+                [(req.request_id, tokens[b]) for b, req in live])))
+        except Exception as e:   # fails the grammar rows, not the step
+            advanced = {b: e for b, req in live if req.request_id in self._grammars}
         taken = []
-        for b, row in enumerate(out.rows):
-            req = got_token.get(row.request_id)
-            if req is None:
-                continue
-            try:
-                done = (not req.is_finished
-                        and self._grammars.advance(req.request_id, tokens[b]))
-            except Exception as e:   # fails one request, not the step
-                done = e
+        for b, req in rows:
+            done = advanced.get(b, False)
             if done is True and not req.is_finished:
                 self.scheduler.finish(req.request_id, FinishReason.STOP)
             elif isinstance(done, Exception) and not req.is_finished:

@@ -225,6 +225,20 @@ class RequestGrammars:
             raise RuntimeError(f"sampled token {token}, which its grammar does not allow")
         return matcher.terminated
 
+    def advance_all(self, pairs) -> list:
+        """`advance` for many (request id, token) pairs at once (xgrammar accepts the tokens
+        together): per pair, whether its grammar is now complete, or the RuntimeError of a
+        token its grammar refuses; False for a request without a grammar."""
+        results: list = [False] * len(pairs)
+        guided = [(i, m, token) for i, (rid, token) in enumerate(pairs)
+                  if (m := self.matchers.get(rid)) is not None]
+        if guided:
+            accepted = Matcher.accept_rows([(m, token) for _, m, token in guided])
+            for (i, m, token), ok in zip(guided, accepted):
+                results[i] = m.terminated if ok else RuntimeError(
+                    f"sampled token {token}, which its grammar does not allow")
+        return results
+
     def forget(self, request_id: str) -> None:
         self.matchers.pop(request_id, None)
 
@@ -253,6 +267,15 @@ class Matcher:
     def accept(self, token: int) -> bool:
         """Advance by a sampled token; False if the grammar does not allow it."""
         return self._m.accept_token(token)
+
+    @staticmethod
+    def accept_rows(pairs: list[tuple["Matcher", int]]) -> list[bool]:
+        """Advance each (matcher, token); whether each token was allowed (matchers of one
+        model's Grammars: xgrammar accepts them in one call)."""
+        if len(pairs) == 1 or pairs[0][0]._batch is None:
+            return [m.accept(token) for m, token in pairs]
+        return list(pairs[0][0]._batch.batch_accept_token([m._m for m, _ in pairs],
+                                                          [token for _, token in pairs]))
 
     @property
     def terminated(self) -> bool:
