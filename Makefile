@@ -24,7 +24,7 @@ run: $(VENV)/.base
 	$(VENV)/bin/jaxinfer generate "$(PROMPT)" --max-tokens 16
 
 # Three workers, one test file each at a time (module fixtures load once): on 2 cores the
-# single-threaded compiles and the servers' and children's waits overlap (CPU: 13-15 min vs 19-20).
+# single-threaded compiles and the servers' and children's waits overlap.
 test: $(VENV)/.test
 	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q -n 3 --dist loadfile
