@@ -6,12 +6,12 @@ only once the step's forward pass is done. Dispatched from the engine's thread, 
 the host nothing to overlap: it would prepare step t+1 and read step t only after step t's
 forward pass. ModelRunner.submit hands such a step to a DispatchThread instead and returns
 Pending outputs at once (a `plain` step, greedy without a conditional, is dispatched at once:
-handing it over would only add the hop). The engine prepares the next step and turns the last one's tokens
-into text while the thread waits on the device, and waits for the thread (ModelRunner.sync)
-only when it dispatches again.
+handing it over would only add the hop). The engine prepares the next step and turns the
+last one's tokens into text while the thread waits on the device, and waits for the thread
+(ModelRunner.sync) only when it dispatches again.
 
-Calls run one at a time in the order they were handed over; a call that raised raises again
-from `Pending.get()` and from the next `wait()`.
+Calls run one at a time in the order they were handed over; what a call raised is raised by
+each `Pending.get()` of its outputs and, once, by the next `wait()`.
 """
 from __future__ import annotations
 
@@ -54,7 +54,3 @@ class DispatchThread:
         concurrent.futures.wait([last])
         if raise_errors and last.exception() is not None:
             raise last.exception()
-
-    def close(self) -> None:
-        self.wait(raise_errors=False)
-        self._pool.shutdown(wait=True)

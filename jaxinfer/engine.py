@@ -3,7 +3,7 @@
     out    = scheduler.schedule()                 which requests, how many tokens each
     arrays = batch.prepare(out, bucket, S)        numpy, padded to one bucket
     y      = runner.submit(build_step_input(...)) ONE jitted call, KV donated; scheduler.commit
-    return self._finish(out, y)                   tokens in (scheduler.resolve), text out
+    self._finish(step)                            tokens in (scheduler.resolve), text out
 
 Only this class touches both sides. Text (detokenization, stop strings) lives here because
 the scheduler sees token ids only.

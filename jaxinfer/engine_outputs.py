@@ -135,7 +135,8 @@ class EngineOutputs:
             text=text.text, new_token_ids=new_ids,
             text_delta=delta, finish_reason=reason,
             logprobs=list(text.logprobs) if req.sampling_params.logprobs is not None else None,
-            prompt_logprobs=self._prompt_logprobs(req.request_id), prompt=text.prompt, ttft_s=req.ttft_s, latency_s=req.latency_s,
+            prompt_logprobs=self._prompt_logprobs(req.request_id), prompt=text.prompt,
+            ttft_s=req.ttft_s, latency_s=req.latency_s,
             lora=None if req.lora is None else self.loras.name_of(req.lora))
 
     def _prompt_logprobs(self, request_id: str):

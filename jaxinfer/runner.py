@@ -342,8 +342,8 @@ class ModelRunner:
         return kv, out, next_tokens
 
     def _step_buffers(self, p: PackedInput):
-        """The persistent buffers of `p`'s signature (see step_program.packed_step), made on first use:
-        (the input slot, one int32 longer than the packed input; the output buffers, or None
+        """The persistent buffers of `p`'s signature (see step_program.packed_step), made on
+        first use: (the input slot, one int32 longer than the packed input; the output buffers, or None
         without routes.persistent_outputs), replicated on a mesh."""
         bufs = self._buffers.get(p.signature)
         if bufs is None:
