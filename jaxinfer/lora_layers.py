@@ -20,6 +20,10 @@ of x [T, in] takes one of two forms, by the step's static T:
     padded to 8 rows; with 8 slots of Llama-3-8B's shape its batch-1 step took 7.49 ms in
     the gathered form against 5.50 ms without LoRA, while the masked form adds 1.31 ms to
     a batch-64 step (bench/results/lora.json).
+On one GPU with Pallas, decode steps of a few rows run the update and its add in two kernels
+instead (pallas_kernels/lora.py; Routes.lora_kernel) that read only the slots the step's rows
+use, for the groups where they measured faster (`lora_kernels.faster`); the forms above
+serve everything else: larger steps, tensor parallelism, scanned layers.
 Writing an adapter into a slot (`write_slot`) is a program of its own with the slot as a
 value: swapping adapters never recompiles. Scanned models keep each array with a leading L
 axis (`stacked`), unrolled ones a dict per layer (read in place, as their base weights are).
@@ -27,6 +31,7 @@ axis (`stacked`), unrolled ones a dict per layer (read in place, as their base w
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -34,6 +39,7 @@ import numpy as np
 
 from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.lora import LoRAAdapter, module_shapes
+from pallas_kernels import lora as lora_kernels
 
 # group -> (its modules in the fused projection's order, the layout axis that shards it)
 GROUPS = {"qkv": (("q", "k", "v"), "attn"), "o": (("o",), "attn"),
@@ -126,8 +132,26 @@ def delta(x, pair, index):
                    preferred_element_type=jnp.float32).astype(x.dtype)
 
 
-def fused_delta(x, lora, group: str):
+class StepLoRA(NamedTuple):
+    """A layer's share of a step's LoRA: its adapters' weights (group -> (A, B)) and each
+    token's slot [T] i32 (-1 none)."""
+    weights: dict
+    index: jax.Array
+
+
+def fused_delta(x, lora: StepLoRA, group: str):
     """The update of `group` (GROUPS: "qkv", "o", "gateup", "down") for x [T, in], in the
-    fused projection's output layout. lora: (the layer's weights, each token's slot [T])."""
-    weights, index = lora
-    return delta(x, weights[group], index)
+    fused projection's output layout (XLA's forms)."""
+    return delta(x, lora.weights[group], lora.index)
+
+
+def add_update(y, x, lora: StepLoRA, group: str, widths: tuple[int, ...], routes):
+    """y [T, out] (the group's fused projection of x [T, in]) plus its LoRA update. widths:
+    the group's modules' output widths in y's column order (the kernels' blocks); the
+    kernels run where routes.lora_kernel (the decoder clears it where they cannot)."""
+    a, b = lora.weights[group]
+    t, rank = x.shape[0], a.shape[-1] // len(widths)
+    if routes.lora_kernel and lora_kernels.faster(t, rank, x.shape[1], widths, a.shape[1]):
+        return lora_kernels.lora_update(y, x, a, b, lora.index, widths=tuple(widths),
+                                        interpret=routes.interpret)
+    return y + fused_delta(x, lora, group)

@@ -130,9 +130,9 @@ class Attention(nnx.Module):
     def __call__(self, x, kv: KVCache, layer, md: AttentionMetadata, cos, sin, routes: Routes,
                  norm: RMSNorm | None = None, lora=None):
         """x [T, E] normed; with `norm`, the residual rows that norm is still to be applied to
-        (folded into the fused front, ops.front_norm_applies). lora: (this layer's adapter
-        weights, each token's slot [T]) or None (lora_layers.py); the fused front, which
-        projects inside the attention kernel, does not run with it."""
+        (folded into the fused front, ops.front_norm_applies). lora: this layer's
+        lora_layers.StepLoRA or None; the fused front, which projects inside the attention
+        kernel, does not run with it."""
         cfg, w = self.cfg, self.wqkv
         bias = None if w.bias is None else w.bias[...]
         fused = None if lora is not None else ops.decode_qkv_attention(
@@ -148,10 +148,13 @@ class Attention(nnx.Module):
         # the QKV bias is added by attend: inside the RoPE + K/V write kernel where that runs
         qkv = self.wqkv(x, routes, add_bias=False)
         if lora is not None:
-            qkv = qkv + lora_layers.fused_delta(x, lora, "qkv")
+            qkv = lora_layers.add_update(qkv, x, lora, "qkv",
+                                         (cfg.q_size, cfg.kv_size, cfg.kv_size), routes)
         o, kv = self.attend(qkv, kv, layer, md, cos, sin, routes, bias=bias)
         out = self.wo(o, routes)
-        return (out if lora is None else out + lora_layers.fused_delta(o, lora, "o")), kv
+        if lora is not None:
+            out = lora_layers.add_update(out, o, lora, "o", (cfg.hidden_size,), routes)
+        return out, kv
 
     def attend(self, qkv, kv: KVCache, layer, md: AttentionMetadata, cos, sin, routes: Routes,
                bias=None, scales=None):
@@ -210,12 +213,14 @@ class MLP(nnx.Module):
                 return fused
         gu = self.w_gateup(x, routes)
         if lora is not None:
-            gu = gu + lora_layers.fused_delta(x, lora, "gateup")
+            gu = lora_layers.add_update(gu, x, lora, "gateup", (gu.shape[1] // 2,) * 2, routes)
         gu = gu.reshape(t, self.shards, 2, -1)                          # [T, m, 2, F/m]
         gate, up = gu[:, :, 0].reshape(t, -1), gu[:, :, 1].reshape(t, -1)  # [T, F] each
         h = jax.nn.silu(gate) * up
         y = self.w_down(h, routes)
-        return y if lora is None else y + lora_layers.fused_delta(h, lora, "down")
+        if lora is not None:
+            y = lora_layers.add_update(y, h, lora, "down", (y.shape[1],), routes)
+        return y
 
 
 class DecoderLayer(nnx.Module):
@@ -335,6 +340,9 @@ class Decoder(nnx.Module):
             return h[:t], kv
         x = self.embed[...][tokens]                                     # [T, E]
         weights, slots = (None, None) if lora is None else lora     # slots [T] i32
+        if routes.lora_kernel and not (self.unroll_layers and self.layout.size == 1):
+            # LoRA's kernels take each layer's own arrays, on one device
+            routes = routes.replace(lora_kernel=False)
         freqs = md.positions.astype(jnp.float32)[:, None] * self.inv_freq[...][None, :]
         cos, sin = jnp.cos(freqs), jnp.sin(freqs)                        # [T, D/2]
         if self.unroll_layers:
@@ -348,7 +356,8 @@ class Decoder(nnx.Module):
                 with jax.named_scope("decoder_layer"):  # bench/hlo.py counts kernels by it
                     x, delta, cache = _unrolled_layer(
                         graphdef, routes, state, x, delta, cache, jnp.int32(index), md, cos,
-                        sin, None if weights is None else (weights[i], slots))
+                        sin, None if weights is None else lora_layers.StepLoRA(weights[i],
+                                                                               slots))
                 kv = kv.with_layer(i, cache)
             return self.final_norm.add_norm(x, delta)[1], kv
         if isinstance(kv, KVLayers):
@@ -363,7 +372,7 @@ class Decoder(nnx.Module):
             layer_state, layer, layer_lora = xs
             h, delta, kv = nnx.merge(graphdef, layer_state)(
                 h, None, kv, layer, md, cos, sin, routes,
-                None if layer_lora is None else (layer_lora, slots))
+                None if layer_lora is None else lora_layers.StepLoRA(layer_lora, slots))
             return (h + delta, kv), None
 
         layer_ids = jnp.arange(n, dtype=jnp.int32)

@@ -31,6 +31,7 @@ class Routes:
     front_norm: bool = True       # the RMSNorm before QKV folded into the front
     fp8_mlp: bool = False         # FP8 MLP: SiLU * up and down's quantization in one kernel
     fp8_norm_quant: bool = False  # FP8 layer: each RMSNorm fused into its quantization
+    lora_kernel: bool = False     # LoRA's update of small steps in Pallas kernels (one device)
     # the step's results written into donated buffers that keep their addresses
     # (step_program.packed_step): where XLA runs the step as a command buffer; elsewhere the
     # copy-out only adds host time
@@ -45,7 +46,8 @@ class Routes:
                    decode_min_rows=GPU_MIN_ROWS if gpu else 1,
                    min_gemm_rows=GPU_MIN_ROWS if gpu else 1,
                    fused_glue=pallas, front_max_rows=FRONT_MAX_ROWS if pallas else 0,
-                   fp8_mlp=gpu, fp8_norm_quant=gpu, persistent_outputs=gpu)
+                   fp8_mlp=gpu, fp8_norm_quant=gpu, lora_kernel=pallas and gpu,
+                   persistent_outputs=gpu)
 
     @property
     def pallas(self) -> bool:

@@ -92,10 +92,19 @@ def test_a_mixed_batch_matches_each_adapter_merged_into_the_weights(adapters):
     check_nothing_held(engine)
 
 
-def test_unrolled_layers_on_the_gpu_s_kernel_routes_give_the_merged_tokens(adapters):
+def test_unrolled_layers_on_the_gpu_s_kernel_routes_give_the_merged_tokens(adapters,
+                                                                           monkeypatch):
     """The GPU's form: a dict of adapter weights per layer, Pallas attention (interpreted)
-    with the fused RoPE + K/V write; the fused decode front stands aside for LoRA."""
-    routes = Routes(attention="pallas", interpret=True, fused_glue=True, front_max_rows=8)
+    with the fused RoPE + K/V write, LoRA's update in its kernels (pallas_kernels/lora.py);
+    the fused decode front stands aside for LoRA."""
+    from jaxinfer import lora_layers
+
+    traced = []
+    kernel = lora_layers.lora_kernels.lora_update
+    monkeypatch.setattr(lora_layers.lora_kernels, "lora_update",
+                        lambda *a, **kw: traced.append(a[1].shape[0]) or kernel(*a, **kw))
+    routes = Routes(attention="pallas", interpret=True, fused_glue=True, front_max_rows=8,
+                    lora_kernel=True)
     prompts = random_prompts(4, seed=8)
     names = ["all", None, "qv", "all"]
     graphdef, params = build_model(TINY, random_flat(TINY, seed=11, std=0.08), jnp.float32,
@@ -110,6 +119,7 @@ def test_unrolled_layers_on_the_gpu_s_kernel_routes_give_the_merged_tokens(adapt
     for g, p, n in zip(got, prompts, names):
         merged = merged_engine(None if n is None else adapters[n])
         assert g == generate(merged, [p], [SamplingParams(**GREEDY)])[0]
+    assert traced and set(traced) >= {1, 4}     # decode steps of 1 and 4 rows among them
 
 
 def test_fp8_base_weights_take_adapters_too(adapters):

@@ -49,7 +49,8 @@ def test_group_updates_match_each_module_s_in_the_fused_layout(shards):
         din = shapes[mods[0]][0]
         x = rng.standard_normal((5, din)).astype(np.float32)
         layer = {g: (a[1], b[1]) for g, (a, b) in stacked.items()}       # layer 1
-        got = np.asarray(lora_layers.fused_delta(jnp.asarray(x), (layer, index), group))
+        got = np.asarray(lora_layers.fused_delta(jnp.asarray(x),
+                                                 lora_layers.StepLoRA(layer, index), group))
         parts = [x @ weights[m][0][1] @ weights[m][1][1] if m in weights
                  else np.zeros((5, shapes[m][1]), np.float32) for m in mods]
         want = np.concatenate([p.reshape(5, shards, -1) for p in parts], -1).reshape(5, -1)
