@@ -37,6 +37,8 @@ SUITES = {
                 "vs request rate"),
     "lora": ("bench.lora", "output tokens/s serving LoRA adapters (rows spread over them) vs "
              "the same engine without LoRA"),
+    "lora_kernels": ("bench.lora_kernels", "LoRA's update of one projection group: the Pallas "
+                     "kernels vs XLA's form, per step size"),
     "sampling": ("bench.sampling", "what structured output (a JSON schema at batch 64) and "
                  "n > 1 (prompt tokens computed, TTFT) cost vs plain requests"),
     "speculative": ("bench.speculative", "speculative decoding: the verify step's cost vs a "
@@ -164,6 +166,14 @@ def _fp8_matmul(p):
     p.add_argument("--max-rotate", type=int, default=16, help="most weight buffers cycled")
 
 
+def _lora_kernels(p):
+    p.add_argument("--model", default="llama-3-8b", help="the shapes: a config name")
+    _per_device(p, "--rows", "1,8,16,64", "8", "comma-separated step sizes T")
+    p.add_argument("--slots", type=int, default=8, help="adapter slots N")
+    p.add_argument("--rank", type=int, default=16, help="rank R")
+    _per_device(p, "--sets", "24", "2", "weight sets cycled per timed call", type=int)
+
+
 def _batching(p):
     p.add_argument("--max-batch", type=parse_ints, default=[64],
                    help="comma-separated max_num_seqs values, one engine each "
@@ -261,8 +271,9 @@ def _sampling(p):
 _SUITE_ARGS = {"compile": _compile, "decode": _decode, "fusion": _fusion, "profile": _profile,
                "paged_attention": _paged_attention, "fp8_matmul": _fp8_matmul,
                "batching": _batching, "throughput": _throughput, "serving": _serving,
-               "lora": _lora, "speculative": _speculative, "sampling": _sampling}
-_OP_SUITES = ("paged_attention", "fp8_matmul")   # time ops, not an engine: no engine flags
+               "lora": _lora, "lora_kernels": _lora_kernels, "speculative": _speculative,
+               "sampling": _sampling}
+_OP_SUITES = ("paged_attention", "fp8_matmul", "lora_kernels")   # ops: no engine flags
 
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:

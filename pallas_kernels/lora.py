@@ -42,7 +42,8 @@ class Tiles:
     bk: int              # shrink: rows of A per loop step
     splits: int          # shrink: S, slices of `in` (one program per slot and slice)
     block: int           # expand: output columns per program
-    skip: bool = True    # expand: skip the slots no row names (a branch per slot)
+    skip: bool = True    # expand: skip the slots no row names (a branch per slot; without
+    #                      it every slot's B is read, 0 x B for the others)
     shrink_warps: int = 4
     expand_warps: int = 4
     stages: int = 2
@@ -69,7 +70,7 @@ def choose_tiles(rows: int, rank: int, din: int, widths, slots: int) -> Tiles:
     s = max(1, min(32, 32768 // (rows * rank * 4)))   # expand's partial reads <= 32 KB
     gr = rank * len(widths)
     return Tiles(bk=bk, splits=pow2_divisor(din // bk, s), block=_block(widths, 64),
-                 skip=rows < slots, shrink_warps=4 if _pow2(gr) and gr >= 32 else 2,
+                 skip=rows <= slots, shrink_warps=4 if _pow2(gr) and gr >= 32 else 2,
                  expand_warps=2)
 
 

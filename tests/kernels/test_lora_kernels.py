@@ -60,7 +60,7 @@ def test_slots_no_row_names_are_never_read():
     x = jnp.asarray(rng.standard_normal((8, 256)), jnp.bfloat16)
     y = jnp.zeros((8, 128), jnp.bfloat16)
     index = jnp.asarray([0, 2, -1, 3, 0, 0, 2, -1], jnp.int32)
-    assert lk.choose_tiles(8, 16, 256, (64, 32, 32), 16).skip
+    assert lk.choose_tiles(8, 16, 256, (64, 32, 32), 8).skip
     tiles = dataclasses.replace(lk.choose_tiles(8, 16, 256, (64, 32, 32), 4), skip=True)
     got = lk.lora_update(y, x, a, b, index, widths=(64, 32, 32), tiles=tiles,
                          interpret=not ON_GPU)
