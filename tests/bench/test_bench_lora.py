@@ -33,3 +33,19 @@ def test_suites_refuse_adapters_they_would_not_load(capsys):
     from jaxinfer.cli import main
     assert main(["bench", "decode", "--model", "tiny", "--lora", "a=/nowhere"]) == 2
     assert "load no LoRA adapters" in capsys.readouterr().err
+
+
+def test_lora_kernels_suite_rows(tmp_path):
+    """bench/lora_kernels.py on the tiny model's shapes (kernels interpreted): a row per step
+    size and group with XLA's and the kernels' times and whether the model routes there."""
+    out = tmp_path / "lora_kernels.json"
+    assert cli.main(["lora_kernels", "--model", "tiny", "--rows", "1,8", "--sets", "1",
+                     "--git", "abc123", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["suite"] == "lora_kernels" and (result["slots"], result["rank"]) == (8, 16)
+    rows = result["rows"]
+    assert [(r["T"], r["group"]) for r in rows] == [
+        (t, g) for t in (1, 8) for g in ("qkv", "o", "gateup", "down")]
+    for r in rows:
+        assert r["xla_us"] > 0 and r["us"] > 0 and r["routed"] is True
+        assert abs(r["speedup"] - r["xla_us"] / r["us"]) < 0.01 * r["speedup"]
