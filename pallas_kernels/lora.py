@@ -15,8 +15,9 @@ zeros elsewhere). Each row names its slot in `index` [T] (-1: no adapter).
   zero blocks of the other modules.
 
 Against XLA's form (lora_layers.delta: two GEMMs over every slot with the rows masked in
-between, about 14 kernels a layer with split-K reductions, conversions and adds) this is 8
-kernels a layer, and a step whose rows use one adapter reads one slot's weights, not N.
+between, about 3.5 kernels a group with split-K reductions, conversions and adds) this is 2
+kernels a group, and a step whose rows use one adapter reads one slot's weights, not N
+(`faster` says where that measured faster).
 Rows: T a power of two; T >= 16 uses tensor-core dots, smaller T (a decode step of a few
 rows) products on the CUDA cores. R: a power of two >= 16 (tensor-core dots need 16).
 """
@@ -65,7 +66,9 @@ def _block(widths, cap: int) -> int:
 
 
 def choose_tiles(rows: int, rank: int, din: int, widths, slots: int) -> Tiles:
-    """The tiles for T=rows: the best measured at 8 rows (bench/results/lora_kernels.json)."""
+    """The tiles for T=rows: at 8 rows on an H100, the best of a sweep over BK (64-256), S
+    (4-32), warps (1-8), expand blocks (64-256) and stages (1-2) at Llama-3-8B's shapes;
+    larger steps take the same rules untuned (the model routes them to XLA)."""
     bk = pow2_divisor(din, 64)
     s = max(1, min(32, 32768 // (rows * rank * 4)))   # expand's partial reads <= 32 KB
     gr = rank * len(widths)
@@ -75,10 +78,12 @@ def choose_tiles(rows: int, rank: int, din: int, widths, slots: int) -> Tiles:
 
 
 def faster(rows: int, rank: int, din: int, widths, slots: int) -> bool:
-    """Where the kernels beat XLA's form (lora_layers.delta) on an H100 at Llama-3-8B's
-    shapes with 8 slots of rank 16: steps of up to 8 rows whose shrink programs each take at
-    most two loop steps (q/k/v, o, gate/up: 1.1-1.5x; down's 14336-wide input: 0.75x). At 64
-    rows XLA's GEMMs win every group."""
+    """Where the model takes the kernels over XLA's form (lora_layers.delta): steps of up to 8
+    rows whose shrink programs take at most two loop steps each. On an H100 at Llama-3-8B's
+    shapes, 8 slots of rank 16, one row naming an adapter (bench/results/lora_kernels.json):
+    q/k/v 1.0x, o 1.36x, gate/up 1.41x, down's 14336-wide input 0.75x; at 64 rows XLA wins
+    every group. In the step, base-model rows on a LoRA engine gain the most (the kernels
+    skip every slot); see docs/performance.md."""
     if rows > 8 or not supported(rows, rank, din, widths):
         return False
     t = choose_tiles(rows, rank, din, widths, slots)
