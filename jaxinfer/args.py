@@ -113,7 +113,8 @@ def add_distributed_args(p: argparse.ArgumentParser):
     g.add_argument("--distributed", action="store_true",
                    help="join a job whose settings JAX detects (SLURM, Open MPI, ...)")
     g.add_argument("--heartbeat-timeout", type=int, default=30, metavar="S",
-                   help="a process silent this long is declared dead and the job ends")
+                   help="a process silent this long is declared dead and the job ends (the "
+                        "leader acts on a silent follower after half of it)")
 
 
 def distributed_from_args(args):

@@ -23,4 +23,5 @@ def follow_model(model, engine_cfg) -> int:
     runner = ModelRunner(cfg, engine_cfg, graphdef, params)
     log.info("process %d follows process 0", jax.process_index())
     multihost.follow(runner, Buckets.from_config(engine_cfg).all_buckets())
+    multihost.Liveness.done()
     return 0

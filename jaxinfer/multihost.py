@@ -13,6 +13,13 @@ pickled; the tokens a step takes from the previous step's device output are name
 step's number, each follower holding the same outputs), page copies, warm-ups and KV-cache
 rebuilds. Keys older than WINDOW messages are deleted: followers run every step with the
 leader (its collectives wait for them), so none lags that far.
+
+A lost process ends the job loudly (`Liveness`): every follower bumps a counter in the same
+store every BEAT_S, and the leader's watchdog declares a follower lost when its counter has
+not moved for half the heartbeat timeout, before JAX's own failure handling aborts the leader.
+It logs which process was lost, runs the `on_lost` hooks (the server turns NOT_SERVING) and,
+LOST_GRACE_S later, exits the process with status 1: a job missing a process cannot run
+another step.
 """
 from __future__ import annotations
 
@@ -20,6 +27,10 @@ import dataclasses
 import io
 import json
 import logging
+import os
+import threading
+import time
+from typing import Callable
 
 import jax
 import numpy as np
@@ -63,9 +74,89 @@ def initialize(cfg: DistributedConfig) -> None:
 
 
 def join(cfg: DistributedConfig) -> bool:
-    """initialize, then whether this process leads (process 0)."""
+    """initialize, then whether this process leads (process 0); in a job of several
+    processes the liveness checks start (Liveness)."""
     initialize(cfg)
+    if jax.process_count() > 1:
+        Liveness.start(max(2.0, cfg.heartbeat_timeout_s / 2))
     return jax.process_index() == 0
+
+
+ALIVE = "jaxinfer/alive"
+BEAT_S = 0.5          # how often a follower proves it is alive
+LOST_GRACE_S = 2.0    # from reporting a lost process to exiting: health probes see it
+_on_lost: list[Callable[[int], None]] = []
+
+
+def on_lost(hook: Callable[[int], None]) -> None:
+    """Run hook(process) on the leader when a follower is lost (from the watchdog's thread),
+    before the process exits."""
+    _on_lost.append(hook)
+
+
+class Liveness:
+    """The liveness checks of one process (module doc). Followers beat until `done`
+    (their loop ended: a stopped job, not a lost process); the leader watches every
+    follower until `done`."""
+
+    _stop = threading.Event()
+
+    @classmethod
+    def start(cls, timeout_s: float) -> None:
+        cls._stop.clear()
+        me = jax.process_index()
+        target = cls._watch if me == 0 else cls._beat
+        threading.Thread(target=target, args=(_client(), me, timeout_s), daemon=True,
+                         name="jaxinfer-liveness").start()
+
+    @classmethod
+    def done(cls) -> None:
+        """Stop this process's checks; a follower tells the leader it ended on purpose."""
+        cls._stop.set()
+        if jax.process_count() > 1 and jax.process_index() > 0:
+            _client().key_value_set(f"{ALIVE}/{jax.process_index()}", "done", True)
+
+    @classmethod
+    def _beat(cls, client, me: int, _timeout_s: float) -> None:
+        count = 0
+        while not cls._stop.wait(BEAT_S):
+            count += 1
+            try:
+                client.key_value_set(f"{ALIVE}/{me}", str(count), True)
+            except Exception:        # the leader is gone: JAX's own checks end this process
+                return
+
+    @classmethod
+    def _watch(cls, client, _me: int, timeout_s: float) -> None:
+        start = time.monotonic()
+        last = {p: (None, start) for p in range(1, jax.process_count())}
+        while last and not cls._stop.wait(BEAT_S):
+            now = time.monotonic()
+            for p, (value, since) in list(last.items()):
+                try:
+                    got = client.key_value_try_get(f"{ALIVE}/{p}")
+                except Exception:    # not there yet
+                    got = None
+                if got == "done":
+                    del last[p]
+                elif got != value:
+                    last[p] = (got, now)
+                elif now - since > timeout_s:
+                    del last[p]
+                    _lost(p, now - since)
+
+
+def _lost(process: int, silent_s: float) -> None:
+    log.critical("process %d of %d is lost (no sign of life for %.0f s): the job cannot run "
+                 "another step; exiting", process, jax.process_count(), silent_s)
+    for hook in _on_lost:
+        try:
+            hook(process)
+        except Exception:
+            log.exception("an on_lost hook failed")
+    time.sleep(LOST_GRACE_S)
+    logging.shutdown()
+    os._exit(1)
 
 
 def _client():
@@ -192,8 +283,9 @@ class RunnerMirror:
         self.channel.send(encode(kind, header or {}, arrays))
 
     def stop(self) -> None:
-        """Release the followers (`follow` returns)."""
+        """Release the followers (`follow` returns); the leader stops watching them."""
         self.call("stop")
+        Liveness.done()
 
     def pause(self) -> None:
         """Let the followers return from `follow(..., until_pause=True)`."""

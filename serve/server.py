@@ -6,6 +6,8 @@ Lifecycle: the ports open at once with health NOT_SERVING (gRPC Generate answers
 HTTP 503) while the engine thread loads the weights and compiles every bucket; then SERVING.
 On SIGTERM or SIGINT: health NOT_SERVING, new requests UNAVAILABLE / 503, in-flight requests
 get `grace_period_s` to finish (the rest are cancelled and told so), then the process exits 0.
+In a job of several processes, a lost follower (multihost.Liveness) turns health NOT_SERVING,
+and the process exits 1 moments later.
 
     python -m serve.cli --model tiny --port 50051 --http-port 8000   # = `jaxinfer serve`
 """
@@ -29,6 +31,7 @@ from grpc_reflection.v1alpha import reflection
 from serve import jaxinfer_pb2 as pb
 from serve.admission import Admission
 from serve.auth import BearerTokenInterceptor
+from jaxinfer import multihost
 from jaxinfer.engine_thread import EngineThread
 from serve.metrics import Metrics, StepObserver
 from serve.openai_http import HttpSettings, build_app, metrics_app
@@ -179,6 +182,12 @@ async def serve(cfg: ServeConfig, make_engine: Callable[[], object]) -> int:
              "tls" if cfg.tls_cert else "insecure")
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+
+    def lost(process: int) -> None:     # a job's follower is lost: the process exits soon
+        admission.draining = True
+        if health_servicer is not None:
+            asyncio.ensure_future(_set_health(health_servicer, _NOT_SERVING))
+    multihost.on_lost(lambda process: loop.call_soon_threadsafe(lost, process))
     engine.start()
     status = 0
     if await _until_ready(engine, stop):

@@ -8,6 +8,7 @@ import re
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -175,3 +176,47 @@ def test_jaxinfer_generate_as_a_two_process_job_equals_one_process(tmp_path):
                          for x in lines], use_tqdm=False)
     assert got == {x["id"]: w.token_ids for x, w in zip(lines, want)}
     assert llm.tokenizer.decode(got["a"]).startswith(" Paris")
+
+
+class _Store:
+    """The coordination service's key-value store, in memory."""
+
+    def __init__(self):
+        self.values, self.lock = {}, threading.Lock()
+
+    def key_value_set(self, key, value, allow_overwrite=False):
+        with self.lock:
+            assert allow_overwrite or key not in self.values
+            self.values[key] = value
+
+    def key_value_try_get(self, key):
+        with self.lock:
+            if key not in self.values:
+                raise RuntimeError(f"NOT_FOUND: {key}")
+            return self.values[key]
+
+
+def test_the_watchdog_names_the_follower_that_stopped_beating_not_one_that_ended(monkeypatch):
+    """Followers 1 and 2 beat; 3 ends its loop on purpose (done); 2 stops: the leader's
+    watchdog declares 2 lost within its timeout, and never 1 or 3."""
+    store, lost = _Store(), []
+    monkeypatch.setattr(multihost.jax, "process_count", lambda: 4)
+    monkeypatch.setattr(multihost, "BEAT_S", 0.05)
+    monkeypatch.setattr(multihost, "_lost", lambda p, silent: lost.append((p, silent)))
+    multihost.Liveness._stop.clear()
+    watch = threading.Thread(target=multihost.Liveness._watch, args=(store, 0, 0.6),
+                             daemon=True)
+    watch.start()
+    store.key_value_set(f"{multihost.ALIVE}/3", "done", True)
+    t0 = time.monotonic()
+    for beat in range(40):                   # 2 s of beats from 1; 2 beats for 0.5 s only
+        store.key_value_set(f"{multihost.ALIVE}/1", str(beat), True)
+        if beat < 10:
+            store.key_value_set(f"{multihost.ALIVE}/2", str(beat), True)
+        time.sleep(0.05)
+        if lost:
+            break
+    multihost.Liveness._stop.set()
+    watch.join(timeout=5)
+    assert [p for p, _ in lost] == [2], lost
+    assert 0.6 < lost[0][1] < 1.5 and time.monotonic() - t0 < 2.0

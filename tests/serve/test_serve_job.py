@@ -1,11 +1,14 @@
 """`jaxinfer serve` as a job of two processes x 2 CPU devices (--tensor-parallel 4 across
 both, gloo collectives over loopback): the official `openai` client gets SmolLM2's greedy
 answers, the text of LLM.generate in one process on one device; then the follower is killed
-mid-stream, and the stream ends in an error and the leader exits non-zero, within the
-heartbeat timeout, instead of hanging."""
+mid-stream: the stream ends in an error, and the leader reports NOT_SERVING, names the lost
+process and exits non-zero, within the heartbeat timeout, instead of hanging."""
 import os
 import socket
+import threading
 import time
+import urllib.error
+import urllib.request
 
 import openai
 import pytest
@@ -58,11 +61,12 @@ def test_served_answers_equal_one_process_then_a_lost_follower_ends_the_job(job)
                                           max_completion_tokens=12, temperature=0)
     assert chat.choices[0].message.content == want[2].text
 
-    # The follower dies mid-stream: the client gets an error, not a hang.
+    # The follower dies mid-stream: the client gets an error, not a hang; the leader's
+    # health turns NOT_SERVING, then it exits non-zero naming the lost process.
     stream = client.completions.create(model="smollm2", prompt=PROMPTS[0], max_tokens=200,
                                        temperature=0, stream=True,
                                        extra_body={"ignore_eos": True})
-    text, finish, t0 = "", None, None
+    text, finish, t0, probe = "", None, None, None
     with _ClientError() as ended:
         for chunk in stream:
             for c in chunk.choices:
@@ -71,12 +75,38 @@ def test_served_answers_equal_one_process_then_a_lost_follower_ends_the_job(job)
             if t0 is None and len(text) > 8:
                 follower.proc.kill()
                 t0 = time.monotonic()
+                probe = _HealthProbe(leader)
     assert t0 is not None, "the stream ended before the follower was killed"
     assert ended.error is not None or finish not in ("length", "stop"), (text, finish)
     code = leader.proc.wait(timeout=HEARTBEAT_S + 110)
     took = time.monotonic() - t0
+    probe.thread.join(timeout=5)
     assert code != 0, leader.log()[-3000:]
-    assert took < HEARTBEAT_S + 110, f"the leader took {took:.0f} s to end"
+    assert took < HEARTBEAT_S, f"the leader took {took:.0f} s to end"
+    assert "NOT_SERVING" in probe.seen, probe.seen
+    assert "process 1 of 2 is lost" in leader.log(), leader.log()[-3000:]
+
+
+class _HealthProbe:
+    """GET /health every 0.1 s until the server's process ends: the statuses seen."""
+
+    def __init__(self, server):
+        self.server, self.seen = server, []
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self):
+        while self.server.proc.poll() is None:
+            try:
+                urllib.request.urlopen(self.server.http_url + "/health", timeout=2)
+                status = "SERVING"
+            except urllib.error.HTTPError as e:
+                status = "NOT_SERVING" if e.code == 503 else str(e.code)
+            except OSError:
+                status = "DOWN"
+            if not self.seen or self.seen[-1] != status:
+                self.seen.append(status)
+            time.sleep(0.1)
 
 
 class _ClientError:
