@@ -155,8 +155,38 @@ def _lost(process: int, silent_s: float) -> None:
         except Exception:
             log.exception("an on_lost hook failed")
     time.sleep(LOST_GRACE_S)
+    exit_now(1)
+
+
+def in_job() -> bool:
+    """Whether this process is one of a job of several."""
+    return jax.distributed.is_initialized() and jax.process_count() > 1
+
+
+def name_lost(wait_s: float = LOST_GRACE_S) -> list[int]:
+    """On the leader after a failed step: the followers whose liveness counter does not move
+    over wait_s (logged as lost), those that ended on purpose left out."""
+    client = _client()
+
+    def read(p):
+        try:
+            return client.key_value_try_get(f"{ALIVE}/{p}")
+        except Exception:
+            return None
+    before = {p: read(p) for p in range(1, jax.process_count())}
+    time.sleep(wait_s)
+    lost = [p for p, v in before.items() if v != "done" and read(p) == v]
+    for p in lost:
+        log.critical("process %d of %d is lost (no sign of life for %.0f s since the step "
+                     "failed)", p, jax.process_count(), wait_s)
+    return lost
+
+
+def exit_now(status: int) -> None:
+    """End a process of a job at once: the interpreter's own exit would first wait in JAX's
+    shutdown barrier for every process, lost ones included, until the heartbeat timeout."""
     logging.shutdown()
-    os._exit(1)
+    os._exit(status)
 
 
 def _client():

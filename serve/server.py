@@ -6,8 +6,8 @@ Lifecycle: the ports open at once with health NOT_SERVING (gRPC Generate answers
 HTTP 503) while the engine thread loads the weights and compiles every bucket; then SERVING.
 On SIGTERM or SIGINT: health NOT_SERVING, new requests UNAVAILABLE / 503, in-flight requests
 get `grace_period_s` to finish (the rest are cancelled and told so), then the process exits 0.
-In a job of several processes, a lost follower (multihost.Liveness) turns health NOT_SERVING,
-and the process exits 1 moments later.
+In a job of several processes, a lost follower (multihost.Liveness, or a step that fails)
+turns health NOT_SERVING, is named in the log, and the process exits 1 moments later.
 
     python -m serve.cli --model tiny --port 50051 --http-port 8000   # = `jaxinfer serve`
 """
@@ -206,6 +206,8 @@ async def serve(cfg: ServeConfig, make_engine: Callable[[], object]) -> int:
         if health_servicer is not None:
             await _set_health(health_servicer, _NOT_SERVING)
         status = 1
+        if multihost.in_job():   # most likely a process was lost: name it, NOT_SERVING
+            await loop.run_in_executor(None, multihost.name_lost)
     await _drain(cfg, admission, health_servicer)
     if grpc_server is not None:
         await grpc_server.stop(grace=1.0)
@@ -213,6 +215,8 @@ async def serve(cfg: ServeConfig, make_engine: Callable[[], object]) -> int:
     await _stop_http(metrics_http)
     engine.stop(timeout=10.0 if engine.ready.is_set() else 0.0)
     log.info("stopped")
+    if status != 0 and multihost.in_job():
+        multihost.exit_now(status)
     if engine.alive:
         # Stopped while loading: interpreter teardown under a thread that is inside an XLA
         # compilation aborts the process (SIGABRT), so leave without waiting for it.

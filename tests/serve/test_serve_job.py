@@ -82,8 +82,8 @@ def test_served_answers_equal_one_process_then_a_lost_follower_ends_the_job(job)
     took = time.monotonic() - t0
     probe.thread.join(timeout=5)
     assert code != 0, leader.log()[-3000:]
-    assert took < HEARTBEAT_S, f"the leader took {took:.0f} s to end"
-    assert "NOT_SERVING" in probe.seen, probe.seen
+    assert took < HEARTBEAT_S, (f"the leader took {took:.0f} s to end", leader.log()[-3000:])
+    assert "NOT_SERVING" in probe.seen, (probe.seen, took, code, leader.log()[-4000:])
     assert "process 1 of 2 is lost" in leader.log(), leader.log()[-3000:]
 
 
