@@ -19,7 +19,9 @@ store every BEAT_S, and the leader's watchdog declares a follower lost when its 
 not moved for half the heartbeat timeout, before JAX's own failure handling aborts the leader.
 It logs which process was lost, runs the `on_lost` hooks (the server turns NOT_SERVING) and,
 LOST_GRACE_S later, exits the process with status 1: a job missing a process cannot run
-another step.
+another step. A step that fails first (a collective sees the dead peer) takes the server's
+own failure path, which asks `name_lost` which follower went silent and leaves through
+`exit_now`.
 """
 from __future__ import annotations
 

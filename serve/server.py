@@ -183,11 +183,12 @@ async def serve(cfg: ServeConfig, make_engine: Callable[[], object]) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
 
-    def lost(process: int) -> None:     # a job's follower is lost: the process exits soon
+    def lost() -> None:     # a job's follower is lost: the process exits soon
         admission.draining = True
         if health_servicer is not None:
             asyncio.ensure_future(_set_health(health_servicer, _NOT_SERVING))
-    multihost.on_lost(lambda process: loop.call_soon_threadsafe(lost, process))
+    if multihost.in_job():
+        multihost.on_lost(lambda process: loop.call_soon_threadsafe(lost))
     engine.start()
     status = 0
     if await _until_ready(engine, stop):
