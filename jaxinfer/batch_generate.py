@@ -180,6 +180,8 @@ class _BatchRun:
         while True:
             self.fill()
             if not self.queued:
+                while self.engine.has_unfinished_requests():   # a step still in flight
+                    self.engine.step(deltas=False)
                 return
             for out in self.engine.step(deltas=False):
                 if out.finished:

@@ -14,9 +14,12 @@ sampled tokens PENDING); the next step is scheduled and dispatched at once, its 
 taking their input token from step t's device output; then step t's tokens are fetched and
 resolved (text, stop strings, finishing). So `step()` returns the outputs of the step before
 the one it dispatched. A request that turns out to be finished at t wastes its row in t+1;
-steps whose running requests use penalties or a grammar wait for the previous step's tokens
-first (the penalty window and the grammar's next token bitmask need the last token), and
-leave its text work until they are dispatched.
+steps whose running requests use penalties wait for the previous step's tokens first (the
+penalty window needs the last token), and leave its text work until they are dispatched.
+Grammar rows need the last token only for their token bitmask, which the sampling reads, not
+the forward pass: such a step is split (runner.submit_forward): its forward pass is
+dispatched, then step t's tokens are read and accepted, the masks filled, and its sampling
+dispatched, while the forward pass runs.
 
 Speculative decoding (EngineConfig.num_speculative_tokens, speculative.py): while every
 running request is in decode, none waits and there are at most speculative_rows of them, the
@@ -39,7 +42,7 @@ from jaxinfer.buckets import Buckets
 from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.errors import ConfigError, EngineDeadError
 from jaxinfer.engine_io import (Detokenized, build_step_input, check_params_for_model,
-                                pending_source, prompt_token_ids)
+                                pending_source, prompt_token_ids, token_bitmask)
 from jaxinfer.loading import load_model
 from jaxinfer.engine_lora import EngineLoRA
 from jaxinfer.engine_outputs import EngineOutputs
@@ -54,6 +57,7 @@ from jaxinfer.runner import CompileCounter, ModelRunner
 from jaxinfer.sampling import uses_penalty
 from jaxinfer.scheduler import Scheduler
 from jaxinfer.scheduler_output import SchedulerOutput
+from jaxinfer.step_program import splits_host
 from jaxinfer.structured_output import RequestGrammars
 
 
@@ -252,14 +256,18 @@ class Engine(EngineLoRA, EngineSpeculation, EngineOutputs):
         outputs = self._outputs
         prev = self._inflight
         later = None
+        defer = False     # grammar masks filled while this step's forward pass runs
         if prev is not None and self._may_speculate():
             outputs += self._finish(prev)
             prev = self._inflight = None
-        elif prev is not None and prev.waits and self._needs_last_tokens():
-            # Penalty windows and grammar masks need the tokens now; their text can wait
-            # until this step is on the device.
-            later = self._finish(prev, text_later=True)
-            prev = self._inflight = None
+        elif prev is not None and prev.waits and (need := self._needs_last_tokens()):
+            if need == "grammar" and self.runner.mirror is None:
+                defer = True
+            else:
+                # Penalty windows need the tokens now; their text can wait until this step
+                # is on the device.
+                later = self._finish(prev, text_later=True)
+                prev = self._inflight = None
         t1 = clock()
         waited_early = self._waited
         self._blame = None     # a failure in the scheduler: every running request
@@ -269,6 +277,7 @@ class Engine(EngineLoRA, EngineSpeculation, EngineOutputs):
         if out.verify and getattr(self.proposer, "on_device", False):
             out = self._draft_on_device(out)
         t2 = ta = tb = t3 = tc = t4 = t5 = clock()
+        masks = masks_wall = 0.0
         new = None
         if not out.is_empty:
             self._blame = out
@@ -279,26 +288,47 @@ class Engine(EngineLoRA, EngineSpeculation, EngineOutputs):
             sources = pending_source(None if prev is None else prev.row_of,
                                      None if prev is None else prev.next_tokens,
                                      self._no_prev, out, arrays)
+            vocab = self.model_config.vocab_size
             step_input = build_step_input(
-                arrays, out, self.scheduler, *sources, self.model_config.vocab_size,
-                self._grammars.matchers,
+                arrays, out, self.scheduler, *sources, vocab,
+                None if defer else self._grammars.matchers,
                 step_targets(out, len(arrays.tokens), self._prompt_lp) if self._prompt_lp
                 else None)
+            split = defer and splits_host(step_input)
+            if defer and not split:    # the masks first, then the whole step
+                later = self._finish(prev, text_later=True)
+                prev = self._inflight = None
+                self._blame = out
+                step_input = dataclasses.replace(step_input, token_bitmask=token_bitmask(
+                    arrays, self._grammars.matchers, vocab))
             tb = clock()
             inp = self.runner.prepare(step_input)
             t3 = tc = clock()
-            if prev is not None:     # its dispatch may still be running (dispatch_thread.py)
-                self._blame = prev.out
+            if prev is not None and not split:   # its dispatch may still be running
+                self._blame = prev.out           # (dispatch_thread.py)
                 self.runner.sync()
                 self._blame = out
                 tc = clock()
                 self._waited += tc - t3
-            sampled, next_tokens = self.runner.submit(inp)
+            if split:
+                forward = self.runner.submit_forward(inp)
+            else:
+                sampled, next_tokens = self.runner.submit(inp)
             t4 = clock()
             self.scheduler.commit(out)
             copies = self.scheduler.take_copies()    # n > 1: the forks' copy-on-write
             if copies:
                 self.runner.copy_pages(copies)
+            if split:
+                # Step t's tokens into the grammars, then this step's masks and sampling.
+                tm, waited = clock(), self._waited
+                later = self._finish(prev, text_later=True)
+                prev = self._inflight = None
+                self._blame = out
+                sampled, next_tokens = self.runner.submit_sample(
+                    forward, token_bitmask(arrays, self._grammars.matchers, vocab))
+                masks_wall = clock() - tm
+                masks = masks_wall - (self._waited - waited)
             samp = step_input.sampling
             new = self._inflight = _InFlight(
                 out, sampled, next_tokens, dict(zip(arrays.request_ids, range(out.num_rows))),
@@ -323,7 +353,8 @@ class Engine(EngineLoRA, EngineSpeculation, EngineOutputs):
         self.last_phases = {"early_resolve": t1 - t0 - waited_early, "schedule": t2 - t1,
                             "prepare": t3 - t2, "prepare_arrays": ta - t2,
                             "prepare_input": tb - ta, "prepare_transfer": t3 - tb,
-                            "sync": tc - t3, "dispatch": t4 - tc, "commit": t5 - t4,
+                            "sync": tc - t3, "dispatch": t4 - tc, "commit": t5 - t4 - masks_wall,
+                            "masks": masks,
                             "resolve": t6 - t5 - (self._waited - waited_before),
                             "wait": self._waited}
 
@@ -352,12 +383,18 @@ class Engine(EngineLoRA, EngineSpeculation, EngineOutputs):
             raise EngineDeadError(f"the engine could not recover from a failed step "
                                   f"({error!r}): {e}") from e
 
-    def _needs_last_tokens(self) -> bool:
-        """A running request with a penalty or a grammar and a pending token: its penalty
-        window or its next token bitmask needs it."""
-        return any(r.num_pending and (uses_penalty(r.sampling_params)
-                                      or r.request_id in self._grammars)
-                   for r in self.scheduler.running)
+    def _needs_last_tokens(self) -> str | None:
+        """Why the next step needs the pending tokens of the step in flight: "penalty" (a
+        running request's penalty window), else "grammar" (a running request's next token
+        bitmask), else None."""
+        need = None
+        for r in self.scheduler.running:
+            if r.num_pending:
+                if uses_penalty(r.sampling_params):
+                    return "penalty"
+                if r.request_id in self._grammars:
+                    need = "grammar"
+        return need
 
     # --- driving ------------------------------------------------------------------------
     @staticmethod
@@ -378,16 +415,20 @@ class Engine(EngineLoRA, EngineSpeculation, EngineOutputs):
         store = self.runner.store
         s0 = store.loaded if store is not None else 0
         buckets = self.buckets.all_buckets()
-        total = len(variants) * len(buckets)
-        with tqdm(total=total, desc=f"compiling buckets (x{len(variants)} sampling variants)",
-                  disable=not progress, unit="step") as bar:
+        total = [0]
+        with tqdm(desc=f"compiling buckets (x{len(variants)} sampling variants)",
+                  disable=not progress, unit="program") as bar:
             finished = itertools.count(1)
+
+            def count(n):
+                total[0] = bar.total = n
+                bar.refresh()
 
             def done():      # the bar counts nothing when disabled
                 bar.update(1)
                 if on_done is not None:
-                    on_done(next(finished), total)
-            self.runner.warmup(buckets, on_done=done, variants=variants)
+                    on_done(next(finished), total[0])
+            self.runner.warmup(buckets, on_done=done, variants=variants, on_total=count)
             self._warm_drafts()
             if self.loras is not None:
                 self._warm_lora_slots()

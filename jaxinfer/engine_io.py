@@ -254,10 +254,13 @@ def pending_source(row_of: dict | None, prev_tokens, no_prev, out: SchedulerOutp
 def token_bitmask(arrays: StepArrays, matchers, vocab_size: int):
     """The `full` step's [B, ceil(V/32)] token bitmask: each sampling row with a grammar gets
     its matcher's allowed tokens; with no such row, the shared device-resident all-ones mask
-    (nothing to transfer)."""
+    (nothing to transfer). A grammar complete since the step was scheduled (a split step's
+    masks are filled after the step before is read) leaves its row unmasked: the row's token
+    is dropped."""
     rows = len(arrays.logits_index)   # verify steps: a row per token (no grammar there)
     guided = [(b, m) for b, rid in enumerate(arrays.request_ids)
-              if arrays.samples[b] and (m := matchers.get(rid)) is not None] if matchers else ()
+              if arrays.samples[b] and (m := matchers.get(rid)) is not None
+              and not m.terminated] if matchers else ()
     if not guided:
         return all_allowed(rows, vocab_size)
     mask = np.full((rows, bitmask_words(vocab_size)), -1, np.int32)

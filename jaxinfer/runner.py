@@ -1,14 +1,17 @@
 """The device side of a step: ONE jitted call per bucket — forward + logits of each row's last
-token + sampling — with the KV cache donated (updated in place, never copied).
+token + sampling — with the KV cache donated (updated in place, never copied); a `full` step
+without prompt targets runs as two, the forward pass and then the sampling
+(step_program.splits), and `submit_forward` / `submit_sample` let the engine hand over the
+token bitmask between them.
 
 Static (a change compiles a new executable): the model graph, the `Routes`, and the
 shapes of StepInput (= the bucket: T tokens, B rows, pages_per_seq) plus
 `AttentionMetadata.decode_only` and the sampling arrays' static flags. Dynamic: every value.
 
-Ahead-of-time executables (`compile_ahead`, used by Engine.warmup): every bucket's step is
-lowered (Python tracing: one at a time) and then compiled in a thread pool; `dispatch`
-then calls the executable matching the input's signature (PackedInput: tree structure +
-shapes + dtypes) and falls back to the jitted function (which compiles, and is counted) for
+Ahead-of-time executables (`compile_ahead`, used by Engine.warmup): every bucket's programs
+(`programs`: the step, or a split step's two halves) are lowered (Python tracing: one at a
+time) and then compiled in a thread pool; `dispatch` then calls the executables matching the
+input's signature (PackedInput: tree structure + shapes + dtypes) and falls back to the jitted function (which compiles, and is counted) for
 anything else. Step inputs reach the device as one packed int32 buffer
 (step_input.py), copied into a persistent slot; on the GPU the step's results are written
 into persistent donated buffers and copied out for the caller (step_program.packed_step says why).
@@ -43,7 +46,18 @@ from jaxinfer.routes import Routes
 from jaxinfer.sharding import fetch, kv_spec, make_layout
 from jaxinfer.step_input import PackedInput, StepInput, pack_host, warmup_inputs
 from jaxinfer.step_program import (all_logits_program, copy_out, copy_pages_program,
-                                   output_shapes, packed_step)
+                                   forward_shapes, forward_step, output_shapes, packed_step,
+                                   sample_signature, sample_step, splits)
+
+
+@dataclasses.dataclass
+class SplitStep:
+    """A split step whose forward pass is dispatched and whose sampling is not
+    (ModelRunner.submit_forward)."""
+
+    packed: PackedInput
+    step_index: int
+    forward: object      # (logits, SamplingArrays) on the device, or Pending
 
 
 class CompileCounter:
@@ -153,6 +167,10 @@ class ModelRunner:
         self._step_fn = jax.jit(functools.partial(packed_step, graphdef, self.routes,
                                                   self._treedef, kv_sharding=kv_sharding),
                                 donate_argnums=(1, 2, 3), static_argnames=("spec",))
+        self._forward_fn = jax.jit(functools.partial(forward_step, graphdef, self.routes,
+                                                     self._treedef, kv_sharding=kv_sharding),
+                                   donate_argnums=(1, 2, 3), static_argnames=("spec",))
+        self._sample_fn = jax.jit(sample_step, static_argnames=("num_seqs",))
         self._copy_fn = jax.jit(copy_pages_program, donate_argnums=(0,))
         # Self-speculation's draft program (speculative_method "self"), else None.
         self._draft_fn = None
@@ -210,6 +228,52 @@ class ModelRunner:
         if self.fault_hook is not None:
             self.fault_hook("dispatched", self)
         return out, next_tokens
+
+    def submit_forward(self, inp: StepInput | PackedInput) -> SplitStep:
+        """Dispatch the forward pass of a split step (step_program.splits) without its
+        sampling, whose token bitmask the caller fills meanwhile and hands to
+        `submit_sample`; the input's own bitmask only fixes the shape. One process only
+        (the followers of several repeat whole steps)."""
+        if self.mirror is not None:
+            raise RuntimeError("a step is split between two submits on one process only")
+        p = self.prepare(inp)
+        if not splits(p.spec):
+            raise ValueError("submit_forward: the step is not split (a `full` step without "
+                             "prompt targets that verifies nothing)")
+        self._num_steps += 1
+        if self.fault_hook is not None:
+            self.fault_hook("dispatch", self)
+        if self._thread is None:
+            self.sync()
+            forward = self._dispatch_forward(p)[0]
+        else:            # behind the step before's sampling, which blocks the thread
+            forward = Pending(self._thread.call(self._dispatch_forward, p), 0)
+        return SplitStep(p, self._num_steps, forward)
+
+    def submit_sample(self, step: SplitStep, bitmask):
+        """Dispatch the sampling of `step` (submit_forward) with `bitmask` [B, ceil(V/32)]
+        i32 (numpy or on the device); returns what `submit` returns."""
+        if not isinstance(bitmask, jax.Array):
+            bitmask = jax.device_put(bitmask)
+        if self._thread is None:
+            out, next_tokens = self._dispatch_sample(step, bitmask)
+        else:
+            done = self._thread.call(self._dispatch_sample, step, bitmask)
+            out, next_tokens = Pending(done, 0), Pending(done, 1, self.no_prev.shape)
+        self._recent[step.step_index] = next_tokens
+        self._recent.pop(step.step_index - 8, None)
+        return out, next_tokens
+
+    def _dispatch_forward(self, p: PackedInput):
+        if isinstance(p.prev_tokens, Pending):
+            p = dataclasses.replace(p, prev_tokens=p.prev_tokens.get())
+        self.kv, forward = self._run_forward(self.kv, p)
+        if self.fault_hook is not None:
+            self.fault_hook("dispatched", self)
+        return (forward,)
+
+    def _dispatch_sample(self, step: SplitStep, bitmask):
+        return self._run_sample(resolve(step.forward), step.packed, bitmask, step.step_index)
 
     def start_dispatch_thread(self) -> None:
         """Dispatch the steps that sample (`full`, `prompt`) from a thread of their own from
@@ -321,11 +385,11 @@ class ModelRunner:
         persistent buffers, so the caller may keep them across later steps either way. `kv`
         is donated. For the bench's back to back runs."""
         p = self.prepare(inp)
-        fn = self._executables.get(p.signature)
-        if fn is None and jax.process_count() > 1:   # compiled by every process, then run
-            self.compile_ahead([p])
-            fn = self._executables[p.signature]
-        fn = fn or functools.partial(self._step_fn, spec=p.spec)  # not compiled ahead: jit
+        if splits(p.spec):
+            kv, forward = self._run_forward(kv, p)
+            return (kv, *self._run_sample(forward, p, p.bitmask, step_index))
+        fn = (self._executable(p.signature, p)
+              or functools.partial(self._step_fn, spec=p.spec))  # not compiled ahead: jit
         slot, outs = self._step_buffers(p)
         try:
             kv, slot, results = fn(self._leaves, kv, slot, outs, p.buf, p.prev_tokens,
@@ -341,53 +405,114 @@ class ModelRunner:
             out, next_tokens = copy_out(results)
         return kv, out, next_tokens
 
-    def _step_buffers(self, p: PackedInput):
+    def _executable(self, key, p: PackedInput):
+        """The program compiled ahead for `key` (None: jit it); on several processes every
+        process compiles it first (compile_ahead)."""
+        fn = self._executables.get(key)
+        if fn is None and jax.process_count() > 1:   # compiled by every process, then run
+            self.compile_ahead([p])
+            fn = self._executables[key]
+        return fn
+
+    def _run_forward(self, kv, p: PackedInput):
+        """(new kv, (logits, SamplingArrays)): step_program.forward_step, dispatched. Its
+        results stay in the persistent buffers (no copy): the sampling reads them before
+        the next forward pass of this signature overwrites them."""
+        key = ("forward", p.signature)
+        fn = (self._executable(key, p)
+              or functools.partial(self._forward_fn, spec=p.spec))
+        slot, outs = self._step_buffers(p, key)
+        try:
+            kv, slot, results = fn(self._leaves, kv, slot, outs, p.buf, p.prev_tokens,
+                                   self.lora)
+        except Exception:
+            self._buffers.pop(key, None)
+            raise
+        self._buffers[key] = (slot, None if outs is None else results)
+        return kv, results
+
+    def _run_sample(self, forward, p: PackedInput, bitmask, step_index: int):
+        """(SampleOutput, next_tokens): step_program.sample_step on a forward pass's results."""
+        num_seqs = np.shape(p.prev_tokens)[0]
+        fn = (self._executable(sample_signature(p.spec, np.shape(bitmask), num_seqs), p)
+              or functools.partial(self._sample_fn, num_seqs=num_seqs))
+        return fn(*forward, bitmask, self._rng, np.uint32(step_index))
+
+    def _step_buffers(self, p: PackedInput, key=None):
         """The persistent buffers of `p`'s signature (see step_program.packed_step), made on
-        first use: (the input slot, one int32 longer than the packed input; the output buffers, or None
-        without routes.persistent_outputs), replicated on a mesh."""
-        bufs = self._buffers.get(p.signature)
+        first use: (the input slot, one int32 longer than the packed input; the output
+        buffers, or None without routes.persistent_outputs), replicated on a mesh.
+        key: ("forward", signature) for a split step's forward pass (its own buffers)."""
+        key = p.signature if key is None else key
+        bufs = self._buffers.get(key)
         if bufs is None:
             outs = None
             if self.routes.persistent_outputs:
-                shapes = output_shapes(p.spec, self.cfg.vocab_size, np.shape(p.prev_tokens)[0])
+                shapes = (forward_shapes(p.spec, self.cfg.vocab_size) if key != p.signature
+                          else output_shapes(p.spec, self.cfg.vocab_size,
+                                             np.shape(p.prev_tokens)[0]))
                 outs = jax.tree.map(lambda a: np.zeros(a.shape, a.dtype), shapes)
             bufs = (np.zeros(p.buf.shape[0] + 1, np.int32), outs)
             bufs = (jax.device_put(bufs) if self.layout.mesh is None
                     else jax.device_put(bufs, self.layout.named(jax.sharding.PartitionSpec())))
-            self._buffers[p.signature] = bufs
+            self._buffers[key] = bufs
         return bufs
 
-    def trace(self, inp: StepInput | PackedInput):
-        """The step traced for `inp`'s shapes (`.lower()`, `.lower().compile()`: ahead-of-time
-        compilation and the bench)."""
+    def trace(self, inp: StepInput | PackedInput, part: str = "step"):
+        """A program traced for `inp`'s shapes (`.lower()`, `.lower().compile()`: ahead-of-time
+        compilation and the bench). part: "step", the whole step as one program (what runs
+        unless the step is split); "forward" / "sample", a split step's two halves."""
         p = self.prepare(inp)
-        return self._step_fn.trace(self._leaves, self.kv, *self._step_buffers(p), p.buf,
-                                   p.prev_tokens, p.bitmask, self.lora, self._rng,
-                                   np.uint32(0), spec=p.spec)
+        if part == "step":
+            return self._step_fn.trace(self._leaves, self.kv, *self._step_buffers(p), p.buf,
+                                       p.prev_tokens, p.bitmask, self.lora, self._rng,
+                                       np.uint32(0), spec=p.spec)
+        if part == "forward":
+            return self._forward_fn.trace(
+                self._leaves, self.kv, *self._step_buffers(p, ("forward", p.signature)),
+                p.buf, p.prev_tokens, self.lora, spec=p.spec)
+        if part == "sample":
+            forward = jax.tree.map(
+                lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=self._replicated),
+                forward_shapes(p.spec, self.cfg.vocab_size))
+            return self._sample_fn.trace(*forward, p.bitmask, self._rng, np.uint32(0),
+                                         num_seqs=np.shape(p.prev_tokens)[0])
+        raise ValueError(f"part must be 'step', 'forward' or 'sample', got {part!r}")
 
-    def lower(self, inp: StepInput | PackedInput):
-        """The step lowered for `inp`'s shapes (for ahead-of-time compilation and the bench)."""
-        return self.trace(inp).lower()
+    def lower(self, inp: StepInput | PackedInput, part: str = "step"):
+        """A program lowered for `inp`'s shapes (`trace`; ahead-of-time compilation, the
+        bench)."""
+        return self.trace(inp, part).lower()
+
+    def programs(self, inp: StepInput | PackedInput) -> list:
+        """(key, part) of each program a step of `inp`'s shapes runs: the executables'
+        keys (compile_ahead) and `lower`'s part."""
+        p = self.prepare(inp)
+        if not splits(p.spec):
+            return [(p.signature, "step")]
+        return [(("forward", p.signature), "forward"),
+                (sample_signature(p.spec, np.shape(p.bitmask), np.shape(p.prev_tokens)[0]),
+                 "sample")]
 
     def compile_ahead(self, inputs, workers: int | None = None, on_done=None) -> int:
-        """Compile the step for each of `inputs` (StepInputs or PackedInputs of distinct
-        shapes) and keep the executables for `dispatch`: loaded from the executable store
+        """Compile the programs of a step for each of `inputs` (StepInputs or PackedInputs;
+        `programs`) and keep the executables for `dispatch`: loaded from the executable store
         when it holds them (no tracing), else lowered one by one, compiled concurrently and
         stored. Returns how many were compiled; `on_done()` is called after each executable
         (a progress bar)."""
         lowered = {}
         for inp in inputs:
             p = self.prepare(inp)
-            sig = p.signature
-            if sig in self._executables or sig in lowered:
-                continue
-            stored = self.store.load(sig) if self.store is not None else None
-            if stored is not None:
-                self._executables[sig] = stored
-                if on_done is not None:
-                    on_done()
-                continue
-            lowered[sig] = self.lower(p)
+            for sig, part in self.programs(p):
+                if sig in self._executables or sig in lowered:
+                    continue
+                stored = self.store.load(sig) if self.store is not None else None
+                if stored is not None:
+                    self._executables[sig] = stored
+                    if on_done is not None:
+                        on_done()
+                    continue
+                lowered[sig] = self.lower(p, part)
         workers = max(1, min(len(lowered), workers or os.cpu_count() or 1))
         with concurrent.futures.ThreadPoolExecutor(workers) as pool:
             futures = {pool.submit(executable_store.compile_lowered, low): sig
@@ -403,15 +528,18 @@ class ModelRunner:
         multihost.barrier(f"jaxinfer/compiled/{self._compiles}")   # have it (multihost.py)
         return len(lowered)
 
-    def warmup(self, buckets, on_done=None, variants=("plain", "full")) -> None:
+    def warmup(self, buckets, on_done=None, variants=("plain", "full"), on_total=None) -> None:
         """Compile the step's variants (`plain` and `full` by default; step_input.VARIANTS)
         for every bucket ahead of time, then run each once (writing nothing), so no request compiles
-        later. A workload known to be all greedy without logprobs needs only `plain`."""
+        later. A workload known to be all greedy without logprobs needs only `plain`.
+        on_total(n): called first with the number of programs (on_done is called n times)."""
         if self.mirror is not None:     # the followers warm up the same buckets
             self.mirror.call("warmup", {"variants": list(variants)})
         inputs = [self.prepare(i)   # packed once, for the compile and the run
                   for i in warmup_inputs(buckets, self.engine.max_num_seqs, variants,
                                          self.cfg.vocab_size, self.lora is not None)]
+        if on_total is not None:
+            on_total(len({key for p in inputs for key, _ in self.programs(p)}))
         self.compile_ahead(inputs, on_done=on_done)
         quiet, self._quiet = self._quiet, True
         try:

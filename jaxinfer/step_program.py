@@ -1,7 +1,13 @@
 """The programs ModelRunner jits: the step on a packed input (forward, logits of each row's
-last token, sampling, the next step's pending tokens), the page copy of n > 1 forks,
-teacher-forced logits, and the step's output shapes. Pure functions of their arguments;
-runner.py owns the buffers, the executables and when each runs."""
+last token, sampling, the next step's pending tokens), the same step as two programs
+(`forward_step`, then `sample_step`), the page copy of n > 1 forks, teacher-forced logits,
+and the steps' output shapes. Pure functions of their arguments; runner.py owns the buffers,
+the executables and when each runs.
+
+A `full` step without prompt targets that verifies nothing runs as the two programs
+(`splits`): the sampling program takes the token bitmask, so the host can fill a grammar's
+masks while the forward pass of the same step runs (engine.py), and its conditionals block
+the dispatching thread only for the sampling itself (dispatch_thread.py)."""
 from __future__ import annotations
 
 import dataclasses
@@ -34,6 +40,26 @@ def packed_step(graphdef, routes, treedef, leaves, kv, slot, outs, buf, prev_tok
     `lora`: the adapters' slots (lora_layers.py), None without LoRA.
     Returns (kv, slot, (SampleOutput, next_tokens)): the donated ones in their argument
     order, so jit pairs each output with its own buffer."""
+    model, inp, tokens, h, kv, slot, logits = _forward(
+        graphdef, routes, treedef, leaves, kv, slot, buf, prev_tokens, bitmask, lora, spec,
+        kv_sharding)
+    out = sampling.sample(logits, inp.sampling, jax.random.fold_in(rng, step_index),
+                          token_bitmask=inp.token_bitmask)
+    if inp.prompt_targets is not None:
+        out = dataclasses.replace(out, prompt=sampling.prompt_logprobs(
+            lambda x: model.logits(x, routes), h, inp.prompt_targets))
+    # The sampled tokens padded to [S]: the next step's prev_tokens (one shape for all buckets);
+    # a verify step's: each row's last kept token.
+    last = (sampling.verify_last_tokens(tokens, out.tokens, inp.md.query_start)
+            if inp.verify else out.tokens)
+    next_tokens = jnp.zeros_like(inp.prev_tokens).at[:last.shape[0]].set(last)
+    return kv, slot, _into(outs, (out, next_tokens), kv_sharding)
+
+
+def _forward(graphdef, routes, treedef, leaves, kv, slot, buf, prev_tokens, bitmask, lora,
+             spec, kv_sharding):
+    """The forward pass of packed_step: (model, StepInput, fed tokens, hidden states, kv,
+    slot, logits [B, V] f32 of each row's last token)."""
     slot = jax.lax.optimization_barrier(jax.lax.dynamic_update_slice(slot, buf, (0,)))
     inp = unpack(slot, spec, prev_tokens, bitmask)
     # The params travel as a flat list of arrays: flattening the nnx.State (hundreds of
@@ -46,27 +72,78 @@ def packed_step(graphdef, routes, treedef, leaves, kv, slot, outs, buf, prev_tok
     if kv_sharding is not None:     # pinned, so the donated buffers are reused in place
         kv = jax.lax.with_sharding_constraint(kv, kv_sharding)
     logits = model.logits(h[inp.logits_index], routes)                  # [B, V] f32
-    out = sampling.sample(logits, inp.sampling, jax.random.fold_in(rng, step_index),
-                          token_bitmask=inp.token_bitmask)
-    if inp.prompt_targets is not None:
-        out = dataclasses.replace(out, prompt=sampling.prompt_logprobs(
-            lambda x: model.logits(x, routes), h, inp.prompt_targets))
-    # The sampled tokens padded to [S]: the next step's prev_tokens (one shape for all buckets);
-    # a verify step's: each row's last kept token.
-    last = (sampling.verify_last_tokens(tokens, out.tokens, inp.md.query_start)
-            if inp.verify else out.tokens)
-    next_tokens = jnp.zeros_like(inp.prev_tokens).at[:last.shape[0]].set(last)
-    results = (out, next_tokens)
+    return model, inp, tokens, h, kv, slot, logits
+
+
+def _into(outs, results, kv_sharding, replicate: bool = False):
+    """`results` written into the donated buffers `outs` (None: fresh outputs), replicated
+    on a mesh when written into buffers (their layout) or `replicate`."""
     if outs is not None:
         # A use of `outs` that XLA folds away (a select on a constant): jit drops an argument
         # the program never reads, and with it the donation. (keep_unused=True would keep
         # them too, but also the greedy variant's unread rng and step index: a host->device
         # transfer each call.)
         results = jax.tree.map(lambda r, o: jnp.where(False, o, r), results, outs)
-        if kv_sharding is not None:   # the buffers' layout: replicated
-            results = jax.lax.with_sharding_constraint(results, jax.sharding.NamedSharding(
-                kv_sharding.mesh, jax.sharding.PartitionSpec()))
-    return kv, slot, results
+    if kv_sharding is not None and (outs is not None or replicate):
+        results = jax.lax.with_sharding_constraint(results, jax.sharding.NamedSharding(
+            kv_sharding.mesh, jax.sharding.PartitionSpec()))
+    return results
+
+
+def forward_step(graphdef, routes, treedef, leaves, kv, slot, outs, buf, prev_tokens, lora,
+                 spec, kv_sharding=None):
+    """The forward half of a split step (`splits`): packed_step up to the logits. Returns
+    (kv, slot, (logits [B, V] f32, SamplingArrays)), `outs` (None, or buffers shaped like
+    those results: `forward_shapes`) donated as in packed_step; the sampling arrays come out
+    unpacked, so `sample_step` compiles once per row count, not per bucket."""
+    _, inp, _, _, kv, slot, logits = _forward(graphdef, routes, treedef, leaves, kv, slot,
+                                              buf, prev_tokens, None, lora, spec, kv_sharding)
+    return kv, slot, _into(outs, (logits, inp.sampling), kv_sharding, replicate=True)
+
+
+def sample_step(logits, arrays, bitmask, rng, step_index, *, num_seqs: int):
+    """The sampling half of a split step: (SampleOutput, next_tokens [num_seqs]) as
+    packed_step returns them, from forward_step's results and the token bitmask."""
+    out = sampling.sample(logits, arrays, jax.random.fold_in(rng, step_index),
+                          token_bitmask=bitmask)
+    return out, jnp.zeros(num_seqs, jnp.int32).at[:out.tokens.shape[0]].set(out.tokens)
+
+
+@functools.lru_cache(maxsize=256)
+def _input_shapes(spec):
+    tree, fields = spec
+    return jax.tree_util.tree_unflatten(tree, [jax.ShapeDtypeStruct(shape, np.dtype(name))
+                                               for shape, name in fields])
+
+
+@functools.lru_cache(maxsize=256)
+def splits(spec) -> bool:
+    """Whether a step of `spec` (PackedInput.spec) runs as forward_step + sample_step: the
+    `full` variant, without prompt targets, not a verify step."""
+    return splits_host(_input_shapes(spec))
+
+
+def splits_host(inp) -> bool:
+    """`splits` of a StepInput (host arrays or shapes)."""
+    return inp.sampling.full and inp.prompt_targets is None and not inp.verify
+
+
+@functools.lru_cache(maxsize=256)
+def forward_shapes(spec, vocab_size: int):
+    """forward_step's results (logits, SamplingArrays) as ShapeDtypeStructs."""
+    inp = _input_shapes(spec)
+    return (jax.ShapeDtypeStruct((inp.logits_index.shape[0], vocab_size), jnp.float32),
+            inp.sampling)
+
+
+@functools.lru_cache(maxsize=256)
+def sample_signature(spec, bitmask_shape, num_seqs: int) -> tuple:
+    """What selects a compiled sample_step: the rows' sampling arrays (shapes, dtypes), the
+    bitmask's shape and the pending-token length; buckets of one row count share it."""
+    arrays = _input_shapes(spec).sampling
+    leaves, tree = jax.tree_util.tree_flatten(arrays)
+    return ("sample", str(tree), tuple((x.shape, x.dtype.name) for x in leaves),
+            tuple(bitmask_shape), num_seqs)
 
 
 @jax.jit
@@ -88,9 +165,7 @@ def copy_pages_program(kv, src, dst):
 def output_shapes(spec, vocab_size: int, num_seqs: int):
     """(SampleOutput, next_tokens [S]) of ShapeDtypeStructs: what the step returns for an
     input of `spec` (PackedInput.spec) with S = num_seqs (prev_tokens' length)."""
-    tree, fields = spec
-    inp = jax.tree_util.tree_unflatten(tree, [jax.ShapeDtypeStruct(shape, np.dtype(name))
-                                              for shape, name in fields])
+    inp = _input_shapes(spec)
     logits = jax.ShapeDtypeStruct((inp.logits_index.shape[0], vocab_size), jnp.float32)
     out = jax.eval_shape(sampling.sample, logits, inp.sampling, jax.random.key(0))
     if inp.prompt_targets is not None:

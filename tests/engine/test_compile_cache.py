@@ -50,7 +50,7 @@ from jaxinfer.config import EngineConfig
 from jaxinfer.engine import Engine
 from jaxinfer.runner import CompileCounter, ModelRunner
 lowered, lower = [], ModelRunner.lower
-ModelRunner.lower = lambda self, inp: lowered.append(1) or lower(self, inp)
+ModelRunner.lower = lambda self, inp, *a: lowered.append(1) or lower(self, inp, *a)
 cfg = EngineConfig(max_model_len=64, max_num_seqs=2, max_num_batched_tokens=16, page_size=4,
                    compile_cache=sys.argv[1])
 engine = Engine(TINY, cfg, *build_model(TINY, random_flat(TINY, seed=3), jnp.float32))

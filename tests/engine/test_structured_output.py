@@ -123,9 +123,29 @@ def test_n_completions_each_follow_the_grammar(llm):
         jsonschema.validate(json.loads(c.text), SCHEMAS[1])
 
 
+def _record_split_steps(engine) -> list[str]:
+    """The order of the engine's forward-pass submits, reads of a step's tokens and
+    sampling submits, as a list the engine appends to."""
+    calls = []
+
+    def spy(name, fn):
+        def wrapped(*a, **kw):
+            calls.append(name)
+            return fn(*a, **kw)
+        return wrapped
+    runner = engine.runner
+    runner.submit_forward = spy("forward", runner.submit_forward)
+    runner.submit_sample = spy("sample", runner.submit_sample)
+    engine._finish = spy("read", engine._finish)
+    return calls
+
+
 def test_async_scheduling_gives_the_same_tokens_and_compiles_nothing():
-    """Grammar rows wait for their last token; the tokens equal synchronous stepping's, with
-    unconstrained rows beside them. A warmed engine compiles nothing for them."""
+    """Grammar rows need their last token for their mask only: under async scheduling a
+    step's forward pass is dispatched first, then the step before is read and its tokens
+    accepted, then the masks filled and the sampling dispatched (on the dispatch thread
+    here, as on the GPU). The tokens equal synchronous stepping's, with unconstrained rows
+    beside them. A warmed engine compiles nothing for them."""
     params = [SamplingParams(max_tokens=40, temperature=0.7, seed=i,
                              structured_outputs={"json": SCHEMAS[i]} if i % 2 else None)
               for i in range(4)]
@@ -134,10 +154,15 @@ def test_async_scheduling_gives_the_same_tokens_and_compiles_nothing():
         llm = LLM("smollm2", engine_config=EngineConfig(
             max_num_seqs=4, max_num_batched_tokens=64, max_model_len=128,
             async_scheduling=async_, warmup=True))
+        if async_:
+            llm.engine.runner.start_dispatch_thread()
+            calls = _record_split_steps(llm.engine)
         before = CompileCounter.count()
         got[async_] = [o.token_ids for o in llm.generate(PROMPTS[:4], params, use_tqdm=False)]
         assert CompileCounter.count() == before
     assert got[True] == got[False]
+    split = "".join(c[0] for c in calls).count("frs")    # forward, read, sample
+    assert split >= 30 and calls.count("forward") == calls.count("sample") == split, calls
     for i in (1, 3):
         jsonschema.validate(json.loads(llm.tokenizer.decode(got[True][i])), SCHEMAS[i])
 
