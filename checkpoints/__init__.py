@@ -20,7 +20,7 @@ def default_gguf_path() -> Path:
 
 
 def load_checkpoint(source: str | Path, dtype=None, seed: int = 0, tensor_parallel: int = 1,
-                    fp8: bool = False):
+                    fp8: bool = False, lazy: bool = False):
     """(ModelConfig, params, Tokenizer | None) from any supported source:
 
     "smollm2" (the embedded default), a .gguf file, an HF model dir (config.json +
@@ -33,6 +33,9 @@ def load_checkpoint(source: str | Path, dtype=None, seed: int = 0, tensor_parall
     generated already sharded over `tensor_parallel` devices (jaxinfer.sharding), and with
     fp8=True their decoder linears come FP8-quantized (a big model's float weights never
     exist); file checkpoints ignore `fp8` (the model quantizes them at load).
+    lazy: an HF model dir's weights come as checkpoints.lazy tensors, read only where the
+    devices need them (each process of a tensor-parallel job reads its own shards); the
+    other sources ignore it.
     """
     import jax.numpy as jnp
 
@@ -60,7 +63,7 @@ def load_checkpoint(source: str | Path, dtype=None, seed: int = 0, tensor_parall
     if path.is_dir():
         from checkpoints.hf_loader import load_hf_dir
 
-        cfg, params = load_hf_dir(path, np_dtype)
+        cfg, params = load_hf_dir(path, np_dtype, lazy=lazy)
         tok_file = path / "tokenizer.json"
         return cfg, params, Tokenizer.from_file(tok_file) if tok_file.is_file() else None
     if (STANDARD_CONFIGS_DIR / f"{source}.json").is_file():

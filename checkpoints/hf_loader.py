@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
+from checkpoints.lazy import FileTensor, Stacked
 from checkpoints.params import check_params
 from jaxinfer.config import ModelConfig
 from jaxinfer.errors import ModelLoadError
@@ -48,7 +49,7 @@ def safetensors_files(directory: Path) -> list[Path]:
     return files
 
 
-def _read_tensors(files: list[Path], cfg: ModelConfig, dtype):
+def _read_tensors(files: list[Path], cfg: ModelConfig, dtype, lazy: bool = False):
     from safetensors import safe_open
 
     layers: dict[str, list] = {}
@@ -60,16 +61,24 @@ def _read_tensors(files: list[Path], cfg: ModelConfig, dtype):
             raise ModelLoadError(f"{file} is not a valid safetensors file ({e})") from None
         with handle as f:
             for name in f.keys():
-                _place(name, f.get_tensor(name), cfg, dtype, layers, params)
+                if lazy:
+                    def tensor(transpose, name=name, shape=f.get_slice(name).get_shape()):
+                        return FileTensor(file, name, shape, dtype, transpose)
+                else:
+                    def tensor(transpose, w=f.get_tensor(name)):
+                        return np.ascontiguousarray(w.T if transpose else w, dtype)
+                _place(name, tensor, cfg, layers, params)
     for key, per_layer in layers.items():
         if len(per_layer) != cfg.num_layers or any(x is None for x in per_layer):
             raise ModelLoadError(f"checkpoint has {key} for the wrong set of layers "
                                  f"(config says {cfg.num_layers})")
-        params[key] = np.stack(per_layer)
+        params[key] = Stacked(per_layer) if lazy else np.stack(per_layer)
     return params
 
 
-def _place(name, w, cfg, dtype, layers, params):
+def _place(name, tensor, cfg, layers, params):
+    """File tensor `name` into `layers` / `params`; tensor(transpose) gives it, as [in, out]
+    for a linear (transpose=True)."""
     m = _LAYER_RE.fullmatch(name)
     if m and m.group(2) in _LAYER_TENSORS:
         key, linear = _LAYER_TENSORS[m.group(2)]
@@ -77,28 +86,29 @@ def _place(name, w, cfg, dtype, layers, params):
         slots = layers.setdefault(key, [None] * cfg.num_layers)
         if idx >= len(slots):
             raise ModelLoadError(f"{name}: layer {idx} but config says {cfg.num_layers} layers")
-        slots[idx] = np.ascontiguousarray(w.T if linear else w, dtype)
+        slots[idx] = tensor(linear)
     elif name == "model.embed_tokens.weight":
-        params["embed"] = np.asarray(w, dtype)                       # [V, E]
+        params["embed"] = tensor(False)                              # [V, E]
     elif name == "model.norm.weight":
-        params["final_norm"] = np.asarray(w, dtype)
+        params["final_norm"] = tensor(False)
     elif name == "lm_head.weight":
         if not cfg.tie_word_embeddings:  # tied checkpoints sometimes store a copy anyway
-            params["lm_head"] = np.ascontiguousarray(w.T, dtype)     # [E, V]
+            params["lm_head"] = tensor(True)                         # [E, V]
     elif not _IGNORED.fullmatch(name):
         raise ModelLoadError(f"unexpected tensor {name!r} in checkpoint (not a supported "
                              f"{cfg.architecture} weight)")
 
 
-def load_hf_dir(path: str | Path, dtype=np.float32):
+def load_hf_dir(path: str | Path, dtype=np.float32, lazy: bool = False):
     """(ModelConfig, params) from an HF model dir; params are numpy arrays of `dtype`
-    (np.float32 or ml_dtypes.bfloat16)."""
+    (np.float32 or ml_dtypes.bfloat16), or with lazy=True checkpoints.lazy tensors that read
+    only the slices asked for (a process of a tensor-parallel job reads its own shards)."""
     directory = Path(path)
     if not directory.is_dir():
         raise ModelLoadError(f"model directory not found: {directory}")
     if not (directory / "config.json").is_file():
         raise ModelLoadError(f"{directory} has no config.json (not a Hugging Face model dir)")
     cfg = ModelConfig.from_json(directory / "config.json")
-    params = _read_tensors(safetensors_files(directory), cfg, dtype)
+    params = _read_tensors(safetensors_files(directory), cfg, dtype, lazy)
     check_params(cfg, params, str(directory))
     return cfg, params

@@ -1,7 +1,8 @@
 """From a loader's canonical flat dict of weights to the NNX decoder's state.
 
 The canonical names and shapes are checkpoints.params.param_shapes (what every loader
-returns: stacked per layer, linears [in, out], or FP8 [out, in] + scales). The model fuses
+returns: stacked per layer, linears [in, out], or FP8 [out, in] + scales; arrays, or
+checkpoints.lazy tensors read slice by slice where the devices need them). The model fuses
 q/k/v and gate/up into single matmuls; that happens here, once, at load — shard-major when
 tensor parallel (see _shard_major), so each device's slice of a fused matmul is its own.
 """
@@ -16,6 +17,7 @@ import numpy as np
 from flax import nnx
 
 from checkpoints.fp8 import dequantize_linear, quantize_int8_linear, quantize_linear
+from checkpoints.lazy import Lazy, ShardMajor, device_array
 from checkpoints.params import SCALE_SUFFIX, check_params, has_int8_head
 from jaxinfer.config import ModelConfig
 from jaxinfer.errors import ModelLoadError
@@ -44,6 +46,8 @@ def _cat(flat, names, axis=-1, shards=1):
     arrs = [flat.pop(n) for n in names]
     if len(arrs) == 1:
         return arrs[0]
+    if all(isinstance(a, Lazy) for a in arrs):      # read later, slice by slice
+        return ShardMajor(arrs, axis, shards)
     if all(isinstance(a, np.ndarray) for a in arrs):
         return _shard_major(np, arrs, axis, shards)
     return _shard_major_device(arrs, axis=axis, shards=shards)
@@ -161,7 +165,8 @@ def build_model(cfg: ModelConfig, flat: Mapping[str, object], dtype=jnp.float32,
     consume: `flat` is a dict handed over and emptied while fusing — peak memory is then the
     weights plus one fused group, not twice the weights (a 70B model on two GPUs).
     With a tensor-parallel `layout` every weight is placed by its sharding.state_specs spec:
-    host (numpy) weights go shard by shard to their devices, never whole onto one."""
+    host (numpy) weights go shard by shard to their devices, never whole onto one, and
+    lazy ones (checkpoints.lazy) are read only where this process's devices need them."""
     graphdef, abstract = abstract_model(cfg, dtype, fp8, unroll_layers, layout, int8_head,
                                         dense_head_above)
     tree = fused_tree(cfg, flat if consume and isinstance(flat, dict) else dict(flat), fp8,
@@ -176,6 +181,10 @@ def build_model(cfg: ModelConfig, flat: Mapping[str, object], dtype=jnp.float32,
         if tuple(value.shape) != tuple(spec.shape):
             raise ModelLoadError(f"weight {name} has shape {tuple(value.shape)}, the config "
                                  f"({cfg.name}) needs {tuple(spec.shape)}")
+        if isinstance(value, Lazy):
+            if layout.mesh is not None:
+                return device_array(value, spec.shape, spec.dtype, layout.named(pspec))
+            value = np.asarray(value)
         if layout.mesh is None:
             return jnp.asarray(value, spec.dtype)
         host = isinstance(value, np.ndarray)

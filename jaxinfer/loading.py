@@ -1,9 +1,11 @@
 """Model source + EngineConfig -> (ModelConfig, graphdef, params, tokenizer): the runtime's one
 entry into checkpoints/.
 
-With tensor_parallel > 1 the weights go straight to their shards: file checkpoints are read
-to host memory and each device receives only its slices; synthetic weights (standard shapes)
-are generated already sharded, so no device ever holds a whole model.
+With tensor_parallel > 1 the weights go straight to their shards: an HF model dir's
+safetensors are read slice by slice where this process's devices need them (in a job of
+several processes each reads only its own shards), other file checkpoints are read to host
+memory and each device receives only its slices; synthetic weights (standard shapes) are
+generated already sharded, so no device ever holds a whole model.
 """
 from __future__ import annotations
 
@@ -27,7 +29,8 @@ def load_model(model: str, engine_cfg: EngineConfig):
     dtype = jnp.dtype(engine_cfg.dtype)
     cfg, flat, tokenizer = load_checkpoint(model, dtype=dtype, seed=engine_cfg.seed,
                                            tensor_parallel=engine_cfg.tensor_parallel,
-                                           fp8=engine_cfg.weights == "fp8")
+                                           fp8=engine_cfg.weights == "fp8",
+                                           lazy=engine_cfg.tensor_parallel > 1)
     layout = make_layout(cfg, engine_cfg.tensor_parallel)
     graphdef, params = build_model(cfg, flat, dtype, fp8=engine_cfg.weights == "fp8",
                                    unroll_layers=resolve_unroll(engine_cfg.unroll_layers),

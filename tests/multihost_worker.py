@@ -5,7 +5,9 @@
 Each process has 2 CPU devices and joins the job over loopback (gloo collectives); the tiny
 model is tensor-parallel over all of them. Process 0 runs the engine on the requests of
 `requests()` and writes each one's tokens to OUT_JSON; the others follow it. DIE_AFTER (a
-follower's): it exits abruptly when the leader's message number DIE_AFTER arrives."""
+follower's): it exits abruptly when the leader's message number DIE_AFTER arrives.
+With JAXINFER_TEST_HF_DIR set, the model is that HF model dir, loaded as `jaxinfer` loads it,
+and each process writes the weight bytes it read to OUT_JSON.bytesPROCESS_ID."""
 import json
 import os
 import sys
@@ -34,7 +36,7 @@ def requests():
     return prompts, params
 
 
-def engine(tp: int):
+def engine(tp: int, hf_dir: str | None = None):
     import jax.numpy as jnp
     from checkpoints.model_state import build_model
     from dense_reference import random_flat
@@ -43,6 +45,10 @@ def engine(tp: int):
     from jaxinfer.engine import Engine
     from jaxinfer.sharding import make_layout
     cfg = EngineConfig(**ENGINE, tensor_parallel=tp)
+    if hf_dir:
+        from jaxinfer.loading import load_model
+        model_cfg, graphdef, params, _ = load_model(hf_dir, cfg)
+        return model_cfg, cfg, graphdef, params, Engine
     graphdef, params = build_model(TINY, random_flat(TINY, seed=11, std=0.08), jnp.float32,
                                    layout=make_layout(TINY, tp))
     return TINY, cfg, graphdef, params, Engine
@@ -76,7 +82,12 @@ def main():
     multihost.initialize(multihost.DistributedConfig(f"127.0.0.1:{port}", nproc, pid,
                                                      heartbeat_timeout_s=10))
     tp = jax.device_count()
-    model_cfg, cfg, graphdef, params, Engine = engine(tp)
+    hf_dir = os.environ.get("JAXINFER_TEST_HF_DIR")
+    model_cfg, cfg, graphdef, params, Engine = engine(tp, hf_dir)
+    if hf_dir:
+        from checkpoints import lazy
+        with open(f"{out}.bytes{pid}", "w") as f:
+            json.dump(lazy.bytes_read(), f)
     if pid == 0:
         eng = Engine(model_cfg, cfg, graphdef, params)
         tokens = run(eng)

@@ -31,14 +31,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run_pair(out: Path, *follower_args: str, timeout: float = 400):
+def _run_pair(out: Path, *follower_args: str, timeout: float = 400, env=None):
     """The worker as 2 processes; returns (return codes, outputs, seconds each took),
-    leader first."""
+    leader first. env: variables added to the workers' environment."""
     port = _free_port()
     t0 = time.monotonic()
     procs = [subprocess.Popen([sys.executable, str(WORKER), str(pid), "2", str(port), str(out),
                                *(follower_args if pid else ())],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              env={**os.environ, **(env or {})})
              for pid in (0, 1)]
     try:
         logs, took = [], []
@@ -137,6 +138,31 @@ def test_engine_refuses_to_run_on_a_follower(monkeypatch):
     model_cfg, cfg, graphdef, params, Engine = worker.engine(1)
     with pytest.raises(ConfigError, match="process 0 only"):
         Engine(model_cfg, EngineConfig(**worker.ENGINE), graphdef, params)
+
+
+def test_each_process_reads_only_its_shards_of_a_safetensors_model(tmp_path):
+    """An HF model dir (safetensors) served by 2 processes x 2 devices, tensor parallel 4
+    (attention, MLP and vocabulary all split): each process reads at most 60% of the weight
+    bytes (its half of the split weights and the replicated norms), and the leader's tokens
+    are those of one process on one device reading the whole model."""
+    import ml_dtypes
+    from checkpoints import lazy
+    from checkpoints.hf_loader import load_hf_dir
+    from checkpoints_util import write_hf_dir, tiny_hf_config
+    model = tmp_path / "model"
+    write_hf_dir(model, tiny_hf_config(num_attention_heads=4, num_key_value_heads=4),
+                 np.random.default_rng(5), ml_dtypes.bfloat16, shards=2, std=0.08)
+    total = sum(x.nbytes for x in load_hf_dir(model, ml_dtypes.bfloat16, lazy=True)[1].values())
+    out = tmp_path / "tokens.json"
+    codes, logs, _ = _run_pair(out, env={"JAXINFER_TEST_HF_DIR": str(model)})
+    assert codes == [0, 0], "\n".join(logs)[-3000:]
+    read = [json.loads(Path(f"{out}.bytes{pid}").read_text()) for pid in (0, 1)]
+    assert all(0.4 * total < r <= 0.6 * total for r in read), (read, total)
+    before = lazy.bytes_read()
+    model_cfg, cfg, graphdef, params, Engine = worker.engine(1, str(model))
+    assert lazy.bytes_read() == before      # one device: read whole, not lazily
+    want = worker.run(Engine(model_cfg, cfg, graphdef, params), warm=False)
+    assert json.loads(out.read_text())["tokens"] == want
 
 
 def test_jaxinfer_generate_as_a_two_process_job_equals_one_process(tmp_path):
