@@ -28,7 +28,7 @@ _default_xla_flags()
 
 __all__ = ["LLM", "AsyncLLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput",
            "CompletionOutput", "Logprob", "FinishReason", "BeamSearchParams", "BeamSearchOutput",
-           "BeamSearchSequence", "LoRARequest"]
+           "BeamSearchSequence", "LoRARequest", "DistributedConfig"]
 
 
 def __getattr__(name):
@@ -39,4 +39,7 @@ def __getattr__(name):
     if name == "AsyncLLM":
         from jaxinfer.async_llm import AsyncLLM
         return AsyncLLM
+    if name == "DistributedConfig":
+        from jaxinfer.multihost import DistributedConfig
+        return DistributedConfig
     raise AttributeError(name)

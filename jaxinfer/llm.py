@@ -4,6 +4,10 @@
     llm = LLM(model="smollm2")
     outs = llm.generate(["The capital of France is"], SamplingParams(temperature=0.0, max_tokens=16))
     outs[0].text, outs[0].token_ids, outs[0].finish_reason
+
+One model over several processes (hosts): run the same script in every process with
+`LLM(..., tensor_parallel=N_DEVICES_OF_ALL, distributed=DistributedConfig(...))`; process 0's
+LLM leads the job, and on the others LLM(...) follows it and ends the process.
 """
 from __future__ import annotations
 
@@ -22,12 +26,22 @@ Prompt = Union[str, list, dict]  # text, chat messages, or {"prompt_token_ids": 
 
 class LLM:
     def __init__(self, model: str = "smollm2", *, engine_config: EngineConfig | None = None,
-                 lora_modules=(), **engine_kwargs):
+                 lora_modules=(), distributed=None, **engine_kwargs):
         """lora_modules: (name, PEFT directory) pairs of LoRA adapters to serve from the
-        start (needs max_loras > 0)."""
+        start (needs max_loras > 0).
+        distributed: join a job of several processes first (multihost.DistributedConfig:
+        coordinator address, number of processes, this process's id; or True to let JAX
+        detect them under SLURM, Open MPI and the like). Every process runs the same script
+        with tensor_parallel set to the devices of all of them. On process 0 LLM(...)
+        returns the engine that leads the job; on the others it loads the model, follows
+        process 0's steps and, once process 0's engine is released (its process exits),
+        ends this process with SystemExit(0): the lines after LLM(...) run on process 0
+        only."""
         cfg = engine_config or EngineConfig()
         if engine_kwargs:
             cfg = cfg.replace(**engine_kwargs)
+        if distributed is not None:
+            _join_or_follow(model, cfg, distributed)
         self.engine = Engine.from_model(model, cfg, lora_modules)
         if self.engine.config.warmup:     # so that no generate() compiles
             self.engine.warmup(progress=True)
@@ -121,6 +135,19 @@ class LLM:
         `LLM.beam_search` (jaxinfer.beam_search): `outputs[i].sequences[j]` has `tokens`
         (prompt and generated), `text` (generated), `cum_logprob`, `logprobs`."""
         return beam_search(self.engine, _prompt_list(prompts), params)
+
+
+def _join_or_follow(model, cfg: EngineConfig, distributed) -> None:
+    """Join the job `distributed` describes; return on process 0, follow on the others."""
+    from jaxinfer import multihost
+    if distributed is True:
+        distributed = multihost.DistributedConfig()
+    if not isinstance(distributed, multihost.DistributedConfig):
+        raise InvalidTypeError(f"distributed must be a DistributedConfig or True, got "
+                               f"{type(distributed).__name__}", field="distributed")
+    if not multihost.join(distributed):
+        from jaxinfer.follower import follow_model
+        raise SystemExit(follow_model(model, cfg))
 
 
 def _prompt_list(prompts) -> list:

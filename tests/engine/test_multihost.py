@@ -165,6 +165,53 @@ def test_each_process_reads_only_its_shards_of_a_safetensors_model(tmp_path):
     assert json.loads(out.read_text())["tokens"] == want
 
 
+# Every process of the job runs this script (argv: port, process id), as a user's would.
+_LLM_SCRIPT = """
+import json, sys
+from jaxinfer import LLM, DistributedConfig, SamplingParams
+port, pid = sys.argv[1], int(sys.argv[2])
+llm = LLM("smollm2", tensor_parallel=4, max_num_seqs=4, max_num_batched_tokens=32,
+          max_model_len=128, distributed=DistributedConfig(f"127.0.0.1:{port}", 2, pid))
+outs = llm.generate(["The capital of France is", "def fibonacci(n):"],
+                    SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
+print("TOKENS", json.dumps([o.token_ids for o in outs]), flush=True)
+"""
+
+
+def test_llm_in_every_process_of_a_job_answers_on_process_0_as_one_process_does(tmp_path):
+    """The same script in 2 processes x 2 CPU devices, LLM(..., distributed=...) with tensor
+    parallel 4: process 0's LLM.generate gives SmolLM2's greedy tokens of one process on one
+    device; on process 1 LLM(...) follows and then ends the process (status 0) before the
+    script's next line."""
+    from jaxinfer import LLM, SamplingParams
+    port, env = _free_port(), {**os.environ,
+                               "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    procs = [subprocess.Popen([sys.executable, "-c", _LLM_SCRIPT, str(port), str(pid)],
+                              cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for pid in (0, 1)]
+    try:
+        logs = [p.communicate(timeout=400)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(logs)[-3000:]
+    assert "TOKENS" not in logs[1]
+    got = json.loads(logs[0].split("TOKENS ", 1)[1].splitlines()[0])
+    llm = LLM("smollm2", max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128)
+    want = llm.generate(["The capital of France is", "def fibonacci(n):"],
+                        SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
+    assert got == [w.token_ids for w in want]
+    assert llm.tokenizer.decode(got[0]).startswith(" Paris")
+
+
+def test_llm_refuses_a_distributed_setting_of_the_wrong_type():
+    from jaxinfer import LLM
+    from jaxinfer.errors import InvalidTypeError
+    with pytest.raises(InvalidTypeError) as e:
+        LLM("smollm2", distributed="127.0.0.1:1234")
+    assert e.value.field == "distributed"
+
+
 def test_jaxinfer_generate_as_a_two_process_job_equals_one_process(tmp_path):
     """`jaxinfer generate` run as a job (the same command in 2 processes x 2 CPU devices,
     --tensor-parallel 4): process 0 writes SmolLM2's answers, token for token those of
