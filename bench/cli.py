@@ -43,6 +43,8 @@ SUITES = {
                  "n > 1 (prompt tokens computed, TTFT) cost vs plain requests"),
     "speculative": ("bench.speculative", "speculative decoding: the verify step's cost vs a "
                     "decode step, and end-to-end tokens/s with vs without it"),
+    "ray_affinity": ("bench.ray_affinity", "replicas under Ray Serve: the prefix cache's hit "
+                     "rate with jaxinfer's prefix-affinity router vs Ray's default router"),
 }
 ALIASES = {"paged_attention": ["kernels"]}
 
@@ -252,6 +254,20 @@ def _speculative(p):
     p.set_defaults(model="llama-3-8b", num_speculative_tokens=4)
 
 
+def _ray_affinity(p):
+    p.add_argument("--replicas", type=int, default=2, help="engine replicas")
+    p.add_argument("--systems", type=int, default=4, help="distinct system prompts")
+    p.add_argument("--questions", type=int, default=8, help="user questions per system prompt")
+    p.add_argument("--system-chars", type=int, default=600,
+                   help="characters of each system prompt")
+    p.add_argument("--max-tokens", type=int, default=4, help="tokens per answer")
+    p.add_argument("--concurrency", type=int, default=4, help="requests in flight")
+    p.add_argument("--num-cpus", type=float, default=1.0, help="Ray CPUs per replica")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(model="smollm2", max_num_seqs=8, max_num_batched_tokens=256,
+                   max_model_len=1024)
+
+
 def _sampling(p):
     p.add_argument("--cases", type=lambda t: t.split(","), default=["structured", "n"],
                    help="comma-separated subset of structured, n")
@@ -272,7 +288,7 @@ _SUITE_ARGS = {"compile": _compile, "decode": _decode, "fusion": _fusion, "profi
                "paged_attention": _paged_attention, "fp8_matmul": _fp8_matmul,
                "batching": _batching, "throughput": _throughput, "serving": _serving,
                "lora": _lora, "lora_kernels": _lora_kernels, "speculative": _speculative,
-               "sampling": _sampling}
+               "sampling": _sampling, "ray_affinity": _ray_affinity}
 _OP_SUITES = ("paged_attention", "fp8_matmul", "lora_kernels")   # ops: no engine flags
 
 

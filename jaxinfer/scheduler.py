@@ -188,7 +188,9 @@ class Scheduler(Forks, VerifySteps):
         a = self.allocator
         return {"num_running": len(self.running), "num_waiting": len(self.waiting),
                 "num_preemptions": self.num_preemptions, "kv_pages_used": a.num_used,
-                "kv_usage": a.num_used / a.num_usable, "prefix_cache_hit_rate": a.hit_rate}
+                "kv_usage": a.num_used / a.num_usable, "prefix_cache_hit_rate": a.hit_rate,
+                "prefix_cache_hit_tokens": a.hit_tokens,
+                "prefix_cache_queried_tokens": a.queried_tokens}
 
     # --- one step -----------------------------------------------------------------------
     def schedule(self, drafts: dict[str, Sequence[int]] | None = None) -> SchedulerOutput:
