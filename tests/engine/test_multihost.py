@@ -165,6 +165,23 @@ def test_each_process_reads_only_its_shards_of_a_safetensors_model(tmp_path):
     assert json.loads(out.read_text())["tokens"] == want
 
 
+def _run_job(cwd: Path, argv) -> list[str]:
+    """Python with argv(port, process id) in 2 processes x 2 CPU devices, a job over
+    loopback; both must exit 0. Returns their output, process 0's first."""
+    port, env = _free_port(), {**os.environ,
+                               "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    procs = [subprocess.Popen([sys.executable, *argv(port, pid)], cwd=cwd, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for pid in (0, 1)]
+    try:
+        logs = [p.communicate(timeout=400)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(logs)[-3000:]
+    return logs
+
+
 # Every process of the job runs this script (argv: port, process id), as a user's would.
 _LLM_SCRIPT = """
 import json, sys
@@ -184,17 +201,7 @@ def test_llm_in_every_process_of_a_job_answers_on_process_0_as_one_process_does(
     device; on process 1 LLM(...) follows and then ends the process (status 0) before the
     script's next line."""
     from jaxinfer import LLM, SamplingParams
-    port, env = _free_port(), {**os.environ,
-                               "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
-    procs = [subprocess.Popen([sys.executable, "-c", _LLM_SCRIPT, str(port), str(pid)],
-                              cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for pid in (0, 1)]
-    try:
-        logs = [p.communicate(timeout=400)[0] for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    assert [p.returncode for p in procs] == [0, 0], "\n".join(logs)[-3000:]
+    logs = _run_job(tmp_path, lambda port, pid: ["-c", _LLM_SCRIPT, str(port), str(pid)])
     assert "TOKENS" not in logs[1]
     got = json.loads(logs[0].split("TOKENS ", 1)[1].splitlines()[0])
     llm = LLM("smollm2", max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128)
@@ -225,20 +232,10 @@ def test_jaxinfer_generate_as_a_two_process_job_equals_one_process(tmp_path):
     (tmp_path / "in.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
     engine = dict(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=256)
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in engine.items()]
-    port, env = _free_port(), {**os.environ,
-                               "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
-    procs = [subprocess.Popen(
-        [sys.executable, "-m", "jaxinfer.cli", "generate", "--input", "in.jsonl",
-         "--output", f"out{pid}.jsonl", "--tensor-parallel", "4", *flags,
-         "--coordinator-address", f"127.0.0.1:{port}", "--num-processes", "2",
-         "--process-id", str(pid)], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True) for pid in (0, 1)]
-    try:
-        logs = [p.communicate(timeout=400)[0] for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    assert [p.returncode for p in procs] == [0, 0], "\n".join(logs)[-3000:]
+    _run_job(tmp_path, lambda port, pid: [
+        "-m", "jaxinfer.cli", "generate", "--input", "in.jsonl", "--output",
+        f"out{pid}.jsonl", "--tensor-parallel", "4", *flags, "--coordinator-address",
+        f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(pid)])
     assert not (tmp_path / "out1.jsonl").exists()
     results = (tmp_path / "out0.jsonl").read_text().splitlines()
     got = {r["id"]: r["token_ids"] for r in map(json.loads, results)}
