@@ -11,10 +11,11 @@ shapes of StepInput (= the bucket: T tokens, B rows, pages_per_seq) plus
 Ahead-of-time executables (`compile_ahead`, used by Engine.warmup): every bucket's programs
 (`programs`: the step, or a split step's two halves) are lowered (Python tracing: one at a
 time) and then compiled in a thread pool; `dispatch` then calls the executables matching the
-input's signature (PackedInput: tree structure + shapes + dtypes) and falls back to the jitted function (which compiles, and is counted) for
-anything else. Step inputs reach the device as one packed int32 buffer
-(step_input.py), copied into a persistent slot; on the GPU the step's results are written
-into persistent donated buffers and copied out for the caller (step_program.packed_step says why).
+input's signature (PackedInput: tree structure + shapes + dtypes) and falls back to the
+jitted function (which compiles, and is counted) for anything else. Step inputs reach the
+device as one packed int32 buffer (step_input.py), copied into a persistent slot; on the
+GPU the step's results are written into persistent donated buffers and copied out for the
+caller (step_program.packed_step says why).
 
 Tensor parallel (EngineConfig.tensor_parallel > 1): params arrive sharded (loading.py), the
 cache is allocated sharded by kv head and pinned to that layout across the step (so the
