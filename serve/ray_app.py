@@ -147,6 +147,7 @@ class EngineReplica:
 
         cfg = EngineConfig(**engine_kwargs)
         self.engine = EngineThread(lambda: _warm(Engine.from_model(model, cfg)), max_waiting)
+        # (warm before it is ready, as `jaxinfer serve` does: nothing compiles while serving)
         self.admission = Admission(self.engine, Metrics())
         self.app = build_app(self.admission, HttpSettings(served_model_name))
         self.engine.start()
@@ -186,8 +187,7 @@ def _replica_id() -> str:
 
 
 def _warm(engine):
-    if engine.config.warmup:
-        engine.warmup(progress=False)
+    engine.warmup(progress=False)
     return engine
 
 

@@ -170,17 +170,17 @@ def test_a_replica_killed_under_load_is_replaced_and_no_request_outlives_its_dea
     import openai
     import ray
     from ray import serve
-    deadline = 90.0
+    deadline = 180.0      # generous: other tests share this machine's 2 cores in CI
     client = _client(cluster, timeout=deadline)
 
     def ask(i):
         t0 = time.monotonic()
         try:
-            client.completions.create(model="smollm2", prompt=f"Count to {i}:", max_tokens=24,
+            client.completions.create(model="smollm2", prompt=f"Count to {i}:", max_tokens=12,
                                       temperature=0)
             ok = True
-        except openai.APIError:
-            ok = False
+        except openai.APIError as e:
+            ok = type(e).__name__
         return ok, time.monotonic() - t0
 
     names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
@@ -192,7 +192,7 @@ def test_a_replica_killed_under_load_is_replaced_and_no_request_outlives_its_dea
         ray.kill(ray.get_actor(names[0], namespace="serve"), no_restart=True)
         results = [f.result(timeout=deadline + 30) for f in futures]
     assert all(took < deadline + 5 for _, took in results), results
-    assert any(ok for ok, _ in results)           # the other replica kept answering
+    assert any(ok is True for ok, _ in results), results   # the other replica kept answering
     t0 = time.monotonic()
     while time.monotonic() - t0 < 300:            # Ray starts a new replica
         status = serve.status().applications["jaxinfer"].deployments["EngineReplica"]
@@ -204,4 +204,4 @@ def test_a_replica_killed_under_load_is_replaced_and_no_request_outlives_its_dea
     else:
         pytest.fail(f"the killed replica was not replaced: {status}")
     later = [ask(i) for i in range(4)]
-    assert all(ok for ok, _ in later), later
+    assert all(ok is True for ok, _ in later), later
