@@ -1,4 +1,6 @@
 """Shared helpers for engine tests: a tiny random-weight engine and drivers."""
+import socket
+
 import jax.numpy as jnp
 import numpy as np
 
@@ -64,3 +66,10 @@ def count_scheduled_tokens(engine) -> list[int]:
         return out
     engine.scheduler.schedule = counted
     return fed
+
+
+def free_port() -> int:
+    """A TCP port on loopback that nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -5,7 +5,6 @@ included, with async scheduling (its steps take pending tokens from the step bef
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import threading
@@ -16,6 +15,7 @@ import numpy as np
 import pytest
 
 import multihost_worker as worker
+from engine_util import free_port
 from jaxinfer import multihost
 from jaxinfer.config import EngineConfig
 from jaxinfer.kv_cache import AttentionMetadata
@@ -25,16 +25,10 @@ from jaxinfer.step_input import StepInput, dummy_input
 WORKER = Path(worker.__file__)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run_pair(out: Path, *follower_args: str, timeout: float = 400, env=None):
     """The worker as 2 processes; returns (return codes, outputs, seconds each took),
     leader first. env: variables added to the workers' environment."""
-    port = _free_port()
+    port = free_port()
     t0 = time.monotonic()
     procs = [subprocess.Popen([sys.executable, str(WORKER), str(pid), "2", str(port), str(out),
                                *(follower_args if pid else ())],
@@ -168,7 +162,7 @@ def test_each_process_reads_only_its_shards_of_a_safetensors_model(tmp_path):
 def _run_job(cwd: Path, argv) -> list[str]:
     """Python with argv(port, process id) in 2 processes x 2 CPU devices, a job over
     loopback; both must exit 0. Returns their output, process 0's first."""
-    port, env = _free_port(), {**os.environ,
+    port, env = free_port(), {**os.environ,
                                "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
     procs = [subprocess.Popen([sys.executable, *argv(port, pid)], cwd=cwd, env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

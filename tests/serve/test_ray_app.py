@@ -5,7 +5,6 @@ its deadline; the prefix router's choices and the KubeRay manifest are checked w
 cluster."""
 import concurrent.futures
 import os
-import socket
 import time
 import types
 from pathlib import Path
@@ -18,6 +17,7 @@ import yaml
 os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "120")
 os.environ.setdefault("RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S", "120")
 
+from engine_util import free_port  # noqa: E402
 from serve.ray_app import (ForwardedRequest, PrefixAffinityRouter, app,  # noqa: E402
                            prompt_prefix, rendezvous_weight)
 
@@ -98,12 +98,6 @@ def test_the_kuberay_manifest_runs_this_app_with_gpus_on_the_workers():
     assert any(args["model"].startswith(m["mountPath"] + "/") for m in mounts)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def cluster():
     """Ray on this machine, serving 2 SmolLM2 replicas behind its HTTP proxy: the base
@@ -111,7 +105,7 @@ def cluster():
     import ray
     from ray import serve
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    port = _free_port()
+    port = free_port()
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run(app({"model": "smollm2", "num_replicas": 2, "num_cpus": 1, **ENGINE}),

@@ -4,7 +4,6 @@ answers, the text of LLM.generate in one process on one device; then the followe
 mid-stream: the stream ends in an error, and the leader reports NOT_SERVING, names the lost
 process and exits non-zero, within the heartbeat timeout, instead of hanging."""
 import os
-import socket
 import threading
 import time
 import urllib.error
@@ -13,6 +12,7 @@ import urllib.request
 import openai
 import pytest
 
+from engine_util import free_port
 from jaxinfer.llm import LLM
 from jaxinfer.request import SamplingParams
 from serve.launcher import ServerProcess
@@ -23,17 +23,11 @@ CHAT = [{"role": "user", "content": "Name three colors."}]
 HEARTBEAT_S = 20   # generous: two processes compile side by side on a loaded CI machine
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def job():
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in ENGINE.items()]
     args = ["--model", "smollm2", "--http-port", "0", "--tensor-parallel", "4", *flags,
-            "--coordinator-address", f"127.0.0.1:{_free_port()}", "--num-processes", "2",
+            "--coordinator-address", f"127.0.0.1:{free_port()}", "--num-processes", "2",
             "--heartbeat-timeout", str(HEARTBEAT_S)]
     env = {"XLA_FLAGS": (os.environ.get("XLA_FLAGS", "")
                          + " --xla_force_host_platform_device_count=2").strip()}
