@@ -131,6 +131,8 @@ def startup_to_first_token(args) -> dict:
             "executables": warm["compiles"] + warm["loaded_from_cache"] +
             warm["loaded_from_store"], "loaded_from_store": warm["loaded_from_store"],
             "buckets": warm["buckets"], "cache_hits": _cache_hits[0] - hits,
+            "tracing_s": round(warm["lower_seconds"], 3),
+            "compiling_s": round(warm["compile_seconds"], 3),
             "compiles_after_warmup": Engine.compiles() - c2,
             "workers": os.cpu_count() or 1}
 

@@ -407,11 +407,14 @@ class Engine(EngineLoRA, EngineSpeculation, EngineOutputs):
                on_done=None) -> dict:
         """Compile every bucket ahead of time (or load it from the executable store or the
         persistent compilation cache); returns {'compiles', 'loaded_from_cache',
-        'loaded_from_store', 'seconds', 'buckets'}.
+        'loaded_from_store', 'seconds', 'buckets', 'lower_seconds', 'compile_seconds'}: of
+        the seconds, those spent loading stored executables and tracing the others, then
+        compiling them; the rest runs each program once.
         variants: the sampling variants to compile (ModelRunner.warmup); a server needs
         both, an all-greedy offline run only `plain`. progress: a progress bar on stderr;
         on_done(done, total): called after each executable (a server's log)."""
         t0, c0, l0 = time.perf_counter(), CompileCounter.count(), CompileCounter.loaded()
+        split0 = dict(self.runner.compile_seconds)
         store = self.runner.store
         s0 = store.loaded if store is not None else 0
         buckets = self.buckets.all_buckets()
@@ -435,7 +438,8 @@ class Engine(EngineLoRA, EngineSpeculation, EngineOutputs):
         loaded = CompileCounter.loaded() - l0
         return {"compiles": CompileCounter.count() - c0 - loaded, "loaded_from_cache": loaded,
                 "loaded_from_store": (store.loaded if store is not None else 0) - s0,
-                "seconds": time.perf_counter() - t0, "buckets": len(buckets)}
+                "seconds": time.perf_counter() - t0, "buckets": len(buckets),
+                **{f"{k}_seconds": v - split0[k] for k, v in self.runner.compile_seconds.items()}}
 
     def run_until_done(self, use_tqdm: bool = True) -> dict[str, RequestOutput]:
         """Step until no request is left; returns each request's final output by id."""

@@ -29,6 +29,7 @@ import dataclasses
 import functools
 import os
 import threading
+import time
 
 import jax
 import jax.numpy as jnp
@@ -156,6 +157,7 @@ class ModelRunner:
         self.mirror = None
         self._quiet = False
         self._compiles = 0     # compile_ahead calls: the barriers' names
+        self.compile_seconds = {"lower": 0.0, "compile": 0.0}   # compile_ahead's, summed
         self._recent: dict[int, object] = {}
         self.no_prev = jax.device_put(np.zeros(engine.max_num_seqs, np.int32))
         # Steps dispatched from a thread of their own (dispatch_thread.py): on the GPU, where
@@ -501,7 +503,7 @@ class ModelRunner:
         when it holds them (no tracing), else lowered one by one, compiled concurrently and
         stored. Returns how many were compiled; `on_done()` is called after each executable
         (a progress bar)."""
-        lowered = {}
+        lowered, t0 = {}, time.perf_counter()
         for inp in inputs:
             p = self.prepare(inp)
             for sig, part in self.programs(p):
@@ -515,6 +517,7 @@ class ModelRunner:
                     continue
                 lowered[sig] = self.lower(p, part)
         workers = max(1, min(len(lowered), workers or os.cpu_count() or 1))
+        t1 = time.perf_counter()
         with concurrent.futures.ThreadPoolExecutor(workers) as pool:
             futures = {pool.submit(executable_store.compile_lowered, low): sig
                        for sig, low in lowered.items()}
@@ -525,6 +528,10 @@ class ModelRunner:
                     self.store.save(futures[done], compiled, from_jax_cache)
                 if on_done is not None:
                     on_done()
+        # Seconds spent loading stored executables and tracing and lowering the others (one
+        # at a time, in Python), then compiling those (concurrently): the compile suite's split.
+        self.compile_seconds["lower"] += t1 - t0
+        self.compile_seconds["compile"] += time.perf_counter() - t1
         self._compiles += 1       # several processes: none runs a new program before all
         multihost.barrier(f"jaxinfer/compiled/{self._compiles}")   # have it (multihost.py)
         return len(lowered)

@@ -158,6 +158,10 @@ def test_compile_suite_cold_and_warm(tmp_path):
     for got in (cold, warm):
         assert got["compiles_after_warmup"] == 0
         assert got["to_first_token_s"] > got["load_s"] + got["wall_s"] > 0
+        # tracing (or loading from the store), then compiling: parts of the warm-up's wall
+        assert 0 < got["tracing_s"] and 0 <= got["compiling_s"]
+        assert got["tracing_s"] + got["compiling_s"] <= got["wall_s"]
+    assert cold["compiling_s"] > 0      # warm: the store held every step
     assert result["cold_to_first_token_s"] == cold["to_first_token_s"]
     assert any((tmp_path / "cache").iterdir())
 
