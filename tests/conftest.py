@@ -1,5 +1,6 @@
 import collections
 import os
+import secrets
 import shutil
 import tempfile
 
@@ -44,6 +45,12 @@ if (not ON_GPU and _WORKER not in (None, OPTIMIZED_WORKER)
 # wait; with three xdist workers on two cores the spinning starves the other workers. Idle
 # threads sleep instead (same threads, same results). Set before torch is imported.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+# A Ray cluster a test starts (`ray start`, tests/serve/test_ray_app.py) authenticates with a
+# token of this run's own, whatever ~/.ray holds; Ray reads the mode when it is first
+# imported, so it is set before any test module imports it.
+os.environ["RAY_AUTH_MODE"] = "token"
+os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
 
 
 def pytest_sessionfinish(session, exitstatus):

@@ -5,6 +5,10 @@ its deadline; the prefix router's choices and the KubeRay manifest are checked w
 cluster."""
 import concurrent.futures
 import os
+import signal
+import socket
+import subprocess
+import sys
 import time
 import types
 from pathlib import Path
@@ -22,6 +26,7 @@ from serve.ray_app import (ForwardedRequest, PrefixAffinityRouter, app,  # noqa:
                            prompt_prefix, rendezvous_weight)
 
 ROOT = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent          # ray's and serve's CLIs beside this python
 ENGINE = {"max_num_seqs": 4, "max_num_batched_tokens": 64, "max_model_len": 256}
 # System prompts longer than the prefix the router reads (256 characters): requests that
 # share one share their prefix, whatever the user asks.
@@ -100,20 +105,53 @@ def test_the_kuberay_manifest_runs_this_app_with_gpus_on_the_workers():
 
 @pytest.fixture(scope="module")
 def cluster():
-    """Ray on this machine, serving 2 SmolLM2 replicas behind its HTTP proxy: the base
-    URL."""
+    """A Ray cluster on this machine (`ray start --head`), the application deployed on it by
+    Ray's CLI as the README shows (`serve run serve.ray_app:app key=value ...`): 2 SmolLM2
+    replicas behind Ray's HTTP proxy. Yields the base URL; this process is a driver of the
+    cluster, so the tests can kill replicas and read Serve's status."""
     import ray
     from ray import serve
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    port = free_port()
+    gcs, http = free_port(), free_port()
+    head = subprocess.Popen(
+        [str(BIN / "ray"), "start", "--head", "--block", f"--port={gcs}", "--num-cpus=4",
+         "--node-ip-address=127.0.0.1", "--include-dashboard=false", "--disable-usage-stats"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(app({"model": "smollm2", "num_replicas": 2, "num_cpus": 1, **ENGINE}),
-                  name="jaxinfer", route_prefix="/")
-        yield f"http://127.0.0.1:{port}"
+        ray.init(address=_wait_for_head(head, gcs), log_to_driver=False)
+        serve.start(http_options={"host": "127.0.0.1", "port": http})
+        args = {"model": "smollm2", "num_replicas": 2, "num_cpus": 1, **ENGINE}
+        run = subprocess.run(
+            [str(BIN / "serve"), "run", f"--address=127.0.0.1:{gcs}", "--non-blocking",
+             "--name=jaxinfer", "serve.ray_app:app", *(f"{k}={v}" for k, v in args.items())],
+            cwd=ROOT, capture_output=True, text=True, timeout=600)
+        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+        yield f"http://127.0.0.1:{http}"
     finally:
-        serve.shutdown()
-        ray.shutdown()
+        if ray.is_initialized():
+            try:
+                serve.shutdown()
+            finally:
+                ray.shutdown()
+        head.terminate()                 # `ray start --block` stops the cluster it started
+        try:
+            head.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(head.pid, signal.SIGKILL)
+            head.wait()
+
+
+def _wait_for_head(head, port, timeout=120.0):
+    """The head's address once its port answers; fails early if `ray start` exited."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if head.poll() is not None:
+            pytest.fail(f"ray start exited with status {head.returncode}")
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1.0).close()
+            return f"127.0.0.1:{port}"
+        except OSError:
+            time.sleep(0.5)
+    pytest.fail(f"ray start did not listen on port {port} in {timeout:.0f} s")
 
 
 def _client(base, timeout=120.0):
