@@ -30,7 +30,7 @@ from bench import ceilings as ceilings_mod
 from bench.common import (burst, decode_input, dtype_name, fill_kv, load_runner, new_result,
                           pipelined_step_s, print_table, progress, save, timed, weights_name)
 from bench.gpu_clocks import ClockMonitor
-from jaxinfer import config
+from jaxinfer.roofline import weight_bytes
 from jaxinfer.kv_cache import kv_page_bytes
 
 REF_READ_TBPS = 4.27   # the H200's measured read ceiling (docs/performance.md)
@@ -38,25 +38,6 @@ REF_READ_TBPS = 4.27   # the H200's measured read ceiling (docs/performance.md)
 KEYS = ["model", "weights", "kv_dtype", "batch", "context", "step_ms", "step_ms_device",
         "dispatch_ms", "tokens_per_s", "mbu", "mbu_device", "mbu_device_ref",
         "intensity_flop_per_byte", "achieved_TFLOPs"]
-
-
-def weight_bytes(params, cfg, batch: int, lm_head: str = "bf16") -> int:
-    """Weight bytes one step reads: the embedding table only for B rows, unless it is tied
-    and the head is bf16 (then the LM head reads it whole); with lm_head "auto" the int8
-    head's codes and scales up to INT8_HEAD_MAX_ROWS rows, its dense copy above."""
-    dense = lm_head == "auto" and batch > config.INT8_HEAD_MAX_ROWS   # loading.py's rule
-    total = 0
-    for path, leaf in jax.tree_util.tree_leaves_with_path(params):
-        key = jax.tree_util.keystr(path)
-        nbytes = leaf.size * leaf.dtype.itemsize
-        if "embed" in key and (lm_head != "bf16" or not cfg.tie_word_embeddings):
-            nbytes = batch * cfg.hidden_size * leaf.dtype.itemsize
-        elif "lm_head_dense" in key:
-            nbytes = nbytes if dense else 0
-        elif "lm_head" in key and dense:
-            nbytes = 0
-        total += nbytes
-    return total
 
 
 def kv_bytes_per_token(cfg, engine) -> int:

@@ -40,6 +40,8 @@ from tqdm import tqdm
 from jaxinfer import batch, compile_cache
 from jaxinfer.buckets import Buckets
 from jaxinfer.config import EngineConfig, ModelConfig
+from jaxinfer.device_clock import DeviceClock
+from jaxinfer.dispatch_thread import Pending
 from jaxinfer.errors import ConfigError, EngineDeadError
 from jaxinfer.engine_io import (Detokenized, build_step_input, check_params_for_model,
                                 pending_source, prompt_token_ids, token_bitmask)
@@ -75,6 +77,7 @@ class _InFlight:
     # Some row of it uses a repetition/presence/frequency penalty or a grammar: the next
     # step needs its tokens first.
     waits: bool = False
+    enqueued: float | None = None   # the host finished dispatching it (device_clock.py)
 
 
 class Engine(EngineLoRA, EngineSpeculation, EngineOutputs):
@@ -111,6 +114,10 @@ class Engine(EngineLoRA, EngineSpeculation, EngineOutputs):
         self.last_step_s = 0.0
         self.last_host_s = 0.0
         self.last_phases: dict[str, float] = {}
+        # (device seconds, SchedulerOutput) of the last step whose outputs were read, the
+        # seconds None where the host's timestamps cannot tell them (device_clock.py)
+        self.last_device: tuple[float | None, SchedulerOutput] | None = None
+        self._device_clock = DeviceClock()
         self._inflight: _InFlight | None = None
         self._later = None   # a read step's text work, left until the next is dispatched
         self._outputs: list[RequestOutput] = []   # the current step's, so far
@@ -314,7 +321,7 @@ class Engine(EngineLoRA, EngineSpeculation, EngineOutputs):
                 forward = self.runner.submit_forward(inp)
             else:
                 sampled, next_tokens = self.runner.submit(inp)
-            t4 = clock()
+            t4 = enqueued = clock()
             self.scheduler.commit(out)
             copies = self.scheduler.take_copies()    # n > 1: the forks' copy-on-write
             if copies:
@@ -327,14 +334,17 @@ class Engine(EngineLoRA, EngineSpeculation, EngineOutputs):
                 self._blame = out
                 sampled, next_tokens = self.runner.submit_sample(
                     forward, token_bitmask(arrays, self._grammars.matchers, vocab))
+                enqueued = clock()
                 masks_wall = clock() - tm
                 masks = masks_wall - (self._waited - waited)
             samp = step_input.sampling
+            if isinstance(sampled, Pending):     # the dispatch thread enqueues it, later
+                enqueued = None
             new = self._inflight = _InFlight(
                 out, sampled, next_tokens, dict(zip(arrays.request_ids, range(out.num_rows))),
                 waits=bool((samp.repetition_penalty != 1).any()
                            or samp.presence_penalty.any() or samp.frequency_penalty.any()
-                           or self._grammars.any_of(arrays.request_ids)))
+                           or self._grammars.any_of(arrays.request_ids)), enqueued=enqueued)
             self.num_steps += 1
             t5 = clock()
         waited_before = self._waited     # the early read's and the sync's
@@ -372,6 +382,7 @@ class Engine(EngineLoRA, EngineSpeculation, EngineOutputs):
                   len(failed), exc_info=error)
         try:
             self._inflight = None        # steps in flight are dropped, their tokens unseen
+            self._device_clock.reset()
             lost = self.runner.kv_lost()
             if lost:
                 self.runner.rebuild_kv()

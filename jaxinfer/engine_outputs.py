@@ -28,7 +28,9 @@ class EngineOutputs:
         if self.runner.fault_hook is not None:
             self.runner.fault_hook("fetch", self.runner)
         t = time.perf_counter()
-        sampled = fetch(resolve(step.sampled))
+        sampled = resolve(step.sampled)
+        self.last_device = (self._device_clock.wait(sampled, step.enqueued), step.out)
+        sampled = fetch(sampled)
         self._waited += time.perf_counter() - t
         if step.out.verify:
             return self._update_verify(step.out, sampled)

@@ -4,15 +4,21 @@ Per-request latencies are observed by the gRPC handlers; everything about steps 
 cache by the engine thread after each step. The decode HBM bandwidth is the bytes a decode
 step must move (every weight once, the K/V of every context token read, one token's K/V
 written per row) over the step's device time: unlike "GPU utilization" it says how close a
-decode step runs to the memory roofline.
+decode step runs to the memory roofline; the prefill gauge is the same for a step with prompt
+tokens, in FLOPs. The device time is the engine's measurement (jaxinfer/device_clock.py):
+steps whose device time the host cannot tell (it never waited for them) leave the gauges as
+they were.
 """
 from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from jaxinfer.roofline import step_flops, weight_bytes
 
 _LATENCY_BUCKETS = (.001, .0025, .005, .01, .025, .05, .075, .1, .15, .25, .5, .75, 1, 2.5, 5,
                     10, 30, 60)
@@ -45,8 +51,13 @@ class Metrics:
                                   f"Tokens generated over the last {_TOKENS_PER_S_WINDOW_S:.0f} s",
                                   registry=r)
         self.hbm_bw = Gauge("jaxinfer_decode_hbm_bandwidth_bytes_per_second",
-                            "Bytes the last decode step had to move / its device time",
-                            registry=r)
+                            "Bytes the last measured decode step had to move (weights, its "
+                            "rows' K/V) / its device time", registry=r)
+        self.prefill_flops = Gauge("jaxinfer_prefill_flops_per_second",
+                                   "FLOPs of the last measured step with prompt tokens / its "
+                                   "device time", registry=r)
+        self.device_time = hist("jaxinfer_step_device_seconds",
+                                "Device time of one engine step (steps the host can time)")
         self.requests = Counter("jaxinfer_requests", "Finished requests by outcome",
                                 ["outcome"], registry=r)
         self.lora_requests = Counter("jaxinfer_lora_requests",
@@ -75,13 +86,13 @@ class StepObserver:
     """Engine-thread side: reads the engine after each step (only that thread may)."""
 
     def __init__(self, metrics: Metrics, engine):
-        import jax
-
         self.m, self.engine, self._compiles = metrics, engine, engine.compiles
-        self._weight_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(engine.runner.params))
+        self._weight_bytes = functools.lru_cache(maxsize=None)(functools.partial(
+            weight_bytes, engine.runner.params, engine.model_config,
+            lm_head=engine.config.lm_head))        # rows -> bytes (roofline.py)
         kv = engine.runner.kv
         self._kv_bytes_per_token = kv.nbytes / (kv.num_pages * kv.page_size)
-        self._real_tokens = engine.buckets.real_tokens
+        self._last_device = None     # the engine's last_device already counted
         metrics.pages_total.set(engine.scheduler.allocator.num_usable)
         self._recent = collections.deque()  # (time, tokens) of the steps in the window
         self._last_preemptions = self._last_compiles = 0  # totals already counted
@@ -107,12 +118,24 @@ class StepObserver:
         self._tokens_per_s(tokens)
         self._per_adapter(outputs)
         self._speculation()
-        fed = self.engine.buckets.real_tokens - self._real_tokens
-        self._real_tokens = self.engine.buckets.real_tokens
-        device_s = self.engine.last_step_s - self.engine.last_host_s
-        # Every row sampled one token and the step fed one token per row: a decode step.
-        if outputs and fed == len(outputs) == tokens and device_s > 0:
-            m.hbm_bw.set(self.decode_bytes(outputs) / device_s)
+        self._roofline()
+
+    def _roofline(self) -> None:
+        """The gauges of the step the engine last timed on the device (device_clock.py):
+        a decode step's bytes (every row one token) or a step with prompt tokens' FLOPs, per
+        device second. Each step is counted once."""
+        last = self.engine.last_device
+        if last is None or last is self._last_device:
+            return
+        self._last_device = last
+        seconds, out = last
+        if not seconds or out.is_empty:
+            return
+        self.m.device_time.observe(seconds)
+        if out.num_tokens == out.num_rows:
+            self.m.hbm_bw.set(self.decode_bytes(out) / seconds)
+        else:
+            self.m.prefill_flops.set(self.step_flops(out) / seconds)
 
     def _per_adapter(self, outputs) -> None:
         if not self.engine.config.max_loras:     # no adapters: nothing to count per step
@@ -141,9 +164,17 @@ class StepObserver:
     def queue_time(self, seconds: float) -> None:
         self.m.queue.observe(seconds)
 
-    def decode_bytes(self, outputs) -> float:
-        context = sum(len(o.prompt_token_ids) + len(o.token_ids) - 1 for o in outputs)
-        return self._weight_bytes + (context + len(outputs)) * self._kv_bytes_per_token
+    def decode_bytes(self, out) -> float:
+        """The bytes a decode step (SchedulerOutput `out`) must move: the weights it reads
+        (roofline.weight_bytes: the embedding only for its rows) and each row's K/V up to and
+        including its new token."""
+        context = sum(row.seq_len for row in out.rows)
+        return self._weight_bytes(out.num_rows) + context * self._kv_bytes_per_token
+
+    def step_flops(self, out) -> float:
+        """The FLOPs of a step (SchedulerOutput `out`; roofline.step_flops)."""
+        return step_flops(self.engine.model_config,
+                          [(r.start_pos, r.num_tokens) for r in out.rows])
 
     def _count(self, counter, total, attr):
         counter.inc(max(0, total - getattr(self, attr)))

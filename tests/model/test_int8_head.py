@@ -150,7 +150,7 @@ def test_auto_head_through_the_engine(monkeypatch):
 def test_decode_bench_counts_the_head_a_step_reads():
     """bench.decode's byte count (its MBU's numerator) with lm_head="auto": the codes and
     scales up to INT8_HEAD_MAX_ROWS rows, the dense copy above, never both."""
-    from bench.decode import weight_bytes
+    from jaxinfer.roofline import weight_bytes
     from jaxinfer.config import INT8_HEAD_MAX_ROWS
 
     cfg, _, int8, _ = load_model("tiny", _engine("int8"))
