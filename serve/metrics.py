@@ -134,7 +134,7 @@ class StepObserver:
         self.m.device_time.observe(seconds)
         if out.num_tokens == out.num_rows:
             self.m.hbm_bw.set(self.decode_bytes(out) / seconds)
-        else:
+        elif not out.verify:     # a speculative verify step is neither
             self.m.prefill_flops.set(self.step_flops(out) / seconds)
 
     def _per_adapter(self, outputs) -> None:

@@ -58,9 +58,12 @@ def test_decode_bytes_and_prefill_flops_per_device_second(engine):
     assert _gauge(metrics, "jaxinfer_prefill_flops_per_second") == pytest.approx(flops / 0.004)
 
     observer._roofline()                              # the same step again: counted once
+    engine.last_device = (0.001, SchedulerOutput(prefill.rows, verify=True))
+    observer._roofline()                              # a verify step: timed, no gauge
+    assert _gauge(metrics, "jaxinfer_prefill_flops_per_second") == pytest.approx(flops / 0.004)
     engine.last_device = (None, decode)               # device time unknown: no reading
     observer._roofline()
-    assert _gauge(metrics, "jaxinfer_step_device_seconds_count") == 2
+    assert _gauge(metrics, "jaxinfer_step_device_seconds_count") == 3
     assert _gauge(metrics, "jaxinfer_decode_hbm_bandwidth_bytes_per_second") == pytest.approx(want)
 
 
