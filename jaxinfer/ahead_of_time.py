@@ -122,10 +122,10 @@ class AheadOfTime:
             futures = {pool.submit(executable_store.compile_lowered, low): sig
                        for sig, low in lowered.items()}
             for done in concurrent.futures.as_completed(futures):
-                compiled, from_jax_cache = done.result()
+                compiled, compiled_here = done.result()
                 self._executables[futures[done]] = compiled
                 if self.store is not None:
-                    self.store.save(futures[done], compiled, from_jax_cache)
+                    self.store.save(futures[done], compiled, compiled_here)
                 if on_done is not None:
                     on_done()
         # Seconds spent loading stored executables and tracing and lowering the others (one

@@ -13,10 +13,13 @@ step by what shapes it instead, and keeps the executable serialized
   - the step's input signature (bucket and sampling variant).
 Anything else that changed is another key, never a stale program. An entry that fails to
 load (corrupt, truncated, from another build) is ignored with a warning and compiled afresh.
-Only executables compiled in this process are stored: one that JAX's persistent cache
+Only executables XLA compiled in this process are stored: one that JAX's persistent cache
 answered does not serialize again whole on XLA's CPU backend (it loads, then fails to run
-with "Function ... not found"), so `compile_lowered` reports which it was. Such a step is
-loaded from JAX's cache again on the next start (traced and lowered, as without the store).
+with "Function ... not found"). Nor does a compile JAX answered from memory (the same
+program compiled before in this process, by an engine of another key), which records no
+cache event at all; so `compile_lowered` reports a step as compiled here only when JAX
+recorded a cache miss for it on the compiling thread. A step not stored is loaded from JAX's
+cache again on the next start (traced and lowered, as without the store).
 The store sits in JAX's cache directory (`jaxinfer-steps/`) and is off when that cache is;
 like it, it is trusted code: keep it in a directory only you can write.
 """
@@ -36,24 +39,25 @@ from jax.experimental import serialize_executable
 
 log = logging.getLogger("jaxinfer.executable_store")
 _PACKAGES = ("jaxinfer", "pallas_kernels", "checkpoints")
-_CACHE_HIT = "/jax/compilation_cache/cache_hits"
-_hits = threading.local()      # JAX's persistent-cache hits on this thread
+_CACHE_MISS = "/jax/compilation_cache/cache_misses"
+_misses = threading.local()      # JAX's persistent-cache misses (XLA compiles) on this thread
 
 
-def _count_hit(event: str, **_) -> None:
-    if event == _CACHE_HIT:
-        _hits.count = getattr(_hits, "count", 0) + 1
+def _count_miss(event: str, **_) -> None:
+    if event == _CACHE_MISS:
+        _misses.count = getattr(_misses, "count", 0) + 1
 
 
-jax.monitoring.register_event_listener(_count_hit)
+jax.monitoring.register_event_listener(_count_miss)
 
 
 def compile_lowered(lowered):
-    """lowered.compile(), and whether JAX's persistent cache answered it (a cache hit is
-    recorded on the compiling thread)."""
-    before = getattr(_hits, "count", 0)
+    """lowered.compile(), and whether XLA compiled it here: JAX recorded a persistent-cache
+    miss for it on the compiling thread. False when JAX's persistent cache answered it, or
+    its in-memory cache did (no event): neither may be stored."""
+    before = getattr(_misses, "count", 0)
     compiled = lowered.compile()
-    return compiled, getattr(_hits, "count", 0) > before
+    return compiled, getattr(_misses, "count", 0) > before
 
 
 @functools.lru_cache(maxsize=1)
@@ -123,10 +127,10 @@ class ExecutableStore:
         self.loaded += 1
         return compiled
 
-    def save(self, signature, compiled, from_jax_cache: bool = False) -> None:
-        """Keep `compiled` (written atomically; a failure is a warning, never an error).
-        from_jax_cache: JAX's persistent cache answered its compile (then it is not kept)."""
-        if from_jax_cache:
+    def save(self, signature, compiled, compiled_here: bool) -> None:
+        """Keep `compiled` (written atomically; a failure is a warning, never an error) if
+        XLA compiled it in this process (`compile_lowered`); else it is not kept."""
+        if not compiled_here:
             return
         path = self._path(signature)
         try:

@@ -38,7 +38,8 @@ def test_an_executable_loaded_from_the_cache_counts_as_a_compile():
 
 
 # A fresh process builds the tiny engine with `compile_cache`, compiles every bucket and runs
-# one greedy and one sampled request; it prints what XLA compiled and what it loaded.
+# one greedy and one sampled request; it prints what XLA compiled and what it loaded. Given
+# engine seeds, it builds one engine per seed in turn and prints after the last.
 _START = """
 import json, sys
 import jax.numpy as jnp
@@ -51,20 +52,21 @@ from jaxinfer.engine import Engine
 from jaxinfer.runner import CompileCounter, ModelRunner
 lowered, lower = [], ModelRunner.lower
 ModelRunner.lower = lambda self, inp, *a: lowered.append(1) or lower(self, inp, *a)
-cfg = EngineConfig(max_model_len=64, max_num_seqs=2, max_num_batched_tokens=16, page_size=4,
-                   compile_cache=sys.argv[1])
-engine = Engine(TINY, cfg, *build_model(TINY, random_flat(TINY, seed=3), jnp.float32))
-warm = engine.warmup(progress=False)
-for p in (SamplingParams(max_tokens=4, temperature=0.0), SamplingParams(max_tokens=4, seed=1)):
-    engine.add_request({"prompt_token_ids": [5, 6, 7]}, p)
-tokens = [o.token_ids for o in engine.run_until_done(use_tqdm=False).values()]
+for seed in map(int, sys.argv[2:] or ["0"]):
+    cfg = EngineConfig(max_model_len=64, max_num_seqs=2, max_num_batched_tokens=16,
+                       page_size=4, compile_cache=sys.argv[1], seed=seed)
+    engine = Engine(TINY, cfg, *build_model(TINY, random_flat(TINY, seed=3), jnp.float32))
+    warm = engine.warmup(progress=False)
+    for p in (SamplingParams(max_tokens=4, temperature=0.0), SamplingParams(max_tokens=4)):
+        engine.add_request({"prompt_token_ids": [5, 6, 7]}, p)
+    tokens = [o.token_ids for o in engine.run_until_done(use_tqdm=False).values()]
 print(json.dumps({"compiled": CompileCounter.count() - CompileCounter.loaded(),
                   "loaded": CompileCounter.loaded(), "warm": warm, "tokens": tokens,
                   "lowered": len(lowered)}))
 """
 
 
-def _start(setting: str, cache_env: str | None = None, devices: int = 1):
+def _start(setting: str, cache_env: str | None = None, devices: int = 1, seeds=(0,)):
     """devices: CPU devices the process has (the engine runs on one of them)."""
     env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
     if cache_env:
@@ -73,7 +75,8 @@ def _start(setting: str, cache_env: str | None = None, devices: int = 1):
         env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "")
                             + f" --xla_force_host_platform_device_count={devices}").strip()
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS), env.get("PYTHONPATH")]))
-    proc = subprocess.run([sys.executable, "-c", _START, setting], env=env, text=True,
+    proc = subprocess.run([sys.executable, "-c", _START, setting, *map(str, seeds)],
+                          env=env, text=True,
                           capture_output=True, timeout=600, cwd=TESTS.parent)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1]), proc.stderr
@@ -111,6 +114,23 @@ def test_steps_answered_by_the_jax_cache_are_not_stored(tmp_path):
     third, _ = _start(str(cache))
     assert third["lowered"] == first["lowered"] and third["warm"]["compiles"] == 0
     assert third["tokens"] == second["tokens"] == first["tokens"]
+
+
+def test_steps_jax_answered_from_memory_are_not_stored(tmp_path):
+    """Two engines in one process whose programs are the same but whose store keys differ
+    (another seed): JAX answers the second engine's compiles from memory, recording no
+    cache event. When the first engine's steps came from JAX's persistent cache, those
+    executables do not serialize whole either, so the second engine stores none of them,
+    and a later start of its configuration runs instead of failing with "Function ... not
+    found"."""
+    cache = tmp_path / "xla"
+    _start(str(cache))
+    shutil.rmtree(cache / "jaxinfer-steps")
+    both, _ = _start(str(cache), seeds=(0, 1))
+    assert both["warm"]["compiles"] == 0
+    assert not list((cache / "jaxinfer-steps").glob("*.pkl"))
+    again, _ = _start(str(cache), seeds=(1,))
+    assert again["warm"]["compiles"] == 0 and again["tokens"] == both["tokens"]
 
 
 @pytest.mark.gpu
@@ -180,6 +200,6 @@ def test_the_store_keys_steps_by_what_shapes_them(tmp_path, monkeypatch):
 
     compiled = jax.jit(lambda x: x * 2 + 1).trace(jnp.ones(3)).lower().compile()
     s = store()
-    s.save("sig", compiled)
+    s.save("sig", compiled, compiled_here=True)
     assert s.load("other sig") is None
     assert list(store().load("sig")(jnp.arange(3.0))) == [1.0, 3.0, 5.0]
