@@ -83,14 +83,20 @@ def _device_times(engine, host_s: float = 0.0, tokens: int = 16):
 def test_async_steps_report_the_device_s_time_not_the_host_s_wait(engines):
     """SmolLM2 on the CPU is device-bound at 8 rows. Synchronous steps measure each step's
     device time; with async scheduling and host work of about half a step beside it, the
-    host waits about half as long, yet the device time stays that of synchronous steps."""
-    sync = _device_times(engines[False])
-    assert sync and all(d is not None and w <= d + 1e-3 and d <= s for d, s, w in sync), sync
-    step = statistics.median(d for d, _, _ in sync)
-    got = _device_times(engines[True], host_s=step / 2)
+    host waits about half as long, yet the device time stays that of synchronous steps.
+    Sync and async runs alternate, so a change in the machine's load meets both alike."""
+    sync, got = [], []
+    for _ in range(3):
+        steps = _device_times(engines[False], tokens=8)
+        # the host's wait (which also reads the tokens back) is within the device time
+        assert steps and all(d is not None and w <= d + max(2e-3, 0.1 * d) and d <= s
+                             for d, s, w in steps), steps
+        sync += steps
+        step = statistics.median(d for d, _, _ in sync)
+        got += _device_times(engines[True], host_s=step / 2, tokens=8)
     measured = [d for d, _, _ in got if d is not None]
-    assert len(measured) >= len(got) - 2, got        # the host blocked on (nearly) all
+    assert len(measured) >= len(got) - 3, got        # the host blocked on (nearly) all
     device = statistics.median(measured)
     wait = statistics.median(w for _, _, w in got)
-    assert 0.75 * step < device < 1.33 * step, (device, step)
+    assert 0.7 * step < device < 1.4 * step, (device, step)
     assert wait < 0.8 * device, (wait, device)        # what the old gauge divided by
