@@ -72,15 +72,24 @@ class ServerProcess:
             self.wait_listening()
         if self.port is None:
             return self._wait_http_ready(timeout)
+        import grpc
+
         seen, deadline = [], time.monotonic() + timeout
         with Client(self.target, **client_kw) as c:
             while time.monotonic() < deadline and self.proc.poll() is None:
-                seen.append(c.health())
+                try:
+                    seen.append(c.health())
+                except grpc.RpcError as e:
+                    if e.code() != grpc.StatusCode.UNAVAILABLE:
+                        raise
+                    # the server stopped listening (a failed load drains, then exits): the
+                    # loop sees it exit and the error below carries its log
+                    time.sleep(0.1)
+                    continue
                 if seen[-1] == "SERVING":
                     return seen
                 time.sleep(0.1)
-        raise RuntimeError(f"server not SERVING after {timeout} s (exit {self.proc.poll()}):"
-                           f"\n{self.log()}")
+        raise RuntimeError(self._not_ready("SERVING", timeout))
 
     def _wait_http_ready(self, timeout: float) -> list[str]:
         import urllib.error
@@ -94,8 +103,13 @@ class ServerProcess:
             except urllib.error.HTTPError as e:   # 503 while loading
                 seen.append("NOT_SERVING" if e.code == 503 else str(e.code))
             time.sleep(0.1)
-        raise RuntimeError(f"server not ready after {timeout} s (exit {self.proc.poll()}):"
-                           f"\n{self.log()}")
+        raise RuntimeError(self._not_ready("ready", timeout))
+
+    def _not_ready(self, what: str, timeout: float) -> str:
+        status = self.proc.poll()
+        why = (f"not {what} after {timeout} s" if status is None
+               else f"exited with status {status} before it was {what}")
+        return f"server {why}:\n{self.log()}"
 
     def terminate(self) -> None:
         self.proc.send_signal(signal.SIGTERM)

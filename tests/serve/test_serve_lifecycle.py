@@ -159,6 +159,21 @@ def test_sigterm_while_loading_exits_zero():
         assert srv.proc.wait(60) == 0, srv.log()
 
 
+def test_a_model_that_fails_to_load_exits_non_zero_and_says_why(tmp_path):
+    """The port opens before the model loads; a model that then fails to load is logged,
+    the server exits 1, and a launcher waiting for SERVING reports the exit and the log,
+    not a refused connection."""
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"not a gguf file")
+    with ServerProcess(["--model", str(bad)]) as srv:
+        with pytest.raises(RuntimeError) as failed:
+            srv.wait_serving(timeout=120)
+        assert srv.proc.wait(60) == 1
+    message = str(failed.value)
+    assert message.startswith("server exited with status 1 before it was SERVING"), message
+    assert f"could not load the model: {bad} is not a valid GGUF file" in message
+
+
 def test_client_waits_for_a_server_still_loading():
     """A client that arrives while the server loads and compiles (health NOT_SERVING) waits
     for SERVING instead of failing: a short wait ends in DEADLINE_EXCEEDED, a long one in
