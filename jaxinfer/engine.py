@@ -57,6 +57,7 @@ from jaxinfer.request_group import RequestGroups, completion_id
 from jaxinfer.routes import Routes
 from jaxinfer.runner import CompileCounter, ModelRunner
 from jaxinfer.sampling import uses_penalty
+from jaxinfer.slo import deadline_at
 from jaxinfer.scheduler import Scheduler
 from jaxinfer.scheduler_output import SchedulerOutput
 from jaxinfer.step_program import splits_host
@@ -162,10 +163,16 @@ class Engine(EngineLoRA, EngineSpeculation, EngineOutputs):
 
     # --- requests -----------------------------------------------------------------------
     def add_request(self, prompt, sampling_params: SamplingParams | None = None,
-                    request_id: str | None = None) -> str:
-        """Queue a request (text, chat messages, or {"prompt_token_ids": [...]}); returns its id."""
+                    request_id: str | None = None, *, priority: int = 0,
+                    deadline: float | None = None) -> str:
+        """Queue a request (text, chat messages, or {"prompt_token_ids": [...]}); returns its
+        id. priority: the queue takes lower values first, then arrival order. deadline:
+        seconds from now by which it must finish; one the engine predicts it cannot meet is
+        refused with DeadlineError (slo.py)."""
         params = SamplingParams() if sampling_params is None else SamplingParams.coerce(
             sampling_params)
+        now = self.scheduler.clock()
+        timing = dict(arrival_time=now, priority=priority, deadline=deadline_at(now, deadline))
         ids = self.encode_prompt(prompt, params)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self._groups:
@@ -173,11 +180,9 @@ class Engine(EngineLoRA, EngineSpeculation, EngineOutputs):
                                       field="request_id")
         text = prompt if isinstance(prompt, str) else None
         lora = self._lora_key(params.lora)
-        if params.prompt_logprobs is not None:   # completion 0's of an n > 1 request
-            self._prompt_lp[rid if params.n == 1 else completion_id(rid, 0)] = PromptLogprobs(
-                ids, params.prompt_logprobs)
         if params.n == 1:
-            self.scheduler.add(Request(rid, ids, params, lora=lora))
+            self.scheduler.add(Request(rid, ids, params, lora=lora, **timing))
+            self._keep_prompt_logprobs(rid, ids, params)
             self._text[rid] = Detokenized(self.tokenizer, ids, params, text)
             self._grammars.add(rid, params)
             return rid
@@ -187,12 +192,17 @@ class Engine(EngineLoRA, EngineSpeculation, EngineOutputs):
         cids = [completion_id(rid, i) for i in range(params.n)]
         each = [params.for_completion(i) for i in range(params.n)]
         self.scheduler.add(Request(cids[0], ids, each[0], forks=tuple(zip(cids[1:], each[1:])),
-                                   lora=lora))
+                                   lora=lora, **timing))
+        self._keep_prompt_logprobs(cids[0], ids, params)
         for cid, p in zip(cids, each):
             self._text[cid] = Detokenized(self.tokenizer, ids, p, text)
             self._grammars.add(cid, p)
         self._groups.add(rid, params.n)
         return rid
+
+    def _keep_prompt_logprobs(self, rid: str, ids: list[int], params: SamplingParams) -> None:
+        if params.prompt_logprobs is not None:   # completion 0's of an n > 1 request
+            self._prompt_lp[rid] = PromptLogprobs(ids, params.prompt_logprobs)
 
     def encode_prompt(self, prompt, sampling_params: SamplingParams) -> list[int]:
         """A prompt's validated token ids (and `sampling_params` checked against this model):
@@ -259,9 +269,10 @@ class Engine(EngineLoRA, EngineSpeculation, EngineOutputs):
     def _step(self) -> None:
         clock = time.perf_counter
         t0 = clock()
+        compiles = CompileCounter.count()
         self._waited = 0.0
         outputs = self._outputs
-        prev = self._inflight
+        prev = first = self._inflight
         later = None
         defer = False     # grammar masks filled while this step's forward pass runs
         if prev is not None and self._may_speculate():
@@ -359,6 +370,11 @@ class Engine(EngineLoRA, EngineSpeculation, EngineOutputs):
         t6 = clock()
         self.last_step_s = t6 - t0
         self.last_host_s = self.last_step_s - self._waited
+        # The step this one waited for (async: the one before) took this step's time; one
+        # that compiled tells nothing of the next.
+        if CompileCounter.count() == compiles:
+            self.scheduler.deadlines.observe_step(out if first is None else first.out,
+                                                  self.last_step_s)
         # Where the host's time went (seconds): the bench reports their medians.
         self.last_phases = {"early_resolve": t1 - t0 - waited_early, "schedule": t2 - t1,
                             "prepare": t3 - t2, "prepare_arrays": ta - t2,

@@ -18,7 +18,7 @@ import threading
 import time
 from typing import Callable
 
-from jaxinfer.errors import InvalidRequestError
+from jaxinfer.errors import DeadlineError, InvalidRequestError
 from jaxinfer.request import RequestStatus
 
 log = logging.getLogger("jaxinfer.serve")
@@ -58,13 +58,17 @@ class EngineThread:
     def num_waiting(self) -> int:
         return self._num_waiting
 
-    def submit(self, request_id: str, prompt, params, sink: Sink) -> bool:
-        """Hand a request in; False (and nothing queued) when the waiting queue is full."""
+    def submit(self, request_id: str, prompt, params, sink: Sink,
+               deadline: float | None = None) -> bool:
+        """Hand a request in; False (and nothing queued) when the waiting queue is full.
+        deadline: seconds from now by which it must finish (Engine.add_request); a request
+        the engine predicts late, or whose deadline passes before the engine takes it, gets
+        DeadlineError on its sink."""
         with self._lock:
             if self._num_waiting >= self.max_waiting:
                 return False
             self._num_waiting += 1
-        self._inbox.put(("add", request_id, prompt, params, sink, time.monotonic()))
+        self._inbox.put(("add", request_id, prompt, params, sink, time.monotonic(), deadline))
         return True
 
     def abort(self, request_id: str, notify: bool = False) -> None:
@@ -119,12 +123,17 @@ class EngineThread:
         except queue.Empty:
             return True
 
-    def _add(self, request_id, prompt, params, sink, submitted) -> None:
+    def _add(self, request_id, prompt, params, sink, submitted, deadline) -> None:
         try:
-            self.engine.add_request(prompt, params, request_id)
+            if deadline is not None:
+                deadline -= time.monotonic() - submitted
+                if deadline <= 0:
+                    raise DeadlineError("the request's deadline passed before the engine "
+                                        "took it")
+            self.engine.add_request(prompt, params, request_id, deadline=deadline)
         except Exception as e:  # InvalidRequestError, or a bug the handler reports as INTERNAL
             self._unwait(1)
-            if not isinstance(e, InvalidRequestError):
+            if not isinstance(e, (InvalidRequestError, DeadlineError)):
                 log.exception("add_request failed for %s", request_id)
             _deliver(sink, e)
             return

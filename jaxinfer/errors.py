@@ -34,3 +34,8 @@ class EngineDeadError(JaxinferError, RuntimeError):
 
 class QueueFullError(JaxinferError):
     """Too many requests are waiting to be scheduled; try again later."""
+
+
+class DeadlineError(JaxinferError):
+    """The engine predicts it cannot finish the request by its deadline, so it refused it
+    (slo.py); try again later, elsewhere or with a longer deadline."""

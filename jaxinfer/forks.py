@@ -60,7 +60,8 @@ class Forks:
     def _new_fork(self, parent: Request, request_id: str, params) -> Request:
         """A completion of `parent`'s prompt as a request of its own (registered, WAITING)."""
         child = Request(request_id, parent.prompt_token_ids, params,
-                        arrival_time=parent.arrival_time, lora=parent.lora)
+                        arrival_time=parent.arrival_time, lora=parent.lora,
+                        priority=parent.priority, deadline=parent.deadline)
         self.requests[request_id] = child
         self._reserved.discard(request_id)
         return child

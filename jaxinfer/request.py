@@ -306,6 +306,10 @@ class Request:
     # Speculative decoding with a draft model (draft_model.py): the leading tokens whose K/V
     # the draft model's own pool holds at this request's pages (0 again when they go).
     num_draft_computed: int = 0
+    # The queue's order: lower first, then arrival (scheduler.py). Its completions share it.
+    priority: int = 0
+    # When it must finish, on the scheduler's clock; None: no deadline (slo.py).
+    deadline: float | None = None
 
     def __post_init__(self):
         if not isinstance(self.request_id, str) or not self.request_id:
@@ -316,6 +320,9 @@ class Request:
         except TypeError:
             raise InvalidRequestError("prompt token ids must be integers",
                                       field="prompt_token_ids") from None
+        if not isinstance(self.priority, int) or isinstance(self.priority, bool):
+            raise InvalidTypeError(f"priority must be an integer, got "
+                                   f"{type(self.priority).__name__}", field="priority")
         if not ids:
             raise InvalidRequestError("prompt is empty", field="prompt_token_ids")
         if min(ids) < 0:

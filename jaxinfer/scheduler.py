@@ -6,7 +6,8 @@ case (see request.py): a scheduled request feeds the next `n` of its uncomputed 
 `n` is all of them if the budget allows, else what is left of the budget (chunked prefill).
 Only the row whose chunk reaches the end of the request's tokens yields a sampled token.
 
-Order and priority (first come, first served):
+Order and priority (first come, first served; a request's `priority`, lower first, orders the
+queue before its arrival does; its `deadline` may refuse it at `add`: slo.py):
 1. Running requests, oldest first. Each needs pages for its new tokens; when none are free,
    the most recently arrived running request is preempted: its pages are freed, it goes back
    to the head of the queue and later recomputes prompt + generated tokens (which it keeps).
@@ -50,6 +51,7 @@ from jaxinfer.lora import LoRASlots
 from jaxinfer.page_table import PageAllocator, PageList, extend_page_keys
 from jaxinfer.request import MAX_BANNED_IDS, PENDING, FinishReason, Request, RequestStatus
 from jaxinfer.scheduler_output import ScheduledRow, SchedulerOutput
+from jaxinfer.slo import Deadlines
 from jaxinfer.verify_steps import VerifySteps
 
 __all__ = ["Scheduler", "ScheduledRow", "SchedulerOutput"]
@@ -75,6 +77,7 @@ class Scheduler(Forks, VerifySteps):
         self._reserved: set[str] = set()   # ids of completions not forked yet
         self._copies: list[tuple[int, int]] = []   # (src, dst) pages, for take_copies
         self.lora_slots = LoRASlots(max_loras) if max_loras else None
+        self.deadlines = Deadlines(self)
 
     @classmethod
     def from_config(cls, config: EngineConfig, eos_token_ids: Sequence[int] = (),
@@ -115,10 +118,15 @@ class Scheduler(Forks, VerifySteps):
             raise InvalidRequestError(
                 f"request needs up to {final_len - 1} tokens of KV cache; the pool holds "
                 f"{self.allocator.num_usable * self.page_size}", field="max_tokens")
+        self.deadlines.check(request)     # DeadlineError: predicted to finish late
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         self._reserved.update(ids[1:])
-        self.waiting.append(request)
+        # After every waiting request of its priority or better (all of them by default).
+        waiting, i = self.waiting, len(self.waiting)
+        while i and waiting[i - 1].priority > request.priority:
+            i -= 1
+        waiting.insert(i, request)
 
     def abort(self, request_id: str) -> Request | None:
         """Cancel a request (or one of n completions, forked or not); unknown or already
@@ -148,6 +156,8 @@ class Scheduler(Forks, VerifySteps):
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         request.finish_time = self.clock()
+        if reason in (FinishReason.STOP, FinishReason.LENGTH):
+            self.deadlines.finished(request)
         return request
 
     def recover(self, failed: Sequence[str], cache_lost: bool) -> list[Request]:

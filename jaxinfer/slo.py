@@ -1,0 +1,206 @@
+"""Latency budgets: a request may carry a deadline, and one the engine predicts it cannot meet
+is refused at once (DeadlineError: the servers answer RESOURCE_EXHAUSTED / HTTP 429) instead
+of being admitted to finish late. Requests without a deadline are never refused here and are
+scheduled as before.
+
+The prediction rests on a step-time model fitted online (StepTimeModel): each step's wall
+seconds as a linear function of its tokens, rows and context tokens (least squares over the
+recent steps, coefficients kept >= 0). Until it has seen enough steps of different sizes it
+predicts nothing and every request is admitted. A new request's completion is then estimated
+from the queue as it stands (`Deadlines.predict`):
+
+  1. it waits for a row: the requests ahead of it take the rows as they free up, each for
+     its expected output length (running requests hold theirs until they reach it);
+  2. its prompt is prefilled after the prompt tokens ahead of it (waiting requests of its
+     priority or better, running requests' unfinished prefills), at the step budget left
+     beside the decode rows; the steps until then carry that prefill and the rows' decode
+     tokens, and cost what a step of their mean size costs;
+  3. it decodes its expected output, one token a step, plus the step that reads the last
+     token back; full steps while requests wait behind it, else steps as large as the
+     recent ones (a moving average), or of its decode rows if larger.
+
+A request's expected output length is its max_tokens, or less once the engine has seen
+enough requests finish: the 90th percentile of recent output lengths, if smaller. Later
+arrivals of the same priority never pass a request (the queue orders by priority, then
+arrival), so only higher-priority arrivals, preemption (the KV pool running out) and
+answers longer than expected can make an admitted request late.
+"""
+from __future__ import annotations
+
+import collections
+import heapq
+import math
+
+import numpy as np
+
+from jaxinfer.errors import DeadlineError, InvalidRequestError, InvalidTypeError
+
+_MIN_STEPS = 16          # observations before the model predicts
+_MIN_FINISHED = 32       # finished requests before output lengths are estimated from them
+
+
+def deadline_at(now: float, seconds) -> float | None:
+    """The absolute deadline of a request given `seconds` from `now` (None: none)."""
+    if seconds is None:
+        return None
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
+        raise InvalidTypeError(f"deadline must be a number of seconds or None, got "
+                               f"{type(seconds).__name__}", field="deadline")
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise InvalidRequestError(f"deadline must be a positive number of seconds, got "
+                                  f"{seconds!r}", field="deadline")
+    return now + seconds
+
+
+class StepTimeModel:
+    """Seconds per step = c0 + c1 tokens + c2 rows + c3 context tokens (each c >= 0), least
+    squares over the last `window` steps, refitted every `refit_every` observations."""
+
+    def __init__(self, window: int = 512, refit_every: int = 16):
+        self._obs: collections.deque = collections.deque(maxlen=window)
+        self._refit_every, self._since = refit_every, 0
+        self.coefs: np.ndarray | None = None
+
+    def set(self, base: float, per_token: float, per_row: float, per_context: float) -> None:
+        """Use these coefficients (seconds, seconds per token / row / context token) until
+        the next refit."""
+        self.coefs = np.array([base, per_token, per_row, per_context], np.float64)
+
+    def observe(self, tokens: int, rows: int, context: int, seconds: float) -> None:
+        self._obs.append((1.0, tokens, rows, context, seconds))
+        self._since += 1
+        if self._since >= self._refit_every and len(self._obs) >= _MIN_STEPS:
+            self._since = 0
+            self._fit()
+
+    def _fit(self) -> None:
+        data = np.array(self._obs, np.float64)
+        x, y = data[:, :4], data[:, 4]
+        if len(np.unique(x[:, 1])) < 2:
+            return       # one step size only: nothing to tell tokens from the rest
+        coefs = _non_negative_fit(x, y)
+        if coefs is None:
+            return
+        # Once more without the outliers (a step the host stalled: a collection, a page-in)
+        residual = np.abs(y - x @ coefs)
+        keep = residual <= 3 * max(np.median(residual), 1e-3 * np.median(y))
+        if keep.sum() >= _MIN_STEPS and not keep.all():
+            coefs = _non_negative_fit(x[keep], y[keep])
+        if coefs is not None:
+            self.coefs = coefs
+
+    def predict(self, tokens: float, rows: float, context: float) -> float | None:
+        """Seconds for a step of this size, or None before the model is fitted."""
+        if self.coefs is None:
+            return None
+        return float(self.coefs @ np.array([1.0, tokens, rows, context]))
+
+
+def _non_negative_fit(x: np.ndarray, y: np.ndarray) -> np.ndarray | None:
+    """Least squares of y on the columns of x, dropping those whose coefficient goes
+    negative and fitting again; None when none is left."""
+    active = np.ones(x.shape[1], bool)
+    while active.any():
+        coefs = np.zeros(x.shape[1])
+        coefs[active] = np.linalg.lstsq(x[:, active], y, rcond=None)[0]
+        negative = active & (coefs < 0)
+        if not negative.any():
+            return coefs
+        active &= ~negative
+    return None
+
+
+class Deadlines:
+    """Admission by predicted completion for one engine's scheduler (module docstring)."""
+
+    def __init__(self, scheduler, model: StepTimeModel | None = None):
+        self.scheduler = scheduler
+        self.model = model if model is not None else StepTimeModel()
+        self._lengths: collections.deque = collections.deque(maxlen=256)
+        self._cap: int | None = None    # the 90th percentile of recent output lengths
+        self._recent_tokens = 0.0       # tokens per step, a moving average
+
+    # --- what the engine tells it -------------------------------------------------------
+    def observe_step(self, output, seconds: float) -> None:
+        """One step's scheduled rows (SchedulerOutput) and its wall seconds."""
+        if not output.rows:
+            return
+        tokens = context = 0
+        for row in output.rows:
+            n = len(row.token_ids)
+            tokens += n
+            context += row.start_pos + n
+        self.model.observe(tokens, len(output.rows), context, seconds)
+        self._recent_tokens += 0.125 * (tokens - self._recent_tokens)
+
+    def finished(self, request) -> None:
+        """A request ended (stop or length): its output length informs expected lengths."""
+        self._lengths.append(request.num_output_tokens)
+        if len(self._lengths) >= _MIN_FINISHED and len(self._lengths) % 8 == 0:
+            self._cap = int(np.percentile(np.array(self._lengths), 90, method="higher"))
+
+    # --- admission ----------------------------------------------------------------------
+    def expected_output(self, request) -> int:
+        n = min(request.sampling_params.max_tokens,
+                self.scheduler.max_model_len - request.num_prompt_tokens)
+        return n if self._cap is None else max(1, min(n, self._cap))
+
+    def check(self, request) -> None:
+        """Raise DeadlineError if `request` (not queued yet; its deadline absolute, on the
+        scheduler's clock) is predicted to finish after its deadline."""
+        if request.deadline is None:
+            return
+        now = self.scheduler.clock()
+        if request.deadline <= now:
+            raise DeadlineError("the request's deadline has passed already")
+        finish = self.predict(request)
+        if finish is not None and finish > request.deadline:
+            raise DeadlineError(
+                f"the server predicts this request would finish {finish - now:.3f} s from "
+                f"now, after its deadline ({request.deadline - now:.3f} s); retry later or "
+                f"with a longer deadline")
+
+    def predict(self, request) -> float | None:
+        """When `request` would finish if queued now (scheduler clock), or None before the
+        step-time model is fitted."""
+        sched, model = self.scheduler, self.model
+        if model.coefs is None:
+            return None
+        budget, max_rows = sched.max_num_batched_tokens, sched.max_num_seqs
+        remaining, decode, context, ahead_tokens = [], 0, 0, 0
+        for r in sched.running:
+            context += r.num_computed_tokens
+            left = r.num_uncomputed_tokens
+            if left > 1 or r.num_output_tokens == 0:    # still prefilling
+                ahead_tokens += left
+            else:
+                decode += 1
+            remaining.append(max(1, self.expected_output(r) - r.num_output_tokens))
+        ahead = [r for r in sched.waiting if r.priority <= request.priority]
+        ahead_tokens += sum(r.num_uncomputed_tokens for r in ahead)
+        behind = len(sched.waiting) - len(ahead)
+        # 1. a row: the requests ahead take the rows as they free up (a running request's
+        # when it has its expected output), each for its own expected output
+        free_at = remaining + [0] * max(0, sched.free_rows) or [0]
+        heapq.heapify(free_at)
+        for r in ahead:
+            heapq.heappush(free_at, heapq.heappop(free_at) + 1 + self.expected_output(r))
+        row_steps = free_at[0]
+        # 2. its prompt, after those ahead, at the budget the decode rows leave; the steps
+        # until then carry that prefill and the decode tokens of the rows (their mean size)
+        rate = max(1, budget - decode)
+        prompt = request.num_uncomputed_tokens
+        steps = max(row_steps + math.ceil(prompt / rate),
+                    math.ceil((ahead_tokens + prompt) / rate))
+        rows = min(max_rows, len(sched.running) + len(ahead) + 1)
+        decoded = min(sum(remaining) + sum(self.expected_output(r) for r in ahead),
+                      rows * steps)
+        context += ahead_tokens + prompt
+        first = model.predict(min(budget, (ahead_tokens + prompt + decoded) / steps), rows,
+                              context)
+        # 3. its answer: one token a step, and the step that reads the last one back; steps
+        # as full as the recent ones, or full while others wait behind it
+        output = self.expected_output(request)
+        tokens = budget if behind else min(budget, max(rows, self._recent_tokens))
+        after = model.predict(tokens, rows, context + rows * output / 2)
+        return sched.clock() + steps * first + output * after
