@@ -64,13 +64,16 @@ class Admission:
         nor the event loop (reading a LoRA adapter from disk)."""
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
-    async def submit(self, rid: str, prompt, params,
-                     deltas: asyncio.Queue | None = None) -> asyncio.Queue:
+    async def submit(self, rid: str, prompt, params, deltas: asyncio.Queue | None = None,
+                     deadline: float | None = None) -> asyncio.Queue:
         """Validate and tokenize a request off the engine thread (on a small pool: a long
         prompt delays no one's tokens), then hand it to the engine thread; its outputs (and
         an exception, if it fails) arrive on `deltas` (default: a new queue), which is
         returned. Several requests may share one queue (RequestOutput.request_id tells them
-        apart). Raises Refused or InvalidRequestError."""
+        apart). deadline: seconds from now by which it must finish (a DeadlineError arrives
+        on `deltas` when the engine predicts it cannot). Raises Refused or
+        InvalidRequestError."""
+        t0 = time.monotonic()
         self.check()
         if rid in self._active:
             raise InvalidRequestError(f"request id {rid!r} is already in use", field="request_id")
@@ -82,8 +85,11 @@ class Admission:
             raise InvalidRequestError(f"request id {rid!r} is already in use", field="request_id")
         prompt = {"prompt_token_ids": ids}
         deltas = asyncio.Queue() if deltas is None else deltas
+        if deadline is not None:
+            deadline -= time.monotonic() - t0       # the time tokenizing took
         if not self.engine.submit(rid, prompt, params,
-                                  lambda item: loop.call_soon_threadsafe(deltas.put_nowait, item)):
+                                  lambda item: loop.call_soon_threadsafe(deltas.put_nowait, item),
+                                  deadline=deadline):
             raise Refused("queue_full", f"the waiting queue is full "
                                         f"({self.engine.max_waiting} requests); retry later")
         self._active.add(rid)

@@ -5,13 +5,15 @@ Status codes (no handler lets an exception escape as UNKNOWN):
   INVALID_ARGUMENT    bad sampling parameter, prompt, token id, UTF-8, request id, or bytes
                       that are no valid message (the details start with the field's name;
                       trailing metadata jaxinfer-field)
-  RESOURCE_EXHAUSTED  the waiting queue is at its limit
+  RESOURCE_EXHAUSTED  the waiting queue is at its limit, or the engine predicts it cannot
+                      finish the request within the call's deadline (jaxinfer/slo.py)
   UNAVAILABLE         still loading, draining for shutdown, or the engine failed for good
   FAILED_PRECONDITION a LoRA adapter load/unload when the server does not allow them (no
                       --allow-runtime-lora) or serves no adapters (max_loras 0)
   INTERNAL            the engine step running the request failed (other requests go on),
                       or a bug (logged with its traceback)
-A client that cancels or passes its deadline has its request aborted in the engine.
+A client that cancels or passes its deadline has its request aborted in the engine. The
+call's deadline is the request's: one the engine predicts it cannot meet is refused at once.
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ import time
 
 import grpc
 
-from jaxinfer.errors import ConfigError, InvalidRequestError
+from jaxinfer.errors import ConfigError, DeadlineError, InvalidRequestError
 from serve import convert
 from serve import jaxinfer_pb2 as pb
 from serve import jaxinfer_pb2_grpc as pb_grpc
@@ -94,6 +96,8 @@ def guarded(handler):
             await context.abort(_REFUSED[e.reason], str(e))
         except RequestFailed as e:
             await context.abort(grpc.StatusCode.INTERNAL, str(e))
+        except DeadlineError as e:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         except ConfigError as e:      # an engine setting that rules the call out
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         except InvalidRequestError as e:
@@ -150,7 +154,8 @@ class InferenceService(pb_grpc.InferenceServicer):
         prompt = convert.prompt_from_proto(request)
         params = convert.sampling_from_proto(request.sampling)
         rid = convert.request_id_from_proto(request) or f"grpc-{next(self._ids)}"
-        deltas = await self._admission.submit(rid, prompt, params)
+        deltas = await self._admission.submit(rid, prompt, params,
+                                              deadline=context.time_remaining())
         log.info("request %s: %s", rid, prompt if self._log_prompts else "(prompt not logged)")
         clock, finished = RequestClock(self._metrics, arrival), False
         try:

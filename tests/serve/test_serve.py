@@ -204,6 +204,22 @@ def test_flood_beyond_queue_limit(server):
     assert _wait_idle(server)["jaxinfer_kv_pages_used"] == 0
 
 
+def test_a_call_whose_deadline_the_server_cannot_meet_is_refused_at_once(server, client):
+    """The call's deadline is the request's. Once the server has timed some steps, a call
+    asking for far more tokens than its deadline leaves time for is refused with
+    RESOURCE_EXHAUSTED before the deadline, not left to run out; one with room runs."""
+    for n in (3, 9, 17, 30):            # steps of several sizes: the step-time model fits
+        client.complete(list(range(5, 5 + n)), {"max_tokens": 8}, timeout=60)
+    t0 = time.monotonic()
+    with pytest.raises(grpc.RpcError) as e:
+        client.complete([5, 6, 7], {"max_tokens": 120, "ignore_eos": True}, timeout=0.1)
+    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e.value.details()
+    assert "after its deadline" in e.value.details() and time.monotonic() - t0 < 0.1
+    done = client.complete([5, 6, 7], {"max_tokens": 4, "ignore_eos": True}, timeout=60)
+    assert len(done.token_ids) == 4
+    assert _wait_idle(server)["jaxinfer_kv_pages_used"] == 0
+
+
 BAD = [  # (name, prompt, sampling, request_id, field)
     ("temperature", [5, 6], {"temperature": -1.0}, "", "temperature"),
     ("top_p", [5, 6], {"top_p": 0.0}, "", "top_p"),
