@@ -5,8 +5,10 @@ scheduled as before.
 
 The prediction rests on a step-time model fitted online (StepTimeModel): each step's wall
 seconds as a linear function of its tokens, rows and context tokens (least squares over the
-recent steps, coefficients kept >= 0). Until it has seen enough steps of different sizes it
-predicts nothing and every request is admitted. A new request's completion is then estimated
+recent steps, coefficients kept >= 0, fitted again without outliers; steps that compiled are
+not timed). The engine times its steps from the first request with a deadline on; until the
+model has seen enough steps of different sizes it predicts nothing and every request is
+admitted. A new request's completion is then estimated
 from the queue as it stands (`Deadlines.predict`):
 
   1. it waits for a row: the requests ahead of it take the rows as they free up, each for
@@ -56,9 +58,10 @@ class StepTimeModel:
     """Seconds per step = c0 + c1 tokens + c2 rows + c3 context tokens (each c >= 0), least
     squares over the last `window` steps, refitted every `refit_every` observations."""
 
-    def __init__(self, window: int = 512, refit_every: int = 16):
-        self._obs: collections.deque = collections.deque(maxlen=window)
-        self._refit_every, self._since = refit_every, 0
+    def __init__(self, window: int = 256, refit_every: int = 32):
+        self._obs = np.zeros((window, 5))      # a ring of (1, tokens, rows, context, seconds)
+        self._count = 0
+        self._refit_every = refit_every
         self.coefs: np.ndarray | None = None
 
     def set(self, base: float, per_token: float, per_row: float, per_context: float) -> None:
@@ -67,14 +70,13 @@ class StepTimeModel:
         self.coefs = np.array([base, per_token, per_row, per_context], np.float64)
 
     def observe(self, tokens: int, rows: int, context: int, seconds: float) -> None:
-        self._obs.append((1.0, tokens, rows, context, seconds))
-        self._since += 1
-        if self._since >= self._refit_every and len(self._obs) >= _MIN_STEPS:
-            self._since = 0
+        self._obs[self._count % len(self._obs)] = (1.0, tokens, rows, context, seconds)
+        self._count += 1
+        if self._count % self._refit_every == 0 and self._count >= _MIN_STEPS:
             self._fit()
 
     def _fit(self) -> None:
-        data = np.array(self._obs, np.float64)
+        data = self._obs[:self._count]
         x, y = data[:, :4], data[:, 4]
         if len(np.unique(x[:, 1])) < 2:
             return       # one step size only: nothing to tell tokens from the rest
@@ -119,17 +121,16 @@ class Deadlines:
         self._lengths: collections.deque = collections.deque(maxlen=256)
         self._cap: int | None = None    # the 90th percentile of recent output lengths
         self._recent_tokens = 0.0       # tokens per step, a moving average
+        self.in_use = False             # a request with a deadline came: time the steps
 
     # --- what the engine tells it -------------------------------------------------------
     def observe_step(self, output, seconds: float) -> None:
-        """One step's scheduled rows (SchedulerOutput) and its wall seconds."""
-        if not output.rows:
+        """One step's scheduled rows (SchedulerOutput) and its wall seconds; ignored until a
+        request with a deadline has come (no cost to an engine that never sees one)."""
+        if not output.rows or not self.in_use:
             return
-        tokens = context = 0
-        for row in output.rows:
-            n = len(row.token_ids)
-            tokens += n
-            context += row.start_pos + n
+        tokens = output.num_tokens      # cached: the bucket's choice computed it
+        context = tokens + sum(row.start_pos for row in output.rows)
         self.model.observe(tokens, len(output.rows), context, seconds)
         self._recent_tokens += 0.125 * (tokens - self._recent_tokens)
 
@@ -150,6 +151,7 @@ class Deadlines:
         scheduler's clock) is predicted to finish after its deadline."""
         if request.deadline is None:
             return
+        self.in_use = True
         now = self.scheduler.clock()
         if request.deadline <= now:
             raise DeadlineError("the request's deadline has passed already")

@@ -7,7 +7,7 @@ import pytest
 from engine_util import random_prompts, tiny_engine
 from jaxinfer.errors import DeadlineError, InvalidRequestError
 from jaxinfer.request import Request, SamplingParams
-from jaxinfer.scheduler import Scheduler
+from jaxinfer.scheduler import ScheduledRow, Scheduler, SchedulerOutput
 from jaxinfer.slo import StepTimeModel
 
 # seconds: per step, per token, per row, per context token
@@ -72,6 +72,18 @@ def test_a_deadline_is_refused_only_when_predicted_late():
     t[0] = 10.0
     with pytest.raises(DeadlineError, match="has passed"):
         sched.deadlines.check(Request("past", [5], deadline=9.0))
+
+
+def test_steps_are_timed_only_once_a_request_with_a_deadline_came():
+    sched = _scheduler()
+    out = SchedulerOutput((ScheduledRow("a", (5, 6), 0, np.zeros(1, np.int32), True),))
+    sched.deadlines.observe_step(out, 0.01)
+    sched.add(Request("a", [5, 6, 7]))
+    sched.deadlines.observe_step(out, 0.01)
+    assert sched.deadlines.model._count == 0       # no deadline yet: no cost per step
+    sched.add(Request("b", [5, 6, 7], deadline=sched.clock() + 60))
+    sched.deadlines.observe_step(out, 0.01)
+    assert sched.deadlines.model._count == 1
 
 
 def _simulate(engine, arrivals, deadline, max_tokens):
