@@ -59,10 +59,13 @@ class AsyncLLM:
         return self._thread.engine
 
     async def generate(self, prompt, sampling_params: SamplingParams | dict | None = None,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+                       request_id: str | None = None, *, priority: int = 0,
+                       deadline: float | None = None) -> AsyncIterator[RequestOutput]:
         """The outputs of one request as they come (see the module doc). An invalid prompt
         or parameter raises InvalidRequestError (naming the field) from the first step of
-        the iteration; a dead engine raises EngineDeadError."""
+        the iteration; a dead engine raises EngineDeadError. priority and deadline as
+        Engine.add_request's: a request the engine predicts it cannot finish by its
+        deadline raises DeadlineError from the first step."""
         if not self._thread.alive:
             raise EngineDeadError("the engine thread has stopped")
         params = SamplingParams() if sampling_params is None else SamplingParams.coerce(
@@ -71,7 +74,8 @@ class AsyncLLM:
         loop, outputs = asyncio.get_running_loop(), asyncio.Queue()
         if not self._thread.submit(rid, prompt, params,
                                    lambda item: loop.call_soon_threadsafe(outputs.put_nowait,
-                                                                          item)):
+                                                                          item),
+                                   priority=priority, deadline=deadline):
             raise QueueFullError(f"{self._thread.max_waiting} requests are waiting already")
         finished = False
         try:

@@ -58,17 +58,18 @@ class EngineThread:
     def num_waiting(self) -> int:
         return self._num_waiting
 
-    def submit(self, request_id: str, prompt, params, sink: Sink,
+    def submit(self, request_id: str, prompt, params, sink: Sink, priority: int = 0,
                deadline: float | None = None) -> bool:
         """Hand a request in; False (and nothing queued) when the waiting queue is full.
-        deadline: seconds from now by which it must finish (Engine.add_request); a request
+        priority and deadline as Engine.add_request's (deadline: seconds from now); a request
         the engine predicts late, or whose deadline passes before the engine takes it, gets
         DeadlineError on its sink."""
         with self._lock:
             if self._num_waiting >= self.max_waiting:
                 return False
             self._num_waiting += 1
-        self._inbox.put(("add", request_id, prompt, params, sink, time.monotonic(), deadline))
+        self._inbox.put(("add", request_id, prompt, params, sink, time.monotonic(), priority,
+                         deadline))
         return True
 
     def abort(self, request_id: str, notify: bool = False) -> None:
@@ -123,14 +124,15 @@ class EngineThread:
         except queue.Empty:
             return True
 
-    def _add(self, request_id, prompt, params, sink, submitted, deadline) -> None:
+    def _add(self, request_id, prompt, params, sink, submitted, priority, deadline) -> None:
         try:
             if deadline is not None:
                 deadline -= time.monotonic() - submitted
                 if deadline <= 0:
                     raise DeadlineError("the request's deadline passed before the engine "
                                         "took it")
-            self.engine.add_request(prompt, params, request_id, deadline=deadline)
+            self.engine.add_request(prompt, params, request_id, priority=priority,
+                                    deadline=deadline)
         except Exception as e:  # InvalidRequestError, or a bug the handler reports as INTERNAL
             self._unwait(1)
             if not isinstance(e, (InvalidRequestError, DeadlineError)):

@@ -65,8 +65,8 @@ class LLM:
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  *, use_tqdm: bool = True,
-                 lora_request: LoRARequest | str | Sequence | None = None
-                 ) -> list[RequestOutput]:
+                 lora_request: LoRARequest | str | Sequence | None = None,
+                 priority: Sequence[int] | None = None) -> list[RequestOutput]:
         """Complete every prompt; outputs come back in the order of `prompts`.
 
         A prompt is text, a list of chat messages ({"role", "content"}: the chat template is
@@ -74,7 +74,8 @@ class LLM:
         with finish_reason "error" and `error` (the others are unaffected).
         lora_request: the LoRA adapter to answer with (the engine needs max_loras > 0), for
         all prompts or a list of one per prompt (None: the base model): a LoRARequest, loaded
-        from its lora_path on first use, or the name of a loaded adapter."""
+        from its lora_path on first use, or the name of a loaded adapter. priority: one
+        per prompt, as vLLM's; the queue takes lower values first (all 0 by default)."""
         prompts = _prompt_list(prompts)
         params = SamplingParams() if sampling_params is None else sampling_params
         if isinstance(params, (SamplingParams, Mapping)):
@@ -92,10 +93,15 @@ class LLM:
         if lora_request is not None:
             params = [p if name is None else dataclasses.replace(p, lora=name)
                       for p, name in zip(params, self._lora_names(lora_request, len(prompts)))]
+        if priority is None:
+            priority = [0] * len(prompts)
+        elif not isinstance(priority, (list, tuple)) or len(priority) != len(prompts):
+            raise InvalidRequestError(f"priority must be a list of one integer per prompt "
+                                      f"({len(prompts)})", field="priority")
         ids: list[str] = []
         try:
-            for p, sp in zip(prompts, params):
-                ids.append(self.engine.add_request(p, sp))
+            for p, sp, rank in zip(prompts, params, priority):
+                ids.append(self.engine.add_request(p, sp, priority=rank))
         except Exception:   # one bad prompt: leave nothing of this call queued
             for rid in ids:
                 self.engine.abort_request(rid)

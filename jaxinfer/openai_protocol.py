@@ -88,6 +88,8 @@ class _Sampling(_Strict):
     structured_outputs: dict | None = None
     # vLLM's extra field: top-n logprobs of every prompt token (not with stream=true).
     prompt_logprobs: int | None = None
+    # vLLM's extra field: the server's queue takes lower values first.
+    priority: int = 0
     # Known to OpenAI, not implemented: must stay null (checked in _check_unsupported).
     logit_bias: Any = None
     suffix: Any = None

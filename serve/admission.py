@@ -65,13 +65,14 @@ class Admission:
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
     async def submit(self, rid: str, prompt, params, deltas: asyncio.Queue | None = None,
-                     deadline: float | None = None) -> asyncio.Queue:
+                     priority: int = 0, deadline: float | None = None) -> asyncio.Queue:
         """Validate and tokenize a request off the engine thread (on a small pool: a long
         prompt delays no one's tokens), then hand it to the engine thread; its outputs (and
         an exception, if it fails) arrive on `deltas` (default: a new queue), which is
         returned. Several requests may share one queue (RequestOutput.request_id tells them
-        apart). deadline: seconds from now by which it must finish (a DeadlineError arrives
-        on `deltas` when the engine predicts it cannot). Raises Refused or
+        apart). priority: the queue takes lower values first; deadline: seconds from now by
+        which it must finish (a DeadlineError arrives on `deltas` when the engine predicts
+        it cannot). Raises Refused or
         InvalidRequestError."""
         t0 = time.monotonic()
         self.check()
@@ -89,7 +90,7 @@ class Admission:
             deadline -= time.monotonic() - t0       # the time tokenizing took
         if not self.engine.submit(rid, prompt, params,
                                   lambda item: loop.call_soon_threadsafe(deltas.put_nowait, item),
-                                  deadline=deadline):
+                                  priority=priority, deadline=deadline):
             raise Refused("queue_full", f"the waiting queue is full "
                                         f"({self.engine.max_waiting} requests); retry later")
         self._active.add(rid)

@@ -143,7 +143,10 @@ def add_client_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--auth-token-file", default=None,
                    help=f"bearer token file (or ${TOKEN_ENV})")
     p.add_argument("--timeout", type=float, default=None,
-                   help="the request's deadline in seconds")
+                   help="the request's deadline in seconds (one the server predicts it "
+                        "cannot meet is refused at once)")
+    p.add_argument("--priority", type=int, default=0,
+                   help="the server's queue takes lower values first")
     p.add_argument("--ready-timeout", type=float, default=600.0,
                    help="seconds to wait for a server that is still starting (loading, "
                         "compiling) to report SERVING")
@@ -162,7 +165,8 @@ def run_client(args) -> int:
     try:
         with Client(args.target, token=_token(args), tls_ca=args.tls_ca) as client:
             client.wait_until_ready(args.ready_timeout)   # a server still loading: wait
-            for resp in client.generate(prompt, sampling, timeout=args.timeout):
+            for resp in client.generate(prompt, sampling, timeout=args.timeout,
+                                        priority=args.priority):
                 # Models without a tokenizer stream no text: show their token ids.
                 sys.stdout.write("".join(f"{t} " for t in resp.token_ids) if args.token_ids
                                  else resp.text)

@@ -37,8 +37,9 @@ def _encode(s) -> bytes:
     return s if isinstance(s, bytes) else s.encode("utf-8")
 
 
-def build_request(prompt, sampling=None, request_id: str | None = None) -> pb.GenerateRequest:
-    req = pb.GenerateRequest(request_id=request_id or "")
+def build_request(prompt, sampling=None, request_id: str | None = None,
+                  priority: int = 0) -> pb.GenerateRequest:
+    req = pb.GenerateRequest(request_id=request_id or "", priority=priority)
     # SetInParent: an empty list is still sent as that kind of prompt (and rejected as empty).
     if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
         req.token_ids.SetInParent()
@@ -127,9 +128,13 @@ class Client:
         self._metadata = auth_metadata(token)
 
     def generate(self, prompt, sampling=None, *, request_id: str | None = None,
-                 timeout: float | None = None) -> Iterator[pb.GenerateResponse]:
-        """Stream the responses; cancel() on the returned iterator aborts the request."""
-        return self.stub.Generate(build_request(prompt, sampling, request_id),
+                 timeout: float | None = None, priority: int = 0
+                 ) -> Iterator[pb.GenerateResponse]:
+        """Stream the responses; cancel() on the returned iterator aborts the request.
+        timeout: the call's deadline, which is also the request's (a request the server
+        predicts it cannot finish in time is refused with RESOURCE_EXHAUSTED); priority:
+        the server's queue takes lower values first."""
+        return self.stub.Generate(build_request(prompt, sampling, request_id, priority),
                                   timeout=timeout, metadata=self._metadata)
 
     def complete(self, prompt, sampling=None, **kw) -> Completion:

@@ -157,7 +157,7 @@ class OpenAIApi(LoRAEndpoints):
         streaming = False
         try:
             try:
-                await call.submit(prompts, params)
+                await call.submit(prompts, params, req.priority)
             except InvalidRequestError as e:   # a response_format schema that does not compile
                 raise oai.response_format_error(e) if req.response_format else e from None
             if not await call.started():

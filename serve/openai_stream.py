@@ -48,10 +48,10 @@ class Call:
         self.early: list = []                    # outputs read before the response started
         self._watch = None
 
-    async def submit(self, prompts, params) -> None:
+    async def submit(self, prompts, params, priority: int = 0) -> None:
         for i, prompt in enumerate(prompts):
             erid = self.rid if len(prompts) == 1 else f"{self.rid}-{i}"
-            await self.admission.submit(erid, prompt, params, self.queue)
+            await self.admission.submit(erid, prompt, params, self.queue, priority=priority)
             self.index[erid] = i
             self.clocks[erid] = RequestClock(self.admission.metrics, self.arrival)
             self.unfinished.add(erid)

@@ -154,7 +154,7 @@ class InferenceService(pb_grpc.InferenceServicer):
         prompt = convert.prompt_from_proto(request)
         params = convert.sampling_from_proto(request.sampling)
         rid = convert.request_id_from_proto(request) or f"grpc-{next(self._ids)}"
-        deltas = await self._admission.submit(rid, prompt, params,
+        deltas = await self._admission.submit(rid, prompt, params, priority=request.priority,
                                               deadline=context.time_remaining())
         log.info("request %s: %s", rid, prompt if self._log_prompts else "(prompt not logged)")
         clock, finished = RequestClock(self._metrics, arrival), False

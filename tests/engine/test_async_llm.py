@@ -52,6 +52,41 @@ def test_concurrent_streams_equal_generate(llm):
     assert _wait_for_no_pages(llm)
 
 
+def test_a_lower_priority_value_passes_the_waiting_queue(llm):
+    """Four long requests hold every row; of those that wait behind them, the one with the
+    lowest priority value starts first, though it came last."""
+    async def main():
+        order = []
+
+        async def one(name, priority, max_tokens):
+            params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+            async for o in llm.generate(PROMPTS[0], params, priority=priority):
+                if o.new_token_ids and name not in order:
+                    order.append(name)
+        await asyncio.gather(*(one(f"running{i}", 0, 24) for i in range(4)),
+                             *(one(f"waiting{i}", 1, 2) for i in range(3)),
+                             one("urgent", -1, 2))
+        return order
+
+    order = asyncio.run(main())
+    assert order.index("urgent") < min(order.index(f"waiting{i}") for i in range(3)), order
+    assert _wait_for_no_pages(llm)
+
+
+def test_generate_takes_one_priority_per_prompt():
+    """LLM.generate(priority=[...]), as vLLM's: one row, so the requests run one after the
+    other, lowest value first; the answers are those without priorities."""
+    llm = LLM("tiny", max_num_seqs=1, max_num_batched_tokens=16, max_model_len=64)
+    prompts = [{"prompt_token_ids": [5, 6, i]} for i in (7, 8, 9)]
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    plain = llm.generate(prompts, params, use_tqdm=False)
+    ranked = llm.generate(prompts, params, use_tqdm=False, priority=[2, 1, 0])
+    assert [o.token_ids for o in ranked] == [o.token_ids for o in plain]
+    assert ranked[2].latency_s < ranked[1].latency_s < ranked[0].latency_s
+    with pytest.raises(InvalidRequestError, match="priority must be a list"):
+        llm.generate(prompts, params, priority=[0])
+
+
 def test_leaving_a_stream_early_aborts_it(llm):
     async def main():
         n = 0

@@ -119,7 +119,7 @@ def test_token_id_prompts_and_stop_strings(client, llm):
     ids = llm.tokenizer.encode(PROMPTS[0])
     [want] = llm.generate({"prompt_token_ids": ids}, greedy(16, stop=("ris",)), use_tqdm=False)
     got = client.completions.create(model="smollm2", prompt=ids, max_tokens=16, temperature=0,
-                                    stop="ris")
+                                    stop="ris", extra_body={"priority": -3})
     assert got.choices[0].text == want.text == " Pa"
     assert got.choices[0].finish_reason == "stop"
     streamed = "".join(c.choices[0].text for c in client.completions.create(
@@ -278,6 +278,7 @@ def test_structured_output_through_response_format_and_structured_outputs(client
     (dict(extra_body={"bogus": 1}), 400, "bogus"),
     (dict(extra_body={"top_k": "many"}), 400, "top_k"),
     (dict(extra_body={"stop": 5}), 400, "stop"),
+    (dict(extra_body={"priority": "high"}), 400, "priority"),
     (dict(prompt=[1, 2, 1 << 20]), 400, "prompt_token_ids"),
     (dict(prompt="word " * 300), 400, "prompt_token_ids"),
     (dict(prompt=""), 400, "prompt"),

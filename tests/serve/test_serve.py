@@ -215,7 +215,8 @@ def test_a_call_whose_deadline_the_server_cannot_meet_is_refused_at_once(server,
         client.complete([5, 6, 7], {"max_tokens": 120, "ignore_eos": True}, timeout=0.1)
     assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e.value.details()
     assert "after its deadline" in e.value.details() and time.monotonic() - t0 < 0.1
-    done = client.complete([5, 6, 7], {"max_tokens": 4, "ignore_eos": True}, timeout=60)
+    done = client.complete([5, 6, 7], {"max_tokens": 4, "ignore_eos": True}, timeout=60,
+                           priority=2)
     assert len(done.token_ids) == 4
     assert _wait_idle(server)["jaxinfer_kv_pages_used"] == 0
 
