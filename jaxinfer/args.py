@@ -44,6 +44,10 @@ def add_engine_args(p: argparse.ArgumentParser):
     g.add_argument("--num-pages", type=int, default=0,
                    help="KV pages in the pool (0: enough for max-num-seqs full sequences)")
     g.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
+    g.add_argument("--itl-target-ms", type=float, default=0.0,
+                   help="keep steps that carry decode rows under this many milliseconds "
+                        "(predicted from the steps timed so far) by giving prefills fewer "
+                        "tokens a step (0: off)")
     g.add_argument("--attention", choices=ATTENTION_IMPLS, default="auto",
                    help="attention implementation (auto: Pallas on GPU, jnp reference on CPU)")
     g.add_argument("--tensor-parallel", type=int, default=1, help="GPUs to shard the model over")
@@ -146,6 +150,7 @@ def engine_config_from_args(args) -> EngineConfig:
         dtype=args.dtype, weights=args.weights, kv_dtype=args.kv_dtype, kv_scales=args.kv_scales,
         lm_head=args.lm_head,
         attention_impl=args.attention, enable_prefix_caching=not args.no_prefix_caching,
+        itl_target_ms=args.itl_target_ms,
         tensor_parallel=args.tensor_parallel,
         unroll_layers={"auto": None, "scan": False, "unroll": True}[args.layer_loop],
         async_scheduling=not args.no_async_scheduling,

@@ -200,6 +200,11 @@ class EngineConfig:
     kv_scales: str = "static"
     attention_impl: str = "auto"  # "auto": Pallas on GPU, plain-jnp reference elsewhere
     enable_prefix_caching: bool = True
+    # Inter-token latency target (slo.py): a step that carries running requests is kept under
+    # this many milliseconds, as the step-time model predicts, by giving prefills fewer of
+    # its tokens (never fewer than max(page_size, max_num_batched_tokens // 16) beside the
+    # decode rows, so prompts still drain). 0: off, every step takes the whole budget.
+    itl_target_ms: float = 0.0
     tensor_parallel: int = 1
     # Python loop over per-layer weights instead of lax.scan over stacked ones (model.py).
     # None: unrolled on a GPU (scan slices copy every layer's weights there, ~2x the bytes
@@ -293,6 +298,9 @@ class EngineConfig:
         check(not (self.num_speculative_tokens and self.speculative_method == "draft")
               or (isinstance(self.speculative_model, str) and self.speculative_model.strip()),
               "speculative_method 'draft' needs speculative_model: the model that drafts")
+        check(isinstance(self.itl_target_ms, (int, float)) and not isinstance(
+            self.itl_target_ms, bool) and 0 <= self.itl_target_ms < float("inf"),
+              f"itl_target_ms must be a number >= 0 (0: off), got {self.itl_target_ms!r}")
         check(isinstance(self.speculative_disable_batch_size, int)
               and self.speculative_disable_batch_size >= 1,
               f"speculative_disable_batch_size must be >= 1, got "

@@ -61,7 +61,7 @@ class Scheduler(Forks, VerifySteps):
     def __init__(self, *, max_num_seqs: int, max_num_batched_tokens: int, page_size: int,
                  num_pages: int, max_model_len: int, enable_prefix_caching: bool = True,
                  eos_token_ids: Sequence[int] = (), max_loras: int = 0,
-                 clock: Callable[[], float] = time.monotonic):
+                 itl_target_s: float = 0.0, clock: Callable[[], float] = time.monotonic):
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.page_size = page_size
@@ -77,7 +77,7 @@ class Scheduler(Forks, VerifySteps):
         self._reserved: set[str] = set()   # ids of completions not forked yet
         self._copies: list[tuple[int, int]] = []   # (src, dst) pages, for take_copies
         self.lora_slots = LoRASlots(max_loras) if max_loras else None
-        self.deadlines = Deadlines(self)
+        self.deadlines = Deadlines(self, itl_target_s=itl_target_s)
 
     @classmethod
     def from_config(cls, config: EngineConfig, eos_token_ids: Sequence[int] = (),
@@ -87,7 +87,8 @@ class Scheduler(Forks, VerifySteps):
                    page_size=config.page_size, num_pages=config.total_pages,
                    max_model_len=config.max_model_len,
                    enable_prefix_caching=config.enable_prefix_caching,
-                   eos_token_ids=eos_token_ids, max_loras=config.max_loras, **kw)
+                   eos_token_ids=eos_token_ids, max_loras=config.max_loras,
+                   itl_target_s=config.itl_target_ms / 1e3, **kw)
 
     # --- requests in and out ------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -211,6 +212,8 @@ class Scheduler(Forks, VerifySteps):
         if drafts:
             return self._schedule_verify(drafts)
         budget = self.max_num_batched_tokens
+        if self.running and self.deadlines.itl_target_s:
+            budget = self.deadlines.step_budget(budget)     # decode rows keep their ITL
         rows: list[ScheduledRow] = []
         preempted: list[str] = []
         i = 0

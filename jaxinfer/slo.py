@@ -21,6 +21,12 @@ from the queue as it stands (`Deadlines.predict`):
      token back; full steps while requests wait behind it, else steps as large as the
      recent ones (a moving average), or of its decode rows if larger.
 
+With an inter-token latency target (EngineConfig.itl_target_ms), the same model sizes each
+step that carries running requests: its token budget is cut to what the model predicts fits
+the target with those rows and the last step's context (`Deadlines.step_budget`), so a
+burst of long prompts drains over more steps instead of stretching every decode row's step;
+a floor of prefill tokens a step keeps the prompts moving when the target cannot be met.
+
 A request's expected output length is its max_tokens, or less once the engine has seen
 enough requests finish: the 90th percentile of recent output lengths, if smaller. Later
 arrivals of the same priority never pass a request (the queue orders by priority, then
@@ -115,13 +121,18 @@ def _non_negative_fit(x: np.ndarray, y: np.ndarray) -> np.ndarray | None:
 class Deadlines:
     """Admission by predicted completion for one engine's scheduler (module docstring)."""
 
-    def __init__(self, scheduler, model: StepTimeModel | None = None):
+    def __init__(self, scheduler, model: StepTimeModel | None = None,
+                 itl_target_s: float = 0.0):
         self.scheduler = scheduler
         self.model = model if model is not None else StepTimeModel()
+        self.itl_target_s = itl_target_s
         self._lengths: collections.deque = collections.deque(maxlen=256)
         self._cap: int | None = None    # the 90th percentile of recent output lengths
         self._recent_tokens = 0.0       # tokens per step, a moving average
-        self.in_use = False             # a request with a deadline came: time the steps
+        # Steps are timed once a request with a deadline came, or from the start with an
+        # ITL target.
+        self.in_use = bool(itl_target_s)
+        self._last_context = 0          # the context tokens of the last step timed
 
     # --- what the engine tells it -------------------------------------------------------
     def observe_step(self, output, seconds: float) -> None:
@@ -132,6 +143,7 @@ class Deadlines:
         tokens = output.num_tokens      # cached: the bucket's choice computed it
         context = tokens + sum(row.start_pos for row in output.rows)
         self.model.observe(tokens, len(output.rows), context, seconds)
+        self._last_context = context
         self._recent_tokens += 0.125 * (tokens - self._recent_tokens)
 
     def finished(self, request) -> None:
@@ -139,6 +151,18 @@ class Deadlines:
         self._lengths.append(request.num_output_tokens)
         if len(self._lengths) >= _MIN_FINISHED and len(self._lengths) % 8 == 0:
             self._cap = int(np.percentile(np.array(self._lengths), 90, method="higher"))
+
+    def step_budget(self, budget: int) -> int:
+        """The tokens a step may take so that, with the running requests' rows and the last
+        step's context, the model predicts it within the ITL target; never fewer than the
+        rows plus max(page_size, budget // 16) for prefills, never more than `budget`."""
+        coefs = self.model.coefs
+        if coefs is None or coefs[1] <= 0:
+            return budget
+        rows = len(self.scheduler.running)
+        spare = self.itl_target_s - coefs[0] - coefs[2] * rows - coefs[3] * self._last_context
+        floor = rows + max(self.scheduler.page_size, budget // 16)
+        return min(budget, max(floor, int(spare / coefs[1])))
 
     # --- admission ----------------------------------------------------------------------
     def expected_output(self, request) -> int:

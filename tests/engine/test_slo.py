@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 
 from engine_util import random_prompts, tiny_engine
-from jaxinfer.errors import DeadlineError, InvalidRequestError
+from jaxinfer.config import EngineConfig
+from jaxinfer.errors import ConfigError, DeadlineError, InvalidRequestError, InvalidTypeError
 from jaxinfer.request import Request, SamplingParams
 from jaxinfer.scheduler import ScheduledRow, Scheduler, SchedulerOutput
 from jaxinfer.slo import StepTimeModel
@@ -37,6 +38,21 @@ def test_the_step_time_model_recovers_a_linear_cost_and_keeps_coefficients_non_n
         tokens, rows = int(rng.integers(1, 256)), int(rng.integers(1, 32))
         flat.observe(tokens, rows, 0, 1e-3 + 1e-4 * tokens - 1e-6 * rows)
     assert flat.coefs[2] == 0 and flat.predict(20, 5, 0) > 0
+
+
+@pytest.mark.parametrize("value", [-1.0, float("inf"), "4", True])
+def test_a_bad_itl_target_is_refused_naming_it(value):
+    with pytest.raises(ConfigError, match="itl_target_ms must be a number >= 0"):
+        EngineConfig(itl_target_ms=value)
+
+
+def test_a_bad_deadline_is_refused_naming_it(engine):
+    for bad, kind in ((0, InvalidRequestError), (-1.0, InvalidRequestError),
+                      (float("nan"), InvalidRequestError), ("5", InvalidTypeError)):
+        with pytest.raises(kind, match="deadline must be") as e:
+            engine.add_request({"prompt_token_ids": [5, 6]}, deadline=bad)
+        assert e.value.field == "deadline"
+    assert not engine.scheduler.requests
 
 
 def _scheduler(**kw):
@@ -168,3 +184,59 @@ def test_without_deadlines_the_schedule_and_outputs_are_unchanged(engine):
         runs.append(([[(r.token_ids, r.start_pos) for r in s.rows] for s in steps],
                      [final[i].outputs[0].token_ids for i in ids]))
     assert runs[0] == runs[1]
+
+
+def _run_with_costs(engine, prompts, arrivals, max_tokens=12):
+    """Greedy requests added before the steps `arrivals` name; each step's simulated cost
+    and its rows (with the fixed model COST), and the final tokens by prompt."""
+    model = StepTimeModel(refit_every=10**9)
+    model.set(*COST)
+    engine.scheduler.deadlines.model = model
+    steps, schedule = [], engine.scheduler.schedule
+
+    def timed(*args, **kw):
+        out = schedule(*args, **kw)
+        if out.rows:
+            steps.append((_cost(out), out))
+        return out
+    engine.scheduler.schedule = timed
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    ids, final, step = {}, {}, 0
+    try:
+        while step <= max(arrivals) or engine.has_unfinished_requests():
+            for i, at in enumerate(arrivals):
+                if at == step:
+                    ids[engine.add_request(prompts[i], params)] = i
+            for out in engine.step():
+                if out.finished:
+                    final[ids[out.request_id]] = out.token_ids
+            step += 1
+    finally:
+        del engine.scheduler.schedule
+    return steps, [final[i] for i in range(len(prompts))]
+
+
+def test_an_itl_target_keeps_decode_steps_under_it_while_long_prompts_drain():
+    """Four short requests decode while three 60-token prompts arrive. Without a target the
+    prompts' chunks fill the 64-token budget and those steps cost ~5.7 ms; with a 4 ms
+    target every step that carries a decoding row stays within it (up to the context's
+    growth since the last step), the prompts still finish, and the tokens are the same."""
+    prompts = ([{"prompt_token_ids": [5 + i, 6, 7]} for i in range(4)]
+               + [{"prompt_token_ids": list(range(10 + i, 70 + i))} for i in range(3)])
+    arrivals = [0, 0, 0, 0, 3, 3, 4]
+    runs = {}
+    for target in (0.0, 4.0):
+        engine = tiny_engine(max_num_seqs=8, max_num_batched_tokens=64, itl_target_ms=target)
+        runs[target] = _run_with_costs(engine, prompts, arrivals)
+        a = engine.scheduler.allocator
+        assert not engine.scheduler.requests and a.num_free == a.num_usable
+
+    def decode_steps(steps):
+        return [cost for cost, out in steps
+                if any(len(r.token_ids) == 1 and r.start_pos > 3 for r in out.rows)]
+
+    free, held = decode_steps(runs[0.0][0]), decode_steps(runs[4.0][0])
+    assert max(free) > 5e-3, free                   # the budget alone lets them stretch
+    assert max(held) <= 4e-3 * 1.05, held
+    assert len(runs[4.0][0]) > len(runs[0.0][0])    # the prompts took more, smaller steps
+    assert runs[4.0][1] == runs[0.0][1]
