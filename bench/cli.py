@@ -221,7 +221,10 @@ def _serving(p):
     p.add_argument("--chat-user-len", type=int_pair, default=(32, 256), help="chat: LO,HI")
     p.add_argument("--chat-answer-len", type=int_pair, default=(64, 256), help="chat: LO,HI")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--timeout", type=float, default=300.0, help="per-request deadline (s)")
+    p.add_argument("--timeout", type=float, default=300.0,
+                   help="per-request deadline (s); over gRPC it is also the server's deadline "
+                        "for the request, which refuses (RESOURCE_EXHAUSTED) one it predicts "
+                        "late: --timeout 0.5 measures admission against the 500 ms budget")
     p.add_argument("--no-early-stop", action="store_true",
                    help="run every rate even after the server saturates")
     p.add_argument("--protocol", choices=("grpc", "http", "both"), default="grpc",
