@@ -193,6 +193,8 @@ class Deadlines:
         if model.coefs is None:
             return None
         budget, max_rows = sched.max_num_batched_tokens, sched.max_num_seqs
+        if self.itl_target_s:
+            budget = self.step_budget(budget)    # what the ITL target leaves a step
         remaining, decode, context, ahead_tokens = [], 0, 0, 0
         for r in sched.running:
             context += r.num_computed_tokens
