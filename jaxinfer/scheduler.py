@@ -128,6 +128,7 @@ class Scheduler(Forks, VerifySteps):
         while i and waiting[i - 1].priority > request.priority:
             i -= 1
         waiting.insert(i, request)
+        self.deadlines.added(request)
 
     def abort(self, request_id: str) -> Request | None:
         """Cancel a request (or one of n completions, forked or not); unknown or already
@@ -157,6 +158,7 @@ class Scheduler(Forks, VerifySteps):
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         request.finish_time = self.clock()
+        self.deadlines.changed()
         if reason in (FinishReason.STOP, FinishReason.LENGTH):
             self.deadlines.finished(request)
         return request
@@ -167,6 +169,7 @@ class Scheduler(Forks, VerifySteps):
         and PENDING tokens dropped, to be recomputed from its known tokens (the steps in
         flight are gone). `cache_lost`: the KV cache was rebuilt, so the prefix cache is
         forgotten too. Returns the failed requests."""
+        self.deadlines.changed()
         done = [self.finish(rid, FinishReason.ERROR) for rid in failed if rid in self.requests]
         for request in sorted(self.running, key=lambda r: r.arrival_time, reverse=True):
             self._preempt(request)      # appendleft, newest first: oldest ends up in front
@@ -209,6 +212,7 @@ class Scheduler(Forks, VerifySteps):
         an engine that checked every running request is in decode with nothing pending and
         none is waiting: each request is fed its last token and its proposal, cut to what
         its length limits leave room for."""
+        self.deadlines.changed()
         if drafts:
             return self._schedule_verify(drafts)
         budget = self.max_num_batched_tokens
@@ -268,6 +272,7 @@ class Scheduler(Forks, VerifySteps):
         """The step is dispatched: its tokens count as computed, and each sampling row gets a
         PENDING output token until `resolve`. The next `schedule` may run before that (async
         scheduling): a PENDING token is then fed from the device (step_input.StepInput)."""
+        self.deadlines.changed()
         requests = self.requests
         for rid, token_ids, start, _, samples in output.rows:
             request = requests.get(rid)
@@ -300,6 +305,7 @@ class Scheduler(Forks, VerifySteps):
         """A committed step's sampled tokens arrived: fill each row's oldest PENDING token,
         register newly full pages in the prefix cache, apply the finishing rules. Returns the
         requests that got a token (see `update`)."""
+        self.deadlines.changed()
         if len(sampled_token_ids) < output.num_rows:
             raise ValueError(f"got {len(sampled_token_ids)} sampled tokens for "
                              f"{output.num_rows} scheduled rows")

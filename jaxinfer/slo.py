@@ -12,7 +12,8 @@ admitted. A new request's completion is then estimated
 from the queue as it stands (`Deadlines.predict`):
 
   1. it waits for a row: the requests ahead of it take the rows as they free up, each for
-     its expected output length (running requests hold theirs until they reach it);
+     its expected output length (running requests hold theirs until they reach it); the
+     first row free for it frees no later than the rows' mean load, which is what is used;
   2. its prompt is prefilled after the prompt tokens ahead of it (waiting requests of its
      priority or better, running requests' unfinished prefills), at the step budget left
      beside the decode rows; the steps until then carry that prefill and the rows' decode
@@ -36,7 +37,6 @@ answers longer than expected can make an admitted request late.
 from __future__ import annotations
 
 import collections
-import heapq
 import math
 
 import numpy as np
@@ -133,6 +133,8 @@ class Deadlines:
         # ITL target.
         self.in_use = bool(itl_target_s)
         self._last_context = 0          # the context tokens of the last step timed
+        self._summary = None            # _running's, until the running requests change
+        self._waiting = None            # _ahead's (priority, sums), updated by `added`
 
     # --- what the engine tells it -------------------------------------------------------
     def observe_step(self, output, seconds: float) -> None:
@@ -186,6 +188,50 @@ class Deadlines:
                 f"now, after its deadline ({request.deadline - now:.3f} s); retry later or "
                 f"with a longer deadline")
 
+    def changed(self) -> None:
+        """The running or waiting requests changed other than by `add` (a step was
+        scheduled, tokens came, a request finished): the summaries are read again."""
+        self._summary = self._waiting = None
+
+    def _running(self) -> tuple:
+        """(expected remaining output summed over the running requests, decode rows,
+        context tokens, unfinished prefill tokens), kept until the running requests change:
+        a burst of admissions between two steps reads them once."""
+        if self._summary is None:
+            remaining, decode, context, prefill = 0, 0, 0, 0
+            for r in self.scheduler.running:
+                context += r.num_computed_tokens
+                left = r.num_uncomputed_tokens
+                if left > 1 or r.num_output_tokens == 0:    # still prefilling
+                    prefill += left
+                else:
+                    decode += 1
+                remaining += max(1, self.expected_output(r) - r.num_output_tokens)
+            self._summary = (remaining, decode, context, prefill)
+        return self._summary
+
+    def _ahead(self, priority: int) -> list:
+        """[requests, the steps their rows are held (expected output + 1), prompt tokens]
+        summed over the waiting requests of `priority` or better; kept for one priority and
+        updated as `added` requests join."""
+        if self._waiting is None or self._waiting[0] != priority:
+            count = hold = tokens = 0
+            for r in self.scheduler.waiting:
+                if r.priority <= priority:
+                    count += 1
+                    hold += 1 + self.expected_output(r)
+                    tokens += r.num_uncomputed_tokens
+            self._waiting = (priority, [count, hold, tokens])
+        return self._waiting[1]
+
+    def added(self, request) -> None:
+        """`request` joined the waiting queue."""
+        if self._waiting is not None and request.priority <= self._waiting[0]:
+            ahead = self._waiting[1]
+            ahead[0] += 1
+            ahead[1] += 1 + self.expected_output(request)
+            ahead[2] += request.num_uncomputed_tokens
+
     def predict(self, request) -> float | None:
         """When `request` would finish if queued now (scheduler clock), or None before the
         step-time model is fitted."""
@@ -195,34 +241,24 @@ class Deadlines:
         budget, max_rows = sched.max_num_batched_tokens, sched.max_num_seqs
         if self.itl_target_s:
             budget = self.step_budget(budget)    # what the ITL target leaves a step
-        remaining, decode, context, ahead_tokens = [], 0, 0, 0
-        for r in sched.running:
-            context += r.num_computed_tokens
-            left = r.num_uncomputed_tokens
-            if left > 1 or r.num_output_tokens == 0:    # still prefilling
-                ahead_tokens += left
-            else:
-                decode += 1
-            remaining.append(max(1, self.expected_output(r) - r.num_output_tokens))
-        ahead = [r for r in sched.waiting if r.priority <= request.priority]
-        ahead_tokens += sum(r.num_uncomputed_tokens for r in ahead)
-        behind = len(sched.waiting) - len(ahead)
+        remaining, decode, context, ahead_tokens = self._running()
+        num_ahead, hold, tokens = self._ahead(request.priority)
+        ahead_tokens += tokens
+        behind = len(sched.waiting) - num_ahead
         # 1. a row: the requests ahead take the rows as they free up (a running request's
-        # when it has its expected output), each for its own expected output
-        free_at = remaining + [0] * max(0, sched.free_rows) or [0]
-        heapq.heapify(free_at)
-        for r in ahead:
-            heapq.heappush(free_at, heapq.heappop(free_at) + 1 + self.expected_output(r))
-        row_steps = free_at[0]
+        # when it has its expected output), each for its expected output; the row that frees
+        # first for it does so no later than the rows' mean load
+        usable = len(sched.running) + max(0, sched.free_rows)
+        row_steps = 0 if num_ahead < sched.free_rows else math.ceil(
+            (remaining + hold) / max(1, usable))
         # 2. its prompt, after those ahead, at the budget the decode rows leave; the steps
         # until then carry that prefill and the decode tokens of the rows (their mean size)
         rate = max(1, budget - decode)
         prompt = request.num_uncomputed_tokens
         steps = max(row_steps + math.ceil(prompt / rate),
                     math.ceil((ahead_tokens + prompt) / rate))
-        rows = min(max_rows, len(sched.running) + len(ahead) + 1)
-        decoded = min(sum(remaining) + sum(self.expected_output(r) for r in ahead),
-                      rows * steps)
+        rows = min(max_rows, len(sched.running) + num_ahead + 1)
+        decoded = min(remaining + hold - num_ahead, rows * steps)
         context += ahead_tokens + prompt
         first = model.predict(min(budget, (ahead_tokens + prompt + decoded) / steps), rows,
                               context)

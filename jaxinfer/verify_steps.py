@@ -38,6 +38,7 @@ class VerifySteps:
         rules applied (as `resolve` does for one). `fed`: it equals the proposal that was fed
         in its place, so its K/V is in the cache and it counts as computed (every kept token
         but the last). Returns whether the request finished."""
+        self.deadlines.changed()
         request.output_token_ids.append(token)
         request.all_token_ids.append(token)
         if fed:
