@@ -59,6 +59,15 @@ class Admission:
         if not self.engine.ready.is_set():
             raise Refused("loading", "the model is still loading")
 
+    def check_request(self) -> None:
+        """check() for a request to generate: a refusal counts in
+        jaxinfer_requests_refused_total."""
+        try:
+            self.check()
+        except Refused as e:
+            self.metrics.refused.labels(e.reason).inc()
+            raise
+
     async def off_engine(self, fn, *args):
         """fn(*args) on the tokenizer pool: work that must stall neither the engine's thread
         nor the event loop (reading a LoRA adapter from disk)."""
@@ -75,13 +84,13 @@ class Admission:
         it cannot). Raises Refused or
         InvalidRequestError."""
         t0 = time.monotonic()
-        self.check()
+        self.check_request()
         if rid in self._active:
             raise InvalidRequestError(f"request id {rid!r} is already in use", field="request_id")
         loop = asyncio.get_running_loop()
         ids = await loop.run_in_executor(self._pool, self.engine.engine.encode_prompt, prompt,
                                          params)
-        self.check()                     # it may have started draining meanwhile
+        self.check_request()            # it may have started draining meanwhile
         if rid in self._active:
             raise InvalidRequestError(f"request id {rid!r} is already in use", field="request_id")
         prompt = {"prompt_token_ids": ids}
@@ -91,6 +100,7 @@ class Admission:
         if not self.engine.submit(rid, prompt, params,
                                   lambda item: loop.call_soon_threadsafe(deltas.put_nowait, item),
                                   priority=priority, deadline=deadline):
+            self.metrics.refused.labels("queue_full").inc()
             raise Refused("queue_full", f"the waiting queue is full "
                                         f"({self.engine.max_waiting} requests); retry later")
         self._active.add(rid)

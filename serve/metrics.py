@@ -60,6 +60,9 @@ class Metrics:
                                 "Device time of one engine step (steps the host can time)")
         self.requests = Counter("jaxinfer_requests", "Finished requests by outcome",
                                 ["outcome"], registry=r)
+        self.refused = Counter("jaxinfer_requests_refused",
+                               "Requests refused before they ran, by reason (queue_full, "
+                               "deadline, loading, draining, failed)", ["reason"], registry=r)
         self.lora_requests = Counter("jaxinfer_lora_requests",
                                      "Finished requests per LoRA adapter", ["adapter"],
                                      registry=r)

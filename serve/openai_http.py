@@ -130,6 +130,7 @@ class OpenAIApi(LoRAEndpoints):
     async def completions(self, request: Request):
         arrival = time.monotonic()
         self.authorize(request)
+        self.admission.check_request()
         req = oai.parse(oai.CompletionRequest, await self.read_json(request))
         model = self.check_model(req.model)
         params = self._for_model(model, oai.completion_params(req))
@@ -140,6 +141,7 @@ class OpenAIApi(LoRAEndpoints):
     async def chat(self, request: Request):
         arrival = time.monotonic()
         self.authorize(request)
+        self.admission.check_request()
         req = oai.parse(oai.ChatRequest, await self.read_json(request))
         model = self.check_model(req.model)
         params = self._for_model(model, oai.chat_params(req, self._engine.config.max_model_len))

@@ -97,6 +97,7 @@ def guarded(handler):
         except RequestFailed as e:
             await context.abort(grpc.StatusCode.INTERNAL, str(e))
         except DeadlineError as e:
+            self._metrics.refused.labels("deadline").inc()
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         except ConfigError as e:      # an engine setting that rules the call out
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
@@ -150,7 +151,7 @@ class InferenceService(pb_grpc.InferenceServicer):
     @guarded
     async def Generate(self, request, context):
         arrival = time.monotonic()
-        self._admission.check()
+        self._admission.check_request()
         prompt = convert.prompt_from_proto(request)
         params = convert.sampling_from_proto(request.sampling)
         rid = convert.request_id_from_proto(request) or f"grpc-{next(self._ids)}"

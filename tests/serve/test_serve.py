@@ -66,6 +66,15 @@ def metrics(server) -> dict:
             for s in fam.samples if not s.labels}
 
 
+def refused(server, reason: str) -> float:
+    """jaxinfer_requests_refused_total for `reason`."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics",
+                                  timeout=5).read().decode()
+    return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples
+               if s.name == "jaxinfer_requests_refused_total"
+               and s.labels.get("reason") == reason)
+
+
 def test_not_serving_until_ready(server):
     assert server.statuses[0] == "NOT_SERVING" and server.statuses[-1] == "SERVING"
     assert server.early_code == grpc.StatusCode.UNAVAILABLE
@@ -194,6 +203,7 @@ def _one(target, prompt):
 
 
 def test_flood_beyond_queue_limit(server):
+    before = refused(server, "queue_full")
     ps = prompts(40, seed=secrets.randbits(30))
     with cf.ThreadPoolExecutor(40) as pool:
         results = list(pool.map(lambda p: _one(server.target, p), ps))
@@ -201,6 +211,7 @@ def test_flood_beyond_queue_limit(server):
     accepted = [r for r in results if r[0] != grpc.StatusCode.RESOURCE_EXHAUSTED]
     assert rejected and accepted
     assert all(r == ("length", 40) for r in accepted), results
+    assert refused(server, "queue_full") - before == len(rejected)
     assert _wait_idle(server)["jaxinfer_kv_pages_used"] == 0
 
 
@@ -210,11 +221,12 @@ def test_a_call_whose_deadline_the_server_cannot_meet_is_refused_at_once(server,
     RESOURCE_EXHAUSTED before the deadline, not left to run out; one with room runs."""
     for n in (3, 9, 17, 30):            # steps of several sizes: the step-time model fits
         client.complete(list(range(5, 5 + n)), {"max_tokens": 8}, timeout=60)
-    t0 = time.monotonic()
+    before, t0 = refused(server, "deadline"), time.monotonic()
     with pytest.raises(grpc.RpcError) as e:
         client.complete([5, 6, 7], {"max_tokens": 120, "ignore_eos": True}, timeout=0.1)
     assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e.value.details()
     assert "after its deadline" in e.value.details() and time.monotonic() - t0 < 0.1
+    assert refused(server, "deadline") == before + 1
     done = client.complete([5, 6, 7], {"max_tokens": 4, "ignore_eos": True}, timeout=60,
                            priority=2)
     assert len(done.token_ids) == 4
