@@ -249,7 +249,8 @@ class Deadlines:
         # when it has its expected output), each for its expected output; the row that frees
         # first for it does so no later than the rows' mean load
         usable = len(sched.running) + max(0, sched.free_rows)
-        row_steps = 0 if num_ahead < sched.free_rows else math.ceil(
+        own = 1 + len(request.forks)             # n completions take n rows
+        row_steps = 0 if num_ahead + own <= sched.free_rows else math.ceil(
             (remaining + hold) / max(1, usable))
         # 2. its prompt, after those ahead, at the budget the decode rows leave; the steps
         # until then carry that prefill and the decode tokens of the rows (their mean size)
@@ -257,7 +258,7 @@ class Deadlines:
         prompt = request.num_uncomputed_tokens
         steps = max(row_steps + math.ceil(prompt / rate),
                     math.ceil((ahead_tokens + prompt) / rate))
-        rows = min(max_rows, len(sched.running) + num_ahead + 1)
+        rows = min(max_rows, len(sched.running) + num_ahead + own)
         decoded = min(remaining + hold - num_ahead, rows * steps)
         context += ahead_tokens + prompt
         first = model.predict(min(budget, (ahead_tokens + prompt + decoded) / steps), rows,
