@@ -128,6 +128,7 @@ class Deadlines:
         self.itl_target_s = itl_target_s
         self._lengths: collections.deque = collections.deque(maxlen=256)
         self._cap: int | None = None    # the 90th percentile of recent output lengths
+        self._num_finished = 0
         self._recent_tokens = 0.0       # tokens per step, a moving average
         # Steps are timed once a request with a deadline came, or from the start with an
         # ITL target.
@@ -149,9 +150,13 @@ class Deadlines:
         self._recent_tokens += 0.125 * (tokens - self._recent_tokens)
 
     def finished(self, request) -> None:
-        """A request ended (stop or length): its output length informs expected lengths."""
+        """A request ended (stop or length): its output length informs expected lengths
+        (once deadlines are in use; the percentile is taken every 8th)."""
+        if not self.in_use:
+            return
         self._lengths.append(request.num_output_tokens)
-        if len(self._lengths) >= _MIN_FINISHED and len(self._lengths) % 8 == 0:
+        self._num_finished += 1
+        if len(self._lengths) >= _MIN_FINISHED and self._num_finished % 8 == 0:
             self._cap = int(np.percentile(np.array(self._lengths), 90, method="higher"))
 
     def step_budget(self, budget: int) -> int:

@@ -59,19 +59,19 @@ def prompts(n, seed, lo=3, hi=30):
     return [rng.integers(3, VOCAB, rng.integers(lo, hi)).tolist() for _ in range(n)]
 
 
-def metrics(server) -> dict:
+def _samples(server):
     text = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics",
                                   timeout=5).read().decode()
-    return {s.name: s.value for fam in text_string_to_metric_families(text)
-            for s in fam.samples if not s.labels}
+    return [s for fam in text_string_to_metric_families(text) for s in fam.samples]
+
+
+def metrics(server) -> dict:
+    return {s.name: s.value for s in _samples(server) if not s.labels}
 
 
 def refused(server, reason: str) -> float:
     """jaxinfer_requests_refused_total for `reason`."""
-    text = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics",
-                                  timeout=5).read().decode()
-    return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples
-               if s.name == "jaxinfer_requests_refused_total"
+    return sum(s.value for s in _samples(server) if s.name == "jaxinfer_requests_refused_total"
                and s.labels.get("reason") == reason)
 
 
