@@ -233,6 +233,9 @@ def _serving(p):
                    "start one here with the engine flags)")
     p.add_argument("--http-target", default=None,
                    help="host:port (or URL) of the running server's HTTP API, with --target")
+    p.add_argument("--metrics-target", default=None,
+                   help="host:port of the running server's Prometheus metrics, with --target: "
+                        "the rows' step time, host share and bandwidth gauge")
     p.add_argument("--auth-token-file", default=None, help="bearer token for --target")
     p.add_argument("--tls-ca", default=None, help="CA / certificate for a TLS --target")
 

@@ -6,9 +6,11 @@ Poisson arrivals at a sweep of request rates, two workloads (token-id prompts, s
 Arrivals: exponential gaps at `rate` requests/s for --duration seconds. Per (workload, rate):
 throughput (completed requests / span from first send to last token), goodput (requests with
 e2e <= the budget / same span), output tokens/s, TTFT / inter-token latency / e2e p50 and
-p99 as the client sees them, errors by status code, and the server's decode HBM bandwidth
-gauge. Top level: `max_rate_p99_e2e_under_500ms`, the highest short-workload rate whose e2e
-p99 met the budget with no errors (per protocol in `max_rate_by_protocol`). A workload's
+p99 as the client sees them, errors by status code, and from the server's metrics (when the
+bench started it, or --metrics-target) its steps' mean wall time and host part, the host's
+share of a step, and the decode-bandwidth and prefill-FLOP/s gauges. Top level:
+`max_rate_p99_e2e_under_500ms`, the highest short-workload rate whose e2e p99 met the budget
+with no errors (per protocol in `max_rate_by_protocol`). A workload's
 sweep stops once the server is saturated (`saturated`): higher rates only queue more.
 
 Over HTTP each request is a streamed POST /v1/completions with `return_token_ids` (token
@@ -37,7 +39,7 @@ from serve.client import auth_metadata, build_request, channel_credentials
 E2E_BUDGET_MS = 500.0
 KEYS = ["protocol", "workload", "rate", "num_requests", "throughput_rps", "goodput_rps",
         "output_tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms",
-        "e2e_p50_ms", "e2e_p99_ms", "errors"]
+        "e2e_p50_ms", "e2e_p99_ms", "step_ms", "host_share", "errors"]
 
 
 def make_requests(workload: str, args, n: int, vocab: int, rng) -> list[tuple[list[int], int]]:
@@ -156,17 +158,41 @@ def max_rate_under_budget(rows: list[dict], protocol: str | None = None) -> floa
     return max(good) if good else None
 
 
-def decode_hbm_tbps(metrics_port: int | None) -> float | None:
-    if metrics_port is None:
+def server_metrics(address: str | None) -> dict | None:
+    """The server's unlabelled Prometheus samples by name, or None without an address."""
+    if address is None:
         return None
-    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read()
-    for line in text.decode().splitlines():
-        if line.startswith("jaxinfer_decode_hbm_bandwidth_bytes_per_second "):
-            return round(float(line.split()[1]) / 1e12, 4)
-    return None
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(f"http://{address}/metrics", timeout=5).read().decode()
+    return {s.name: s.value for fam in text_string_to_metric_families(text)
+            for s in fam.samples if not s.labels}
 
 
-async def _sweep_protocol(args, protocol: str, send, vocab: int, metrics_port, result) -> None:
+def step_fields(before: dict | None, after: dict | None) -> dict:
+    """What the server's metrics say of the steps between two readings: their mean wall time
+    and host part (jaxinfer_step_seconds / jaxinfer_step_host_seconds), the host's share, and
+    the roofline gauges at the end."""
+    if before is None or after is None:
+        return {}
+
+    def mean_ms(name):
+        n = after[f"{name}_count"] - before[f"{name}_count"]
+        return (after[f"{name}_sum"] - before[f"{name}_sum"]) / n * 1e3 if n else None
+
+    step, host = mean_ms("jaxinfer_step_seconds"), mean_ms("jaxinfer_step_host_seconds")
+    return {"steps": int(after["jaxinfer_step_seconds_count"]
+                         - before["jaxinfer_step_seconds_count"]),
+            "step_ms": None if step is None else round(step, 3),
+            "host_ms": None if host is None else round(host, 3),
+            "host_share": round(host / step, 3) if step and host is not None else None,
+            "decode_hbm_TBps": round(
+                after["jaxinfer_decode_hbm_bandwidth_bytes_per_second"] / 1e12, 4),
+            "prefill_TFLOPs": round(after["jaxinfer_prefill_flops_per_second"] / 1e12, 2)}
+
+
+async def _sweep_protocol(args, protocol: str, send, vocab: int, metrics: str | None,
+                          result) -> None:
     rng = np.random.default_rng(args.seed)
     for workload, rates in (("short", args.rates), ("chat", args.chat_rates or args.rates)):
         # Warm the path (and, for chat, the shared prefix) outside the timing.
@@ -175,9 +201,10 @@ async def _sweep_protocol(args, protocol: str, send, vocab: int, metrics_port, r
         for rate in rates:
             n = max(1, int(rng.poisson(rate * args.duration)))
             reqs = make_requests(workload, args, n, vocab, rng)
+            before = server_metrics(metrics)
             row = {"protocol": protocol, **summarize(workload, rate, await run_rate(
                 send, reqs, rate, rng, args.timeout))}
-            row["decode_hbm_TBps"] = decode_hbm_tbps(metrics_port)
+            row.update(step_fields(before, server_metrics(metrics)))
             rows = result["rows"] + [row]
             result["max_rate_by_protocol"][protocol] = max_rate_under_budget(rows, protocol)
             result["max_rate_p99_e2e_under_500ms"] = result["max_rate_by_protocol"].get(
@@ -188,7 +215,7 @@ async def _sweep_protocol(args, protocol: str, send, vocab: int, metrics_port, r
 
 
 async def sweep(args, token, target: str | None, http_url: str | None,
-                metrics_port: int | None, result: dict) -> None:
+                metrics: str | None, result: dict) -> None:
     protocols = ("grpc", "http") if args.protocol == "both" else (args.protocol,)
     creds = channel_credentials(args.tls_ca)
     options = [("grpc.max_receive_message_length", 64 << 20)]
@@ -205,13 +232,13 @@ async def sweep(args, token, target: str | None, http_url: str | None,
             async def send(prompt, n, timeout):
                 return await one_request(stub, metadata, prompt, n, timeout)
 
-            await _sweep_protocol(args, "grpc", send, info.vocab_size, metrics_port, result)
+            await _sweep_protocol(args, "grpc", send, info.vocab_size, metrics, result)
     if "http" in protocols:
         import aiohttp
 
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
             await _sweep_protocol(args, "http", HttpSender(session, http_url, token),
-                                  info.vocab_size, metrics_port, result)
+                                  info.vocab_size, metrics, result)
 
 
 def run(args) -> int:
@@ -235,7 +262,8 @@ def run(args) -> int:
                 f"http://{args.http_target}")
     try:
         asyncio.run(sweep(args, token, args.target or server.target, http_url,
-                          server.metrics_port if server else None, result))
+                          f"127.0.0.1:{server.metrics_port}" if server
+                          else args.metrics_target, result))
     finally:
         if server is not None:
             server.shutdown()

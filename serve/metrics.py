@@ -37,6 +37,9 @@ class Metrics:
         self.e2e = hist("jaxinfer_e2e_latency_seconds", "Arrival to the last token")
         self.queue = hist("jaxinfer_queue_time_seconds", "Arrival to the first step that runs it")
         self.step_time = hist("jaxinfer_step_seconds", "Wall time of one engine step")
+        self.host_time = hist("jaxinfer_step_host_seconds",
+                              "The host's part of one engine step: its wall time less its "
+                              "waits on the device")
         self.running = Gauge("jaxinfer_requests_running", "Requests holding KV pages", registry=r)
         self.waiting = Gauge("jaxinfer_requests_waiting", "Requests not yet scheduled", registry=r)
         self.pages_used = Gauge("jaxinfer_kv_pages_used", "KV pages held by requests", registry=r)
@@ -114,6 +117,7 @@ class StepObserver:
     def after_step(self, outputs, num_waiting: int) -> None:
         m = self.m
         m.step_time.observe(self.engine.last_step_s)
+        m.host_time.observe(self.engine.last_host_s)
         self.gauges(num_waiting)
         self._count(m.compiles, self._compiles(), "_last_compiles")
         tokens = sum(len(o.new_token_ids) for o in outputs)   # several a row when speculating

@@ -299,7 +299,7 @@ def test_metrics(server, client):
     client.complete([9, 10, 11, 12], {"max_tokens": 6, "temperature": 0.0}, timeout=30)
     m = metrics(server)
     for name in ("ttft_seconds", "inter_token_latency_seconds", "e2e_latency_seconds",
-                 "queue_time_seconds", "step_seconds"):
+                 "queue_time_seconds", "step_seconds", "step_host_seconds"):
         assert m[f"jaxinfer_{name}_count"] > 0, name
     assert m["jaxinfer_output_tokens_total"] >= 6 and m["jaxinfer_compiles_total"] >= 1
     assert m["jaxinfer_kv_pages_usable"] > 0 and m["jaxinfer_preemptions_total"] >= 0
@@ -318,7 +318,7 @@ def test_serving_bench_smoke(server, tmp_path):
     (tmp_path / "token").write_text(TOKEN)
     out = tmp_path / "serving.json"
     serving.main(["--target", server.target, "--http-target", f"127.0.0.1:{server.http_port}",
-                  "--protocol", "both", "--auth-token-file", str(tmp_path / "token"),
+                  "--metrics-target", f"127.0.0.1:{server.metrics_port}", "--protocol", "both", "--auth-token-file", str(tmp_path / "token"),
                   "--rates", "3,12", "--chat-rates", "6", "--duration", "1", "--prompt-len",
                   "8,40", "--answer-len", "2,6", "--chat-system-len", "16", "--chat-user-len",
                   "4,12", "--chat-answer-len", "4,10", "--out", str(out)])
@@ -332,6 +332,8 @@ def test_serving_bench_smoke(server, tmp_path):
     for r in saved["rows"]:
         assert r["throughput_rps"] > 0 and r["ttft_p50_ms"] <= r["ttft_p99_ms"]
         assert r["itl_p99_ms"] > 0 and r["e2e_p99_ms"] >= r["ttft_p50_ms"]
+        # the server's steps during the rate, from its metrics
+        assert r["steps"] > 0 and 0 < r["host_ms"] <= r["step_ms"] and 0 < r["host_share"] <= 1
 
 
 def test_server_log_has_no_errors(server):
