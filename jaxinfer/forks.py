@@ -13,7 +13,7 @@ from __future__ import annotations
 import bisect
 
 from jaxinfer.page_table import PageList
-from jaxinfer.request import FinishReason, Request, RequestStatus
+from jaxinfer.request import FinishReason, Request, RequestStatus, rank
 
 
 class Forks:
@@ -52,7 +52,7 @@ class Forks:
             child.num_computed_tokens = start
             child.status = RequestStatus.RUNNING
             self._lora_enter(child)    # always succeeds: the parent holds the adapter's slot
-            bisect.insort(self.running, child, key=lambda r: r.arrival_time)
+            bisect.insort(self.running, child, key=rank)
         self.waiting.extendleft(reversed(queued))
         self._fork_rows -= len(parent.forks)
         parent.forks = ()

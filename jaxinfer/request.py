@@ -358,3 +358,8 @@ class Request:
     @property
     def latency_s(self) -> float | None:
         return None if self.finish_time is None else self.finish_time - self.arrival_time
+
+
+def rank(request: Request) -> tuple[int, float]:
+    """The scheduler's order of running requests: priority (lower first), then arrival."""
+    return request.priority, request.arrival_time

@@ -8,11 +8,13 @@ Only the row whose chunk reaches the end of the request's tokens yields a sample
 
 Order and priority (first come, first served; a request's `priority`, lower first, orders the
 queue before its arrival does; its `deadline` may refuse it at `add`: slo.py):
-1. Running requests, oldest first. Each needs pages for its new tokens; when none are free,
-   the most recently arrived running request is preempted: its pages are freed, it goes back
-   to the head of the queue and later recomputes prompt + generated tokens (which it keeps).
-   The oldest request is therefore never preempted, so it always finishes: `add` rejects any
-   request that could not fit in the pool on its own.
+1. Running requests, by priority then oldest first (`rank`). Each needs pages for its new
+   tokens; when none are free, the last running request in that order (the most recently
+   arrived of the lowest priority, vLLM's choice) is preempted: its pages are freed, it goes
+   back to the queue ahead of every waiting request of its priority and later recomputes
+   prompt + generated tokens (which it keeps). The first request is therefore never
+   preempted, so it always finishes: `add` rejects any request that could not fit in the
+   pool on its own.
 2. Waiting requests, in queue order, while rows, budget and pages last; none in a step that
    preempted (admitting then would only thrash). A waiting request first takes the cached
    pages of its leading full pages (prefix caching), keeping at least one token to compute so
@@ -49,7 +51,8 @@ from jaxinfer.errors import InvalidRequestError
 from jaxinfer.forks import Forks
 from jaxinfer.lora import LoRASlots
 from jaxinfer.page_table import PageAllocator, PageList, extend_page_keys
-from jaxinfer.request import MAX_BANNED_IDS, PENDING, FinishReason, Request, RequestStatus
+from jaxinfer.request import (MAX_BANNED_IDS, PENDING, FinishReason, Request, RequestStatus,
+                              rank)
 from jaxinfer.scheduler_output import ScheduledRow, SchedulerOutput
 from jaxinfer.slo import Deadlines
 from jaxinfer.verify_steps import VerifySteps
@@ -171,8 +174,8 @@ class Scheduler(Forks, VerifySteps):
         forgotten too. Returns the failed requests."""
         self.deadlines.changed()
         done = [self.finish(rid, FinishReason.ERROR) for rid in failed if rid in self.requests]
-        for request in sorted(self.running, key=lambda r: r.arrival_time, reverse=True):
-            self._preempt(request)      # appendleft, newest first: oldest ends up in front
+        for request in self.running[::-1]:
+            self._preempt(request)      # last first: the first ends up in front
         for request in self.waiting:
             self._drop_pending(request)
         if cache_lost:
@@ -254,7 +257,7 @@ class Scheduler(Forks, VerifySteps):
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self._fork_rows += len(request.forks)
-            bisect.insort(self.running, request, key=lambda r: r.arrival_time)
+            bisect.insort(self.running, request, key=rank)
             rows.append(self._row(request, n))
             budget -= n
         return SchedulerOutput(tuple(rows), tuple(preempted))
@@ -376,7 +379,11 @@ class Scheduler(Forks, VerifySteps):
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
+        # Ahead of every waiting request of its priority (all of them by default).
+        waiting, i = self.waiting, 0
+        while i < len(waiting) and waiting[i].priority < request.priority:
+            i += 1
+        waiting.insert(i, request)
 
     def _admit(self, request: Request, budget: int) -> int:
         """Take prefix-cache hits and pages for the first chunk; the chunk length, 0 if the

@@ -202,6 +202,27 @@ def test_preempted_request_goes_to_queue_head_and_keeps_its_tokens():
     assert done["new"].output_token_ids == solo_output(new.prompt_token_ids, 8)
 
 
+def test_preemption_takes_the_lowest_priority_first_and_requeues_it_by_priority():
+    """vLLM's priority rule: the victim is the newest running request of the lowest priority
+    (here the older one), and it waits behind better priorities but ahead of its own."""
+    rng = random.Random(10)
+    sched = make_sched(num_pages=5, page_size=4, max_num_batched_tokens=64)   # 4 usable
+    dev = FakeDevice(sched)
+    sched.add(Request("low", rand_prompt(rng, 8), SamplingParams(max_tokens=8), priority=1))
+    sched.add(Request("high", rand_prompt(rng, 8), SamplingParams(max_tokens=8)))
+    out, _ = dev.step()
+    assert [r.request_id for r in out.rows] == ["high", "low"]
+    sched.add(Request("low2", rand_prompt(rng, 3), SamplingParams(max_tokens=1), priority=1))
+    sched.add(Request("mid", rand_prompt(rng, 3), SamplingParams(max_tokens=1)))
+    out, _ = dev.step()   # both running need a 3rd page: the priority-1 one gives way
+    assert out.preempted_ids == ("low",) and [r.request_id for r in out.rows] == ["high"]
+    assert [r.request_id for r in sched.waiting] == ["mid", "low", "low2"]
+    done = run_all(dev)
+    for rid in ("low", "high"):
+        assert done[rid].output_token_ids == solo_output(done[rid].prompt_token_ids, 8)
+    assert sched.allocator.num_free == sched.allocator.num_usable
+
+
 def test_random_driver_never_leaks_pages():
     rng = random.Random(10)
     sched = make_sched(num_pages=17, page_size=4, max_num_seqs=3, max_num_batched_tokens=13,
