@@ -326,6 +326,7 @@ def test_serving_bench_smoke(server, tmp_path):
     assert saved["suite"] == "serving" and saved["model"] == "tiny"
     assert set(saved["max_rate_by_protocol"]) == {"grpc", "http"}
     assert saved["max_rate_p99_e2e_under_500ms"] == saved["max_rate_by_protocol"]["grpc"]
+    assert set(saved["max_chat_rate_by_protocol"]) == {"grpc", "http"}
     assert [(r["protocol"], r["workload"], r["rate"]) for r in saved["rows"]] == [
         (p, w, r) for p in ("grpc", "http") for w, r in (("short", 3.0), ("short", 12.0),
                                                           ("chat", 6.0))]
@@ -361,6 +362,26 @@ def test_serving_bench_saturation_rule():
     short_ok = summarize("short", 8.0, [{"code": "OK", "sent": i / 8, "times": [i / 8 + 0.3]}
                                         for i in range(80)])
     assert not saturated(short_ok)
+
+
+def test_serving_bench_budgets_per_workload():
+    """Short: e2e p99 within 500 ms; chat: TTFT p99 within 500 ms and inter-token p99 within
+    50 ms, however long the answers; any error disqualifies a rate."""
+    from bench.serving import max_rate_under_budget, summarize
+
+    def run(ttft, gap, n_tokens=100):   # 40 requests at 4/s
+        return [{"code": "OK", "sent": i / 4,
+                 "times": [i / 4 + ttft + gap * k for k in range(n_tokens)]} for i in range(40)]
+    rows = [summarize("chat", 4.0, run(0.1, 0.03)),      # 3.1 s answers, within chat's budget
+            summarize("chat", 8.0, run(0.1, 0.06)),      # inter-token 60 ms: over
+            summarize("chat", 6.0, run(0.6, 0.01)),      # TTFT 600 ms: over
+            summarize("short", 8.0, run(0.1, 0.003)),    # 0.4 s: within
+            summarize("short", 16.0, run(0.1, 0.005))]   # 0.6 s: over
+    assert max_rate_under_budget(rows, workload="chat") == 4.0
+    assert max_rate_under_budget(rows) == 8.0
+    failed = summarize("short", 4.0, run(0.1, 0.003)[:-1] + [{"code": "DEADLINE_EXCEEDED",
+                                                              "sent": 9.0, "times": []}])
+    assert max_rate_under_budget([failed]) is None
 
 
 def test_malformed_message_is_invalid_argument(server):
