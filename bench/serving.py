@@ -41,7 +41,7 @@ E2E_BUDGET_MS = 500.0
 CHAT_BUDGET_MS = {"ttft_p99_ms": 500.0, "itl_p99_ms": 50.0}   # the chat workload's own
 KEYS = ["protocol", "workload", "rate", "num_requests", "throughput_rps", "goodput_rps",
         "output_tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms",
-        "e2e_p50_ms", "e2e_p99_ms", "step_ms", "host_share", "errors"]
+        "e2e_p50_ms", "e2e_p99_ms", "step_ms", "host_share", "padding", "errors"]
 
 
 def make_requests(workload: str, args, n: int, vocab: int, rng) -> list[tuple[list[int], int]]:
@@ -181,8 +181,9 @@ def server_metrics(address: str | None) -> dict | None:
 
 def step_fields(before: dict | None, after: dict | None) -> dict:
     """What the server's metrics say of the steps between two readings: their mean wall time
-    and host part (jaxinfer_step_seconds / jaxinfer_step_host_seconds), the host's share, and
-    the roofline gauges at the end."""
+    and host part (jaxinfer_step_seconds / jaxinfer_step_host_seconds), the host's share, the
+    share of the compiled shapes' tokens that were padding, and the roofline gauges at the
+    end."""
     if before is None or after is None:
         return {}
 
@@ -191,11 +192,14 @@ def step_fields(before: dict | None, after: dict | None) -> dict:
         return (after[f"{name}_sum"] - before[f"{name}_sum"]) / n * 1e3 if n else None
 
     step, host = mean_ms("jaxinfer_step_seconds"), mean_ms("jaxinfer_step_host_seconds")
+    real, shaped = (after[k] - before[k] for k in ("jaxinfer_step_tokens_total",
+                                                     "jaxinfer_step_bucket_tokens_total"))
     return {"steps": int(after["jaxinfer_step_seconds_count"]
                          - before["jaxinfer_step_seconds_count"]),
             "step_ms": None if step is None else round(step, 3),
             "host_ms": None if host is None else round(host, 3),
             "host_share": round(host / step, 3) if step and host is not None else None,
+            "padding": round(1 - real / shaped, 3) if shaped else None,
             "decode_hbm_TBps": round(
                 after["jaxinfer_decode_hbm_bandwidth_bytes_per_second"] / 1e12, 4),
             "prefill_TFLOPs": round(after["jaxinfer_prefill_flops_per_second"] / 1e12, 2)}

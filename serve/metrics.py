@@ -50,6 +50,11 @@ class Metrics:
         self.preemptions = Counter("jaxinfer_preemptions", "Requests preempted", registry=r)
         self.compiles = Counter("jaxinfer_compiles", "XLA compilations of the step", registry=r)
         self.output_tokens = Counter("jaxinfer_output_tokens", "Tokens generated", registry=r)
+        self.step_tokens = Counter("jaxinfer_step_tokens", "Tokens the steps computed",
+                                   registry=r)
+        self.bucket_tokens = Counter("jaxinfer_step_bucket_tokens",
+                                     "Tokens of the compiled shapes those steps ran in "
+                                     "(computed + padding)", registry=r)
         self.tokens_per_s = Gauge("jaxinfer_output_tokens_per_second",
                                   f"Tokens generated over the last {_TOKENS_PER_S_WINDOW_S:.0f} s",
                                   registry=r)
@@ -102,6 +107,7 @@ class StepObserver:
         metrics.pages_total.set(engine.scheduler.allocator.num_usable)
         self._recent = collections.deque()  # (time, tokens) of the steps in the window
         self._last_preemptions = self._last_compiles = 0  # totals already counted
+        self._last_real = self._last_padded = 0
         self._last_spec = None       # speculative.SpecStats totals already counted
         self._count(metrics.compiles, self._compiles(), "_last_compiles")  # the warmup's
 
@@ -120,6 +126,9 @@ class StepObserver:
         m.host_time.observe(self.engine.last_host_s)
         self.gauges(num_waiting)
         self._count(m.compiles, self._compiles(), "_last_compiles")
+        buckets = self.engine.buckets
+        self._count(m.step_tokens, buckets.real_tokens, "_last_real")
+        self._count(m.bucket_tokens, buckets.padded_tokens, "_last_padded")
         tokens = sum(len(o.new_token_ids) for o in outputs)   # several a row when speculating
         m.output_tokens.inc(tokens)
         self._tokens_per_s(tokens)

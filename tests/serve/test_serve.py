@@ -302,6 +302,7 @@ def test_metrics(server, client):
                  "queue_time_seconds", "step_seconds", "step_host_seconds"):
         assert m[f"jaxinfer_{name}_count"] > 0, name
     assert m["jaxinfer_output_tokens_total"] >= 6 and m["jaxinfer_compiles_total"] >= 1
+    assert 0 < m["jaxinfer_step_tokens_total"] <= m["jaxinfer_step_bucket_tokens_total"]
     assert m["jaxinfer_kv_pages_usable"] > 0 and m["jaxinfer_preemptions_total"] >= 0
     # exported; they read 0 here: this tiny model's steps end before the host waits for
     # them, so their device time is unknown (tests/serve/test_metrics.py has the readings)
@@ -335,6 +336,7 @@ def test_serving_bench_smoke(server, tmp_path):
         assert r["itl_p99_ms"] > 0 and r["e2e_p99_ms"] >= r["ttft_p50_ms"]
         # the server's steps during the rate, from its metrics
         assert r["steps"] > 0 and 0 < r["host_ms"] <= r["step_ms"] and 0 < r["host_share"] <= 1
+        assert 0 <= r["padding"] < 1
 
 
 def test_server_log_has_no_errors(server):
