@@ -100,6 +100,7 @@ class Engine(EngineRequests, EngineLoRA, EngineSpeculation, EngineOutputs):
         eos = set(cfg.eos_token_ids) | set(tokenizer.eos_token_ids if tokenizer else ())
         self.scheduler = Scheduler.from_config(engine_cfg, eos_token_ids=sorted(eos))
         self.buckets = Buckets.from_config(engine_cfg)
+        self.scheduler.token_shapes = tuple(self.buckets.mixed_sizes)
         self._text: dict[str, Detokenized] = {}
         self._groups = RequestGroups()     # n > 1 requests and their completions
         self._grammars = RequestGrammars(tokenizer, cfg.vocab_size)  # structured output

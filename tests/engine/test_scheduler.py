@@ -223,6 +223,28 @@ def test_preemption_takes_the_lowest_priority_first_and_requeues_it_by_priority(
     assert sched.allocator.num_free == sched.allocator.num_usable
 
 
+def test_a_step_just_over_a_shape_is_cut_to_it_and_one_well_over_is_padded():
+    """With compiled shapes 16..512 (SHAPE_OVERHEAD_TOKENS 256): a 300-token prompt runs as
+    256 then 44 tokens (300 in a 512 shape computes fewer real tokens per step-time than 256
+    in a 256 one); a 450-token prompt runs whole; the answers are unchanged."""
+    rng = random.Random(11)
+    sched = make_sched(max_num_batched_tokens=512, num_pages=400, max_model_len=1024)
+    sched.token_shapes = (16, 32, 64, 128, 256, 512)
+    dev = FakeDevice(sched)
+    sched.add(Request("a", rand_prompt(rng, 300), SamplingParams(max_tokens=3)))
+    out, _ = dev.step()
+    assert [(r.request_id, r.num_tokens, r.samples) for r in out.rows] == [("a", 256, False)]
+    out, _ = dev.step()
+    assert [(r.num_tokens, r.samples) for r in out.rows] == [(44, True)]
+    sched.add(Request("b", rand_prompt(rng, 450), SamplingParams(max_tokens=3)))
+    out, _ = dev.step()
+    assert [(r.request_id, r.num_tokens) for r in out.rows] == [("a", 1), ("b", 450)]
+    done = run_all(dev)
+    for rid in "ab":
+        assert done[rid].output_token_ids == solo_output(done[rid].prompt_token_ids, 3)
+    assert sched.allocator.num_free == sched.allocator.num_usable
+
+
 def test_random_driver_never_leaks_pages():
     rng = random.Random(10)
     sched = make_sched(num_pages=17, page_size=4, max_num_seqs=3, max_num_batched_tokens=13,
