@@ -24,7 +24,7 @@ from typing import AsyncIterator
 
 from jaxinfer.config import EngineConfig
 from jaxinfer.engine import Engine
-from jaxinfer.engine_thread import EngineThread
+from jaxinfer.engine_thread import EngineThread, LoopSink
 from jaxinfer.errors import EngineDeadError, QueueFullError
 from jaxinfer.request import RequestOutput, SamplingParams
 
@@ -72,9 +72,7 @@ class AsyncLLM:
             sampling_params)
         rid = request_id if request_id is not None else f"async-{next(self._ids)}"
         loop, outputs = asyncio.get_running_loop(), asyncio.Queue()
-        if not self._thread.submit(rid, prompt, params,
-                                   lambda item: loop.call_soon_threadsafe(outputs.put_nowait,
-                                                                          item),
+        if not self._thread.submit(rid, prompt, params, LoopSink(loop, outputs.put_nowait),
                                    priority=priority, deadline=deadline):
             raise QueueFullError(f"{self._thread.max_waiting} requests are waiting already")
         finished = False

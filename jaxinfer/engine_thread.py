@@ -25,6 +25,22 @@ log = logging.getLogger("jaxinfer.serve")
 Sink = Callable[[object], None]  # receives RequestOutput | Exception, from the engine thread
 
 
+class LoopSink:
+    """A sink that hands each item to `put` on asyncio loop `loop` (put: e.g. an
+    asyncio.Queue's put_nowait). The engine thread delivers a step's outputs for all the
+    LoopSinks of one loop in one call_soon_threadsafe, not one each: one wake-up of the loop
+    a step instead of one a request, and ~0.5 instead of ~8 us of the engine thread's time
+    per output."""
+
+    __slots__ = ("loop", "put")
+
+    def __init__(self, loop, put: Callable[[object], None]):
+        self.loop, self.put = loop, put
+
+    def __call__(self, item) -> None:
+        self.loop.call_soon_threadsafe(self.put, item)
+
+
 class EngineThread:
     def __init__(self, make_engine: Callable[[], object], max_waiting: int,
                  on_ready: Callable[[object], object] | None = None,
@@ -170,12 +186,20 @@ class EngineThread:
             self._fail_all(e)
             return False
         self._note_admitted()
+        by_loop: dict[object, list] = {}
         for out in outputs:
             sink = self._sinks.get(out.request_id)
             if out.finished:
                 self._sinks.pop(out.request_id, None)
-            if sink is not None:
+            if type(sink) is LoopSink:
+                by_loop.setdefault(sink.loop, []).append((sink.put, out))
+            elif sink is not None:
                 _deliver(sink, out)
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # the receiving loop is closed: the server is shutting down
+                pass
         if self._observer is not None:
             self._observer.after_step(outputs, self._num_waiting)
         return True
@@ -205,6 +229,12 @@ class EngineThread:
     def _unwait(self, n: int) -> None:
         with self._lock:
             self._num_waiting -= n
+
+
+def _put_all(items) -> None:
+    """On the receiving loop: each (put, item) of one step, in order."""
+    for put, item in items:
+        put(item)
 
 
 def _deliver(sink: Sink, item) -> None:

@@ -18,7 +18,7 @@ import time
 
 from jaxinfer.errors import InvalidRequestError
 from jaxinfer.request import FinishReason
-from jaxinfer.engine_thread import EngineThread
+from jaxinfer.engine_thread import EngineThread, LoopSink
 from serve.metrics import Metrics
 
 
@@ -97,8 +97,7 @@ class Admission:
         deltas = asyncio.Queue() if deltas is None else deltas
         if deadline is not None:
             deadline -= time.monotonic() - t0       # the time tokenizing took
-        if not self.engine.submit(rid, prompt, params,
-                                  lambda item: loop.call_soon_threadsafe(deltas.put_nowait, item),
+        if not self.engine.submit(rid, prompt, params, LoopSink(loop, deltas.put_nowait),
                                   priority=priority, deadline=deadline):
             self.metrics.refused.labels("queue_full").inc()
             raise Refused("queue_full", f"the waiting queue is full "
