@@ -232,9 +232,13 @@ class EngineThread:
 
 
 def _put_all(items) -> None:
-    """On the receiving loop: each (put, item) of one step, in order."""
+    """On the receiving loop: each (put, item) of one step, in order; one that raises does
+    not keep the others from theirs."""
     for put, item in items:
-        put(item)
+        try:
+            put(item)
+        except Exception:
+            log.exception("delivering an output failed")
 
 
 def _deliver(sink: Sink, item) -> None:
