@@ -21,7 +21,7 @@ queue before its arrival does; its `deadline` may refuse it at `add`: slo.py):
    the step yields logits. Head-of-line blocking: if the head does not fit, nobody passes it.
 3. The step's size against the compiled shapes: a step that would be padded up to the next
    mixed shape has its last prefill chunk cut to fill the shape below, where that computes
-   more real tokens per unit of step time (`_fit_shape`).
+   more real tokens per unit of step time (`buckets.fitted_tokens`).
 
 n completions of one prompt (SamplingParams.n): forked from the first once its prompt is
 computed, sharing its pages (forks.py).
@@ -49,6 +49,7 @@ import collections
 import time
 from typing import Callable, Sequence
 
+from jaxinfer.buckets import fitted_tokens
 from jaxinfer.config import EngineConfig
 from jaxinfer.errors import InvalidRequestError
 from jaxinfer.forks import Forks
@@ -61,11 +62,6 @@ from jaxinfer.slo import Deadlines
 from jaxinfer.verify_steps import VerifySteps
 
 __all__ = ["Scheduler", "ScheduledRow", "SchedulerOutput"]
-
-# A step's fixed cost (reading the weights, launching, the host) in token-times of its
-# per-token compute: ~200-400 for an 8B model on Hopper in bf16 and FP8 alike. It sets
-# where _fit_shape cuts: a 300-token step is cut to 256, a 400-token one padded to 512.
-SHAPE_OVERHEAD_TOKENS = 256
 
 
 class Scheduler(Forks, VerifySteps):
@@ -91,7 +87,7 @@ class Scheduler(Forks, VerifySteps):
         self.deadlines = Deadlines(self, itl_target_s=itl_target_s)
         # The token counts of the compiled mixed shapes (buckets.Buckets.mixed_sizes), set
         # by the engine: a step that would be padded up to one may be cut down to the one
-        # below (_fit_shape). Empty: steps are never cut.
+        # below (buckets.fitted_tokens). Empty: steps are never cut.
         self.token_shapes: tuple[int, ...] = ()
 
     @classmethod
@@ -277,22 +273,13 @@ class Scheduler(Forks, VerifySteps):
         return SchedulerOutput(tuple(rows), tuple(preempted))
 
     def _fit_shape(self, rows: list[ScheduledRow]) -> None:
-        """Cut the step's last prefill chunk so the step fills the compiled shape below its
-        size instead of being padded up to the one above, when that computes more real
-        tokens per unit of step time: a step of T tokens in a shape of S costs about
-        SHAPE_OVERHEAD_TOKENS + S token-times, so cutting to `lo` wins when
-        lo / (F + lo) >= T / (F + hi). The cut tokens wait for the next step (the request
-        keeps the pages it got for them). Only the last row is cut, and only while it keeps
-        a token: no admission is undone."""
-        shapes = self.token_shapes
-        total = sum(len(r.token_ids) for r in rows)
-        k = bisect.bisect_left(shapes, total)
-        if total == len(rows) or k in (0, len(shapes)) or shapes[k] == total:
-            return      # a decode step (its own shapes), or one that fills its shape
-        lo, hi, f = shapes[k - 1], shapes[k], SHAPE_OVERHEAD_TOKENS
+        """Cut the step's last row to what buckets.fitted_tokens keeps (the cut tokens wait
+        for the next step; the request keeps the pages it got for them). Only the last row
+        is cut, and only while it keeps a token: no admission is undone."""
         last = rows[-1]
-        keep = len(last.token_ids) - (total - lo)
-        if keep >= 1 and lo * (f + hi) >= total * (f + lo):
+        keep = fitted_tokens(sum(len(r.token_ids) for r in rows), len(rows),
+                             len(last.token_ids), self.token_shapes)
+        if keep < len(last.token_ids):
             rows[-1] = last._replace(token_ids=last.token_ids[:keep], samples=False)
 
     def update(self, output: SchedulerOutput, sampled_token_ids: Sequence[int]) -> list[Request]:

@@ -3,7 +3,7 @@ import random
 
 import pytest
 
-from jaxinfer.buckets import Bucket, Buckets, geometric
+from jaxinfer.buckets import Bucket, Buckets, fitted_tokens, geometric
 from jaxinfer.config import EngineConfig
 
 
@@ -78,3 +78,17 @@ def test_padding_fraction():
     b.choose(17, 3, 1)    # bucket 32
     assert (b.real_tokens, b.padded_tokens) == (22, 40)
     assert b.padding_fraction == pytest.approx(18 / 40)
+
+
+def test_fitted_tokens_cuts_a_step_just_over_a_size_and_pads_one_well_over():
+    sizes = geometric(16, 2048)
+    assert fitted_tokens(300, 1, 300, sizes) == 256        # 300 of 512 < 256 of 256 per cost
+    assert fitted_tokens(300, 41, 260, sizes) == 216       # decode rows stay, the chunk gives
+    assert fitted_tokens(450, 1, 450, sizes) == 450        # 450 of 512 beats 256 of 256
+    assert fitted_tokens(256, 1, 256, sizes) == 256        # fills its size
+    assert fitted_tokens(64, 64, 1, sizes) == 1            # a decode step
+    assert fitted_tokens(300, 2, 40, sizes) == 40          # the cut would empty the row
+    assert fitted_tokens(10, 1, 10, sizes) == 10           # under the smallest size
+    for total in range(17, 2049):   # a cut step lands exactly on a size
+        keep = fitted_tokens(total, 1, total, sizes)
+        assert keep == total or keep in sizes

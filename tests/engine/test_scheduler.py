@@ -224,7 +224,7 @@ def test_preemption_takes_the_lowest_priority_first_and_requeues_it_by_priority(
 
 
 def test_a_step_just_over_a_shape_is_cut_to_it_and_one_well_over_is_padded():
-    """With compiled shapes 16..512 (SHAPE_OVERHEAD_TOKENS 256): a 300-token prompt runs as
+    """With compiled shapes 16..512 (buckets.SHAPE_OVERHEAD_TOKENS 256): a 300-token prompt runs as
     256 then 44 tokens (300 in a 512 shape computes fewer real tokens per step-time than 256
     in a 256 one); a 450-token prompt runs whole; the answers are unchanged."""
     rng = random.Random(11)
