@@ -53,8 +53,9 @@ from jaxinfer.buckets import fitted_tokens
 from jaxinfer.config import EngineConfig
 from jaxinfer.errors import InvalidRequestError
 from jaxinfer.forks import Forks
+from jaxinfer.request_pages import RequestPages
 from jaxinfer.lora import LoRASlots
-from jaxinfer.page_table import PageAllocator, PageList, extend_page_keys
+from jaxinfer.page_table import PageAllocator
 from jaxinfer.request import (MAX_BANNED_IDS, PENDING, FinishReason, Request, RequestStatus,
                               rank)
 from jaxinfer.scheduler_output import ScheduledRow, SchedulerOutput
@@ -64,7 +65,7 @@ from jaxinfer.verify_steps import VerifySteps
 __all__ = ["Scheduler", "ScheduledRow", "SchedulerOutput"]
 
 
-class Scheduler(Forks, VerifySteps):
+class Scheduler(RequestPages, Forks, VerifySteps):
     def __init__(self, *, max_num_seqs: int, max_num_batched_tokens: int, page_size: int,
                  num_pages: int, max_model_len: int, enable_prefix_caching: bool = True,
                  eos_token_ids: Sequence[int] = (), max_loras: int = 0,
@@ -372,80 +373,6 @@ class Scheduler(Forks, VerifySteps):
         return ScheduledRow(request.request_id, tuple(request.all_token_ids[start:start + n]),
                             start, request.page_ids.array(), start + n == request.num_tokens)
 
-    def _grow(self, request: Request, n: int) -> bool:
-        """Give the request pages for n more tokens, if the pool has them."""
-        need = self.allocator.pages_for(request.num_computed_tokens + n) - len(request.page_ids)
-        if need <= 0:   # the common decode step: the last page still has room
-            return True
-        if need > self.allocator.num_free:
-            return False
-        request.page_ids.extend(self.allocator.allocate(need))
-        return True
-
-    def _make_room(self, request: Request, n: int, preempted: list[str]) -> bool:
-        while not self._grow(request, n):
-            victim = self.running[-1]
-            self._preempt(victim)
-            preempted.append(victim.request_id)
-            if victim is request:
-                return False
-        return True
-
-    def _preempt(self, request: Request) -> None:
-        self.running.remove(request)
-        self._lora_leave(request)
-        self._fork_rows -= len(request.forks)
-        self._release_pages(request)
-        request.status = RequestStatus.PREEMPTED
-        request.num_preemptions += 1
-        self.num_preemptions += 1
-        # Ahead of every waiting request of its priority (all of them by default).
-        waiting, i = self.waiting, 0
-        while i < len(waiting) and waiting[i].priority < request.priority:
-            i += 1
-        waiting.insert(i, request)
-
-    def _admit(self, request: Request, budget: int) -> int:
-        """Take prefix-cache hits and pages for the first chunk; the chunk length, 0 if the
-        pool cannot hold it (then the request keeps nothing)."""
-        if self.allocator.enable_prefix_caching:
-            extend_page_keys(request.page_keys, request.all_token_ids, self.page_size,
-                             root=_root(request))
-            # At least one token must be computed, for the logits of the next token; every
-            # prompt token, for its logprob (prompt_logprobs.py).
-            usable = (request.page_keys[:(request.num_tokens - 1) // self.page_size]
-                      if request.sampling_params.prompt_logprobs is None else [])
-            request.page_ids = PageList(self.allocator.match_prefix(usable))
-            request.num_cached_pages = len(request.page_ids)
-            request.num_computed_tokens = len(request.page_ids) * self.page_size
-        n = min(request.num_uncomputed_tokens, budget)
-        if not self._grow(request, n):
-            self._release_pages(request)
-            return 0
-        request.num_prefix_hit_tokens = request.num_computed_tokens
-        self.allocator.record_query(request.num_tokens, request.num_computed_tokens)
-        return n
-
-    def _release_pages(self, request: Request) -> None:
-        self.allocator.free(reversed(request.page_ids))
-        request.page_ids = PageList()
-        request.num_computed_tokens = 0
-        request.num_cached_pages = 0
-        request.num_draft_computed = 0
-
-    def _cache_full_pages(self, request: Request) -> None:
-        if not self.allocator.enable_prefix_caching:
-            return
-        full = request.num_computed_tokens // self.page_size
-        if full <= request.num_cached_pages:
-            return
-        # Computed tokens only: a trailing PENDING token must never be hashed into a key.
-        extend_page_keys(request.page_keys, request.all_token_ids, self.page_size,
-                         full * self.page_size, _root(request))
-        for i in range(request.num_cached_pages, full):
-            self.allocator.cache_page(request.page_ids[i], request.page_keys[i])
-        request.num_cached_pages = full
-
     def _lora_enter(self, request: Request) -> bool:
         """The request's adapter takes (or shares) a slot as it starts running; False: none."""
         return request.lora is None or self.lora_slots.enter(request.lora)
@@ -459,7 +386,3 @@ class Scheduler(Forks, VerifySteps):
         return (count >= request.sampling_params.max_tokens
                 or request.num_prompt_tokens + count >= self.max_model_len)
 
-
-def _root(request: Request) -> bytes | None:
-    """What the request's prefix-cache keys chain from: its adapter's key (or nothing)."""
-    return None if request.lora is None else request.lora.encode()
