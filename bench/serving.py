@@ -1,5 +1,6 @@
 """`jaxinfer bench serving`: online serving over gRPC and/or the OpenAI HTTP API (--protocol),
-Poisson arrivals at a sweep of request rates, two workloads (token-id prompts, so any model works; greedy, ignore_eos):
+Poisson arrivals at a sweep of request rates, two workloads (token-id prompts, so any model
+works; greedy, ignore_eos):
   short  prompts uniform in --prompt-len, answers in --answer-len (default 64-512, 4-40)
   chat   one shared system prompt (--chat-system-len, a prefix-cache hit after the first
          request) + a user turn (--chat-user-len), longer answers (--chat-answer-len)
