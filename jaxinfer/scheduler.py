@@ -230,6 +230,7 @@ class Scheduler(RequestPages, Forks, VerifySteps):
         budget = self.max_num_batched_tokens
         if self.running and self.deadlines.itl_target_s:
             budget = self.deadlines.step_budget(budget)     # decode rows keep their ITL
+        step_budget = budget
         rows: list[ScheduledRow] = []
         preempted: list[str] = []
         i = 0
@@ -270,16 +271,16 @@ class Scheduler(RequestPages, Forks, VerifySteps):
             rows.append(self._row(request, n))
             budget -= n
         if self.token_shapes and rows and not preempted:
-            self._fit_shape(rows)
+            self._fit_shape(rows, step_budget - budget)
         return SchedulerOutput(tuple(rows), tuple(preempted))
 
-    def _fit_shape(self, rows: list[ScheduledRow]) -> None:
+    def _fit_shape(self, rows: list[ScheduledRow], total: int) -> None:
         """Cut the step's last row to what buckets.fitted_tokens keeps (the cut tokens wait
         for the next step; the request keeps the pages it got for them). Only the last row
-        is cut, and only while it keeps a token: no admission is undone."""
+        is cut, and only while it keeps a token: no admission is undone. total: the step's
+        tokens (the budget it used)."""
         last = rows[-1]
-        keep = fitted_tokens(sum(len(r.token_ids) for r in rows), len(rows),
-                             len(last.token_ids), self.token_shapes)
+        keep = fitted_tokens(total, len(rows), len(last.token_ids), self.token_shapes)
         if keep < len(last.token_ids):
             rows[-1] = last._replace(token_ids=last.token_ids[:keep], samples=False)
 
