@@ -22,6 +22,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxinfer.args import engine_argv  # noqa: F401 (the suites' child processes' flags)
+
 
 def git_sha(override: str | None = None) -> str:
     """`--git` wins (a copy of the tree may have no .git), else `git rev-parse HEAD`."""
@@ -118,19 +120,6 @@ def dtype_name(dtype) -> str:
 def weights_name(engine) -> str:
     """The linear weights' format: fp8, or the compute dtype they are held in."""
     return "fp8" if engine.weights == "fp8" else dtype_name(engine.dtype)
-
-
-def engine_argv(args) -> list[str]:
-    """The engine flags of `args` as argv, to start a child process on the same engine."""
-    argv = ["--model", args.model, "--weights", args.weights, "--kv-dtype", args.kv_dtype,
-            "--kv-scales", args.kv_scales, "--lm-head", args.lm_head,
-            "--page-size", str(args.page_size), "--max-model-len", str(args.max_model_len),
-            "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens",
-            str(args.max_num_batched_tokens), "--num-pages", str(args.num_pages),
-            "--attention", args.attention, "--layer-loop", args.layer_loop]
-    if args.no_async_scheduling:
-        argv.append("--no-async-scheduling")
-    return argv + (["--dtype", args.dtype] if args.dtype else [])
 
 
 def engine_config(args):

@@ -167,6 +167,30 @@ def engine_config_from_args(args) -> EngineConfig:
         speculative_disable_batch_size=args.speculative_disable_batch_size)
 
 
+def engine_argv(args) -> list[str]:
+    """The engine flags (add_engine_args) of the parsed `args` as argv, for a child process
+    to parse back into the same EngineConfig; flags at their defaults are left out."""
+    p = argparse.ArgumentParser(add_help=False)
+    add_engine_args(p)
+    defaults, argv, seen = p.parse_args([]), [], set()
+    for action in p._actions:
+        dest = action.dest
+        if dest in seen:            # an alias (--unroll-layers): the first flag says it
+            continue
+        seen.add(dest)
+        value, flag = getattr(args, dest), action.option_strings[0]
+        if value == getattr(defaults, dest):
+            continue
+        if action.nargs == 0:       # store_true / store_const
+            argv.append(flag)
+        elif isinstance(value, list):   # repeatable (--lora NAME=PATH)
+            for v in value:
+                argv += [flag, "=".join(v) if isinstance(v, tuple) else str(v)]
+        else:
+            argv += [flag, str(value)]
+    return argv
+
+
 def lora_module(text: str) -> tuple[str, str]:
     """--lora's NAME=PATH."""
     name, sep, path = text.partition("=")

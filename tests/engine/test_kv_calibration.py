@@ -109,3 +109,26 @@ def test_cli_flag_reaches_the_engine_config():
     assert engine_config_from_args(args).kv_scales == "token"
     assert p.parse_args(engine_argv(args)).kv_scales == "token"   # child processes keep it
     assert engine_config_from_args(p.parse_args([])).kv_scales == "static"
+
+
+def test_every_engine_flag_reaches_a_child_process():
+    """engine_argv (what the benches start their servers and children with) carries every
+    engine flag that differs from its default, so the child's EngineConfig is the parent's."""
+    import argparse
+
+    from bench.common import engine_argv
+    from jaxinfer.cli import add_engine_args, engine_config_from_args
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    argv = ["--model", "llama-3-8b", "--weights", "fp8", "--kv-dtype", "fp8",
+            "--kv-scales", "token", "--max-num-seqs", "128", "--max-num-batched-tokens",
+            "2048", "--itl-target-ms", "10", "--no-prefix-caching", "--tensor-parallel", "2",
+            "--unroll-layers", "--no-async-scheduling", "--compile-cache-dir", "/tmp/x",
+            "--warmup", "off", "--lora", "a=/tmp/a", "--lora", "b=/tmp/b", "--max-loras", "2",
+            "--num-speculative-tokens", "3", "--speculative-method", "self"]
+    args = p.parse_args(argv)
+    child = p.parse_args(engine_argv(args))
+    assert engine_config_from_args(child) == engine_config_from_args(args)
+    assert child.model == "llama-3-8b" and child.lora == [("a", "/tmp/a"), ("b", "/tmp/b")]
+    assert engine_config_from_args(child).itl_target_ms == 10.0
+    assert engine_argv(p.parse_args([])) == []       # defaults say nothing
