@@ -170,21 +170,24 @@ def max_rate_under_budget(rows: list[dict], protocol: str | None = None,
 
 
 def server_metrics(address: str | None) -> dict | None:
-    """The server's unlabelled Prometheus samples by name, or None without an address."""
+    """The server's Prometheus samples by name (labelled ones as `name{label=value,...}`),
+    or None without an address."""
     if address is None:
         return None
     from prometheus_client.parser import text_string_to_metric_families
 
     text = urllib.request.urlopen(f"http://{address}/metrics", timeout=5).read().decode()
-    return {s.name: s.value for fam in text_string_to_metric_families(text)
-            for s in fam.samples if not s.labels}
+    return {s.name + ("{%s}" % ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
+                      if s.labels else ""): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
 
 
 def step_fields(before: dict | None, after: dict | None) -> dict:
     """What the server's metrics say of the steps between two readings: their mean wall time
     and host part (jaxinfer_step_seconds / jaxinfer_step_host_seconds), the host's share, the
-    share of the compiled shapes' tokens that were padding, and the roofline gauges at the
-    end."""
+    share of the compiled shapes' tokens that were padding, the roofline gauges at the
+    end, and the engine thread's time per step by part (`thread_ms`:
+    jaxinfer_engine_thread_seconds; Engine.step is its `step`)."""
     if before is None or after is None:
         return {}
 
@@ -195,15 +198,21 @@ def step_fields(before: dict | None, after: dict | None) -> dict:
     step, host = mean_ms("jaxinfer_step_seconds"), mean_ms("jaxinfer_step_host_seconds")
     real, shaped = (after[k] - before[k] for k in ("jaxinfer_step_tokens_total",
                                                      "jaxinfer_step_bucket_tokens_total"))
-    return {"steps": int(after["jaxinfer_step_seconds_count"]
-                         - before["jaxinfer_step_seconds_count"]),
+    steps = int(after["jaxinfer_step_seconds_count"] - before["jaxinfer_step_seconds_count"])
+    thread = {}
+    for key, total in after.items():
+        if key.startswith("jaxinfer_engine_thread_seconds_total{part=") and steps:
+            part = key[len("jaxinfer_engine_thread_seconds_total{part="):-1]
+            thread[part] = round((total - before.get(key, 0.0)) / steps * 1e3, 3)
+    return {"steps": steps,
             "step_ms": None if step is None else round(step, 3),
             "host_ms": None if host is None else round(host, 3),
             "host_share": round(host / step, 3) if step and host is not None else None,
             "padding": round(1 - real / shaped, 3) if shaped else None,
             "decode_hbm_TBps": round(
                 after["jaxinfer_decode_hbm_bandwidth_bytes_per_second"] / 1e12, 4),
-            "prefill_TFLOPs": round(after["jaxinfer_prefill_flops_per_second"] / 1e12, 2)}
+            "prefill_TFLOPs": round(after["jaxinfer_prefill_flops_per_second"] / 1e12, 2),
+            "thread_ms": thread}
 
 
 async def _sweep_protocol(args, protocol: str, send, vocab: int, metrics: str | None,

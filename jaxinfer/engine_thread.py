@@ -8,6 +8,9 @@ an aborted request's pages are free for the very next step.
 "Waiting" here means handed in and not yet scheduled by any step: commands still in the queue
 plus requests the scheduler has not admitted. That count, bounded by `max_waiting`, is what
 `submit` refuses on (the servers answer RESOURCE_EXHAUSTED / 429, AsyncLLM QueueFullError).
+
+Under load the thread's time is the step rate's ceiling, and Engine.step is only part of it:
+`seconds` sums where it went (THREAD_PARTS), for the servers' metrics.
 """
 from __future__ import annotations
 
@@ -23,6 +26,10 @@ from jaxinfer.request import RequestStatus
 
 log = logging.getLogger("jaxinfer.serve")
 Sink = Callable[[object], None]  # receives RequestOutput | Exception, from the engine thread
+# Where the engine thread's time goes (EngineThread.seconds): waiting for a command with
+# nothing to run, applying commands (adding, aborting requests), Engine.step, handing its
+# outputs to their sinks (with the bookkeeping of admitted requests), the step observer.
+THREAD_PARTS = ("idle", "commands", "step", "deliver", "observe")
 
 
 class LoopSink:
@@ -46,7 +53,8 @@ class EngineThread:
                  on_ready: Callable[[object], object] | None = None,
                  on_exit: Callable[[], None] | None = None):
         """`make_engine` loads (and warms up) the engine on this thread; `on_ready(engine)`
-        runs next, on this thread, and returns a step observer (`after_step(outputs, n)`).
+        runs next, on this thread, and returns a step observer (`after_step(outputs,
+        num_waiting, seconds)`, `seconds` this thread's time account so far).
         `on_exit()` runs on this thread when it ends (stopped, or the engine failed beyond
         recovery: then `error` is set)."""
         self._make_engine, self._on_ready, self._on_exit = make_engine, on_ready, on_exit
@@ -60,6 +68,8 @@ class EngineThread:
         self._sinks: dict[str, Sink] = {}  # engine thread only
         self._waiting: dict[str, float] = {}  # engine thread only: id -> submit time
         self._observer = None
+        # seconds spent per THREAD_PARTS since the engine was ready (engine thread only)
+        self.seconds = dict.fromkeys(THREAD_PARTS, 0.0)
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
 
     # --- any thread ---------------------------------------------------------------------
@@ -130,8 +140,13 @@ class EngineThread:
 
     def _apply_commands(self, block: bool) -> bool:
         """Apply every queued command (waiting for one if `block`); False on stop."""
+        seconds, clock = self.seconds, time.perf_counter
+        t0 = clock()
         try:
             cmd = self._inbox.get() if block else self._inbox.get_nowait()
+            t1 = clock()
+            seconds["idle"] += t1 - t0
+            t0 = t1
             while True:
                 if cmd[0] == "stop":
                     return False
@@ -139,6 +154,8 @@ class EngineThread:
                 cmd = self._inbox.get_nowait()
         except queue.Empty:
             return True
+        finally:
+            seconds["commands"] += clock() - t0
 
     def _add(self, request_id, prompt, params, sink, submitted, priority, deadline) -> None:
         try:
@@ -177,6 +194,8 @@ class EngineThread:
     def _step(self) -> bool:
         """One engine step, its outputs delivered; False when the engine is dead (a step
         failed and recovery failed too: Engine.step): every request fails, `error` is set."""
+        seconds, clock = self.seconds, time.perf_counter
+        t0 = clock()
         try:
             outputs = self.engine.step()
         except Exception as e:
@@ -185,6 +204,8 @@ class EngineThread:
             self.error = e
             self._fail_all(e)
             return False
+        t1 = clock()
+        seconds["step"] += t1 - t0
         self._note_admitted()
         by_loop: dict[object, list] = {}
         for out in outputs:
@@ -200,8 +221,11 @@ class EngineThread:
                 loop.call_soon_threadsafe(_put_all, items)
             except RuntimeError:  # the receiving loop is closed: the server is shutting down
                 pass
+        t2 = clock()
+        seconds["deliver"] += t2 - t1
         if self._observer is not None:
-            self._observer.after_step(outputs, self._num_waiting)
+            self._observer.after_step(outputs, self._num_waiting, seconds)
+            seconds["observe"] += clock() - t2
         return True
 
     def _note_admitted(self) -> None:

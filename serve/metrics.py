@@ -40,6 +40,11 @@ class Metrics:
         self.host_time = hist("jaxinfer_step_host_seconds",
                               "The host's part of one engine step: its wall time less its "
                               "waits on the device")
+        self.thread_time = Counter("jaxinfer_engine_thread_seconds",
+                                   "The engine thread's time by part: idle (nothing to run), "
+                                   "commands (adding and aborting requests), step "
+                                   "(Engine.step), deliver (outputs to the request handlers), "
+                                   "observe (these metrics)", ["part"], registry=r)
         self.running = Gauge("jaxinfer_requests_running", "Requests holding KV pages", registry=r)
         self.waiting = Gauge("jaxinfer_requests_waiting", "Requests not yet scheduled", registry=r)
         self.pages_used = Gauge("jaxinfer_kv_pages_used", "KV pages held by requests", registry=r)
@@ -109,6 +114,7 @@ class StepObserver:
         self._last_preemptions = self._last_compiles = 0  # totals already counted
         self._last_real = self._last_padded = 0
         self._last_spec = None       # speculative.SpecStats totals already counted
+        self._last_thread: dict[str, float] = {}   # the engine thread's seconds counted
         self._count(metrics.compiles, self._compiles(), "_last_compiles")  # the warmup's
 
     def gauges(self, num_waiting: int) -> None:
@@ -120,8 +126,15 @@ class StepObserver:
         m.hit_rate.set(s["prefix_cache_hit_rate"])
         self._count(m.preemptions, s["num_preemptions"], "_last_preemptions")
 
-    def after_step(self, outputs, num_waiting: int) -> None:
+    def after_step(self, outputs, num_waiting: int, thread_seconds=None) -> None:
+        """After each step: `outputs` its outputs, `thread_seconds` the engine thread's
+        time account (EngineThread.seconds) or None."""
         m = self.m
+        if thread_seconds is not None:
+            last = self._last_thread
+            for part, total in thread_seconds.items():
+                m.thread_time.labels(part).inc(total - last.get(part, 0.0))
+                last[part] = total
         m.step_time.observe(self.engine.last_step_s)
         m.host_time.observe(self.engine.last_host_s)
         self.gauges(num_waiting)

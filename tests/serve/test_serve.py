@@ -309,6 +309,10 @@ def test_metrics(server, client):
     for name in ("decode_hbm_bandwidth_bytes_per_second", "prefill_flops_per_second"):
         assert m[f"jaxinfer_{name}"] >= 0, name
     assert 0 <= m["jaxinfer_prefix_cache_hit_rate"] <= 1
+    thread = {s.labels["part"]: s.value for s in _samples(server)
+              if s.name == "jaxinfer_engine_thread_seconds_total"}
+    assert set(thread) == {"idle", "commands", "step", "deliver", "observe"}, thread
+    assert thread["step"] >= m["jaxinfer_step_seconds_sum"] * 0.99 and thread["idle"] > 0
 
 
 def test_serving_bench_smoke(server, tmp_path):
@@ -337,6 +341,11 @@ def test_serving_bench_smoke(server, tmp_path):
         # the server's steps during the rate, from its metrics
         assert r["steps"] > 0 and 0 < r["host_ms"] <= r["step_ms"] and 0 < r["host_share"] <= 1
         assert 0 <= r["padding"] < 1
+        # the engine thread's time per step by part; its `step` holds the step metric's
+        thread = r["thread_ms"]
+        assert set(thread) == {"idle", "commands", "step", "deliver", "observe"}, thread
+        assert all(v >= 0 for v in thread.values()) and thread["deliver"] > 0, thread
+        assert thread["step"] >= 0.99 * r["step_ms"], (thread, r["step_ms"])
 
 
 def test_server_log_has_no_errors(server):
