@@ -80,10 +80,11 @@ class ServerProcess:
                 try:
                     seen.append(c.health())
                 except grpc.RpcError as e:
-                    if e.code() != grpc.StatusCode.UNAVAILABLE:
+                    if e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
                         raise
-                    # the server stopped listening (a failed load drains, then exits): the
-                    # loop sees it exit and the error below carries its log
+                    # the server stopped listening, or cancelled the check as it stopped (a
+                    # failed load drains, then exits): the loop sees it exit and the error
+                    # below carries its log
                     time.sleep(0.1)
                     continue
                 if seen[-1] == "SERVING":
