@@ -111,6 +111,7 @@ class StepObserver:
         self._last_device = None     # the engine's last_device already counted
         metrics.pages_total.set(engine.scheduler.allocator.num_usable)
         self._recent = collections.deque()  # (time, tokens) of the steps in the window
+        self._recent_tokens = 0             # their tokens
         self._last_preemptions = self._last_compiles = 0  # totals already counted
         self._last_real = self._last_padded = 0
         self._last_spec = None       # speculative.SpecStats totals already counted
@@ -212,7 +213,8 @@ class StepObserver:
     def _tokens_per_s(self, n: int) -> None:
         now, recent = time.monotonic(), self._recent
         recent.append((now, n))
+        self._recent_tokens += n
         while recent and recent[0][0] < now - _TOKENS_PER_S_WINDOW_S:
-            recent.popleft()
+            self._recent_tokens -= recent.popleft()[1]
         span = max(now - recent[0][0], self.engine.last_step_s, 1e-9)
-        self.m.tokens_per_s.set(sum(k for _, k in recent) / span)
+        self.m.tokens_per_s.set(self._recent_tokens / span)

@@ -67,6 +67,34 @@ def test_decode_bytes_and_prefill_flops_per_device_second(engine):
     assert _gauge(metrics, "jaxinfer_decode_hbm_bandwidth_bytes_per_second") == pytest.approx(want)
 
 
+def test_tokens_per_second_over_the_window_and_the_thread_account(engine, monkeypatch):
+    """jaxinfer_output_tokens_per_second counts the steps of the last 10 s only; the
+    engine thread's seconds reach their counter as increments of its running totals."""
+    from jaxinfer.request import RequestOutput
+    from serve import metrics as metrics_module
+
+    now = [1000.0]
+    monkeypatch.setattr(metrics_module.time, "monotonic", lambda: now[0])
+    metrics = Metrics()
+    observer = StepObserver(metrics, engine)
+
+    def step(tokens, thread):
+        out = RequestOutput(request_id="r", prompt_token_ids=[1], token_ids=[], text="",
+                            new_token_ids=[7] * tokens)
+        observer.after_step([out], 0, thread)
+
+    step(30, {"step": 1.0, "idle": 0.5})
+    now[0] += 4
+    step(10, {"step": 1.5, "idle": 0.5})
+    assert _gauge(metrics, "jaxinfer_output_tokens_per_second") == pytest.approx(40 / 4)
+    now[0] += 8                                   # the first step left the window
+    step(20, {"step": 2.5, "idle": 2.0})
+    assert _gauge(metrics, "jaxinfer_output_tokens_per_second") == pytest.approx(30 / 8)
+    for part, total in (("step", 2.5), ("idle", 2.0)):
+        assert metrics.registry.get_sample_value(
+            "jaxinfer_engine_thread_seconds_total", {"part": part}) == pytest.approx(total)
+
+
 @pytest.mark.gpu
 def test_on_the_gpu_the_gauge_reads_what_the_decode_suite_measures():
     """Llama-3-8B's shape (synthetic bf16 weights), 64 requests decoding after 500-token
