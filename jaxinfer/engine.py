@@ -124,6 +124,8 @@ class Engine(EngineRequests, EngineLoRA, EngineSpeculation, EngineOutputs):
         self._deltas = True                       # the current step's `deltas`
         self._blame = None   # the SchedulerOutput of the step being dispatched or read
         self._waited = 0.0   # seconds the current step() spent waiting for tokens
+        self._on_wait = None  # step()'s on_wait until it is called
+        self._hooked = 0.0    # seconds the current step() spent in it
         self._no_prev = self.runner.no_prev
         if jax.process_count() > 1:
             self._lead_followers()
@@ -171,7 +173,7 @@ class Engine(EngineRequests, EngineLoRA, EngineSpeculation, EngineOutputs):
         return None if self._inflight is None else self._inflight.out
 
     # --- the step -----------------------------------------------------------------------
-    def step(self, deltas: bool = True) -> list[RequestOutput]:
+    def step(self, deltas: bool = True, on_wait=None) -> list[RequestOutput]:
         """Schedule and dispatch one step; return the outputs of the step that completed
         (this one, or with async scheduling the one before). `deltas=False`: only finished
         requests' (final) outputs, for callers that read nothing else (LLM.generate, the
@@ -182,16 +184,33 @@ class Engine(EngineRequests, EngineLoRA, EngineSpeculation, EngineOutputs):
         requests it ran: they come back as final outputs with FinishReason.ERROR and
         `error`; their pages are freed, a KV cache the failed step consumed is rebuilt, and
         every other request is recomputed from its known tokens, so nothing else is lost.
-        EngineDeadError: the recovery itself failed (the engine is unusable)."""
+        EngineDeadError: the recovery itself failed (the engine is unusable).
+
+        on_wait(): called once, when the step first waits for the device (then the host has
+        nothing else to do), else as it ends; a caller's work that may wait (handing out the
+        previous step's outputs) costs the step nothing there. Its seconds count in neither
+        `last_step_s` nor `last_host_s`; it must not raise."""
         self._outputs = []
         self._blame = None
         self._deltas = deltas
+        self._on_wait, self._hooked = on_wait, 0.0
         try:
             self._step()
         except Exception as e:
             self._outputs += self._take_later()   # the tokens taken before the failure
             self._recover(e)
+        finally:
+            self._wait_hook()
         return self._outputs
+
+    def _wait_hook(self) -> None:
+        """step()'s on_wait, the first time the step is about to wait (see `step`)."""
+        hook, self._on_wait = self._on_wait, None
+        if hook is not None:
+            t = time.perf_counter()
+            hook()
+            self._hooked = time.perf_counter() - t
+            self._waited += self._hooked   # not the host's work
 
     def _step(self) -> None:
         clock = time.perf_counter
@@ -295,8 +314,8 @@ class Engine(EngineRequests, EngineLoRA, EngineSpeculation, EngineOutputs):
             new = None
         self._inflight = new
         t6 = clock()
-        self.last_step_s = t6 - t0
-        self.last_host_s = self.last_step_s - self._waited
+        self.last_step_s = t6 - t0 - self._hooked
+        self.last_host_s = t6 - t0 - self._waited
         # The step this one waited for (async: the one before) took this step's time; one
         # that compiled tells nothing of the next.
         if CompileCounter.count() == compiles:
@@ -309,7 +328,7 @@ class Engine(EngineRequests, EngineLoRA, EngineSpeculation, EngineOutputs):
                             "sync": tc - t3, "dispatch": t4 - tc, "commit": t5 - t4 - masks_wall,
                             "masks": masks,
                             "resolve": t6 - t5 - (self._waited - waited_before),
-                            "wait": self._waited}
+                            "wait": self._waited - self._hooked}
 
     def _recover(self, error: Exception) -> None:
         """After a failed step: its requests fail, the rest start over (see `step`). Across

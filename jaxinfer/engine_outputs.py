@@ -27,6 +27,7 @@ class EngineOutputs:
         self._blame = step.out
         if self.runner.fault_hook is not None:
             self.runner.fault_hook("fetch", self.runner)
+        self._wait_hook()
         t = time.perf_counter()
         sampled = resolve(step.sampled)
         self.last_device = (self._device_clock.wait(sampled, step.enqueued), step.out)

@@ -49,6 +49,13 @@ class LoopSink:
 
 
 class EngineThread:
+    # Hand a step's outputs to their sinks when the next step first waits for the device
+    # (Engine.step's on_wait) rather than as soon as the step returns: the receiving
+    # threads (asyncio loops writing the streams) then run while this thread waits, instead
+    # of taking the GIL while it schedules and dispatches the next step. Each output arrives
+    # later by that step's host part. The last step before the engine idles delivers at once.
+    deliver_at_wait = False
+
     def __init__(self, make_engine: Callable[[], object], max_waiting: int,
                  on_ready: Callable[[object], object] | None = None,
                  on_exit: Callable[[], None] | None = None):
@@ -70,6 +77,7 @@ class EngineThread:
         self._observer = None
         # seconds spent per THREAD_PARTS since the engine was ready (engine thread only)
         self.seconds = dict.fromkeys(THREAD_PARTS, 0.0)
+        self._held: list = []   # the last step's outputs, not yet delivered (deliver_at_wait)
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
 
     # --- any thread ---------------------------------------------------------------------
@@ -132,6 +140,7 @@ class EngineThread:
                 elif self._observer is not None:  # idle after aborts: show the freed pages
                     self._observer.gauges(self._num_waiting)
         finally:
+            self._deliver_held()
             if self._on_exit is not None:
                 try:
                     self._on_exit()
@@ -184,6 +193,7 @@ class EngineThread:
             future.set_exception(e)
 
     def _abort(self, request_id, notify) -> None:
+        self._deliver_held()     # what the request produced before its abort comes first
         out = self.engine.abort_request(request_id)
         if self._waiting.pop(request_id, None) is not None:
             self._unwait(1)
@@ -195,9 +205,9 @@ class EngineThread:
         """One engine step, its outputs delivered; False when the engine is dead (a step
         failed and recovery failed too: Engine.step): every request fails, `error` is set."""
         seconds, clock = self.seconds, time.perf_counter
-        t0 = clock()
+        t0, delivering = clock(), seconds["deliver"]
         try:
-            outputs = self.engine.step()
+            outputs = self.engine.step(on_wait=self._deliver_held if self._held else None)
         except Exception as e:
             log.critical("the engine failed beyond recovery; failing its %d requests",
                          len(self._sinks), exc_info=e)
@@ -205,28 +215,46 @@ class EngineThread:
             self._fail_all(e)
             return False
         t1 = clock()
-        seconds["step"] += t1 - t0
+        seconds["step"] += t1 - t0 - (seconds["deliver"] - delivering)
         self._note_admitted()
-        by_loop: dict[object, list] = {}
-        for out in outputs:
-            sink = self._sinks.get(out.request_id)
-            if out.finished:
-                self._sinks.pop(out.request_id, None)
-            if type(sink) is LoopSink:
-                by_loop.setdefault(sink.loop, []).append((sink.put, out))
-            elif sink is not None:
-                _deliver(sink, out)
-        for loop, items in by_loop.items():
-            try:
-                loop.call_soon_threadsafe(_put_all, items)
-            except RuntimeError:  # the receiving loop is closed: the server is shutting down
-                pass
+        seconds["deliver"] += clock() - t1
+        if self.deliver_at_wait and self.engine.has_unfinished_requests():
+            self._held = outputs
+        else:
+            self._deliver(outputs)
         t2 = clock()
-        seconds["deliver"] += t2 - t1
         if self._observer is not None:
             self._observer.after_step(outputs, self._num_waiting, seconds)
             seconds["observe"] += clock() - t2
         return True
+
+    def _deliver_held(self) -> None:
+        held, self._held = self._held, []
+        if held:
+            self._deliver(held)
+
+    def _deliver(self, outputs) -> None:
+        """A step's outputs to their sinks: the LoopSinks' in one call_soon_threadsafe per
+        loop. Never raises (a failure is logged)."""
+        t0 = time.perf_counter()
+        try:
+            by_loop: dict[object, list] = {}
+            for out in outputs:
+                sink = self._sinks.get(out.request_id)
+                if out.finished:
+                    self._sinks.pop(out.request_id, None)
+                if type(sink) is LoopSink:
+                    by_loop.setdefault(sink.loop, []).append((sink.put, out))
+                elif sink is not None:
+                    _deliver(sink, out)
+            for loop, items in by_loop.items():
+                try:
+                    loop.call_soon_threadsafe(_put_all, items)
+                except RuntimeError:  # the receiving loop is closed: the server is stopping
+                    pass
+        except Exception:
+            log.exception("delivering a step's outputs failed")
+        self.seconds["deliver"] += time.perf_counter() - t0
 
     def _note_admitted(self) -> None:
         """Requests a step has scheduled stop counting as waiting; their queue time ends."""
@@ -240,6 +268,7 @@ class EngineThread:
         self._unwait(len(admitted))
 
     def _fail_all(self, error: Exception) -> None:
+        self._deliver_held()
         for rid, sink in list(self._sinks.items()):
             try:
                 self.engine.abort_request(rid)
