@@ -147,3 +147,31 @@ def test_abort_while_a_step_is_in_flight():
     assert all(len(o.token_ids) == 30 and -1 not in o.token_ids for o in finals.values())
     alloc = engine.scheduler.allocator
     assert alloc.num_free == alloc.num_usable
+
+
+def test_on_wait_runs_once_a_step_after_its_dispatch_and_costs_the_step_nothing():
+    """Engine.step's on_wait runs once per step: where a step is in flight, after the new
+    step is dispatched and before the engine reads the one in flight; else as the step ends.
+    Its seconds count in neither the step's time nor its host time."""
+    import time
+
+    engine = tiny_engine()
+    engine.warmup(progress=False, variants=("plain",))    # no step compiles below
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    for prompt in random_prompts(4, seed=9):
+        engine.add_request(prompt, params)
+    seen = []
+
+    def hook():
+        seen.append((engine.num_steps, engine.num_generated))
+        time.sleep(0.2)
+
+    while engine.has_unfinished_requests():
+        steps, generated, inflight = engine.num_steps, engine.num_generated, engine.inflight
+        engine.step(on_wait=hook)
+        assert len(seen) == 1, seen
+        hooked_steps, hooked_generated = seen.pop()
+        if inflight is not None and engine.num_steps > steps:
+            # this call's step was dispatched, the one in flight not yet read
+            assert (hooked_steps, hooked_generated) == (steps + 1, generated)
+        assert engine.last_step_s < 0.2 and engine.last_host_s < 0.2, engine.last_step_s

@@ -6,7 +6,7 @@ import threading
 from engine_util import random_prompts, tiny_engine
 
 from jaxinfer.engine_thread import EngineThread, LoopSink
-from jaxinfer.request import SamplingParams
+from jaxinfer.request import FinishReason, SamplingParams
 
 
 class CountingLoop:
@@ -62,3 +62,63 @@ def test_a_steps_outputs_reach_each_loop_in_one_hand_off_in_order():
         assert [t for o in s for t in o.new_token_ids] == s[-1].outputs[0].token_ids
     assert plain[-1].outputs[0].token_ids == streams[0][-1].outputs[0].token_ids
 
+
+
+def _streams(deliver_at_wait: bool):
+    """8 requests through an EngineThread with plain sinks, the third aborted (notify) once
+    it has 2 tokens: (each request's outputs, whether each was handed out inside a step)."""
+    thread = EngineThread(tiny_engine, max_waiting=100)
+    thread.deliver_at_wait = deliver_at_wait
+    thread.start()
+    thread.ready.wait()
+    assert thread.error is None
+    engine, inside = thread.engine, [False]
+    step = engine.step
+
+    def marked_step(*args, **kwargs):
+        inside[0] = True
+        try:
+            return step(*args, **kwargs)
+        finally:
+            inside[0] = False
+    engine.step = marked_step
+    outputs = {f"r{i}": [] for i in range(8)}
+    where, done = [], threading.Semaphore(0)
+
+    def sink(rid):
+        def put(item):
+            outputs[rid].append(item)
+            where.append(inside[0])
+            if rid == "r2" and sum(len(o.new_token_ids) for o in outputs[rid]) == 2:
+                thread.abort(rid, notify=True)
+            if item.finished:
+                done.release()
+        return put
+
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    try:
+        for i, prompt in enumerate(random_prompts(8, seed=5)):
+            assert thread.submit(f"r{i}", prompt, params, sink(f"r{i}"))
+        for _ in range(8):
+            assert done.acquire(timeout=60)
+    finally:
+        thread.stop()
+    return outputs, where
+
+
+def test_deliver_at_wait_hands_each_step_out_inside_the_next_and_keeps_every_stream():
+    """With deliver_at_wait a step's outputs reach their sinks inside the next Engine.step
+    (when it waits for the device), except the last before the engine idles; every stream
+    is the same as when each step's outputs go out at once, an aborted one included."""
+    late, where_late = _streams(True)
+    now, where_now = _streams(False)
+    assert not any(where_now)
+    assert sum(where_late) > len(where_late) / 2 and not where_late[-1], where_late
+    for rid in now:
+        for outs in (late[rid], now[rid]):    # deltas in order, the last one final
+            assert [t for o in outs for t in o.new_token_ids] == outs[-1].outputs[0].token_ids
+            assert outs[-1].finished and not any(o.finished for o in outs[:-1])
+        if rid != "r2":
+            assert late[rid][-1].outputs[0].token_ids == now[rid][-1].outputs[0].token_ids
+    for outs in (late["r2"], now["r2"]):
+        assert outs[-1].finish_reason == FinishReason.CANCELLED
