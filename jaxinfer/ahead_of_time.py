@@ -101,8 +101,8 @@ class AheadOfTime:
         """Compile the programs of a step for each of `inputs` (StepInputs or PackedInputs;
         `programs`) and keep the executables for `dispatch`: loaded from the executable store
         when it holds them (no tracing), else lowered one by one, compiled concurrently and
-        stored (split steps' forward passes after the rest). Returns how many were compiled;
-        `on_done()` is called after each executable (a progress bar)."""
+        stored. Returns how many were compiled; `on_done()` is called after each executable
+        (a progress bar)."""
         lowered, t0 = {}, time.perf_counter()
         for inp in inputs:
             p = self.prepare(inp)
@@ -115,26 +115,19 @@ class AheadOfTime:
                     if on_done is not None:
                         on_done()
                     continue
-                lowered[sig] = (self.lower(p, part), part)
+                lowered[sig] = self.lower(p, part)
         workers = max(1, min(len(lowered), workers or os.cpu_count() or 1))
         t1 = time.perf_counter()
-        # Two waves: a split step's forward pass holds the same matmuls as its bucket's
-        # whole step, and XLA's GPU autotuner keeps what it measured for a fusion for the
-        # rest of the process, but two threads tuning the same fusion at once both measure
-        # it. The forward passes compile after the rest, from the autotuner's results.
-        waves = [[sig for sig, (_, part) in lowered.items() if part != "forward"],
-                 [sig for sig, (_, part) in lowered.items() if part == "forward"]]
         with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-            for wave in waves:
-                futures = {pool.submit(executable_store.compile_lowered, lowered[sig][0]): sig
-                           for sig in wave}
-                for done in concurrent.futures.as_completed(futures):
-                    compiled, compiled_here = done.result()
-                    self._executables[futures[done]] = compiled
-                    if self.store is not None:
-                        self.store.save(futures[done], compiled, compiled_here)
-                    if on_done is not None:
-                        on_done()
+            futures = {pool.submit(executable_store.compile_lowered, low): sig
+                       for sig, low in lowered.items()}
+            for done in concurrent.futures.as_completed(futures):
+                compiled, compiled_here = done.result()
+                self._executables[futures[done]] = compiled
+                if self.store is not None:
+                    self.store.save(futures[done], compiled, compiled_here)
+                if on_done is not None:
+                    on_done()
         # Seconds spent loading stored executables and tracing and lowering the others (one
         # at a time, in Python), then compiling those (concurrently): the compile suite's split.
         self.compile_seconds["lower"] += t1 - t0
