@@ -49,6 +49,7 @@ from jaxinfer.engine_lora import EngineLoRA
 from jaxinfer.engine_outputs import EngineOutputs
 from jaxinfer.engine_requests import EngineRequests
 from jaxinfer.engine_spec import EngineSpeculation
+from jaxinfer.engine_warmup import EngineWarmup
 from jaxinfer.lora import LoRARegistry
 from jaxinfer.prompt_logprobs import PromptLogprobs, step_targets
 from jaxinfer.request import RequestOutput
@@ -79,7 +80,7 @@ class _InFlight:
     enqueued: float | None = None   # the host finished dispatching it (device_clock.py)
 
 
-class Engine(EngineRequests, EngineLoRA, EngineSpeculation, EngineOutputs):
+class Engine(EngineRequests, EngineLoRA, EngineSpeculation, EngineOutputs, EngineWarmup):
     def __init__(self, cfg: ModelConfig, engine_cfg: EngineConfig, graphdef, params,
                  tokenizer=None, *, model_name: str | None = None, routes: Routes | None = None,
                  draft_model=None):
@@ -217,21 +218,8 @@ class Engine(EngineRequests, EngineLoRA, EngineSpeculation, EngineOutputs):
         t0 = clock()
         compiles = CompileCounter.count()
         self._waited = 0.0
-        outputs = self._outputs
-        prev = first = self._inflight
-        later = None
-        defer = False     # grammar masks filled while this step's forward pass runs
-        if prev is not None and self._may_speculate():
-            outputs += self._finish(prev)
-            prev = self._inflight = None
-        elif prev is not None and prev.waits and (need := self._needs_last_tokens()):
-            if need == "grammar" and self.runner.mirror is None:
-                defer = True
-            else:
-                # Penalty windows need the tokens now; their text can wait until this step
-                # is on the device.
-                later = self._finish(prev, text_later=True)
-                prev = self._inflight = None
+        first = self._inflight
+        prev, later, defer = self._read_early(first)
         t1 = clock()
         waited_early = self._waited
         self._blame = None     # a failure in the scheduler: every running request
@@ -305,14 +293,7 @@ class Engine(EngineRequests, EngineLoRA, EngineSpeculation, EngineOutputs):
             self.num_steps += 1
             t5 = clock()
         waited_before = self._waited     # the early read's and the sync's
-        if later is not None:
-            outputs += later()
-        if prev is not None:
-            outputs += self._finish(prev)
-        if new is not None and (not self.config.async_scheduling or out.verify):
-            outputs += self._finish(new)
-            new = None
-        self._inflight = new
+        self._read_late(out, prev, later, new)
         t6 = clock()
         self.last_step_s = t6 - t0 - self._hooked
         self.last_host_s = t6 - t0 - self._waited
@@ -329,6 +310,41 @@ class Engine(EngineRequests, EngineLoRA, EngineSpeculation, EngineOutputs):
                             "masks": masks,
                             "resolve": t6 - t5 - (self._waited - waited_before),
                             "wait": self._waited - self._hooked}
+
+    def _read_early(self, prev: _InFlight | None):
+        """Before scheduling: the step in flight read now where the next step depends on
+        it. Returns (the step still in flight or None, a callable returning its outputs
+        whose text work waits until the next step is dispatched or None, whether the next
+        step's grammar masks are filled while its forward pass runs)."""
+        if prev is None:
+            return None, None, False
+        if self._may_speculate():     # the proposals need every request's last token
+            self._outputs += self._finish(prev)
+            self._inflight = None
+            return None, None, False
+        if prev.waits and (need := self._needs_last_tokens()):
+            if need == "grammar" and self.runner.mirror is None:
+                return prev, None, True
+            # Penalty windows need the tokens now; their text can wait until this step is
+            # on the device.
+            later = self._finish(prev, text_later=True)
+            self._inflight = None
+            return None, later, False
+        return prev, None, False
+
+    def _read_late(self, out: SchedulerOutput, prev: _InFlight | None, later,
+                   new: _InFlight | None) -> None:
+        """After dispatching: the text work left for later, the step before (async
+        scheduling), or this one (synchronous, or a verify step, whose tokens decide the
+        next)."""
+        if later is not None:
+            self._outputs += later()
+        if prev is not None:
+            self._outputs += self._finish(prev)
+        if new is not None and (not self.config.async_scheduling or out.verify):
+            self._outputs += self._finish(new)
+            new = None
+        self._inflight = new
 
     def _recover(self, error: Exception) -> None:
         """After a failed step: its requests fail, the rest start over (see `step`). Across
@@ -370,50 +386,6 @@ class Engine(EngineRequests, EngineLoRA, EngineSpeculation, EngineOutputs):
         return need
 
     # --- driving ------------------------------------------------------------------------
-    @staticmethod
-    def compiles() -> int:
-        """Executables XLA handed out in this process so far, compiled or loaded from the
-        persistent compilation cache (steady-state serving adds none)."""
-        return CompileCounter.count()
-
-    def warmup(self, progress: bool = True, variants=("plain", "full"),
-               on_done=None) -> dict:
-        """Compile every bucket ahead of time (or load it from the executable store or the
-        persistent compilation cache); returns {'compiles', 'loaded_from_cache',
-        'loaded_from_store', 'seconds', 'buckets', 'lower_seconds', 'compile_seconds'}: of
-        the seconds, those spent loading stored executables and tracing the others, then
-        compiling them; the rest runs each program once.
-        variants: the sampling variants to compile (ModelRunner.warmup); a server needs
-        both, an all-greedy offline run only `plain`. progress: a progress bar on stderr;
-        on_done(done, total): called after each executable (a server's log)."""
-        t0, c0, l0 = time.perf_counter(), CompileCounter.count(), CompileCounter.loaded()
-        split0 = dict(self.runner.compile_seconds)
-        store = self.runner.store
-        s0 = store.loaded if store is not None else 0
-        buckets = self.buckets.all_buckets()
-        total = [0]
-        with tqdm(desc=f"compiling buckets (x{len(variants)} sampling variants)",
-                  disable=not progress, unit="program") as bar:
-            finished = itertools.count(1)
-
-            def count(n):
-                total[0] = bar.total = n
-                bar.refresh()
-
-            def done():      # the bar counts nothing when disabled
-                bar.update(1)
-                if on_done is not None:
-                    on_done(next(finished), total[0])
-            self.runner.warmup(buckets, on_done=done, variants=variants, on_total=count)
-            self._warm_drafts()
-            if self.loras is not None:
-                self._warm_lora_slots()
-        loaded = CompileCounter.loaded() - l0
-        return {"compiles": CompileCounter.count() - c0 - loaded, "loaded_from_cache": loaded,
-                "loaded_from_store": (store.loaded if store is not None else 0) - s0,
-                "seconds": time.perf_counter() - t0, "buckets": len(buckets),
-                **{f"{k}_seconds": v - split0[k] for k, v in self.runner.compile_seconds.items()}}
-
     def run_until_done(self, use_tqdm: bool = True) -> dict[str, RequestOutput]:
         """Step until no request is left; returns each request's final output by id."""
         final: dict[str, RequestOutput] = {}
