@@ -33,6 +33,8 @@ SUITES = {
                  "tokens/s on a mixed-length workload"),
     "throughput": ("bench.throughput", "offline output tokens/s of the engine on a "
                    "fixed-length workload"),
+    "host": ("bench.host", "the host's work per decode step (schedule, prepare, commit, "
+             "resolve) at a batch size, alone: no device step runs"),
     "serving": ("bench.serving", "gRPC / HTTP serving under Poisson arrivals: latency percentiles "
                 "vs request rate"),
     "lora": ("bench.lora", "output tokens/s serving LoRA adapters (rows spread over them) vs "
@@ -209,6 +211,13 @@ def _throughput(p):
                    max_num_batched_tokens=2048)
 
 
+def _host(p):
+    p.add_argument("--steps", type=int, default=200, help="decode steps timed")
+    p.add_argument("--input-len", type=int, default=16, help="prompt tokens per request")
+    p.set_defaults(model="tiny", max_num_seqs=512, max_num_batched_tokens=2048,
+                   max_model_len=512)
+
+
 def _serving(p):
     p.add_argument("--rates", type=floats, default=[4, 8, 16, 24, 32, 48, 64],
                    help="request rates (per s) of the short workload")
@@ -292,8 +301,8 @@ def _sampling(p):
 
 _SUITE_ARGS = {"compile": _compile, "decode": _decode, "fusion": _fusion, "profile": _profile,
                "paged_attention": _paged_attention, "fp8_matmul": _fp8_matmul,
-               "batching": _batching, "throughput": _throughput, "serving": _serving,
-               "lora": _lora, "lora_kernels": _lora_kernels, "speculative": _speculative,
+               "batching": _batching, "throughput": _throughput, "host": _host,
+               "serving": _serving, "lora": _lora, "lora_kernels": _lora_kernels, "speculative": _speculative,
                "sampling": _sampling, "ray_affinity": _ray_affinity}
 _OP_SUITES = ("paged_attention", "fp8_matmul", "lora_kernels")   # ops: no engine flags
 
