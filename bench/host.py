@@ -69,12 +69,14 @@ def measure(engine: Engine, steps: int) -> dict[str, list[float]]:
 
 def run(args) -> int:
     cfg = engine_config(args)
-    if cfg.max_model_len < args.input_len + WARM_STEPS + args.steps + 1:
+    # the prompts' steps give their first rows tokens too: every row must outlast them all
+    prompt_steps = -(-cfg.max_num_seqs * args.input_len // cfg.max_num_batched_tokens)
+    if cfg.max_model_len < args.input_len + prompt_steps + WARM_STEPS + args.steps + 1:
         raise SystemExit(f"jaxinfer bench host: --max-model-len {cfg.max_model_len} is too "
                          f"short for --input-len {args.input_len} and {args.steps} steps")
     engine = Engine.from_model(args.model, cfg)
     rng = np.random.default_rng(0)
-    params = SamplingParams(max_tokens=WARM_STEPS + args.steps + 1, temperature=0.0,
+    params = SamplingParams(max_tokens=cfg.max_model_len - args.input_len, temperature=0.0,
                             ignore_eos=True)
     vocab = engine.model_config.vocab_size
     for _ in range(cfg.max_num_seqs):

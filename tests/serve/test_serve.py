@@ -223,7 +223,7 @@ def test_a_call_whose_deadline_the_server_cannot_meet_is_refused_at_once(server,
         client.complete(list(range(5, 5 + n)), {"max_tokens": 8}, timeout=60)
     before, t0 = refused(server, "deadline"), time.monotonic()
     with pytest.raises(grpc.RpcError) as e:
-        client.complete([5, 6, 7], {"max_tokens": 120, "ignore_eos": True}, timeout=0.1)
+        client.complete([5, 6, 7], {"max_tokens": 120, "ignore_eos": True}, timeout=0.05)
     assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e.value.details()
     assert "after its deadline" in e.value.details() and time.monotonic() - t0 < 0.1
     assert refused(server, "deadline") == before + 1
