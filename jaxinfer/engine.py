@@ -56,7 +56,6 @@ from jaxinfer.request import RequestOutput
 from jaxinfer.request_group import RequestGroups
 from jaxinfer.routes import Routes
 from jaxinfer.runner import CompileCounter, ModelRunner
-from jaxinfer.sampling import uses_penalty
 from jaxinfer.scheduler import Scheduler
 from jaxinfer.scheduler_output import SchedulerOutput
 from jaxinfer.step_program import splits_host
@@ -311,41 +310,6 @@ class Engine(EngineRequests, EngineLoRA, EngineSpeculation, EngineOutputs, Engin
                             "resolve": t6 - t5 - (self._waited - waited_before),
                             "wait": self._waited - self._hooked}
 
-    def _read_early(self, prev: _InFlight | None):
-        """Before scheduling: the step in flight read now where the next step depends on
-        it. Returns (the step still in flight or None, a callable returning its outputs
-        whose text work waits until the next step is dispatched or None, whether the next
-        step's grammar masks are filled while its forward pass runs)."""
-        if prev is None:
-            return None, None, False
-        if self._may_speculate():     # the proposals need every request's last token
-            self._outputs += self._finish(prev)
-            self._inflight = None
-            return None, None, False
-        if prev.waits and (need := self._needs_last_tokens()):
-            if need == "grammar" and self.runner.mirror is None:
-                return prev, None, True
-            # Penalty windows need the tokens now; their text can wait until this step is
-            # on the device.
-            later = self._finish(prev, text_later=True)
-            self._inflight = None
-            return None, later, False
-        return prev, None, False
-
-    def _read_late(self, out: SchedulerOutput, prev: _InFlight | None, later,
-                   new: _InFlight | None) -> None:
-        """After dispatching: the text work left for later, the step before (async
-        scheduling), or this one (synchronous, or a verify step, whose tokens decide the
-        next)."""
-        if later is not None:
-            self._outputs += later()
-        if prev is not None:
-            self._outputs += self._finish(prev)
-        if new is not None and (not self.config.async_scheduling or out.verify):
-            self._outputs += self._finish(new)
-            new = None
-        self._inflight = new
-
     def _recover(self, error: Exception) -> None:
         """After a failed step: its requests fail, the rest start over (see `step`). Across
         processes nothing is recovered: a failed step most likely lost a process, and the
@@ -371,19 +335,6 @@ class Engine(EngineRequests, EngineLoRA, EngineSpeculation, EngineOutputs, Engin
         except Exception as e:
             raise EngineDeadError(f"the engine could not recover from a failed step "
                                   f"({error!r}): {e}") from e
-
-    def _needs_last_tokens(self) -> str | None:
-        """Why the next step needs the pending tokens of the step in flight: "penalty" (a
-        running request's penalty window), else "grammar" (a running request's next token
-        bitmask), else None."""
-        need = None
-        for r in self.scheduler.running:
-            if r.num_pending:
-                if uses_penalty(r.sampling_params):
-                    return "penalty"
-                if r.request_id in self._grammars:
-                    need = "grammar"
-        return need
 
     # --- driving ------------------------------------------------------------------------
     def run_until_done(self, use_tqdm: bool = True) -> dict[str, RequestOutput]:

@@ -2,7 +2,9 @@
 state): a dispatched step's tokens into its requests and their grammars, then its text
 deltas, stop strings and logprobs into RequestOutputs. The tokens come first and the text
 may wait: a step whose penalty windows or grammar masks need the previous step's tokens
-takes them, is dispatched, and only then does the previous step's text work."""
+takes them, is dispatched, and only then does the previous step's text work. When a step reads
+the step in flight: `_read_early` (before scheduling, where the next step depends on it),
+`_read_late` (after dispatching)."""
 from __future__ import annotations
 
 import functools
@@ -13,6 +15,7 @@ from jaxinfer.dispatch_thread import resolve
 from jaxinfer.engine_io import logprob_dict
 from jaxinfer.prompt_logprobs import record_step
 from jaxinfer.request import FinishReason, Request, RequestOutput
+from jaxinfer.sampling import uses_penalty
 from jaxinfer.scheduler_output import SchedulerOutput
 from jaxinfer.sharding import fetch
 
@@ -20,6 +23,54 @@ log = logging.getLogger("jaxinfer.engine")
 
 
 class EngineOutputs:
+    def _read_early(self, prev):
+        """Before scheduling: the step in flight read now where the next step depends on
+        it. Returns (the step still in flight or None, a callable returning its outputs
+        whose text work waits until the next step is dispatched or None, whether the next
+        step's grammar masks are filled while its forward pass runs)."""
+        if prev is None:
+            return None, None, False
+        if self._may_speculate():     # the proposals need every request's last token
+            self._outputs += self._finish(prev)
+            self._inflight = None
+            return None, None, False
+        if prev.waits and (need := self._needs_last_tokens()):
+            if need == "grammar" and self.runner.mirror is None:
+                return prev, None, True
+            # Penalty windows need the tokens now; their text can wait until this step is
+            # on the device.
+            later = self._finish(prev, text_later=True)
+            self._inflight = None
+            return None, later, False
+        return prev, None, False
+
+    def _read_late(self, out: SchedulerOutput, prev, later,
+                   new) -> None:
+        """After dispatching: the text work left for later, the step before (async
+        scheduling), or this one (synchronous, or a verify step, whose tokens decide the
+        next)."""
+        if later is not None:
+            self._outputs += later()
+        if prev is not None:
+            self._outputs += self._finish(prev)
+        if new is not None and (not self.config.async_scheduling or out.verify):
+            self._outputs += self._finish(new)
+            new = None
+        self._inflight = new
+
+    def _needs_last_tokens(self) -> str | None:
+        """Why the next step needs the pending tokens of the step in flight: "penalty" (a
+        running request's penalty window), else "grammar" (a running request's next token
+        bitmask), else None."""
+        need = None
+        for r in self.scheduler.running:
+            if r.num_pending:
+                if uses_penalty(r.sampling_params):
+                    return "penalty"
+                if r.request_id in self._grammars:
+                    need = "grammar"
+        return need
+
     def _finish(self, step, text_later: bool = False):
         """The outputs of a step on the device, once it is done; text_later: the requests
         take their tokens (and grammars) now, and a callable returns the outputs (text,
