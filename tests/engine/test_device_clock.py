@@ -95,7 +95,9 @@ def test_async_steps_report_the_device_s_time_not_the_host_s_wait(engines):
         step = statistics.median(d for d, _, _ in sync)
         got += _device_times(engines[True], host_s=step / 2, tokens=8)
     measured = [d for d, _, _ in got if d is not None]
-    assert len(measured) >= len(got) - 3, got        # the host blocked on (nearly) all
+    # the host blocked on most (a step that finished during the host's half step, as on a
+    # loaded machine, is not timed)
+    assert len(measured) >= 0.75 * len(got), got
     device = statistics.median(measured)
     wait = statistics.median(w for _, _, w in got)
     assert 0.7 * step < device < 1.4 * step, (device, step)
