@@ -116,6 +116,7 @@ class StepObserver:
         self._last_real = self._last_padded = 0
         self._last_spec = None       # speculative.SpecStats totals already counted
         self._last_thread: dict[str, float] = {}   # the engine thread's seconds counted
+        self._thread_counters: dict = {}           # part -> its labelled counter
         self._count(metrics.compiles, self._compiles(), "_last_compiles")  # the warmup's
 
     def gauges(self, num_waiting: int) -> None:
@@ -132,9 +133,11 @@ class StepObserver:
         time account (EngineThread.seconds) or None."""
         m = self.m
         if thread_seconds is not None:
-            last = self._last_thread
+            last, counters = self._last_thread, self._thread_counters
             for part, total in thread_seconds.items():
-                m.thread_time.labels(part).inc(total - last.get(part, 0.0))
+                counter = counters.get(part) or counters.setdefault(
+                    part, m.thread_time.labels(part))
+                counter.inc(total - last.get(part, 0.0))
                 last[part] = total
         m.step_time.observe(self.engine.last_step_s)
         m.host_time.observe(self.engine.last_host_s)
