@@ -44,8 +44,7 @@ class EngineOutputs:
             return None, later, False
         return prev, None, False
 
-    def _read_late(self, out: SchedulerOutput, prev, later,
-                   new) -> None:
+    def _read_late(self, out: SchedulerOutput, prev, later, new) -> None:
         """After dispatching: the text work left for later, the step before (async
         scheduling), or this one (synchronous, or a verify step, whose tokens decide the
         next)."""
