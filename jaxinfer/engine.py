@@ -227,70 +227,11 @@ class Engine(EngineRequests, EngineLoRA, EngineSpeculation, EngineOutputs, Engin
             out = self._load_lora_slots(out)
         if out.verify and getattr(self.proposer, "on_device", False):
             out = self._draft_on_device(out)
-        t2 = ta = tb = t3 = tc = t4 = t5 = clock()
-        masks = masks_wall = 0.0
+        t2 = clock()
+        m = dict.fromkeys(("ta", "tb", "t3", "tc", "t4", "t5"), t2) | {"masks": 0.0, "wall": 0.0}
         new = None
         if not out.is_empty:
-            self._blame = out
-            bucket = (self.buckets.choose_verify if out.verify else self.buckets.choose)(
-                out.num_tokens, out.num_rows, out.max_pages)
-            arrays = batch.prepare(out, bucket, self.config.page_size)
-            ta = clock()
-            sources = pending_source(None if prev is None else prev.row_of,
-                                     None if prev is None else prev.next_tokens,
-                                     self._no_prev, out, arrays)
-            vocab = self.model_config.vocab_size
-            step_input = build_step_input(
-                arrays, out, self.scheduler, *sources, vocab,
-                None if defer else self._grammars.matchers,
-                step_targets(out, len(arrays.tokens), self._prompt_lp) if self._prompt_lp
-                else None)
-            split = defer and splits_host(step_input)
-            if defer and not split:    # the masks first, then the whole step
-                later = self._finish(prev, text_later=True)
-                prev = self._inflight = None
-                self._blame = out
-                step_input = dataclasses.replace(step_input, token_bitmask=token_bitmask(
-                    arrays, self._grammars.matchers, vocab))
-            tb = clock()
-            inp = self.runner.prepare(step_input)
-            t3 = tc = clock()
-            if prev is not None and not split:   # its dispatch may still be running
-                self._blame = prev.out           # (dispatch_thread.py)
-                self.runner.sync()
-                self._blame = out
-                tc = clock()
-                self._waited += tc - t3
-            if split:
-                forward = self.runner.submit_forward(inp)
-            else:
-                sampled, next_tokens = self.runner.submit(inp)
-            t4 = enqueued = clock()
-            self.scheduler.commit(out)
-            copies = self.scheduler.take_copies()    # n > 1: the forks' copy-on-write
-            if copies:
-                self.runner.copy_pages(copies)
-            if split:
-                # Step t's tokens into the grammars, then this step's masks and sampling.
-                tm, waited = clock(), self._waited
-                later = self._finish(prev, text_later=True)
-                prev = self._inflight = None
-                self._blame = out
-                sampled, next_tokens = self.runner.submit_sample(
-                    forward, token_bitmask(arrays, self._grammars.matchers, vocab))
-                enqueued = clock()
-                masks_wall = clock() - tm
-                masks = masks_wall - (self._waited - waited)
-            samp = step_input.sampling
-            if isinstance(sampled, Pending):     # the dispatch thread enqueues it, later
-                enqueued = None
-            new = self._inflight = _InFlight(
-                out, sampled, next_tokens, dict(zip(arrays.request_ids, range(out.num_rows))),
-                waits=bool((samp.repetition_penalty != 1).any()
-                           or samp.presence_penalty.any() or samp.frequency_penalty.any()
-                           or self._grammars.any_of(arrays.request_ids)), enqueued=enqueued)
-            self.num_steps += 1
-            t5 = clock()
+            prev, later, new = self._dispatch(out, prev, later, defer, m)
         waited_before = self._waited     # the early read's and the sync's
         self._read_late(out, prev, later, new)
         t6 = clock()
@@ -303,12 +244,81 @@ class Engine(EngineRequests, EngineLoRA, EngineSpeculation, EngineOutputs, Engin
                                                   self.last_step_s)
         # Where the host's time went (seconds): the bench reports their medians.
         self.last_phases = {"early_resolve": t1 - t0 - waited_early, "schedule": t2 - t1,
-                            "prepare": t3 - t2, "prepare_arrays": ta - t2,
-                            "prepare_input": tb - ta, "prepare_transfer": t3 - tb,
-                            "sync": tc - t3, "dispatch": t4 - tc, "commit": t5 - t4 - masks_wall,
-                            "masks": masks,
-                            "resolve": t6 - t5 - (self._waited - waited_before),
+                            "prepare": m["t3"] - t2, "prepare_arrays": m["ta"] - t2,
+                            "prepare_input": m["tb"] - m["ta"],
+                            "prepare_transfer": m["t3"] - m["tb"], "sync": m["tc"] - m["t3"],
+                            "dispatch": m["t4"] - m["tc"],
+                            "commit": m["t5"] - m["t4"] - m["wall"], "masks": m["masks"],
+                            "resolve": t6 - m["t5"] - (self._waited - waited_before),
                             "wait": self._waited - self._hooked}
+
+    def _dispatch(self, out: SchedulerOutput, prev, later, defer: bool, m: dict):
+        """Build `out`'s step input and submit it (with a grammar's token masks: after step t's
+        tokens reach the grammars, in one step or split in two); commit it. Returns (prev,
+        later, the new _InFlight): a step that needs masks finishes `prev` itself (None
+        then). Times the phases into `m` (clock marks, and masks seconds)."""
+        clock = time.perf_counter
+        self._blame = out
+        bucket = (self.buckets.choose_verify if out.verify else self.buckets.choose)(
+            out.num_tokens, out.num_rows, out.max_pages)
+        arrays = batch.prepare(out, bucket, self.config.page_size)
+        m["ta"] = clock()
+        sources = pending_source(None if prev is None else prev.row_of,
+                                 None if prev is None else prev.next_tokens,
+                                 self._no_prev, out, arrays)
+        vocab = self.model_config.vocab_size
+        step_input = build_step_input(
+            arrays, out, self.scheduler, *sources, vocab,
+            None if defer else self._grammars.matchers,
+            step_targets(out, len(arrays.tokens), self._prompt_lp) if self._prompt_lp
+            else None)
+        split = defer and splits_host(step_input)
+        if defer and not split:    # the masks first, then the whole step
+            later = self._finish(prev, text_later=True)
+            prev = self._inflight = None
+            self._blame = out
+            step_input = dataclasses.replace(step_input, token_bitmask=token_bitmask(
+                arrays, self._grammars.matchers, vocab))
+        m["tb"] = clock()
+        inp = self.runner.prepare(step_input)
+        m["t3"] = m["tc"] = clock()
+        if prev is not None and not split:   # its dispatch may still be running
+            self._blame = prev.out           # (dispatch_thread.py)
+            self.runner.sync()
+            self._blame = out
+            m["tc"] = clock()
+            self._waited += m["tc"] - m["t3"]
+        if split:
+            forward = self.runner.submit_forward(inp)
+        else:
+            sampled, next_tokens = self.runner.submit(inp)
+        m["t4"] = enqueued = clock()
+        self.scheduler.commit(out)
+        copies = self.scheduler.take_copies()    # n > 1: the forks' copy-on-write
+        if copies:
+            self.runner.copy_pages(copies)
+        if split:
+            # Step t's tokens into the grammars, then this step's masks and sampling.
+            tm, waited = clock(), self._waited
+            later = self._finish(prev, text_later=True)
+            prev = self._inflight = None
+            self._blame = out
+            sampled, next_tokens = self.runner.submit_sample(
+                forward, token_bitmask(arrays, self._grammars.matchers, vocab))
+            enqueued = clock()
+            m["wall"] = clock() - tm
+            m["masks"] = m["wall"] - (self._waited - waited)
+        samp = step_input.sampling
+        if isinstance(sampled, Pending):     # the dispatch thread enqueues it, later
+            enqueued = None
+        new = self._inflight = _InFlight(
+            out, sampled, next_tokens, dict(zip(arrays.request_ids, range(out.num_rows))),
+            waits=bool((samp.repetition_penalty != 1).any()
+                       or samp.presence_penalty.any() or samp.frequency_penalty.any()
+                       or self._grammars.any_of(arrays.request_ids)), enqueued=enqueued)
+        self.num_steps += 1
+        m["t5"] = clock()
+        return prev, later, new
 
     def _recover(self, error: Exception) -> None:
         """After a failed step: its requests fail, the rest start over (see `step`). Across
