@@ -33,7 +33,7 @@ OPTIMIZED_FILES = frozenset((
     "test_fp8_quality.py", "test_hf_parity.py", "test_serve_lifecycle.py", "test_convert.py",
     "test_serve.py", "test_batch_generate.py", "test_engine_text.py",
     "test_structured_output.py", "test_openai_http.py", "test_lora_hf.py",
-    "test_speculative_text.py", "test_speculative_serve.py",
+    "test_speculative_text.py", "test_speculative_serve.py", "test_openai_batch.py",
 ))
 _WORKER = os.environ.get("PYTEST_XDIST_WORKER")
 if (not ON_GPU and _WORKER not in (None, OPTIMIZED_WORKER)

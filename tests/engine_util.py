@@ -1,4 +1,5 @@
-"""Shared helpers for engine tests: a tiny random-weight engine and drivers."""
+"""Shared helpers for engine tests: a tiny random-weight engine, drivers, JSONL files."""
+import json
 import socket
 
 import jax.numpy as jnp
@@ -73,3 +74,12 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def write_jsonl(path, lines):
+    path.write_text("".join((ln if isinstance(ln, str) else json.dumps(ln)) + "\n"
+                            for ln in lines))
+
+
+def read_jsonl(path):
+    return [json.loads(ln) for ln in path.read_text().splitlines()]
