@@ -1,9 +1,16 @@
-"""Plain-HTTP helpers for the HTTP API's tests (beside the official openai client)."""
+"""Plain-HTTP helpers for the HTTP API's tests (beside the official openai client), and the
+SmolLM2 server they run against."""
+import contextlib
 import json
 import urllib.error
 import urllib.request
 
 from prometheus_client.parser import text_string_to_metric_families
+
+from serve.launcher import ServerProcess
+
+SMOL_ARGS = ["--model", "smollm2", "--max-num-seqs", "4", "--max-num-batched-tokens", "64",
+             "--max-model-len", "256", "--dtype", "float32"]
 
 
 def call(url, body=None, token=None, method=None, headers=None):
@@ -28,3 +35,16 @@ def metrics(url) -> dict:
     text = urllib.request.urlopen(url, timeout=10).read().decode()
     return {s.name + ("{%s}" % ",".join(s.labels.values()) if s.labels else ""): s.value
             for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+@contextlib.contextmanager
+def smol_server(token_dir, token: str, *args: str):
+    """A SmolLM2 server subprocess (SMOL_ARGS) with the HTTP API on, requiring bearer `token`
+    (written to token_dir/token) on the API and the metrics port; `args`: more server flags.
+    Yields it once serving; stops it after."""
+    token_file = token_dir / "token"
+    token_file.write_text(token)
+    with ServerProcess([*SMOL_ARGS, "--http-port", "0", "--auth-token-file", str(token_file),
+                        "--metrics-auth", *args]) as srv:
+        srv.wait_serving(timeout=300)
+        yield srv

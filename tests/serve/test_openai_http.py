@@ -1,8 +1,8 @@
 """The OpenAI-compatible HTTP API against a real SmolLM2 server subprocess, driven by the
-official `openai` client: text, chat, logprobs, auth, errors, gRPC beside HTTP; SIGTERM
-drains streams (last: it ends the server). The tiny model's limits: test_openai_http_limits."""
+official `openai` client: text, chat, logprobs, gRPC beside HTTP; SIGTERM drains streams
+(last: it ends the server). Bad requests and auth: test_openai_http_errors; the tiny model's
+limits: test_openai_http_limits."""
 import concurrent.futures as cf
-import http.client
 import json
 import re
 import secrets
@@ -13,16 +13,13 @@ import numpy as np
 import openai
 import pytest
 
-from http_util import call as _call
+from http_util import call as _call, smol_server
 from jaxinfer.config import EngineConfig
 from jaxinfer.llm import LLM
 from jaxinfer.request import SamplingParams
 from serve.client import Client
-from serve.launcher import ServerProcess
 
 SMOL_ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256, dtype="float32")
-SMOL_ARGS = ["--model", "smollm2", "--max-num-seqs", "4", "--max-num-batched-tokens", "64",
-             "--max-model-len", "256", "--dtype", "float32"]
 TOKEN = secrets.token_hex(16)
 MAX_BODY = 8 << 20
 PROMPTS = ["The capital of France is", "def fibonacci(n):"]
@@ -33,12 +30,8 @@ CHATS = [[{"role": "user", "content": "Name three colors."}],
 
 @pytest.fixture(scope="module")
 def smol(tmp_path_factory):
-    token_file = tmp_path_factory.mktemp("auth") / "token"
-    token_file.write_text(TOKEN)
-    with ServerProcess([*SMOL_ARGS, "--http-port", "0", "--auth-token-file", str(token_file),
-                       "--max-message-bytes", str(MAX_BODY), "--metrics-auth",
-                       "--grace-period", "120"]) as srv:
-        srv.wait_serving(timeout=300)
+    with smol_server(tmp_path_factory.mktemp("auth"), TOKEN, "--max-message-bytes",
+                     str(MAX_BODY), "--grace-period", "120") as srv:
         yield srv
 
 
@@ -264,82 +257,6 @@ def test_structured_output_through_response_format_and_structured_outputs(client
     assert re.fullmatch(r"\d{3}-\d{4}", text), text
 
 
-@pytest.mark.parametrize("kw, status, param", [
-    (dict(temperature=-1), 400, "temperature"),
-    (dict(top_p=1.5), 400, "top_p"),
-    (dict(max_tokens=0), 400, "max_tokens"),
-    (dict(n=0), 400, "n"),
-    (dict(logprobs=21), 400, "logprobs"),
-    (dict(extra_body={"prompt_logprobs": 21}), 400, "prompt_logprobs"),
-    (dict(stream=True, extra_body={"prompt_logprobs": 1}), 400, "prompt_logprobs"),
-    (dict(presence_penalty=3), 400, "presence_penalty"),
-    (dict(seed=-1), 400, "seed"),
-    (dict(logit_bias={"5": 1}), 400, "logit_bias"),
-    (dict(extra_body={"bogus": 1}), 400, "bogus"),
-    (dict(extra_body={"top_k": "many"}), 400, "top_k"),
-    (dict(extra_body={"stop": 5}), 400, "stop"),
-    (dict(extra_body={"priority": "high"}), 400, "priority"),
-    (dict(prompt=[1, 2, 1 << 20]), 400, "prompt_token_ids"),
-    (dict(prompt="word " * 300), 400, "prompt_token_ids"),
-    (dict(prompt=""), 400, "prompt"),
-    (dict(model="gpt-4"), 404, "model"),
-])
-def test_completion_errors_name_the_field(client, kw, status, param):
-    kw = {"model": "smollm2", "prompt": "Hello", "max_tokens": 4, **kw}
-    with pytest.raises(openai.APIStatusError) as e:
-        client.completions.create(**kw)
-    assert e.value.status_code == status
-    assert e.value.body["param"] == param and param in e.value.body["message"]
-    assert e.value.body["type"] == "invalid_request_error"
-
-
-@pytest.mark.parametrize("kw, param", [
-    (dict(messages=[]), "messages"),
-    (dict(messages=[{"role": "wizard", "content": "hi"}]), "messages[0].role"),
-    (dict(messages=[{"role": "user"}]), "messages[0].content"),
-    (dict(top_logprobs=2), "top_logprobs"),
-    (dict(logprobs=True, top_logprobs=30), "top_logprobs"),
-    (dict(max_completion_tokens=-3), "max_completion_tokens"),
-    (dict(response_format={"type": "json_schema", "json_schema": {"name": "x"}}),
-     "response_format.json_schema.schema"),
-    (dict(response_format={"type": "json_schema", "json_schema": {
-        "name": "x", "schema": {"type": "object", "properties": {"a": {"type": "bogus"}}}}}),
-     "response_format.json_schema.schema"),
-    (dict(extra_body={"structured_outputs": {"regex": "(a"}}), "structured_outputs.regex"),
-    (dict(response_format={"type": "json_object"}, extra_body={"structured_outputs": {
-        "choice": ["a"]}}), "structured_outputs"),
-    (dict(stream_options={"include_usage": True}), "stream_options"),
-])
-def test_chat_errors_name_the_field(client, kw, param):
-    kw = {"model": "smollm2", "messages": [{"role": "user", "content": "hi"}], **kw}
-    with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(**kw)
-    assert e.value.body["param"] == param
-
-
-def test_malformed_and_oversized_bodies(smol):
-    url = smol.http_url + "/v1/completions"
-    status, body = call(url, b"{not json")
-    assert status == 400 and body["error"]["param"] == "body"
-    status, body = call(url, ["a list"])
-    assert status == 400 and body["error"]["param"] == "body"
-    # A body declared over the limit is refused before it is read.
-    conn = http.client.HTTPConnection("127.0.0.1", smol.http_port, timeout=30)
-    conn.putrequest("POST", "/v1/completions")
-    for k, v in (("content-type", "application/json"), ("authorization", f"Bearer {TOKEN}"),
-                 ("content-length", str(MAX_BODY + 1))):
-        conn.putheader(k, v)
-    conn.endheaders()
-    resp = conn.getresponse()
-    assert resp.status == 413
-    assert json.loads(resp.read())["error"]["code"] == "request_too_large"
-    conn.close()
-    status, body = call(smol.http_url + "/v1/nothing", {})
-    assert status == 404 and "error" in body
-    status, body = call(url, method="GET")
-    assert status == 405 and "error" in body
-
-
 def test_huge_prompt_is_refused_without_stalling_streams(client, smol):
     """A 4 MB prompt is refused at once (it cannot fit in max_model_len tokens, so it is not
     tokenized), and a concurrent stream's tokens keep their pace meanwhile."""
@@ -367,23 +284,6 @@ def test_huge_prompt_is_refused_without_stalling_streams(client, smol):
               if b >= refused["t0"] and a <= refused["t1"]]
     # Tokenizing 4 MB would hold the GIL ~1.5 s; steps on a loaded CPU vary by ~+-30%.
     assert during and max(during) <= 1.5 * np.median(gaps) + 0.1, (during, np.median(gaps))
-
-
-def test_auth(smol):
-    with openai.OpenAI(base_url=smol.http_url + "/v1", api_key="wrong", max_retries=0) as c, \
-            pytest.raises(openai.AuthenticationError) as e:
-        c.models.list()
-    assert e.value.status_code == 401 and e.value.body["code"] == "invalid_api_key"
-    for path, body in (("/v1/models", None), ("/v1/completions", {"prompt": "x"}),
-                       ("/tokenize", {"prompt": "x"})):
-        status, err = call(smol.http_url + path, body, token=None)
-        assert status == 401 and err["error"]["code"] == "invalid_api_key"
-    assert call(smol.http_url + "/health", token=None)[0] == 200   # probes need no token
-    for url in (smol.http_url + "/metrics", f"http://127.0.0.1:{smol.metrics_port}/metrics"):
-        status, err = call(url, token=None)
-        assert status == 401 and err["error"]["code"] == "invalid_api_key"
-        status, text = call(url)
-        assert status == 200 and "jaxinfer_kv_pages_used" in text
 
 
 def test_models_tokenize_detokenize(client, smol, llm):
