@@ -1,9 +1,10 @@
-"""A step split in two (step_program.splits): a `full` step without prompt targets whose
-sampling needs a token bitmask (structured output) that the host fills while the forward pass
-runs. `submit_forward` dispatches the forward pass, `submit_sample` the sampling with the
-bitmask; together they return what ModelRunner.submit returns. The forward pass writes into
-its own persistent buffers, which the sampling reads before the next forward pass of that
-signature overwrites them.
+"""Steps that run as two programs (step_program.splits: the `full` variant without prompt
+targets, not a verify step), the forward pass and then the sampling, and the two submits that
+let a grammar's token bitmask (structured output) be filled while the forward pass runs:
+`submit_forward` dispatches the forward pass, `submit_sample` the sampling with the bitmask;
+together they return what ModelRunner.submit returns. The forward pass writes into its own
+persistent buffers, which the sampling reads before the next forward pass of that signature
+overwrites them.
 """
 from __future__ import annotations
 
