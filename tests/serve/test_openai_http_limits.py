@@ -102,10 +102,11 @@ def test_queue_full_is_429(tiny):
     assert 429 in results and results.count("length") >= 4
 
 
-def _stream_and_cancel(srv, prompt, rng) -> None:
-    """Stream a long answer, then stop reading after a random number of chunks (or time out
-    before the first). A full queue is retried. (The tiny model has no tokenizer, so no text:
-    logprobs make each token a chunk.)"""
+def _stream_and_cancel(srv, prompt, rng) -> bool:
+    """Stream a long answer, then stop reading after a random number of chunks (True), or
+    time out before the first (False: the server may not have taken the request yet). A full
+    queue is retried. (The tiny model has no tokenizer, so no text: logprobs make each token
+    a chunk.)"""
     for _ in range(200):
         timeout = 60 if rng.random() < 0.8 else rng.uniform(0.02, 0.3)
         n = int(rng.integers(1, 6))
@@ -117,11 +118,11 @@ def _stream_and_cancel(srv, prompt, rng) -> None:
                     for i, chunk in enumerate(stream):
                         assert not (chunk.choices and chunk.choices[0].finish_reason)
                         if i + 1 >= n:
-                            return
+                            return True
             except openai.RateLimitError:
                 time.sleep(0.05)
             except openai.APITimeoutError:
-                return
+                return False
     raise AssertionError("the queue stayed full")
 
 
@@ -134,8 +135,9 @@ def test_cancelled_streams_free_their_pages(tiny):
     seeds = rng.integers(0, 1 << 30, 50)
     before = metrics(tiny.http_url + "/metrics")
     with cf.ThreadPoolExecutor(8) as pool:
-        list(pool.map(lambda a: _stream_and_cancel(tiny, a[0], np.random.default_rng(a[1])),
-                      zip(prompts, seeds)))
+        read = list(pool.map(lambda a: _stream_and_cancel(tiny, a[0],
+                                                          np.random.default_rng(a[1])),
+                             zip(prompts, seeds)))
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
         m = metrics(tiny.http_url + "/metrics")
@@ -144,7 +146,8 @@ def test_cancelled_streams_free_their_pages(tiny):
         time.sleep(0.2)
     assert m["jaxinfer_kv_pages_used"] == 0 and m["jaxinfer_requests_running"] == 0
     gone = "jaxinfer_requests_total{disconnected}"
-    assert m.get(gone, 0) - before.get(gone, 0) == 50
+    # every stream read from counts as disconnected; one that timed out may not have arrived
+    assert sum(read) <= m.get(gone, 0) - before.get(gone, 0) <= 50, sum(read)
     assert m["jaxinfer_output_tokens_total"] - before["jaxinfer_output_tokens_total"] < 50 * LONG / 4
     # Still serving after all that.
     with tiny_client(tiny, timeout=60) as c:
