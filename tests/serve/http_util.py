@@ -5,6 +5,7 @@ import json
 import urllib.error
 import urllib.request
 
+import openai
 from prometheus_client.parser import text_string_to_metric_families
 
 from serve.launcher import ServerProcess
@@ -48,3 +49,11 @@ def smol_server(token_dir, token: str, *args: str):
                         "--metrics-auth", *args]) as srv:
         srv.wait_serving(timeout=300)
         yield srv
+
+
+@contextlib.contextmanager
+def smol_client(srv, token: str):
+    """The official openai client of `srv`'s HTTP API, authenticated with `token`."""
+    with openai.OpenAI(base_url=srv.http_url + "/v1", api_key=token, max_retries=0,
+                       timeout=120) as c:
+        yield c

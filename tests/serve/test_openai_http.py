@@ -3,6 +3,7 @@ official `openai` client: text, chat, logprobs, gRPC beside HTTP; SIGTERM drains
 (last: it ends the server). Bad requests and auth: test_openai_http_errors; the tiny model's
 limits: test_openai_http_limits."""
 import concurrent.futures as cf
+import functools
 import json
 import re
 import secrets
@@ -13,7 +14,7 @@ import numpy as np
 import openai
 import pytest
 
-from http_util import call as _call, smol_server
+from http_util import call as _call, smol_client, smol_server
 from jaxinfer.config import EngineConfig
 from jaxinfer.llm import LLM
 from jaxinfer.request import SamplingParams
@@ -42,13 +43,11 @@ def llm():
 
 @pytest.fixture
 def client(smol):
-    with openai.OpenAI(base_url=smol.http_url + "/v1", api_key=TOKEN, max_retries=0,
-                       timeout=120) as c:
+    with smol_client(smol, TOKEN) as c:
         yield c
 
 
-def call(url, body=None, token=TOKEN, **kw):
-    return _call(url, body, token, **kw)
+call = functools.partial(_call, token=TOKEN)
 
 
 def greedy(max_tokens=16, **kw):

@@ -2,6 +2,7 @@
 subprocess driven by the official `openai` client: every bad field is named (400, or 404 for
 an unknown model), malformed and oversized bodies are refused, and a wrong or missing token
 gets 401 everywhere but the health probe. Nothing here generates: the server skips warm-up."""
+import functools
 import http.client
 import json
 import secrets
@@ -9,7 +10,7 @@ import secrets
 import openai
 import pytest
 
-from http_util import call as _call, smol_server
+from http_util import call as _call, smol_client, smol_server
 
 TOKEN = secrets.token_hex(16)
 MAX_BODY = 8 << 20
@@ -24,13 +25,11 @@ def smol(tmp_path_factory):
 
 @pytest.fixture
 def client(smol):
-    with openai.OpenAI(base_url=smol.http_url + "/v1", api_key=TOKEN, max_retries=0,
-                       timeout=120) as c:
+    with smol_client(smol, TOKEN) as c:
         yield c
 
 
-def call(url, body=None, token=TOKEN, **kw):
-    return _call(url, body, token, **kw)
+call = functools.partial(_call, token=TOKEN)
 
 
 @pytest.mark.parametrize("kw, status, param", [
