@@ -14,7 +14,7 @@ import jax
 import numpy as np
 
 from jaxinfer import executable_store, multihost
-from jaxinfer.step_input import PackedInput, StepInput
+from jaxinfer.step_input import PackedInput, StepInput, token_count
 from jaxinfer.step_program import forward_shapes, sample_signature, splits
 
 
@@ -100,36 +100,68 @@ class AheadOfTime:
     def compile_ahead(self, inputs, workers: int | None = None, on_done=None) -> int:
         """Compile the programs of a step for each of `inputs` (StepInputs or PackedInputs;
         `programs`) and keep the executables for `dispatch`: loaded from the executable store
-        when it holds them (no tracing), else lowered one by one, compiled concurrently and
-        stored. Returns how many were compiled; `on_done()` is called after each executable
-        (a progress bar)."""
-        lowered, t0 = {}, time.perf_counter()
-        for inp in inputs:
-            p = self.prepare(inp)
-            for sig, part in self.programs(p):
-                if sig in self._executables or sig in lowered:
-                    continue
-                stored = self.store.load(sig) if self.store is not None else None
-                if stored is not None:
-                    self._executables[sig] = stored
-                    if on_done is not None:
-                        on_done()
-                    continue
-                lowered[sig] = self.lower(p, part)
-        workers = max(1, min(len(lowered), workers or os.cpu_count() or 1))
-        t1 = time.perf_counter()
-        with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-            futures = {pool.submit(executable_store.compile_lowered, low): sig
-                       for sig, low in lowered.items()}
-            for done in concurrent.futures.as_completed(futures):
-                compiled, compiled_here = done.result()
-                self._executables[futures[done]] = compiled
-                if self.store is not None:
-                    self.store.save(futures[done], compiled, compiled_here)
-                if on_done is not None:
-                    on_done()
-        # Seconds spent loading stored executables and tracing and lowering the others (one
-        # at a time, in Python), then compiling those (concurrently): the compile suite's split.
+        when it holds them (no tracing), else lowered one by one and compiled in a thread
+        pool as they are lowered, and stored. Programs of the same token count share their
+        GEMMs, whose autotuning is most of a GPU compile: the first of each count compiles
+        first, the others after it, when XLA's in-process autotuning cache holds its GEMMs
+        (compiled together, each would autotune them again). Returns how many were
+        compiled; `on_done()` is called after each executable (a progress bar)."""
+        t0, lowered = time.perf_counter(), set()
+        waiting: dict = {}          # token count -> lowered programs waiting for its first
+        first_of: dict = {}         # token count -> its first program's future
+        futures: dict = {}
+        pool = concurrent.futures.ThreadPoolExecutor(
+            max(1, workers or os.cpu_count() or 1), thread_name_prefix="jaxinfer-compile")
+
+        def finish(done):
+            sig, group = futures.pop(done)
+            compiled, compiled_here = done.result()
+            self._executables[sig] = compiled
+            if self.store is not None:
+                self.store.save(sig, compiled, compiled_here)
+            if on_done is not None:
+                on_done()
+            for s, low in waiting.pop(group, []) if first_of.get(group) is done else ():
+                futures[pool.submit(executable_store.compile_lowered, low)] = (s, None)
+
+        try:
+            for inp in inputs:
+                p = self.prepare(inp)
+                for sig, part in self.programs(p):
+                    if sig in self._executables or sig in lowered:
+                        continue
+                    stored = self.store.load(sig) if self.store is not None else None
+                    if stored is not None:
+                        self._executables[sig] = stored
+                        if on_done is not None:
+                            on_done()
+                        continue
+                    lowered.add(sig)
+                    low = self.lower(p, part)
+                    group = None if part == "sample" else token_count(p.spec)
+                    if group is not None and group in first_of:
+                        if first_of[group].done():
+                            group = None        # its GEMMs are tuned: compile it now
+                        else:
+                            waiting.setdefault(group, []).append((sig, low))
+                            continue
+                    fut = pool.submit(executable_store.compile_lowered, low)
+                    futures[fut] = (sig, group)
+                    if group is not None:
+                        first_of[group] = fut
+                    for done in [f for f in futures if f.done()]:
+                        finish(done)
+            t1 = time.perf_counter()
+            while futures:
+                done, _ = concurrent.futures.wait(
+                    futures, return_when=concurrent.futures.FIRST_COMPLETED)
+                for f in done:
+                    finish(f)
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
+        # Seconds until every program was loaded from the store or lowered (one at a time, in
+        # Python; the first compiles run meanwhile), then until the last compile finished:
+        # the compile suite's split.
         self.compile_seconds["lower"] += t1 - t0
         self.compile_seconds["compile"] += time.perf_counter() - t1
         self._compiles += 1       # several processes: none runs a new program before all

@@ -100,6 +100,12 @@ def pack_host(inp: StepInput) -> tuple[np.ndarray, tuple]:
     return buf, (tree, tuple(fields))
 
 
+def token_count(spec) -> int:
+    """The T (tokens) of a packed input's spec (pack_host's)."""
+    tree, fields = spec
+    return jax.tree_util.tree_unflatten(tree, [shape for shape, _ in fields]).tokens[0]
+
+
 def unpack(buf, spec, prev_tokens, token_bitmask=None) -> StepInput:
     """Inside the jitted step: the StepInput back from its buffer (static slices)."""
     tree, fields = spec

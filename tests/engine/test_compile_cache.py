@@ -203,3 +203,56 @@ def test_the_store_keys_steps_by_what_shapes_them(tmp_path, monkeypatch):
     s.save("sig", compiled, compiled_here=True)
     assert s.load("other sig") is None
     assert list(store().load("sig")(jnp.arange(3.0))) == [1.0, 3.0, 5.0]
+
+
+def test_programs_of_a_token_count_compile_after_the_first(monkeypatch):
+    """Warm-up compiles each token count's first program before the others of that count
+    (they reuse its GEMMs' autotuning), compiles while it lowers, and ends with every
+    program compiled and runnable."""
+    import threading
+    import time
+
+    from engine_util import run_alone, tiny_engine
+    from jaxinfer import SamplingParams, ahead_of_time
+    from jaxinfer.step_input import token_count
+
+    engine = tiny_engine(max_num_batched_tokens=16, max_num_seqs=4)
+    runner = engine.runner
+    runner.store = None                       # lower and compile everything here
+    counts, spans, lowered_at, lock = {}, [], [], threading.Lock()
+    lower = type(runner).lower
+
+    def traced_lower(self, inp, part="step"):
+        low = lower(self, inp, part)
+        counts[id(low)] = (low, None if part == "sample"      # the program kept: ids unique
+                           else token_count(self.prepare(inp).spec))
+        lowered_at.append(time.perf_counter())
+        return low
+
+    compile_lowered = ahead_of_time.executable_store.compile_lowered
+
+    def slow_compile(low):
+        start = time.perf_counter()
+        time.sleep(0.3)                       # long enough for the others to be lowered
+        out = compile_lowered(low)
+        with lock:
+            spans.append((counts[id(low)][1], start, time.perf_counter()))
+        return out
+
+    monkeypatch.setattr(type(runner), "lower", traced_lower)
+    monkeypatch.setattr(ahead_of_time.executable_store, "compile_lowered", slow_compile)
+    engine.warmup(progress=False)
+    assert len(spans) == len(counts) == len(runner._executables) > 2
+    groups = {}
+    for group, start, end in spans:
+        if group is not None:
+            groups.setdefault(group, []).append((start, end))
+    assert len(groups) >= 2 and any(len(g) > 1 for g in groups.values())
+    for group, members in groups.items():
+        first_end = min(members)[1]
+        assert all(start >= first_end for start, _ in sorted(members)[1:]), group
+    assert min(start for _, start, _ in spans) < max(lowered_at)   # compiling while lowering
+    before = CompileCounter.count()
+    out = run_alone(engine, {"prompt_token_ids": [5, 6, 7]},
+                    SamplingParams(max_tokens=3, temperature=0.0))
+    assert len(out.token_ids) == 3 and CompileCounter.count() == before
