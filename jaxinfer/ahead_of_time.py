@@ -13,8 +13,8 @@ import time
 import jax
 import numpy as np
 
-from jaxinfer import executable_store, multihost
-from jaxinfer.step_input import PackedInput, StepInput, token_count
+from jaxinfer import executable_store, multihost, ops
+from jaxinfer.step_input import PackedInput, StepInput, step_shape
 from jaxinfer.step_program import forward_shapes, sample_signature, splits
 
 
@@ -97,18 +97,25 @@ class AheadOfTime:
                 (sample_signature(p.spec, np.shape(p.bitmask), np.shape(p.prev_tokens)[0]),
                  "sample")]
 
+    def gemm_rows(self, p: PackedInput) -> int:
+        """The rows of `p`'s step's projections (its GEMMs' M): T, or a short decode step's
+        padded rows (ops.decode_rows)."""
+        t, decode_only = step_shape(p.spec)
+        return ops.decode_rows(t, self.routes) if decode_only else t
+
     def compile_ahead(self, inputs, workers: int | None = None, on_done=None) -> int:
         """Compile the programs of a step for each of `inputs` (StepInputs or PackedInputs;
         `programs`) and keep the executables for `dispatch`: loaded from the executable store
         when it holds them (no tracing), else lowered one by one and compiled in a thread
-        pool as they are lowered, and stored. Programs of the same token count share their
-        GEMMs, whose autotuning is most of a GPU compile: the first of each count compiles
-        first, the others after it, when XLA's in-process autotuning cache holds its GEMMs
-        (compiled together, each would autotune them again). Returns how many were
+        pool as they are lowered, and stored. Programs of the same `gemm_rows` share their
+        GEMMs, whose autotuning is most of a GPU compile: the first of each compiles first,
+        the others after it, when XLA's in-process autotuning cache holds its GEMMs
+        (compiled together, each would autotune them again: 2x the cold compile of the
+        offline config on an H100). Returns how many were
         compiled; `on_done()` is called after each executable (a progress bar)."""
         t0, lowered = time.perf_counter(), set()
-        waiting: dict = {}          # token count -> lowered programs waiting for its first
-        first_of: dict = {}         # token count -> its first program's future
+        waiting: dict = {}          # gemm_rows -> lowered programs waiting for its first
+        first_of: dict = {}         # gemm_rows -> its first program's future
         futures: dict = {}
         pool = concurrent.futures.ThreadPoolExecutor(
             max(1, workers or os.cpu_count() or 1), thread_name_prefix="jaxinfer-compile")
@@ -138,7 +145,7 @@ class AheadOfTime:
                         continue
                     lowered.add(sig)
                     low = self.lower(p, part)
-                    group = None if part == "sample" else token_count(p.spec)
+                    group = None if part == "sample" else self.gemm_rows(p)
                     if group is not None and group in first_of:
                         if first_of[group].done():
                             group = None        # its GEMMs are tuned: compile it now

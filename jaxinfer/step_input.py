@@ -100,10 +100,11 @@ def pack_host(inp: StepInput) -> tuple[np.ndarray, tuple]:
     return buf, (tree, tuple(fields))
 
 
-def token_count(spec) -> int:
-    """The T (tokens) of a packed input's spec (pack_host's)."""
+def step_shape(spec) -> tuple[int, bool]:
+    """(T, decode_only) of a packed input's spec (pack_host's)."""
     tree, fields = spec
-    return jax.tree_util.tree_unflatten(tree, [shape for shape, _ in fields]).tokens[0]
+    shapes = jax.tree_util.tree_unflatten(tree, [shape for shape, _ in fields])
+    return shapes.tokens[0], shapes.md.decode_only
 
 
 def unpack(buf, spec, prev_tokens, token_bitmask=None) -> StepInput:

@@ -205,18 +205,20 @@ def test_the_store_keys_steps_by_what_shapes_them(tmp_path, monkeypatch):
     assert list(store().load("sig")(jnp.arange(3.0))) == [1.0, 3.0, 5.0]
 
 
-def test_programs_of_a_token_count_compile_after_the_first(monkeypatch):
-    """Warm-up compiles each token count's first program before the others of that count
-    (they reuse its GEMMs' autotuning), compiles while it lowers, and ends with every
+def test_programs_of_the_same_gemm_rows_compile_after_the_first(monkeypatch):
+    """Warm-up compiles the first program of each GEMM row count before the others of that
+    count (they reuse its GEMMs' autotuning), compiles while it lowers, and ends with every
     program compiled and runnable."""
     import threading
     import time
 
     from engine_util import run_alone, tiny_engine
     from jaxinfer import SamplingParams, ahead_of_time
-    from jaxinfer.step_input import token_count
+    
+    from jaxinfer.routes import Routes
 
-    engine = tiny_engine(max_num_batched_tokens=16, max_num_seqs=4)
+    # decode steps of 1, 2 and 4 rows all run padded to 4 rows (the GPU pads to 8)
+    engine = tiny_engine(Routes(decode_min_rows=4), max_num_batched_tokens=16, max_num_seqs=4)
     runner = engine.runner
     runner.store = None                       # lower and compile everything here
     counts, spans, lowered_at, lock = {}, [], [], threading.Lock()
@@ -225,7 +227,7 @@ def test_programs_of_a_token_count_compile_after_the_first(monkeypatch):
     def traced_lower(self, inp, part="step"):
         low = lower(self, inp, part)
         counts[id(low)] = (low, None if part == "sample"      # the program kept: ids unique
-                           else token_count(self.prepare(inp).spec))
+                           else self.gemm_rows(self.prepare(inp)))
         lowered_at.append(time.perf_counter())
         return low
 
@@ -247,7 +249,7 @@ def test_programs_of_a_token_count_compile_after_the_first(monkeypatch):
     for group, start, end in spans:
         if group is not None:
             groups.setdefault(group, []).append((start, end))
-    assert len(groups) >= 2 and any(len(g) > 1 for g in groups.values())
+    assert sorted(groups) == [4, 16] and len(groups[4]) > 2, groups  # 3 buckets share 4
     for group, members in groups.items():
         first_end = min(members)[1]
         assert all(start >= first_end for start, _ in sorted(members)[1:]), group
