@@ -206,8 +206,8 @@ def test_the_store_keys_steps_by_what_shapes_them(tmp_path, monkeypatch):
 
 
 def test_programs_of_the_same_gemm_rows_compile_after_the_first(monkeypatch):
-    """Warm-up compiles the first program of each GEMM row count before the others of that
-    count (they reuse its GEMMs' autotuning), compiles while it lowers, and ends with every
+    """Warm-up lowers the largest steps first and compiles the first program of each GEMM
+    row count before the others of that count (they reuse its GEMMs' autotuning), compiles while it lowers, and ends with every
     program compiled and runnable."""
     import threading
     import time
@@ -254,6 +254,8 @@ def test_programs_of_the_same_gemm_rows_compile_after_the_first(monkeypatch):
         first_end = min(members)[1]
         assert all(start >= first_end for start, _ in sorted(members)[1:]), group
     assert min(start for _, start, _ in spans) < max(lowered_at)   # compiling while lowering
+    order = [rows for _, rows in counts.values() if rows is not None]
+    assert order == sorted(order, reverse=True)                     # the largest steps first
     before = CompileCounter.count()
     out = run_alone(engine, {"prompt_token_ids": [5, 6, 7]},
                     SamplingParams(max_tokens=3, temperature=0.0))
