@@ -131,8 +131,9 @@ class AheadOfTime:
             for s, low in waiting.pop(group, []) if first_of.get(group) is done else ():
                 futures[pool.submit(executable_store.compile_lowered, low)] = (s, None)
 
-        # The largest steps first: their compiles are the longest (64 s of a cold start's 102
-        # for the offline config's 2,048 tokens on an H200), and start while the rest lower.
+        # The largest steps first: their compiles are the longest (the offline config's
+        # 2,048-token step: 64 s of a 102 s cold warm-up on an H200), and start while the
+        # rest lower.
         packed = sorted(map(self.prepare, inputs), key=self.gemm_rows, reverse=True)
         try:
             for p in packed:
@@ -166,8 +167,10 @@ class AheadOfTime:
                     futures, return_when=concurrent.futures.FIRST_COMPLETED)
                 for f in done:
                     finish(f)
-        finally:
-            pool.shutdown(wait=True, cancel_futures=True)
+        except BaseException:       # raise now: compiles already running finish unread
+            pool.shutdown(wait=False, cancel_futures=True)
+            raise
+        pool.shutdown()
         # Seconds until every program was loaded from the store or lowered (one at a time, in
         # Python; the first compiles run meanwhile), then until the last compile finished:
         # the compile suite's split.

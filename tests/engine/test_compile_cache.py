@@ -260,3 +260,30 @@ def test_programs_of_the_same_gemm_rows_compile_after_the_first(monkeypatch):
     out = run_alone(engine, {"prompt_token_ids": [5, 6, 7]},
                     SamplingParams(max_tokens=3, temperature=0.0))
     assert len(out.token_ids) == 3 and CompileCounter.count() == before
+
+
+def test_a_program_that_fails_to_lower_fails_warmup_without_waiting_for_compiles(monkeypatch):
+    """An error while lowering reaches the caller at once, not after the compiles already
+    running (minutes each on a GPU) have finished."""
+    import time
+
+    from engine_util import tiny_engine
+    from jaxinfer import ahead_of_time
+
+    engine = tiny_engine(max_num_batched_tokens=16, max_num_seqs=4)
+    engine.runner.store = None
+    lower, calls = type(engine.runner).lower, []
+
+    def failing_lower(self, inp, part="step"):
+        calls.append(part)
+        if len(calls) == 3:
+            raise RuntimeError("lowering failed")
+        return lower(self, inp, part)
+
+    monkeypatch.setattr(type(engine.runner), "lower", failing_lower)
+    monkeypatch.setattr(ahead_of_time.executable_store, "compile_lowered",
+                        lambda low: time.sleep(20))
+    t0 = time.perf_counter()
+    with pytest.raises(RuntimeError, match="lowering failed"):
+        engine.warmup(progress=False)
+    assert time.perf_counter() - t0 < 15
