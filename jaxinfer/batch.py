@@ -62,12 +62,11 @@ def prepare(output: SchedulerOutput, bucket: Bucket, page_size: int) -> StepArra
     query_start[0] = 0
     query_start[1:n_rows + 1] = np.cumsum(q_len)
 
-    # Every row's pages (int32 arrays) scattered into the table at once.
+    # Every row's pages (int32 arrays) into the table at once: the cells a row's pages fill
+    # are, in row-major order, the concatenation's order.
     n_pages = np.fromiter(map(len, page_ids), np.int64, n_rows)
-    flat = np.concatenate(page_ids)
     page_table = np.zeros((B, W), np.int32)
-    page_table[np.repeat(np.arange(n_rows), n_pages),
-               np.arange(len(flat)) - np.repeat(np.cumsum(n_pages) - n_pages, n_pages)] = flat
+    page_table[:n_rows][np.arange(W) < n_pages[:, None]] = np.concatenate(page_ids)
 
     seq = np.repeat(np.arange(n_rows, dtype=np.int32), q_len)          # [n_tok]
     pos = start[seq] + np.arange(n_tok, dtype=np.int32) - query_start[seq]
