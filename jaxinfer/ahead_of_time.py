@@ -1,6 +1,6 @@
 """Ahead-of-time compilation of the runner's programs (a mixin of runner.ModelRunner): each
 step's programs traced and lowered one at a time (Python), compiled concurrently in a thread
-pool, kept for `dispatch` and in the executable store; and CompileCounter, which counts every
+pool as they are lowered (CompileQueue), kept for `dispatch` and in the executable store; and CompileCounter, which counts every
 executable XLA hands out so tests and metrics can prove steady-state serving compiles
 nothing."""
 from __future__ import annotations
@@ -57,6 +57,57 @@ class CompileCounter:
         return cls._loaded
 
 
+class CompileQueue:
+    """Lowered programs compiled in a thread pool as they come, each group's first before
+    the rest of its group: programs whose GEMMs have the same rows (AheadOfTime.gemm_rows)
+    share them, and their autotuning is most of a GPU compile. XLA keeps tuned GEMMs in a
+    cache for the process, but programs compiled at the same time each tune them again (2x
+    the cold compile of the offline config on an H100). keep(sig, compiled, compiled_here)
+    takes each result, on the thread that calls `add` or `collect`."""
+
+    def __init__(self, workers: int | None, keep):
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            max(1, workers or os.cpu_count() or 1), thread_name_prefix="jaxinfer-compile")
+        self._keep = keep
+        self._futures: dict = {}    # future -> (signature, group or None)
+        self._first: dict = {}      # group -> its first program's future
+        self._waiting: dict = {}    # group -> [(signature, lowered)] waiting for its first
+
+    def add(self, sig, lowered, group=None) -> None:
+        """Compile `lowered` now, or after its group's first program (group None: now)."""
+        first = self._first.get(group)
+        if first is not None and not first.done():
+            self._waiting.setdefault(group, []).append((sig, lowered))
+        else:
+            future = self._submit(sig, lowered, None if first is not None else group)
+            if group is not None and first is None:
+                self._first[group] = future
+        self.collect(block=False)
+
+    def _submit(self, sig, lowered, group):
+        future = self._pool.submit(executable_store.compile_lowered, lowered)
+        self._futures[future] = (sig, group)
+        return future
+
+    def collect(self, block: bool) -> None:
+        """Hand the finished compiles to keep (block: until every one has finished)."""
+        while self._futures:
+            done = [f for f in self._futures if f.done()]
+            if not done and not block:
+                return
+            if not done:
+                done, _ = concurrent.futures.wait(
+                    self._futures, return_when=concurrent.futures.FIRST_COMPLETED)
+            for future in done:
+                sig, group = self._futures.pop(future)
+                self._keep(sig, *future.result())
+                for s, lowered in self._waiting.pop(group, []) if group is not None else ():
+                    self._submit(s, lowered, None)
+
+    def close(self, wait: bool = True) -> None:
+        self._pool.shutdown(wait=wait, cancel_futures=not wait)
+
+
 class AheadOfTime:
     """ModelRunner's tracing, lowering and ahead-of-time compilation (it reads the runner's
     jitted programs, state, executables and store)."""
@@ -106,71 +157,40 @@ class AheadOfTime:
     def compile_ahead(self, inputs, workers: int | None = None, on_done=None) -> int:
         """Compile the programs of a step for each of `inputs` (StepInputs or PackedInputs;
         `programs`) and keep the executables for `dispatch`: loaded from the executable store
-        when it holds them (no tracing), else lowered one by one and compiled in a thread
-        pool as they are lowered, and stored. Programs of the same `gemm_rows` share their
-        GEMMs, whose autotuning is most of a GPU compile: the first of each compiles first,
-        the others after it, when XLA's in-process autotuning cache holds its GEMMs
-        (compiled together, each would autotune them again: 2x the cold compile of the
-        offline config on an H100). The largest steps lower first. Returns how many were
-        compiled; `on_done()` is called after each executable (a progress bar)."""
+        when it holds them (no tracing), else lowered one by one, the largest steps first,
+        and compiled as they are lowered (CompileQueue: the programs of one `gemm_rows`
+        after the first of them), and stored. Returns how many were compiled; `on_done()` is
+        called after each executable (a progress bar)."""
         t0, lowered = time.perf_counter(), set()
-        waiting: dict = {}          # gemm_rows -> lowered programs waiting for its first
-        first_of: dict = {}         # gemm_rows -> its first program's future
-        futures: dict = {}
-        pool = concurrent.futures.ThreadPoolExecutor(
-            max(1, workers or os.cpu_count() or 1), thread_name_prefix="jaxinfer-compile")
 
-        def finish(done):
-            sig, group = futures.pop(done)
-            compiled, compiled_here = done.result()
+        def keep(sig, compiled, compiled_here=False, store=True):
             self._executables[sig] = compiled
-            if self.store is not None:
+            if store and self.store is not None:
                 self.store.save(sig, compiled, compiled_here)
             if on_done is not None:
                 on_done()
-            for s, low in waiting.pop(group, []) if first_of.get(group) is done else ():
-                futures[pool.submit(executable_store.compile_lowered, low)] = (s, None)
 
-        # The largest steps first: their compiles are the longest (the offline config's
-        # 2,048-token step: 64 s of a 102 s cold warm-up on an H200), and start while the
-        # rest lower.
-        packed = sorted(map(self.prepare, inputs), key=self.gemm_rows, reverse=True)
+        queue = CompileQueue(workers, keep)
         try:
-            for p in packed:
+            # The largest steps first: their compiles are the longest (the offline config's
+            # 2,048-token step: 64 s of a 102 s cold warm-up on an H200).
+            for p in sorted(map(self.prepare, inputs), key=self.gemm_rows, reverse=True):
                 for sig, part in self.programs(p):
                     if sig in self._executables or sig in lowered:
                         continue
                     stored = self.store.load(sig) if self.store is not None else None
                     if stored is not None:
-                        self._executables[sig] = stored
-                        if on_done is not None:
-                            on_done()
+                        keep(sig, stored, store=False)
                         continue
                     lowered.add(sig)
-                    low = self.lower(p, part)
-                    group = None if part == "sample" else self.gemm_rows(p)
-                    if group is not None and group in first_of:
-                        if first_of[group].done():
-                            group = None        # its GEMMs are tuned: compile it now
-                        else:
-                            waiting.setdefault(group, []).append((sig, low))
-                            continue
-                    fut = pool.submit(executable_store.compile_lowered, low)
-                    futures[fut] = (sig, group)
-                    if group is not None:
-                        first_of[group] = fut
-                    for done in [f for f in futures if f.done()]:
-                        finish(done)
+                    queue.add(sig, self.lower(p, part),
+                              None if part == "sample" else self.gemm_rows(p))
             t1 = time.perf_counter()
-            while futures:
-                done, _ = concurrent.futures.wait(
-                    futures, return_when=concurrent.futures.FIRST_COMPLETED)
-                for f in done:
-                    finish(f)
+            queue.collect(block=True)
         except BaseException:       # raise now: compiles already running finish unread
-            pool.shutdown(wait=False, cancel_futures=True)
+            queue.close(wait=False)
             raise
-        pool.shutdown()
+        queue.close()
         # Seconds until every program was loaded from the store or lowered (one at a time, in
         # Python; the first compiles run meanwhile), then until the last compile finished:
         # the compile suite's split.
