@@ -206,15 +206,14 @@ def test_the_store_keys_steps_by_what_shapes_them(tmp_path, monkeypatch):
 
 
 def test_programs_of_the_same_gemm_rows_compile_after_the_first(monkeypatch):
-    """Warm-up lowers the largest steps first and compiles the first program of each GEMM
-    row count before the others of that count (they reuse its GEMMs' autotuning), compiles while it lowers, and ends with every
-    program compiled and runnable."""
+    """Warm-up lowers the largest steps first, compiles while it lowers, compiles the first
+    program of each GEMM row count before the others of that count (they reuse its GEMMs'
+    autotuning), and ends with every program compiled and runnable."""
     import threading
     import time
 
     from engine_util import run_alone, tiny_engine
     from jaxinfer import SamplingParams, ahead_of_time
-    
     from jaxinfer.routes import Routes
 
     # decode steps of 1, 2 and 4 rows all run padded to 4 rows (the GPU pads to 8)
