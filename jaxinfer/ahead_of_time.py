@@ -1,8 +1,8 @@
 """Ahead-of-time compilation of the runner's programs (a mixin of runner.ModelRunner): each
 step's programs traced and lowered one at a time (Python), compiled concurrently in a thread
-pool as they are lowered (CompileQueue), kept for `dispatch` and in the executable store; and CompileCounter, which counts every
-executable XLA hands out so tests and metrics can prove steady-state serving compiles
-nothing."""
+pool as they are lowered (CompileQueue), kept for `dispatch` and in the executable store;
+and CompileCounter, which counts every executable XLA hands out so tests and metrics can
+prove steady-state serving compiles nothing."""
 from __future__ import annotations
 
 import concurrent.futures
