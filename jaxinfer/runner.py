@@ -168,8 +168,9 @@ class ModelRunner(AheadOfTime, SplitSteps):
         else:
             done = self._thread.call(self._dispatch_step, p, self._num_steps)
             out, next_tokens = Pending(done, 0), Pending(done, 1, self.no_prev.shape)
-        self._recent[self._num_steps] = next_tokens
-        self._recent.pop(self._num_steps - 8, None)
+        if self.mirror is not None:   # only _mirror_step reads them: one process keeps none
+            self._recent[self._num_steps] = next_tokens
+            self._recent.pop(self._num_steps - 8, None)
         return out, next_tokens
 
     def _dispatch_step(self, inp: StepInput | PackedInput, step_index: int):

@@ -64,8 +64,9 @@ class SplitSteps:
         else:
             done = self._thread.call(self._dispatch_sample, step, bitmask)
             out, next_tokens = Pending(done, 0), Pending(done, 1, self.no_prev.shape)
-        self._recent[step.step_index] = next_tokens
-        self._recent.pop(step.step_index - 8, None)
+        if self.mirror is not None:   # only _mirror_step reads them: one process keeps none
+            self._recent[step.step_index] = next_tokens
+            self._recent.pop(step.step_index - 8, None)
         return out, next_tokens
 
     def _dispatch_forward(self, p: PackedInput):
