@@ -117,13 +117,15 @@ class AheadOfTime:
         compilation and the bench). part: "step", the whole step as one program (what runs
         unless the step is split); "forward" / "sample", a split step's two halves."""
         p = self.prepare(inp)
+        # The pool as it is (only its shapes and shardings count): its static FP8 scales may
+        # still be calibrating (ModelRunner.kv).
         if part == "step":
-            return self._step_fn.trace(self._leaves, self.kv, *self._step_buffers(p), p.buf,
+            return self._step_fn.trace(self._leaves, self._kv, *self._step_buffers(p), p.buf,
                                        p.prev_tokens, p.bitmask, self.lora, self._rng,
                                        np.uint32(0), spec=p.spec)
         if part == "forward":
             return self._forward_fn.trace(
-                self._leaves, self.kv, *self._step_buffers(p, ("forward", p.signature)),
+                self._leaves, self._kv, *self._step_buffers(p, ("forward", p.signature)),
                 p.buf, p.prev_tokens, self.lora, spec=p.spec)
         if part == "sample":
             forward = jax.tree.map(

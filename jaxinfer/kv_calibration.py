@@ -21,6 +21,8 @@ Headroom 1 saturates; 2 to 32 score alike, close to per-token scales (docs/perfo
 """
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -71,12 +73,39 @@ def calibrate(forward, allocate, vocab_size: int, page_size: int
     return scales_from_amax(k_amax), scales_from_amax(v_amax)
 
 
+def needs_scales(engine) -> bool:
+    """The engine's pool is FP8 with static scales: they are calibrated when it starts."""
+    return kv_dtype_for(engine) == FP8_DTYPE and engine.kv_scales == "static"
+
+
+def placeholder_scales(cfg) -> tuple[np.ndarray, np.ndarray]:
+    """Scales (k, v) [L, K] of 1 that stand in for the calibrated ones until they are known
+    (the pool's shapes do not depend on the values)."""
+    ones = np.ones((cfg.num_layers, cfg.num_kv_heads), np.float32)
+    return ones, ones
+
+
+def with_scales(kv: KVCache | KVLayers, scales) -> KVCache | KVLayers:
+    """`kv` with its static scales replaced by `scales` (k, v) [L, K], each placed as the
+    scale it replaces (device and sharding); the pages are untouched."""
+    def put(old, new):
+        return jax.device_put(np.asarray(new, np.float32), old.sharding)
+
+    k, v = scales
+    if isinstance(kv, KVLayers):
+        return KVLayers(tuple(
+            dataclasses.replace(c, k_scale=put(c.k_scale, k[i:i + 1]),
+                                v_scale=put(c.v_scale, v[i:i + 1]))
+            for i, c in enumerate(kv.layers)))
+    return dataclasses.replace(kv, k_scale=put(kv.k_scale, k), v_scale=put(kv.v_scale, v))
+
+
 def engine_scales(cfg, engine, layout, forward):
     """The engine's static scales (k, v) [L, K], or None when its pool is not FP8 with static
     scales. forward(kv, tokens, md) -> kv: the runner's teacher-forcing executable (the
     model's forward and logits; the calibration cache is laid out as the pool is, in the
     activations' dtype)."""
-    if kv_dtype_for(engine) != FP8_DTYPE or engine.kv_scales != "static":
+    if not needs_scales(engine):
         return None
 
     def allocate(pages):

@@ -23,9 +23,11 @@ donated buffers are reused in place); step inputs are replicated by jit.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import functools
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -90,12 +92,28 @@ class ModelRunner(AheadOfTime, SplitSteps):
         self._logits_fn = jax.jit(functools.partial(all_logits_program, graphdef, self.routes,
                                                     kv_sharding=kv_sharding),
                                   donate_argnums=(1,))
-        # (k, v) [L, K] numpy f32 for FP8 KV with static scales (kv_calibration.py), else None
-        self.static_kv_scales = kv_calibration.engine_scales(
-            cfg, self.engine, self.layout,
-            lambda kv, tokens, md: self._logits_fn(self.params, kv, tokens, md)[0])
+        # FP8 KV with static scales (kv_calibration.py): the pool comes at once with
+        # placeholder scales, and the calibration runs on a thread of its own, its forward's
+        # compile overlapping the warm-up's (a cold start's seconds); the calibrated scales
+        # replace the placeholders before the cache is first used (`kv`). On several
+        # processes it runs here: its collectives must keep their order across processes.
+        self._kv = None
+        self._scales, self._calibration = None, None
+        self._calibration_lock = threading.Lock()
+        if kv_calibration.needs_scales(self.engine):
+            def calibrate():
+                return kv_calibration.engine_scales(
+                    cfg, self.engine, self.layout,
+                    lambda kv, tokens, md: self._logits_fn(self.params, kv, tokens, md)[0])
+            if jax.process_count() == 1:
+                self._calibration = concurrent.futures.ThreadPoolExecutor(
+                    1, thread_name_prefix="jaxinfer-kv-calibration").submit(calibrate)
+            else:
+                self._scales = calibrate()
         with pool_oom_as_config_error(cfg, engine, "allocating the KV cache"):
-            self.kv = allocate_kv(cfg, self.engine, self.layout, self.static_kv_scales)
+            self._kv = allocate_kv(cfg, self.engine, self.layout,
+                                   self._scales if self._calibration is None
+                                   else kv_calibration.placeholder_scales(cfg))
         self._rng = jax.random.key(engine.seed)
         self._num_steps = 0
         # Several processes (multihost.py): on the leader, what sends each call the followers
@@ -140,13 +158,44 @@ class ModelRunner(AheadOfTime, SplitSteps):
                      if self.engine.max_loras else None)
         # Compiled steps on disk, loaded without tracing on a restart (executable_store.py).
         self.store = ExecutableStore.for_jax_cache(
-            repr(cfg), repr(self.engine), repr(self.routes), params, self.kv,
+            repr(cfg), repr(self.engine), repr(self.routes), params, self._kv,
             devices=None if self.layout.mesh is None else self.layout.mesh.devices.flat)
         self._buffers: dict = {}  # input signature -> (slot, output buffers or None)
         # Fault injection for tests: called as fault_hook(phase, runner) at "dispatch" (before
         # the step's call), "dispatched" (after it: the cache was donated) and "fetch" (before
         # the engine reads a step's tokens); whatever it raises, the step raises.
         self.fault_hook = None
+
+    @property
+    def kv(self) -> KVCache | KVLayers:
+        """The page pool (its static FP8 scales calibrated: this waits for the calibration
+        the first time)."""
+        if self._calibration is not None:
+            self._install_scales()
+        return self._kv
+
+    @kv.setter
+    def kv(self, kv: KVCache | KVLayers) -> None:
+        if self._calibration is not None:
+            self._install_scales()
+        self._kv = kv
+
+    @property
+    def static_kv_scales(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """(k, v) [L, K] f32 of FP8 KV with static scales (kv_calibration.py), else None."""
+        if self._calibration is not None:
+            self._install_scales()
+        return self._scales
+
+    def _install_scales(self) -> None:
+        """The calibration's scales (waiting for it; raising what it raised) into the pool,
+        in place of the placeholders."""
+        with self._calibration_lock:
+            if self._calibration is None:      # another thread installed them
+                return
+            self._scales = self._calibration.result()
+            self._kv = kv_calibration.with_scales(self._kv, self._scales)
+            self._calibration = None
 
     def step(self, inp: StepInput | PackedInput) -> sampling.SampleOutput:
         """Run one step; returns the sampled tokens etc. as numpy (the one device->host sync)."""
@@ -269,7 +318,7 @@ class ModelRunner(AheadOfTime, SplitSteps):
             if not x.is_deleted():
                 x.delete()
         with pool_oom_as_config_error(self.cfg, self.engine, "rebuilding the KV cache"):
-            self.kv = allocate_kv(self.cfg, self.engine, self.layout, self.static_kv_scales)
+            self._kv = allocate_kv(self.cfg, self.engine, self.layout, self.static_kv_scales)
 
     @staticmethod
     def prepare(inp: StepInput | PackedInput) -> PackedInput:

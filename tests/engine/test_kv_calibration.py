@@ -1,5 +1,7 @@
 """Static FP8 KV scales (jaxinfer/kv_calibration.py): what the runner calibrates, what the pool
 holds, and the engine's outputs with them against per-token scales and unquantized KV."""
+import threading
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -63,6 +65,69 @@ def test_runner_calibrates_the_pool():
     assert token.static_kv_scales is None and not token.kv.static_scales
     assert token.kv.k_scale.shape == token.kv.k.shape[:-1]
     assert tiny_engine().runner.static_kv_scales is None         # unquantized KV
+
+
+def _tiny_runner(**engine_kw):
+    from engine_util import TINY, tiny_model
+    from jaxinfer.config import EngineConfig
+    from jaxinfer.runner import ModelRunner
+
+    graphdef, params = tiny_model()
+    return ModelRunner(TINY, EngineConfig(max_model_len=128, max_num_seqs=8, page_size=4,
+                                          max_num_batched_tokens=64, **engine_kw),
+                       graphdef, params)
+
+
+def test_the_runner_is_built_while_its_calibration_runs_and_its_pool_waits_for_it(monkeypatch):
+    """The calibration's forward (a compile on a cold start) overlaps what follows the
+    runner's construction (the warm-up's compiles); the first use of the pool waits for the
+    calibrated scales and holds them, not the placeholders."""
+    release, calibrate = threading.Event(), kc.engine_scales
+
+    def held(*args):
+        assert release.wait(120), "the runner waited for its calibration"
+        return calibrate(*args)
+
+    monkeypatch.setattr(kc, "engine_scales", held)
+    runner = _tiny_runner(kv_dtype="fp8")
+    release.set()
+    ks, vs = runner.static_kv_scales
+    assert not np.all(ks == 1) and not np.all(vs == 1)
+    for i, layer in enumerate(runner.kv.layers if isinstance(runner.kv, KVLayers)
+                              else [runner.kv]):
+        rows = slice(i, i + 1) if isinstance(runner.kv, KVLayers) else slice(None)
+        np.testing.assert_array_equal(np.asarray(layer.k_scale), ks[rows])
+        np.testing.assert_array_equal(np.asarray(layer.v_scale), vs[rows])
+    monkeypatch.setattr(kc, "engine_scales", calibrate)
+    np.testing.assert_array_equal(_tiny_runner(kv_dtype="fp8").static_kv_scales[0], ks)
+
+
+def test_a_failed_calibration_fails_every_use_of_the_pool(monkeypatch):
+    def failing(*args):
+        raise RuntimeError("calibration forward failed")
+
+    monkeypatch.setattr(kc, "engine_scales", failing)
+    runner = _tiny_runner(kv_dtype="fp8")
+    for _ in range(2):      # never the placeholder scales
+        with pytest.raises(RuntimeError, match="calibration forward failed"):
+            runner.kv
+    with pytest.raises(RuntimeError, match="calibration forward failed"):
+        runner.static_kv_scales
+
+
+def test_with_scales_replaces_only_the_scales_in_either_layer_form():
+    ones = (np.ones((3, 2), np.float32),) * 2
+    scales = (np.arange(6, dtype=np.float32).reshape(3, 2) + 1, np.full((3, 2), 0.5, np.float32))
+    layers = KVLayers.allocate(3, 2, 5, 4, 16, jnp.float8_e4m3fn, scales=ones)
+    got = kc.with_scales(layers, scales)
+    for i, (old, new) in enumerate(zip(layers.layers, got.layers)):
+        assert new.k is old.k and new.v is old.v
+        np.testing.assert_array_equal(np.asarray(new.k_scale), scales[0][i:i + 1])
+        np.testing.assert_array_equal(np.asarray(new.v_scale), scales[1][i:i + 1])
+    stacked = kc.with_scales(KVCache.allocate(3, 2, 5, 4, 16, jnp.float8_e4m3fn, scales=ones),
+                             scales)
+    np.testing.assert_array_equal(np.asarray(stacked.k_scale), scales[0])
+    np.testing.assert_array_equal(np.asarray(stacked.v_scale), scales[1])
 
 
 def test_static_scales_follow_the_layer_form():
