@@ -221,12 +221,18 @@ def test_a_call_whose_deadline_the_server_cannot_meet_is_refused_at_once(server,
     RESOURCE_EXHAUSTED before the deadline, not left to run out; one with room runs."""
     for n in (3, 9, 17, 30):            # steps of several sizes: the step-time model fits
         client.complete(list(range(5, 5 + n)), {"max_tokens": 8}, timeout=60)
-    before, t0 = refused(server, "deadline"), time.monotonic()
-    with pytest.raises(grpc.RpcError) as e:
-        client.complete([5, 6, 7], {"max_tokens": 120, "ignore_eos": True}, timeout=0.05)
+    before = refused(server, "deadline")
+    # A machine busy with other work may not run the server's handler within the 50 ms
+    # (DEADLINE_EXCEEDED, the client's own timer): up to three calls, one must be refused.
+    for attempt in range(1, 4):
+        t0 = time.monotonic()
+        with pytest.raises(grpc.RpcError) as e:
+            client.complete([5, 6, 7], {"max_tokens": 120, "ignore_eos": True}, timeout=0.05)
+        if e.value.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
+            break
     assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e.value.details()
     assert "after its deadline" in e.value.details() and time.monotonic() - t0 < 0.1
-    assert refused(server, "deadline") == before + 1
+    assert before + 1 <= refused(server, "deadline") <= before + attempt
     done = client.complete([5, 6, 7], {"max_tokens": 4, "ignore_eos": True}, timeout=60,
                            priority=2)
     assert len(done.token_ids) == 4
