@@ -106,8 +106,10 @@ class ModelRunner(AheadOfTime, SplitSteps):
                     cfg, self.engine, self.layout,
                     lambda kv, tokens, md: self._logits_fn(self.params, kv, tokens, md)[0])
             if jax.process_count() == 1:
-                self._calibration = concurrent.futures.ThreadPoolExecutor(
-                    1, thread_name_prefix="jaxinfer-kv-calibration").submit(calibrate)
+                pool = concurrent.futures.ThreadPoolExecutor(
+                    1, thread_name_prefix="jaxinfer-kv-calibration")
+                self._calibration = pool.submit(calibrate)
+                pool.shutdown(wait=False)     # its thread ends with the calibration
             else:
                 self._scales = calibrate()
         with pool_oom_as_config_error(cfg, engine, "allocating the KV cache"):
