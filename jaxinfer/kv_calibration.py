@@ -21,7 +21,9 @@ Headroom 1 saturates; 2 to 32 score alike, close to per-token scales (docs/perfo
 """
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -112,3 +114,63 @@ def engine_scales(cfg, engine, layout, forward):
         return allocate_kv(cfg, engine.replace(kv_dtype="auto", num_pages=pages), layout)
 
     return calibrate(forward, allocate, cfg.vocab_size, engine.page_size)
+
+
+class CalibratedPool:
+    """ModelRunner's page pool with its static FP8 scales (a mixin: it reads the runner's
+    config and layout). The pool comes at once with placeholder scales, and the calibration
+    runs on a thread of its own, its forward's compile beside the warm-up's (a cold start's
+    seconds); the calibrated scales replace the placeholders before the pool is first used
+    (`kv`). On several processes it runs before the pool is allocated: its collectives must
+    keep their order across processes."""
+
+    def _start_calibration(self, cfg, forward):
+        """Start calibrating the static scales (forward: engine_scales'); returns the scales
+        to allocate the pool with: placeholders while the thread runs, the calibrated ones on
+        several processes, None when the pool has no static scales."""
+        self._scales, self._calibration = None, None
+        self._calibration_lock = threading.Lock()
+        if not needs_scales(self.engine):
+            return None
+
+        def calibrate():
+            return engine_scales(cfg, self.engine, self.layout, forward)
+        if jax.process_count() > 1:
+            self._scales = calibrate()
+            return self._scales
+        pool = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="jaxinfer-kv-calibration")
+        self._calibration = pool.submit(calibrate)
+        pool.shutdown(wait=False)     # its thread ends with the calibration
+        return placeholder_scales(cfg)
+
+    @property
+    def kv(self) -> KVCache | KVLayers:
+        """The page pool (its static FP8 scales calibrated: this waits for the calibration
+        the first time)."""
+        if self._calibration is not None:
+            self._install_scales()
+        return self._kv
+
+    @kv.setter
+    def kv(self, kv: KVCache | KVLayers) -> None:
+        if self._calibration is not None:
+            self._install_scales()
+        self._kv = kv
+
+    @property
+    def static_kv_scales(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """(k, v) [L, K] f32 of FP8 KV with static scales, else None."""
+        if self._calibration is not None:
+            self._install_scales()
+        return self._scales
+
+    def _install_scales(self) -> None:
+        """The calibration's scales (waiting for it; raising what it raised) into the pool,
+        in place of the placeholders."""
+        with self._calibration_lock:
+            if self._calibration is None:      # another thread installed them
+                return
+            self._scales = self._calibration.result()
+            self._kv = with_scales(self._kv, self._scales)
+            self._calibration = None

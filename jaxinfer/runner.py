@@ -23,18 +23,16 @@ donated buffers are reused in place); step inputs are replicated by jit.
 """
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import dataclasses
 import functools
-import threading
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxinfer import drafting, kv_calibration, lora_layers, sampling
+from jaxinfer import drafting, lora_layers, sampling
 from jaxinfer.ahead_of_time import AheadOfTime, CompileCounter  # noqa: F401 (re-exported)
 from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.dispatch_thread import DispatchThread, Pending, resolve
@@ -42,6 +40,7 @@ from jaxinfer.errors import ConfigError
 from jaxinfer.executable_store import ExecutableStore
 from jaxinfer.kv_cache import (AttentionMetadata, KVCache, KVLayers, allocate_kv,
                                kv_pool_gib)
+from jaxinfer.kv_calibration import CalibratedPool
 from jaxinfer.routes import Routes
 from jaxinfer.sharding import fetch, kv_spec, make_layout
 from jaxinfer.split_step import SplitSteps
@@ -67,7 +66,7 @@ def pool_oom_as_config_error(cfg: ModelConfig, engine: EngineConfig, where: str)
             f"max_num_batched_tokens. XLA said: {str(e).splitlines()[0][:200]}") from e
 
 
-class ModelRunner(AheadOfTime, SplitSteps):
+class ModelRunner(AheadOfTime, SplitSteps, CalibratedPool):
     """Owns params, the KV cache and the compiled step. Host code hands it numpy arrays."""
 
     def __init__(self, cfg: ModelConfig, engine: EngineConfig, graphdef, params,
@@ -92,30 +91,10 @@ class ModelRunner(AheadOfTime, SplitSteps):
         self._logits_fn = jax.jit(functools.partial(all_logits_program, graphdef, self.routes,
                                                     kv_sharding=kv_sharding),
                                   donate_argnums=(1,))
-        # FP8 KV with static scales (kv_calibration.py): the pool comes at once with
-        # placeholder scales, and the calibration runs on a thread of its own, its forward's
-        # compile overlapping the warm-up's (a cold start's seconds); the calibrated scales
-        # replace the placeholders before the cache is first used (`kv`). On several
-        # processes it runs here: its collectives must keep their order across processes.
-        self._kv = None
-        self._scales, self._calibration = None, None
-        self._calibration_lock = threading.Lock()
-        if kv_calibration.needs_scales(self.engine):
-            def calibrate():
-                return kv_calibration.engine_scales(
-                    cfg, self.engine, self.layout,
-                    lambda kv, tokens, md: self._logits_fn(self.params, kv, tokens, md)[0])
-            if jax.process_count() == 1:
-                pool = concurrent.futures.ThreadPoolExecutor(
-                    1, thread_name_prefix="jaxinfer-kv-calibration")
-                self._calibration = pool.submit(calibrate)
-                pool.shutdown(wait=False)     # its thread ends with the calibration
-            else:
-                self._scales = calibrate()
+        scales = self._start_calibration(
+            cfg, lambda kv, tokens, md: self._logits_fn(self.params, kv, tokens, md)[0])
         with pool_oom_as_config_error(cfg, engine, "allocating the KV cache"):
-            self._kv = allocate_kv(cfg, self.engine, self.layout,
-                                   self._scales if self._calibration is None
-                                   else kv_calibration.placeholder_scales(cfg))
+            self._kv = allocate_kv(cfg, self.engine, self.layout, scales)
         self._rng = jax.random.key(engine.seed)
         self._num_steps = 0
         # Several processes (multihost.py): on the leader, what sends each call the followers
@@ -167,37 +146,6 @@ class ModelRunner(AheadOfTime, SplitSteps):
         # the step's call), "dispatched" (after it: the cache was donated) and "fetch" (before
         # the engine reads a step's tokens); whatever it raises, the step raises.
         self.fault_hook = None
-
-    @property
-    def kv(self) -> KVCache | KVLayers:
-        """The page pool (its static FP8 scales calibrated: this waits for the calibration
-        the first time)."""
-        if self._calibration is not None:
-            self._install_scales()
-        return self._kv
-
-    @kv.setter
-    def kv(self, kv: KVCache | KVLayers) -> None:
-        if self._calibration is not None:
-            self._install_scales()
-        self._kv = kv
-
-    @property
-    def static_kv_scales(self) -> tuple[np.ndarray, np.ndarray] | None:
-        """(k, v) [L, K] f32 of FP8 KV with static scales (kv_calibration.py), else None."""
-        if self._calibration is not None:
-            self._install_scales()
-        return self._scales
-
-    def _install_scales(self) -> None:
-        """The calibration's scales (waiting for it; raising what it raised) into the pool,
-        in place of the placeholders."""
-        with self._calibration_lock:
-            if self._calibration is None:      # another thread installed them
-                return
-            self._scales = self._calibration.result()
-            self._kv = kv_calibration.with_scales(self._kv, self._scales)
-            self._calibration = None
 
     def step(self, inp: StepInput | PackedInput) -> sampling.SampleOutput:
         """Run one step; returns the sampled tokens etc. as numpy (the one device->host sync)."""
