@@ -6,11 +6,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from engine_util import random_prompts, run_staggered, tiny_engine
+from engine_util import TINY, random_prompts, run_staggered, tiny_engine, tiny_model
 from jaxinfer import kv_calibration as kc
+from jaxinfer.config import EngineConfig
 from jaxinfer.errors import ConfigError
 from jaxinfer.kv_cache import KVCache, KVLayers, single_sequence_metadata
 from jaxinfer.request import SamplingParams
+from jaxinfer.runner import ModelRunner
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 
@@ -68,10 +70,6 @@ def test_runner_calibrates_the_pool():
 
 
 def _tiny_runner(**engine_kw):
-    from engine_util import TINY, tiny_model
-    from jaxinfer.config import EngineConfig
-    from jaxinfer.runner import ModelRunner
-
     graphdef, params = tiny_model()
     return ModelRunner(TINY, EngineConfig(max_model_len=128, max_num_seqs=8, page_size=4,
                                           max_num_batched_tokens=64, **engine_kw),
