@@ -119,8 +119,9 @@ def engine_scales(cfg, engine, layout, forward):
 class CalibratedPool:
     """ModelRunner's page pool with its static FP8 scales (a mixin: it reads the runner's
     config and layout). The pool comes at once with placeholder scales, and the calibration
-    runs on a thread of its own, its forward's compile beside the warm-up's (a cold start's
-    seconds); the calibrated scales replace the placeholders before the pool is first used
+    runs on a thread of its own, beside the warm-up, so loading no longer waits for its
+    forward's compile (the cold start as a whole is bound by the compile work:
+    docs/performance.md); the calibrated scales replace the placeholders before the pool is first used
     (`kv`). On several processes it runs before the pool is allocated: its collectives must
     keep their order across processes."""
 
