@@ -127,26 +127,19 @@ class SamplingArrays:
         if len(generated_counts) != n:
             raise ValueError(f"generated_counts has {len(generated_counts)} entries for {n} rows")
         rows = [p or _PAD for p in params] + [_PAD] * (batch_size - n)
-        # Rows mostly share a few SamplingParams objects (one per LLM.generate call): the
-        # fields are read once per distinct object, then gathered to the rows.
-        distinct, where = np.unique(np.fromiter(map(id, rows), np.int64, batch_size),
-                                    return_index=True, return_inverse=True)[1:]
-        uniq = [rows[i] for i in distinct]
-        cols = np.array([(p.temperature, p.top_k, p.top_p, p.min_p, p.repetition_penalty,
-                          p.presence_penalty, p.frequency_penalty,
-                          -1 if p.logprobs is None else p.logprobs) for p in uniq],
-                        np.float64).reshape(len(uniq), 8)[where].T
-        seeds = np.array([(s >> 32, s & 0xFFFFFFFF) for s in (p.seed or 0 for p in uniq)],
-                         np.uint32).reshape(len(uniq), 2)[where]
-        has_seed = np.array([p.seed is not None for p in uniq], bool)[where]
+        # Each SamplingParams' columns are packed once (_row) and the rows' bytes joined:
+        # no per-row numpy conversion, however many distinct objects the rows hold.
+        cols = np.frombuffer(b"".join([_row(p) for p in rows]), np.float64).reshape(
+            batch_size, _COLUMNS).T
+        seeds = cols[8:10].T.astype(np.uint32)
+        has_seed = cols[10].astype(bool)
         step = np.zeros(batch_size, np.int32)
         step[:n] = generated_counts
-        penalty = np.array([uses_penalty(p) for p in uniq], bool)[where[:n]]
-        full = any(needs_full(p) for p in uniq)
-        tokens, out_start = _penalty_window(np.flatnonzero(penalty), full, token_ids,
+        full = bool(cols[12].any())
+        tokens, out_start = _penalty_window(np.flatnonzero(cols[11][:n]), full, token_ids,
                                             generated_counts, batch_size, window)
         no_sample = np.full((batch_size, MAX_BANNED_IDS if full else 0), -1, np.int32)
-        for b, ids in enumerate(banned or ()):
+        for b, ids in enumerate((banned or ()) if full else ()):
             if ids:
                 no_sample[b, :len(ids)] = ids
         f32, i32 = (lambda i: cols[i].astype(np.float32)), (lambda i: cols[i].astype(np.int32))
@@ -156,6 +149,27 @@ class SamplingArrays:
             seed=seeds, has_seed=has_seed,
             step=step, num_logprobs=i32(7), penalty_tokens=tokens, output_start=out_start,
             banned=no_sample)
+
+
+_COLUMNS = 13   # _row's
+
+
+def _row(p: SamplingParams) -> bytes:
+    """p's columns of SamplingArrays as float64 bytes (exact: every value is a small integer or
+    a float): temperature, top_k, top_p, min_p, the three penalties, num_logprobs, the seed's
+    high and low 32 bits, has_seed, uses_penalty, needs_full. Computed once per object and
+    kept in its __dict__ (as functools.cached_property keeps a value; the dataclass is frozen
+    and its fields, the only thing the row depends on, never change)."""
+    row = p.__dict__.get("_sampling_row")
+    if row is None:
+        seed = p.seed or 0
+        row = np.array((p.temperature, p.top_k, p.top_p, p.min_p, p.repetition_penalty,
+                        p.presence_penalty, p.frequency_penalty,
+                        -1 if p.logprobs is None else p.logprobs, seed >> 32, seed & 0xFFFFFFFF,
+                        p.seed is not None, uses_penalty(p), needs_full(p)),
+                       np.float64).tobytes()
+        p.__dict__["_sampling_row"] = row
+    return row
 
 
 def uses_penalty(p: SamplingParams) -> bool:

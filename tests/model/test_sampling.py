@@ -327,3 +327,39 @@ def test_banned_ids_are_never_sampled_and_logprobs_stay_raw():
     # min_tokens alone sends a greedy row to the full variant.
     assert SamplingArrays.from_params([SamplingParams(temperature=0.0, min_tokens=1)], [0],
                                       batch_size=1).full
+
+
+def test_sampling_arrays_read_each_row_its_own_params():
+    """Each row's columns are its own SamplingParams' fields, whether rows share one object,
+    hold equal copies or differ; seeds split into exact 32-bit halves; padding rows are
+    greedy and unseeded."""
+    kinds = [SamplingParams(temperature=0.7, top_k=40, top_p=0.9, min_p=0.05, seed=2**62 + 5,
+                            logprobs=3),
+             SamplingParams(temperature=0.0, repetition_penalty=1.2, presence_penalty=-0.5,
+                            frequency_penalty=0.25),
+             SamplingParams(temperature=0.0)]
+    rows = [kinds[i % 3] for i in range(7)]
+    copies = [SamplingParams(**{f: getattr(p, f) for f in SamplingParams.fields()})
+              for p in rows]
+    contexts = [list(range(i + 5)) for i in range(7)]
+    want = {
+        "temperature": [0.7, 0, 0] * 2 + [0.7, 0],
+        "top_k": [40, 0, 0] * 2 + [40, 0], "top_p": [0.9, 1, 1] * 2 + [0.9, 1],
+        "min_p": [0.05, 0, 0] * 2 + [0.05, 0],
+        "repetition_penalty": [1, 1.2, 1] * 2 + [1, 1],
+        "presence_penalty": [0, -0.5, 0] * 2 + [0, 0],
+        "frequency_penalty": [0, 0.25, 0] * 2 + [0, 0],
+        "num_logprobs": [3, -1, -1] * 2 + [3, -1],
+        "has_seed": [True, False, False] * 2 + [True, False]}
+    for params in (rows, copies):
+        a = SamplingArrays.from_params(params, list(range(7)), contexts, batch_size=8, window=4)
+        for name, values in want.items():
+            np.testing.assert_allclose(getattr(a, name), np.array(values, np.float32),
+                                       err_msg=name)
+        np.testing.assert_array_equal(a.seed[0], [2**30, 5])
+        assert (a.seed[1:3] == 0).all() and (a.seed[7] == 0).all()
+        assert a.full and a.penalty_tokens.shape == (8, 4)
+        np.testing.assert_array_equal(a.penalty_tokens[[1, 4]], [[2, 3, 4, 5], [5, 6, 7, 8]])
+        assert (a.penalty_tokens[[0, 2, 3, 5, 6, 7]] == -1).all()
+    greedy = SamplingArrays.from_params([kinds[2]] * 3, [0] * 3, batch_size=4)
+    assert not greedy.full and greedy.banned.shape == (4, 0)
