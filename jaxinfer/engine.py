@@ -77,6 +77,9 @@ class _InFlight:
     # step needs its tokens first.
     waits: bool = False
     enqueued: float | None = None   # the host finished dispatching it (device_clock.py)
+    # Greedy without logprobs (the `plain` variant), not a verify step: the host reads only
+    # its tokens, not the logprob outputs, which no row asked for.
+    tokens_only: bool = False
 
 
 class Engine(EngineRequests, EngineLoRA, EngineSpeculation, EngineOutputs, EngineWarmup):
@@ -315,7 +318,8 @@ class Engine(EngineRequests, EngineLoRA, EngineSpeculation, EngineOutputs, Engin
             out, sampled, next_tokens, dict(zip(arrays.request_ids, range(out.num_rows))),
             waits=bool((samp.repetition_penalty != 1).any()
                        or samp.presence_penalty.any() or samp.frequency_penalty.any()
-                       or self._grammars.any_of(arrays.request_ids)), enqueued=enqueued)
+                       or self._grammars.any_of(arrays.request_ids)), enqueued=enqueued,
+            tokens_only=not samp.full and not out.verify)
         self.num_steps += 1
         m["t5"] = clock()
         return prev, later, new

@@ -7,6 +7,7 @@ the step in flight: `_read_early` (before scheduling, where the next step depend
 `_read_late` (after dispatching)."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import time
@@ -81,7 +82,8 @@ class EngineOutputs:
         t = time.perf_counter()
         sampled = resolve(step.sampled)
         self.last_device = (self._device_clock.wait(sampled, step.enqueued), step.out)
-        sampled = fetch(sampled)
+        sampled = (dataclasses.replace(sampled, tokens=fetch(sampled.tokens))
+                   if step.tokens_only and sampled.prompt is None else fetch(sampled))
         self._waited += time.perf_counter() - t
         if step.out.verify:
             return self._update_verify(step.out, sampled)

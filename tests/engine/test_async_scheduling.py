@@ -7,6 +7,7 @@ import pytest
 
 from engine_util import random_prompts, run_staggered, tiny_engine
 from jaxinfer.request import FinishReason, SamplingParams
+from jaxinfer.sampling import SampleOutput
 from jaxinfer.step_input import unpack
 
 
@@ -103,6 +104,29 @@ def test_async_runs_one_step_ahead_with_tokens_from_the_device():
     assert run_staggered(sync, random_prompts(1, seed=5), [params], [0])[0].token_ids == total
     # max_tokens is known ahead: no wasted step past the last token.
     assert engine.num_steps == 5
+
+
+def test_a_greedy_step_reads_back_only_its_tokens(monkeypatch):
+    """A step of greedy rows without logprobs (the `plain` variant) reads only its tokens
+    from the device; a step with a logprobs row reads the logprob outputs too; either way the
+    outputs are the synchronous engine's."""
+    from jaxinfer import engine_outputs
+    fetched = []
+    fetch = engine_outputs.fetch
+    monkeypatch.setattr(engine_outputs, "fetch", lambda x: fetched.append(x) or fetch(x))
+    prompts = random_prompts(3, seed=8)
+    greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    with_lp = SamplingParams(temperature=0.0, max_tokens=4, logprobs=2, ignore_eos=True)
+    for params, kinds in (([greedy] * 3, {False}), ([with_lp] * 3, {True}),
+                          ([greedy, with_lp, greedy], {False, True})):
+        fetched.clear()
+        got = run_staggered(tiny_engine(async_scheduling=True), prompts, params, [0, 0, 0])
+        # Mixed: a step holding the logprobs row reads everything, one without it (the
+        # chunked prompts are not all in one step) its tokens.
+        assert {isinstance(x, SampleOutput) for x in fetched} <= kinds and fetched
+        want = run_staggered(tiny_engine(async_scheduling=False), prompts, params, [0, 0, 0])
+        assert _summary(got) == _summary(want)
+        _same_logprobs(got, want)
 
 
 def test_a_penalty_step_takes_the_tokens_first_and_the_text_after_its_dispatch():
