@@ -12,6 +12,8 @@ import functools
 import logging
 import time
 
+import numpy as np
+
 from jaxinfer.dispatch_thread import resolve
 from jaxinfer.engine_io import logprob_dict
 from jaxinfer.prompt_logprobs import record_step
@@ -105,17 +107,21 @@ class EngineOutputs:
         may be scheduled again."""
         if sampled.prompt is not None:
             record_step(out, sampled.prompt, self._prompt_lp, self._token_text)
-        tokens = [int(t) for t in sampled.tokens[:out.num_rows]]
+        tokens = np.asarray(sampled.tokens[:out.num_rows]).tolist()
         got_token = {r.request_id: r for r in self.scheduler.resolve(out, tokens)}
         self.num_generated += len(got_token)
         rows = [(b, req) for b, row in enumerate(out.rows)
                 if (req := got_token.get(row.request_id)) is not None]
-        live = [(b, req) for b, req in rows if not req.is_finished]
-        try:
-            advanced = dict(zip((b for b, _ in live), self._grammars.advance_all(
-                [(req.request_id, tokens[b]) for b, req in live])))
-        except Exception as e:   # fails the grammar rows, not the step
-            advanced = {b: e for b, req in live if req.request_id in self._grammars}
+        advanced = {}
+        if self._grammars.matchers:
+            live = [(b, req) for b, req in rows if not req.is_finished]
+            try:
+                advanced = dict(zip((b for b, _ in live), self._grammars.advance_all(
+                    [(req.request_id, tokens[b]) for b, req in live])))
+            except Exception as e:   # fails the grammar rows, not the step
+                advanced = {b: e for b, req in live if req.request_id in self._grammars}
+        if not advanced:   # no grammar row: every row takes its token as it is
+            return [(b, req, tokens[b], False) for b, req in rows]
         taken = []
         for b, req in rows:
             done = advanced.get(b, False)
