@@ -122,6 +122,16 @@ class Detokenized:
         self.prompt = prompt
         self.logprobs: list[dict[int, Logprob]] = []  # per output token, when asked for
 
+    def keep(self, token: int) -> bool:
+        """`add(token, done=False, defer=True)` where that only keeps the token (no stop
+        strings to look for): True, and the token is kept; False: nothing was done."""
+        if self._stop:
+            return False
+        if self._detok is not None:
+            self._count += 1
+            self._held.append(token)
+        return True
+
     def add(self, token: int, done: bool, defer: bool = False) -> tuple[str, bool]:
         """Append a token; returns (delta to emit, whether a stop string ended the text).
         `done`: the request ends with this token (flush everything held back). `defer`: no

@@ -135,12 +135,17 @@ class EngineOutputs:
     def _text_outputs(self, taken: list, sampled) -> list[RequestOutput]:
         """The outputs of the rows `_take_tokens` took: text deltas, stop strings and
         logprobs."""
-        outputs = []
+        outputs, deferred = [], not self._deltas
         for b, req, token, grammar_done in taken:
             if isinstance(grammar_done, Exception):
                 self._text_failed(outputs, req, grammar_done)
                 continue
             text = self._text[req.request_id]
+            # Final outputs only, the row goes on and nothing to look for: the token is kept
+            # for the text's one decode at the end, and the row has no output this step.
+            if (deferred and grammar_done is False and not req.is_finished
+                    and req.sampling_params.logprobs is None and text.keep(token)):
+                continue
             try:
                 delta, stop_hit = text.add(token, done=req.is_finished,
                                            defer=not self._deltas)
