@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import weakref
 from typing import Sequence
 
 import jax
@@ -154,13 +155,16 @@ class SamplingArrays:
 _COLUMNS = 13   # _row's
 
 
+_ROWS: dict[int, bytes] = {}   # id(SamplingParams) -> its _row, while the object lives
+
+
 def _row(p: SamplingParams) -> bytes:
     """p's columns of SamplingArrays as float64 bytes (exact: every value is a small integer or
     a float): temperature, top_k, top_p, min_p, the three penalties, num_logprobs, the seed's
-    high and low 32 bits, has_seed, uses_penalty, needs_full. Computed once per object and
-    kept in its __dict__ (as functools.cached_property keeps a value; the dataclass is frozen
-    and its fields, the only thing the row depends on, never change)."""
-    row = p.__dict__.get("_sampling_row")
+    high and low 32 bits, has_seed, uses_penalty, needs_full. Computed once per object (the
+    dataclass is frozen) and kept by its id until it is collected, outside the object, so
+    that vars(p) stays its fields."""
+    row = _ROWS.get(id(p))
     if row is None:
         seed = p.seed or 0
         row = np.array((p.temperature, p.top_k, p.top_p, p.min_p, p.repetition_penalty,
@@ -168,7 +172,8 @@ def _row(p: SamplingParams) -> bytes:
                         -1 if p.logprobs is None else p.logprobs, seed >> 32, seed & 0xFFFFFFFF,
                         p.seed is not None, uses_penalty(p), needs_full(p)),
                        np.float64).tobytes()
-        p.__dict__["_sampling_row"] = row
+        _ROWS[id(p)] = row
+        weakref.finalize(p, _ROWS.pop, id(p), None)
     return row
 
 

@@ -363,3 +363,19 @@ def test_sampling_arrays_read_each_row_its_own_params():
         assert (a.penalty_tokens[[0, 2, 3, 5, 6, 7]] == -1).all()
     greedy = SamplingArrays.from_params([kinds[2]] * 3, [0] * 3, batch_size=4)
     assert not greedy.full and greedy.banned.shape == (4, 0)
+
+
+def test_sampling_arrays_leave_the_params_as_they_were():
+    """What from_params keeps per SamplingParams lives outside it: vars(p) stays its fields
+    (SamplingParams(**vars(p)) rebuilds it), and the entry goes when p is collected."""
+    import gc
+    from jaxinfer import sampling
+    p = SamplingParams(temperature=0.5, seed=3, n=2)
+    before = dict(vars(p))
+    SamplingArrays.from_params([p], [0], batch_size=1)
+    assert vars(p) == before and SamplingParams(**vars(p)) == p
+    key = id(p)
+    assert key in sampling._ROWS
+    del p
+    gc.collect()
+    assert key not in sampling._ROWS
