@@ -351,7 +351,10 @@ class ModelRunner(AheadOfTime, SplitSteps, CalibratedPool):
                                          self.cfg.vocab_size, self.lora is not None)]
         if on_total is not None:
             on_total(len({key for p in inputs for key, _ in self.programs(p)}))
-        self.compile_ahead(inputs, on_done=on_done)
+        # XLA's autotuner tries each GEMM's configurations in buffers of their own, beside the
+        # pool: a pool sized to the last GiB leaves it none.
+        with pool_oom_as_config_error(self.cfg, self.engine, "compiling the steps"):
+            self.compile_ahead(inputs, on_done=on_done)
         quiet, self._quiet = self._quiet, True
         try:
             with pool_oom_as_config_error(self.cfg, self.engine, "a warm-up step"):

@@ -135,6 +135,15 @@ def test_warmup_out_of_memory_names_the_pool(monkeypatch):
         engine.warmup(progress=False, variants=("plain",))
 
 
+def test_compile_out_of_memory_names_the_pool(monkeypatch):
+    """The autotuner's trial buffers not fitting beside the pool: the same clear error."""
+    engine = tiny_engine(max_num_seqs=2, max_num_batched_tokens=16)
+    monkeypatch.setattr(runner.ModelRunner, "compile_ahead", _exhausted)
+    with pytest.raises(ConfigError, match=r"compiling the steps ran out of device memory next "
+                                          r"to a KV pool of \d+ pages.*lower num_pages"):
+        engine.warmup(progress=False, variants=("plain",))
+
+
 def test_other_runtime_errors_pass_through(monkeypatch):
     def broken(*_a, **_k):
         raise jax.errors.JaxRuntimeError("INTERNAL: something else")
