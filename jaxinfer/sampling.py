@@ -152,9 +152,7 @@ class SamplingArrays:
             banned=no_sample)
 
 
-_COLUMNS = 13   # _row's
-
-
+_COLUMNS = 13                  # _row's
 _ROWS: dict[int, bytes] = {}   # id(SamplingParams) -> its _row, while the object lives
 
 
