@@ -139,10 +139,9 @@ class Detokenized:
         decoded with the rest later (once, not a window per token)."""
         if self._detok is None:
             return "", False
-        self._count += 1
-        if defer and not done and not self._stop:
-            self._held.append(token)
+        if defer and not done and self.keep(token):
             return "", False
+        self._count += 1
         if self._held:
             self._held.append(token)
             new = self._detok.add(self._held)

@@ -121,9 +121,9 @@ class CalibratedPool:
     config and layout). The pool comes at once with placeholder scales, and the calibration
     runs on a thread of its own, beside the warm-up, so loading no longer waits for its
     forward's compile (the cold start as a whole is bound by the compile work:
-    docs/performance.md); the calibrated scales replace the placeholders before the pool is first used
-    (`kv`). On several processes it runs before the pool is allocated: its collectives must
-    keep their order across processes."""
+    docs/performance.md); the calibrated scales replace the placeholders before the pool is
+    first used (`kv`). On several processes it runs before the pool is allocated: its
+    collectives must keep their order across processes."""
 
     def _start_calibration(self, cfg, forward):
         """Start calibrating the static scales (forward: engine_scales'); returns the scales
