@@ -18,7 +18,7 @@ from jaxinfer.dispatch_thread import resolve
 from jaxinfer.engine_io import logprob_dict
 from jaxinfer.prompt_logprobs import record_step
 from jaxinfer.request import FinishReason, Request, RequestOutput
-from jaxinfer.sampling import uses_penalty
+from jaxinfer.sampling_columns import uses_penalty
 from jaxinfer.scheduler_output import SchedulerOutput
 from jaxinfer.sharding import fetch
 

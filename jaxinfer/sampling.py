@@ -60,7 +60,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import weakref
 from typing import Sequence
 
 import jax
@@ -68,10 +67,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.request import MAX_BANNED_IDS, MAX_LOGPROBS, SamplingParams
+from jaxinfer.sampling_columns import COLUMNS, MIN_TEMPERATURE, columns_of, penalty_window
 
 TOP_CANDIDATES = 256
 DEFAULT_WINDOW = 1024
-MIN_TEMPERATURE = 1e-5  # below this a row is greedy: dividing by it would overflow the logits
 
 _PAD = SamplingParams(max_tokens=1, temperature=0.0)  # padding rows: greedy, nothing else on
 
@@ -128,16 +127,16 @@ class SamplingArrays:
         if len(generated_counts) != n:
             raise ValueError(f"generated_counts has {len(generated_counts)} entries for {n} rows")
         rows = [p or _PAD for p in params] + [_PAD] * (batch_size - n)
-        # Each SamplingParams' columns are packed once (_row) and the rows' bytes joined:
+        # Each SamplingParams' columns are packed once (columns_of) and the rows' bytes joined:
         # no per-row numpy conversion, however many distinct objects the rows hold.
-        cols = np.frombuffer(b"".join([_row(p) for p in rows]), np.float64).reshape(
-            batch_size, _COLUMNS).T
+        cols = np.frombuffer(b"".join([columns_of(p) for p in rows]), np.float64).reshape(
+            batch_size, COLUMNS).T
         seeds = cols[8:10].T.astype(np.uint32)
         has_seed = cols[10].astype(bool)
         step = np.zeros(batch_size, np.int32)
         step[:n] = generated_counts
         full = bool(cols[12].any())
-        tokens, out_start = _penalty_window(np.flatnonzero(cols[11][:n]), full, token_ids,
+        tokens, out_start = penalty_window(np.flatnonzero(cols[11][:n]), full, token_ids,
                                             generated_counts, batch_size, window)
         no_sample = np.full((batch_size, MAX_BANNED_IDS if full else 0), -1, np.int32)
         for b, ids in enumerate((banned or ()) if full else ()):
@@ -150,56 +149,6 @@ class SamplingArrays:
             seed=seeds, has_seed=has_seed,
             step=step, num_logprobs=i32(7), penalty_tokens=tokens, output_start=out_start,
             banned=no_sample)
-
-
-_COLUMNS = 13                  # _row's
-_ROWS: dict[int, bytes] = {}   # id(SamplingParams) -> its _row, while the object lives
-
-
-def _row(p: SamplingParams) -> bytes:
-    """p's columns of SamplingArrays as float64 bytes (exact: every value is a small integer or
-    a float): temperature, top_k, top_p, min_p, the three penalties, num_logprobs, the seed's
-    high and low 32 bits, has_seed, uses_penalty, needs_full. Computed once per object (the
-    dataclass is frozen) and kept by its id until it is collected, outside the object, so
-    that vars(p) stays its fields."""
-    row = _ROWS.get(id(p))
-    if row is None:
-        seed = p.seed or 0
-        row = np.array((p.temperature, p.top_k, p.top_p, p.min_p, p.repetition_penalty,
-                        p.presence_penalty, p.frequency_penalty,
-                        -1 if p.logprobs is None else p.logprobs, seed >> 32, seed & 0xFFFFFFFF,
-                        p.seed is not None, uses_penalty(p), needs_full(p)),
-                       np.float64).tobytes()
-        _ROWS[id(p)] = row
-        weakref.finalize(p, _ROWS.pop, id(p), None)
-    return row
-
-
-def uses_penalty(p: SamplingParams) -> bool:
-    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
-
-
-def needs_full(p: SamplingParams) -> bool:
-    """Whether a row needs the `full` variant (anything beyond greedy argmax)."""
-    return (p.temperature >= MIN_TEMPERATURE or p.logprobs is not None or uses_penalty(p)
-            or p.min_tokens > 0 or p.structured_outputs is not None
-            or p.prompt_logprobs is not None)
-
-
-def _penalty_window(users, full: bool, token_ids, generated_counts, batch_size, window):
-    """[B, W] last-W context ids (-1 padded) and [B] output start of the rows `users` (those
-    with a penalty); W = 0 (the `plain` variant) unless `full` (some row is not greedy, or
-    wants logprobs or a penalty)."""
-    width = window if full else 0
-    tokens = np.full((batch_size, width), -1, np.int32)
-    out_start = np.zeros(batch_size, np.int32)
-    for b in users:
-        if token_ids is None or token_ids[b] is None:
-            raise ValueError(f"row {b} uses a penalty but no token_ids were given for it")
-        ctx = np.asarray(token_ids[b][-window:], np.int32)
-        tokens[b, :len(ctx)] = ctx
-        out_start[b] = max(len(ctx) - int(generated_counts[b]), 0)
-    return tokens, out_start
 
 
 @functools.partial(

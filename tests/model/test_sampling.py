@@ -369,13 +369,13 @@ def test_sampling_arrays_leave_the_params_as_they_were():
     """What from_params keeps per SamplingParams lives outside it: vars(p) stays its fields
     (SamplingParams(**vars(p)) rebuilds it), and the entry goes when p is collected."""
     import gc
-    from jaxinfer import sampling
+    from jaxinfer import sampling_columns
     p = SamplingParams(temperature=0.5, seed=3, n=2)
     before = dict(vars(p))
     SamplingArrays.from_params([p], [0], batch_size=1)
     assert vars(p) == before and SamplingParams(**vars(p)) == p
     key = id(p)
-    assert key in sampling._ROWS
+    assert key in sampling_columns._ROWS
     del p
     gc.collect()
-    assert key not in sampling._ROWS
+    assert key not in sampling_columns._ROWS
