@@ -4,11 +4,13 @@ On the GPU an XLA conditional (the lax.conds of the `full` and `prompt` sampling
 sampling.py) copies its predicate to the host, and the call that dispatched the step returns
 only once the step's forward pass is done. Dispatched from the engine's thread, that leaves
 the host nothing to overlap: it would prepare step t+1 and read step t only after step t's
-forward pass. ModelRunner.submit hands such a step to a DispatchThread instead and returns
-Pending outputs at once (a `plain` step, greedy without a conditional, is dispatched at once:
-handing it over would only add the hop). The engine prepares the next step and turns the
-last one's tokens into text while the thread waits on the device, and waits for the thread
-(ModelRunner.sync) only when it dispatches again.
+forward pass. ModelRunner.submit hands every step to a DispatchThread instead and returns
+Pending outputs at once: a `plain` step (greedy, without a conditional) does not block, but
+its launch still takes ~1-2 ms of host time a step on the GPU (the arguments' handling and
+PJRT's execute, which releases the GIL), which the hand-over takes off the engine's thread.
+The engine prepares the next step and turns the last one's tokens into text while the thread
+dispatches and waits on the device, and waits for the thread (ModelRunner.sync) only when it
+dispatches again.
 
 Calls run one at a time in the order they were handed over; what a call raised is raised by
 each `Pending.get()` of its outputs and, once, by the next `wait()`.
@@ -16,6 +18,7 @@ each `Pending.get()` of its outputs and, once, by the next `wait()`.
 from __future__ import annotations
 
 import concurrent.futures
+import time
 
 
 class Pending:
@@ -27,6 +30,12 @@ class Pending:
 
     def get(self):
         return self._future.result()[self._index]
+
+
+def timed(fn, *args):
+    """fn(*args)'s outputs (a tuple), then when it returned: a dispatch's enqueue time
+    (device_clock.py)."""
+    return (*fn(*args), time.perf_counter())
 
 
 def resolve(x):

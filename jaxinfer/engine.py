@@ -313,7 +313,7 @@ class Engine(EngineRequests, EngineLoRA, EngineSpeculation, EngineOutputs, Engin
             m["masks"] = m["wall"] - (self._waited - waited)
         samp = step_input.sampling
         if isinstance(sampled, Pending):     # the dispatch thread enqueues it, later
-            enqueued = None
+            enqueued = self.runner.last_enqueued
         new = self._inflight = _InFlight(
             out, sampled, next_tokens, dict(zip(arrays.request_ids, range(out.num_rows))),
             waits=bool((samp.repetition_penalty != 1).any()

@@ -83,7 +83,7 @@ class EngineOutputs:
         self._wait_hook()
         t = time.perf_counter()
         sampled = resolve(step.sampled)
-        self.last_device = (self._device_clock.wait(sampled, step.enqueued), step.out)
+        self.last_device = (self._device_clock.wait(sampled, resolve(step.enqueued)), step.out)
         sampled = (dataclasses.replace(sampled, tokens=fetch(sampled.tokens))
                    if step.tokens_only and sampled.prompt is None else fetch(sampled))
         self._waited += time.perf_counter() - t

@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import time
 
 import jax
 import jax.numpy as jnp
@@ -35,7 +36,7 @@ from flax import nnx
 from jaxinfer import drafting, lora_layers, sampling
 from jaxinfer.ahead_of_time import AheadOfTime, CompileCounter  # noqa: F401 (re-exported)
 from jaxinfer.config import EngineConfig, ModelConfig
-from jaxinfer.dispatch_thread import DispatchThread, Pending, resolve
+from jaxinfer.dispatch_thread import DispatchThread, Pending, resolve, timed
 from jaxinfer.errors import ConfigError
 from jaxinfer.executable_store import ExecutableStore
 from jaxinfer.kv_cache import (AttentionMetadata, KVCache, KVLayers, allocate_kv,
@@ -108,9 +109,12 @@ class ModelRunner(AheadOfTime, SplitSteps, CalibratedPool):
         self._recent: dict[int, object] = {}
         self.no_prev = jax.device_put(np.zeros(engine.max_num_seqs, np.int32))
         # Steps dispatched from a thread of their own (dispatch_thread.py): on the GPU, where
-        # a sampling conditional blocks the dispatching thread, on one process, without
-        # speculation (its draft model reads the cache between steps).
+        # a sampling conditional blocks the dispatching thread and every launch takes ~1-2 ms
+        # of host time, on one process, without speculation (its draft model reads the cache
+        # between steps). last_enqueued: when the last step's dispatch returned (Pending while
+        # the thread runs it; device_clock.py).
         self._thread = None
+        self.last_enqueued = None
         if (jax.default_backend() == "gpu" and jax.process_count() == 1
                 and not engine.num_speculative_tokens):
             self.start_dispatch_thread()
@@ -154,19 +158,21 @@ class ModelRunner(AheadOfTime, SplitSteps, CalibratedPool):
     def submit(self, inp: StepInput | PackedInput):
         """Dispatch one step without waiting: (SampleOutput, next_tokens [S]), both on the
         device (dispatch_thread.Pending while the dispatch thread runs it: `resolve` them);
-        the cache is updated in place. Fetch the output with sharding.fetch."""
+        the cache is updated in place. Fetch the output with sharding.fetch. Sets
+        last_enqueued."""
         if self.mirror is not None and not self._quiet:
             self._mirror_step(inp)
         self._num_steps += 1
         if self.fault_hook is not None:
             self.fault_hook("dispatch", self)
-        p = inp if self._thread is None else self.prepare(inp)
-        if self._thread is None or p.bitmask is None:   # `plain` has no conditional
+        if self._thread is None:
             self.sync()
-            out, next_tokens = self._dispatch_step(p, self._num_steps)
+            out, next_tokens = self._dispatch_step(inp, self._num_steps)
+            self.last_enqueued = time.perf_counter()
         else:
-            done = self._thread.call(self._dispatch_step, p, self._num_steps)
+            done = self._thread.call(timed, self._dispatch_step, self.prepare(inp), self._num_steps)
             out, next_tokens = Pending(done, 0), Pending(done, 1, self.no_prev.shape)
+            self.last_enqueued = Pending(done, 2)
         if self.mirror is not None:   # only _mirror_step reads them: one process keeps none
             self._recent[self._num_steps] = next_tokens
             self._recent.pop(self._num_steps - 8, None)
@@ -181,9 +187,8 @@ class ModelRunner(AheadOfTime, SplitSteps, CalibratedPool):
         return out, next_tokens
 
     def start_dispatch_thread(self) -> None:
-        """Dispatch the steps that sample (`full`, `prompt`) from a thread of their own from
-        now on (dispatch_thread.py; on by default on the GPU); `plain` steps, which have no
-        conditional, are dispatched at once."""
+        """Dispatch the steps from a thread of their own from now on (dispatch_thread.py; on
+        by default on the GPU)."""
         self._thread = self._thread or DispatchThread()
 
     def sync(self, raise_errors: bool = True) -> None:

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 
 import jax
 import numpy as np
 
-from jaxinfer.dispatch_thread import Pending, resolve
+from jaxinfer.dispatch_thread import Pending, resolve, timed
 from jaxinfer.step_input import PackedInput, StepInput
 from jaxinfer.step_program import sample_signature, splits
 
@@ -56,14 +57,16 @@ class SplitSteps:
 
     def submit_sample(self, step: SplitStep, bitmask):
         """Dispatch the sampling of `step` (submit_forward) with `bitmask` [B, ceil(V/32)]
-        i32 (numpy or on the device); returns what `submit` returns."""
+        i32 (numpy or on the device); returns what `submit` returns and sets last_enqueued."""
         if not isinstance(bitmask, jax.Array):
             bitmask = jax.device_put(bitmask)
         if self._thread is None:
             out, next_tokens = self._dispatch_sample(step, bitmask)
+            self.last_enqueued = time.perf_counter()
         else:
-            done = self._thread.call(self._dispatch_sample, step, bitmask)
+            done = self._thread.call(timed, self._dispatch_sample, step, bitmask)
             out, next_tokens = Pending(done, 0), Pending(done, 1, self.no_prev.shape)
+            self.last_enqueued = Pending(done, 2)
         if self.mirror is not None:   # only _mirror_step reads them: one process keeps none
             self._recent[step.step_index] = next_tokens
             self._recent.pop(step.step_index - 8, None)

@@ -44,9 +44,21 @@ def _threaded(**kw):
     return engine, threads
 
 
+def _enqueue_times(engine) -> list:
+    """The enqueue time the engine hands its device clock for each step it reads."""
+    times, wait = [], engine._device_clock.wait
+
+    def spy(outputs, enqueued):
+        times.append(enqueued)
+        return wait(outputs, enqueued)
+    engine._device_clock.wait = spy
+    return times
+
+
 def test_outputs_equal_the_synchronous_engine():
     prompts, params, arrivals = _workload()
     engine, threads = _threaded()
+    enqueued = _enqueue_times(engine)
     got = run_staggered(engine, prompts, params, arrivals)
     want = run_staggered(tiny_engine(async_scheduling=False), prompts, params, arrivals)
     assert [(o.token_ids, o.finish_reason) for o in got] == [
@@ -55,8 +67,11 @@ def test_outputs_equal_the_synchronous_engine():
         for x, y in zip(a.logprobs or [], b.logprobs or []):
             assert x.keys() == y.keys()
             assert all(abs(x[k].logprob - y[k].logprob) < 1e-4 for k in x)
-    # Sampling steps on the thread; greedy ones (no conditional to block on) at once.
-    assert threads == {("plain", False), ("full", True)}
+    # Every step on the thread, greedy ones (no conditional to block on) too; the device
+    # clock gets each one's enqueue time from the thread, in step order.
+    assert threads == {("plain", True), ("full", True)}
+    assert enqueued and all(isinstance(t, float) for t in enqueued), enqueued
+    assert enqueued == sorted(enqueued)
     alloc = engine.scheduler.allocator
     assert alloc.num_free == alloc.num_usable and not engine.has_unfinished_requests()
 
