@@ -197,18 +197,24 @@ class PageList:
 
     Each step copies every running row's pages into the page table; from Python ints that
     cost ~3 us per row of ~100 pages (0.6-0.8 ms at 256 rows), from this buffer a numpy copy.
-    `array()` is a read-only view of the pages so far, safe to keep as a snapshot: pages
-    below the length are never rewritten (a request that gives its pages back gets a new
-    PageList) and growth copies into a new buffer."""
+    `view` (and `array()`) is a read-only view of the pages so far, safe to keep as a
+    snapshot: pages below the length are never rewritten (a request that gives its pages
+    back gets a new PageList) and growth copies into a new buffer. It is an attribute, remade
+    as the pages grow (every S tokens of a decode row), so the scheduler's per-row loop reads
+    it and its length without a call."""
 
-    __slots__ = ("_buf", "_len", "_view")
+    __slots__ = ("_buf", "_len", "view")
 
     def __init__(self, pages: Iterable[int] = ()):
         pages = np.fromiter(pages, np.int32)
         self._buf = np.empty(max(8, len(pages)), np.int32)
         self._buf[:len(pages)] = pages
         self._len = len(pages)
-        self._view = None
+        self._remake_view()
+
+    def _remake_view(self) -> None:
+        self.view = self._buf[:self._len]
+        self.view.flags.writeable = False
 
     def extend(self, pages: Iterable[int]) -> None:
         pages = np.fromiter(pages, np.int32)
@@ -219,13 +225,10 @@ class PageList:
             self._buf = grown
         self._buf[self._len:n] = pages
         self._len = n
-        self._view = None
+        self._remake_view()
 
     def array(self) -> np.ndarray:
-        if self._view is None:   # made once per length: a decode row grows every S tokens
-            self._view = self._buf[:self._len]
-            self._view.flags.writeable = False
-        return self._view
+        return self.view
 
     def __len__(self) -> int:
         return self._len

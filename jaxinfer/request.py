@@ -330,6 +330,9 @@ class Request:
         self.prompt_token_ids = ids
         # Kept beside output_token_ids so slicing the fed tokens never concatenates.
         self.all_token_ids = ids + list(self.output_token_ids)
+        # The length at which max_tokens ends it (the scheduler's per-row test: the model's
+        # context, max_model_len, may end it first).
+        self.max_total_tokens = len(ids) + self.sampling_params.max_tokens
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -234,21 +234,24 @@ class Scheduler(RequestPages, Forks, VerifySteps):
         rows: list[ScheduledRow] = []
         preempted: list[str] = []
         i = 0
-        running, page_size = self.running, self.page_size
+        running, page_size, max_len = self.running, self.page_size, self.max_model_len
         while i < len(running) and budget > 0:
             request = running[i]
-            if request.num_pending and self._at_length_limit(request,
-                                                             request.num_output_tokens):
+            tokens = request.all_token_ids
+            total = len(tokens)
+            if request.num_pending and (total >= request.max_total_tokens or total >= max_len):
                 i += 1   # its pending token is its last: nothing more to compute
                 continue
-            start, tokens = request.num_computed_tokens, request.all_token_ids
-            n = min(len(tokens) - start, budget)
+            start = request.num_computed_tokens
+            n = min(total - start, budget)
+            pages = request.page_ids.view
             # The common decode step needs no new page (inline _grow's first test).
-            if (-(-(start + n) // page_size) > len(request.page_ids)
-                    and not self._make_room(request, n, preempted)):
-                break   # the request itself was the newest and got preempted
+            if -(-(start + n) // page_size) > len(pages):
+                if not self._make_room(request, n, preempted):
+                    break   # the request itself was the newest and got preempted
+                pages = request.page_ids.view
             rows.append(ScheduledRow(request.request_id, tuple(tokens[start:start + n]), start,
-                                     request.page_ids.array(), start + n == len(tokens)))
+                                     pages, start + n == total))
             budget -= n
             i += 1
         while (not preempted and self.waiting and budget > 0
@@ -298,14 +301,14 @@ class Scheduler(RequestPages, Forks, VerifySteps):
         PENDING output token until `resolve`. The next `schedule` may run before that (async
         scheduling): a PENDING token is then fed from the device (step_input.StepInput)."""
         self.deadlines.changed()
-        requests = self.requests
+        requests, verify = self.requests, output.verify
         for rid, token_ids, start, _, samples in output.rows:
             request = requests.get(rid)
             if request is None:
                 continue   # finished from outside between schedule and commit
             if request.num_computed_tokens != start:
                 raise RuntimeError(f"stale scheduler output for {rid!r}")
-            if output.verify:   # the last token is computed; proposals count once kept
+            if verify:   # the last token is computed; proposals count once kept
                 request.num_computed_tokens = start + 1
                 continue
             request.num_computed_tokens = start + len(token_ids)
@@ -369,6 +372,11 @@ class Scheduler(RequestPages, Forks, VerifySteps):
         return updated
 
     # --- helpers ------------------------------------------------------------------------
+    def _at_length_limit(self, request: Request, count: int) -> bool:
+        """`count` output tokens reach max_tokens or max_model_len."""
+        total = request.num_prompt_tokens + count
+        return total >= request.max_total_tokens or total >= self.max_model_len
+
     def _row(self, request: Request, n: int) -> ScheduledRow:
         start = request.num_computed_tokens
         return ScheduledRow(request.request_id, tuple(request.all_token_ids[start:start + n]),
@@ -382,8 +390,4 @@ class Scheduler(RequestPages, Forks, VerifySteps):
         if request.lora is not None:
             self.lora_slots.leave(request.lora)
 
-    def _at_length_limit(self, request: Request, count: int) -> bool:
-        """`count` output tokens reach max_tokens or max_model_len."""
-        return (count >= request.sampling_params.max_tokens
-                or request.num_prompt_tokens + count >= self.max_model_len)
 
