@@ -41,6 +41,7 @@ def measure(engine: Engine, steps: int) -> dict[str, list[float]]:
     """Seconds of each phase for `steps` decode steps of every running request."""
     s, runner, vocab = engine.scheduler, engine.runner, engine.model_config.vocab_size
     clock, seconds = time.perf_counter, {p: [] for p in PHASES}
+    tables = batch.PageTables()      # as the engine keeps them
     for i in range(WARM_STEPS + steps):
         t0 = clock()
         out = s.schedule()
@@ -49,7 +50,7 @@ def measure(engine: Engine, steps: int) -> dict[str, list[float]]:
             raise RuntimeError(f"step {i} is not a decode step of every row: {out.num_rows} "
                                f"rows, {out.num_tokens} tokens")
         bucket = engine.buckets.choose(out.num_tokens, out.num_rows, out.max_pages)
-        arrays = batch.prepare(out, bucket, engine.config.page_size)
+        arrays = batch.prepare(out, bucket, engine.config.page_size, tables)
         t2 = clock()
         inp = build_step_input(arrays, out, s, *pending_source(None, None, runner.no_prev, out,
                                                                arrays), vocab)

@@ -44,7 +44,58 @@ class StepArrays:
         return len(self.request_ids)
 
 
-def prepare(output: SchedulerOutput, bucket: Bucket, page_size: int) -> StepArrays:
+def _fill(table: np.ndarray, views) -> None:
+    """Each row of `table` from the start: that row's pages (int32 arrays). Every row's cells
+    at once: the cells the pages fill are, in row-major order, the concatenation's order."""
+    lens = np.fromiter(map(len, views), np.int64, len(views))
+    table[np.arange(table.shape[1]) < lens[:, None]] = np.concatenate(views)
+
+
+class PageTables:
+    """Each step's page table made from the last one of its shape. A row whose pages are the
+    same array as a row's last time (`PageList.view`: the same object until the request's
+    pages change) is copied from that row, and only the others are filled from their pages:
+    a decode row gets a new page every S steps, so at 512 rows of ~100 pages a step fills
+    ~1/S of its rows instead of all of them. Rows that kept their place are found by a
+    positional comparison; when many moved (a request that finished mid-batch shifts the
+    rows after it), by each view's id. The last views are kept, so their ids stay theirs."""
+
+    def __init__(self):
+        self._last: dict = {}   # (B, W) -> (views, table)
+
+    def build(self, views, shape: tuple[int, int]) -> np.ndarray:
+        """The [B, W] table of `views` (one per real row; padding rows are page 0)."""
+        n = len(views)
+        last = self._last.get(shape)
+        if last is None:
+            table = np.zeros(shape, np.int32)
+            _fill(table[:n], views)
+        else:
+            old_views, old = last
+            moved = [i for i, (a, b) in enumerate(zip(views, old_views)) if a is not b]
+            moved += range(min(n, len(old_views)), n)
+            if len(moved) <= n // 4:    # in place, but for a few rows
+                table = old.copy()
+                table[n:] = 0
+            else:
+                rows_of = {id(v): i for i, v in enumerate(old_views)}
+                src = np.fromiter((rows_of.get(id(v), -1) for v in views), np.int64, n)
+                table = np.zeros(shape, np.int32)
+                hit = np.flatnonzero(src >= 0)
+                table[hit] = old[src[hit]]
+                moved = np.flatnonzero(src < 0)
+            if len(moved):
+                part = np.zeros((len(moved), shape[1]), np.int32)
+                _fill(part, [views[i] for i in moved])
+                table[moved] = part
+        self._last[shape] = (views, table)
+        return table
+
+
+def prepare(output: SchedulerOutput, bucket: Bucket, page_size: int,
+            tables: PageTables | None = None) -> StepArrays:
+    """The step's arrays for `bucket`; tables: the engine's PageTables, which builds the page
+    table from the last step's (None: from the rows' pages alone)."""
     rows = output.rows
     n_rows, n_tok = len(rows), output.num_tokens
     T, B, W = bucket.num_tokens, bucket.num_seqs, bucket.pages_per_seq
@@ -62,11 +113,11 @@ def prepare(output: SchedulerOutput, bucket: Bucket, page_size: int) -> StepArra
     query_start[0] = 0
     query_start[1:n_rows + 1] = np.cumsum(q_len)
 
-    # Every row's pages (int32 arrays) into the table at once: the cells a row's pages fill
-    # are, in row-major order, the concatenation's order.
-    n_pages = np.fromiter(map(len, page_ids), np.int64, n_rows)
-    page_table = np.zeros((B, W), np.int32)
-    page_table[:n_rows][np.arange(W) < n_pages[:, None]] = np.concatenate(page_ids)
+    if tables is None:
+        page_table = np.zeros((B, W), np.int32)
+        _fill(page_table[:n_rows], page_ids)
+    else:
+        page_table = tables.build(page_ids, (B, W))
 
     seq = np.repeat(np.arange(n_rows, dtype=np.int32), q_len)          # [n_tok]
     pos = start[seq] + np.arange(n_tok, dtype=np.int32) - query_start[seq]

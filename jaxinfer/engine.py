@@ -130,6 +130,7 @@ class Engine(EngineRequests, EngineLoRA, EngineSpeculation, EngineOutputs, Engin
         self._on_wait = None  # step()'s on_wait until it is called
         self._hooked = 0.0    # seconds the current step() spent in it
         self._no_prev = self.runner.no_prev
+        self._page_tables = batch.PageTables()    # each step's from the last one's
         if jax.process_count() > 1:
             self._lead_followers()
         self._init_speculation(cfg, draft_model)
@@ -264,7 +265,7 @@ class Engine(EngineRequests, EngineLoRA, EngineSpeculation, EngineOutputs, Engin
         self._blame = out
         bucket = (self.buckets.choose_verify if out.verify else self.buckets.choose)(
             out.num_tokens, out.num_rows, out.max_pages)
-        arrays = batch.prepare(out, bucket, self.config.page_size)
+        arrays = batch.prepare(out, bucket, self.config.page_size, self._page_tables)
         m["ta"] = clock()
         sources = pending_source(None if prev is None else prev.row_of,
                                  None if prev is None else prev.next_tokens,

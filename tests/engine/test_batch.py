@@ -5,8 +5,9 @@ import sys
 import numpy as np
 import pytest
 
-from jaxinfer.batch import prepare
+from jaxinfer.batch import PageTables, prepare
 from jaxinfer.buckets import Bucket
+from jaxinfer.page_table import PageList
 from jaxinfer.scheduler_output import ScheduledRow, SchedulerOutput
 
 S = 4   # page size
@@ -57,6 +58,36 @@ def test_decode_only_step_with_padded_rows():
         assert arr.slot_mapping[b] == page * S + r.start_pos % S
         assert arr.seq_lens[b] == r.start_pos + 1
     assert arr.slot_mapping[3] == -1 and arr.seq_lens[3] == 0
+
+
+def test_page_tables_from_the_last_step_equal_tables_built_afresh():
+    """Rows that grow pages, finish, join, move up the batch and share one step's shape or
+    alternate between two: each step's table (and every other array) equals the one built
+    from the rows' pages alone."""
+    rng = np.random.default_rng(7)
+    tables, pages, next_id = PageTables(), {}, 0
+    for step in range(60):
+        for rid in list(pages):
+            if rng.random() < 0.03:
+                del pages[rid]                      # finished
+            elif rng.random() < 0.1:
+                pages[rid].extend(rng.integers(1, 500, int(rng.integers(1, 3))).tolist())
+        while len(pages) < 6 or (len(pages) < 8 and rng.random() < 0.3):
+            pages[f"r{next_id}"] = PageList(rng.integers(1, 500, int(rng.integers(1, 5))))
+            next_id += 1
+        for rid in [r for r in pages if len(pages[r]) > 12]:
+            pages[rid] = PageList(pages[rid].view[:3])   # preempted and admitted again
+        order = list(pages)
+        if rng.random() < 0.2:
+            rng.shuffle(order)
+        out = SchedulerOutput(tuple(
+            ScheduledRow(rid, (1,), S * len(pages[rid]) - 1, pages[rid].view, True)
+            for rid in order))
+        bucket = Bucket(8, 8, 16 if step % 3 else 12, True)
+        got, want = prepare(out, bucket, S, tables), prepare(out, bucket, S)
+        for field in ("page_table", "slot_mapping", "seq_lens", "positions", "tokens"):
+            np.testing.assert_array_equal(getattr(got, field), getattr(want, field),
+                                          err_msg=f"step {step}: {field}")
 
 
 def test_step_that_does_not_fit_raises():
