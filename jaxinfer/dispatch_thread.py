@@ -7,7 +7,9 @@ the host nothing to overlap: it would prepare step t+1 and read step t only afte
 forward pass. ModelRunner.submit hands every step to a DispatchThread instead and returns
 Pending outputs at once: a `plain` step (greedy, without a conditional) does not block, but
 its launch still takes ~1-2 ms of host time a step on the GPU (the arguments' handling and
-PJRT's execute, which releases the GIL), which the hand-over takes off the engine's thread.
+PJRT's execute, which releases the GIL), which the hand-over takes off the engine's thread,
+as it does the packing of the step's host input and its transfer (ModelRunner.prepare). The
+engine reports the thread's time per step beside its own (`Engine.last_phases`).
 The engine prepares the next step and turns the last one's tokens into text while the thread
 dispatches and waits on the device, and waits for the thread (ModelRunner.sync) only when it
 dispatches again.
@@ -48,11 +50,19 @@ class DispatchThread:
         self._pool = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="jaxinfer-dispatch")
         self._last: concurrent.futures.Future | None = None
+        self.busy_seconds = 0.0     # spent in the calls so far (on the thread)
 
     def call(self, fn, *args) -> concurrent.futures.Future:
         """Run fn(*args) on the thread after every call handed over before it."""
-        self._last = self._pool.submit(fn, *args)
+        self._last = self._pool.submit(self._run, fn, *args)
         return self._last
+
+    def _run(self, fn, *args):
+        t = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            self.busy_seconds += time.perf_counter() - t
 
     def wait(self, raise_errors: bool = True) -> None:
         """Until the last call handed over has returned; raise_errors: raise what it raised

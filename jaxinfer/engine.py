@@ -219,6 +219,7 @@ class Engine(EngineRequests, EngineLoRA, EngineSpeculation, EngineOutputs, Engin
     def _step(self) -> None:
         clock = time.perf_counter
         t0 = clock()
+        busy = self.runner.dispatch_thread_seconds
         compiles = CompileCounter.count()
         self._waited = 0.0
         first = self._inflight
@@ -254,7 +255,9 @@ class Engine(EngineRequests, EngineLoRA, EngineSpeculation, EngineOutputs, Engin
                             "dispatch": m["t4"] - m["tc"],
                             "commit": m["t5"] - m["t4"] - m["wall"], "masks": m["masks"],
                             "resolve": t6 - m["t5"] - (self._waited - waited_before),
-                            "wait": self._waited - self._hooked}
+                            "wait": self._waited - self._hooked,
+                            # beside these, on the dispatch thread (dispatch_thread.py)
+                            "dispatch_thread": self.runner.dispatch_thread_seconds - busy}
 
     def _dispatch(self, out: SchedulerOutput, prev, later, defer: bool, m: dict):
         """Build `out`'s step input and submit it (with a grammar's token masks: after step t's
@@ -284,7 +287,9 @@ class Engine(EngineRequests, EngineLoRA, EngineSpeculation, EngineOutputs, Engin
             step_input = dataclasses.replace(step_input, token_bitmask=token_bitmask(
                 arrays, self._grammars.matchers, vocab))
         m["tb"] = clock()
-        inp = self.runner.prepare(step_input)
+        # Packed and moved to the device here, or on the dispatch thread with the dispatch.
+        inp = (step_input if self.runner.dispatches_on_thread and not split
+               else self.runner.prepare(step_input))
         m["t3"] = m["tc"] = clock()
         if prev is not None and not split:   # its dispatch may still be running
             self._blame = prev.out           # (dispatch_thread.py)

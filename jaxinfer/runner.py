@@ -169,8 +169,8 @@ class ModelRunner(AheadOfTime, SplitSteps, CalibratedPool):
             self.sync()
             out, next_tokens = self._dispatch_step(inp, self._num_steps)
             self.last_enqueued = time.perf_counter()
-        else:
-            done = self._thread.call(timed, self._dispatch_step, self.prepare(inp), self._num_steps)
+        else:   # packed and moved to the device there too (`prepare`)
+            done = self._thread.call(timed, self._dispatch_step, inp, self._num_steps)
             out, next_tokens = Pending(done, 0), Pending(done, 1, self.no_prev.shape)
             self.last_enqueued = Pending(done, 2)
         if self.mirror is not None:   # only _mirror_step reads them: one process keeps none
@@ -179,6 +179,7 @@ class ModelRunner(AheadOfTime, SplitSteps, CalibratedPool):
         return out, next_tokens
 
     def _dispatch_step(self, inp: StepInput | PackedInput, step_index: int):
+        inp = self.prepare(inp)
         if isinstance(inp.prev_tokens, Pending):      # the step before's: dispatched by now
             inp = dataclasses.replace(inp, prev_tokens=inp.prev_tokens.get())
         self.kv, out, next_tokens = self.dispatch(self.kv, inp, step_index)
@@ -190,6 +191,18 @@ class ModelRunner(AheadOfTime, SplitSteps, CalibratedPool):
         """Dispatch the steps from a thread of their own from now on (dispatch_thread.py; on
         by default on the GPU)."""
         self._thread = self._thread or DispatchThread()
+
+    @property
+    def dispatches_on_thread(self) -> bool:
+        """Steps are packed, moved and dispatched on the dispatch thread (`submit` takes
+        their host input as it is)."""
+        return self._thread is not None
+
+    @property
+    def dispatch_thread_seconds(self) -> float:
+        """Seconds the dispatch thread has worked so far (packing, moving and dispatching
+        steps; waits on a blocking dispatch included): 0 without one."""
+        return 0.0 if self._thread is None else self._thread.busy_seconds
 
     def sync(self, raise_errors: bool = True) -> None:
         """Until the steps handed to the dispatch thread are dispatched (their outputs exist

@@ -7,6 +7,7 @@ import numpy as np
 
 from engine_util import random_prompts, run_staggered, tiny_engine
 from jaxinfer.request import SamplingParams
+from jaxinfer.step_input import PackedInput
 
 
 def _workload(n=10, seed=4):
@@ -41,6 +42,14 @@ def _threaded(**kw):
                      threading.current_thread().name.startswith("jaxinfer-dispatch")))
         return dispatch(kv, inp, *a)
     engine.runner.dispatch = spy
+    prepare = engine.runner.prepare
+
+    def packed(inp):     # (variant, thread) of each packing of a step's host input
+        if not isinstance(inp, PackedInput):
+            threads.add(("packed", threading.current_thread().name.startswith(
+                "jaxinfer-dispatch")))
+        return prepare(inp)
+    engine.runner.prepare = packed
     return engine, threads
 
 
@@ -59,6 +68,15 @@ def test_outputs_equal_the_synchronous_engine():
     prompts, params, arrivals = _workload()
     engine, threads = _threaded()
     enqueued = _enqueue_times(engine)
+    thread_s = []
+    step = engine.step
+
+    def timed_step(*a, **kw):
+        try:
+            return step(*a, **kw)
+        finally:
+            thread_s.append(engine.last_phases["dispatch_thread"])
+    engine.step = timed_step
     got = run_staggered(engine, prompts, params, arrivals)
     want = run_staggered(tiny_engine(async_scheduling=False), prompts, params, arrivals)
     assert [(o.token_ids, o.finish_reason) for o in got] == [
@@ -67,9 +85,11 @@ def test_outputs_equal_the_synchronous_engine():
         for x, y in zip(a.logprobs or [], b.logprobs or []):
             assert x.keys() == y.keys()
             assert all(abs(x[k].logprob - y[k].logprob) < 1e-4 for k in x)
-    # Every step on the thread, greedy ones (no conditional to block on) too; the device
-    # clock gets each one's enqueue time from the thread, in step order.
-    assert threads == {("plain", True), ("full", True)}
+    # Every step packed, moved and dispatched on the thread, greedy ones (no conditional to
+    # block on) too, and its time there counted; the device clock gets each one's enqueue
+    # time from the thread, in step order.
+    assert threads == {("plain", True), ("full", True), ("packed", True)}
+    assert sum(thread_s) > 0 and all(t >= 0 for t in thread_s), thread_s
     assert enqueued and all(isinstance(t, float) for t in enqueued), enqueued
     assert enqueued == sorted(enqueued)
     alloc = engine.scheduler.allocator
