@@ -13,7 +13,10 @@ import os
 import sys
 
 if __name__ == "__main__":    # never in a test process importing this module for engine()
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+    os.environ["XLA_FLAGS"] = " ".join(   # the test process's flags (its optimization level)
+        [f for f in os.environ.get("XLA_FLAGS", "").split()
+         if not f.startswith("--xla_force_host_platform_device_count")]
+        + ["--xla_force_host_platform_device_count=2"])
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import jax  # noqa: E402

@@ -161,9 +161,12 @@ def test_each_process_reads_only_its_shards_of_a_safetensors_model(tmp_path):
 
 def _run_job(cwd: Path, argv) -> list[str]:
     """Python with argv(port, process id) in 2 processes x 2 CPU devices, a job over
-    loopback; both must exit 0. Returns their output, process 0's first."""
-    port, env = free_port(), {**os.environ,
-                               "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    loopback; both must exit 0. Returns their output, process 0's first. The processes keep
+    this process's XLA flags (its optimization level, tests/conftest.py)."""
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
+             if not f.startswith("--xla_force_host_platform_device_count")]
+    port, env = free_port(), {**os.environ, "XLA_FLAGS": " ".join(
+        [*flags, "--xla_force_host_platform_device_count=2"])}
     procs = [subprocess.Popen([sys.executable, *argv(port, pid)], cwd=cwd, env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for pid in (0, 1)]
@@ -176,29 +179,41 @@ def _run_job(cwd: Path, argv) -> list[str]:
     return logs
 
 
+# The SmolLM2 jobs' engine: both jobs (LLM.generate and `jaxinfer generate`) compile the
+# same step programs, and one in-process LLM of it (smollm2_one_device) is both references.
+SMOL_ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=256)
+
+
+@pytest.fixture(scope="module")
+def smollm2_one_device():
+    from jaxinfer import LLM
+    return LLM("smollm2", **SMOL_ENGINE)
+
+
 # Every process of the job runs this script (argv: port, process id), as a user's would.
 _LLM_SCRIPT = """
 import json, sys
 from jaxinfer import LLM, DistributedConfig, SamplingParams
 port, pid = sys.argv[1], int(sys.argv[2])
 llm = LLM("smollm2", tensor_parallel=4, max_num_seqs=4, max_num_batched_tokens=32,
-          max_model_len=128, distributed=DistributedConfig(f"127.0.0.1:{port}", 2, pid))
+          max_model_len=256, distributed=DistributedConfig(f"127.0.0.1:{port}", 2, pid))
 outs = llm.generate(["The capital of France is", "def fibonacci(n):"],
                     SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
 print("TOKENS", json.dumps([o.token_ids for o in outs]), flush=True)
 """
 
 
-def test_llm_in_every_process_of_a_job_answers_on_process_0_as_one_process_does(tmp_path):
+def test_llm_in_every_process_of_a_job_answers_on_process_0_as_one_process_does(
+        tmp_path, smollm2_one_device):
     """The same script in 2 processes x 2 CPU devices, LLM(..., distributed=...) with tensor
     parallel 4: process 0's LLM.generate gives SmolLM2's greedy tokens of one process on one
     device; on process 1 LLM(...) follows and then ends the process (status 0) before the
     script's next line."""
-    from jaxinfer import LLM, SamplingParams
+    from jaxinfer import SamplingParams
     logs = _run_job(tmp_path, lambda port, pid: ["-c", _LLM_SCRIPT, str(port), str(pid)])
     assert "TOKENS" not in logs[1]
     got = json.loads(logs[0].split("TOKENS ", 1)[1].splitlines()[0])
-    llm = LLM("smollm2", max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128)
+    llm = smollm2_one_device
     want = llm.generate(["The capital of France is", "def fibonacci(n):"],
                         SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
     assert got == [w.token_ids for w in want]
@@ -213,19 +228,19 @@ def test_llm_refuses_a_distributed_setting_of_the_wrong_type():
     assert e.value.field == "distributed"
 
 
-def test_jaxinfer_generate_as_a_two_process_job_equals_one_process(tmp_path):
+def test_jaxinfer_generate_as_a_two_process_job_equals_one_process(tmp_path,
+                                                                    smollm2_one_device):
     """`jaxinfer generate` run as a job (the same command in 2 processes x 2 CPU devices,
     --tensor-parallel 4): process 0 writes SmolLM2's answers, token for token those of
     LLM.generate in one process on one device; process 1 follows and exits 0."""
-    from jaxinfer import LLM, SamplingParams
+    from jaxinfer import SamplingParams
     lines = [{"id": "a", "prompt": "The capital of France is", "max_tokens": 8,
               "temperature": 0},
              {"id": "b", "prompt": "def fibonacci(n):", "max_tokens": 12, "temperature": 0},
              {"id": "c", "messages": [{"role": "user", "content": "Name three colors."}],
               "max_tokens": 10, "temperature": 0.7, "seed": 3}]
     (tmp_path / "in.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
-    engine = dict(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=256)
-    flags = [f"--{k.replace('_', '-')}={v}" for k, v in engine.items()]
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in SMOL_ENGINE.items()]
     _run_job(tmp_path, lambda port, pid: [
         "-m", "jaxinfer.cli", "generate", "--input", "in.jsonl", "--output",
         f"out{pid}.jsonl", "--tensor-parallel", "4", *flags, "--coordinator-address",
@@ -233,7 +248,7 @@ def test_jaxinfer_generate_as_a_two_process_job_equals_one_process(tmp_path):
     assert not (tmp_path / "out1.jsonl").exists()
     results = (tmp_path / "out0.jsonl").read_text().splitlines()
     got = {r["id"]: r["token_ids"] for r in map(json.loads, results)}
-    llm = LLM("smollm2", **engine)
+    llm = smollm2_one_device
     want = llm.generate([x.get("prompt") or x["messages"] for x in lines],
                         [SamplingParams(**{k: v for k, v in x.items()
                                            if k not in ("id", "prompt", "messages")})
