@@ -55,6 +55,9 @@ def drain_once(run: int) -> float:
 
 @pytest.mark.slow
 def test_sigterm_under_load_drains_every_time():
+    # The first server alone compiles the step programs into the run's compilation cache;
+    # the others, two at a time, load them instead of compiling them side by side.
+    took = [drain_once(0)]
     with cf.ThreadPoolExecutor(2) as pool:
-        took = list(pool.map(drain_once, range(RUNS)))
+        took += pool.map(drain_once, range(1, RUNS))
     assert len(took) == RUNS and max(took) < 30
