@@ -49,8 +49,15 @@ def greedy(**kw):
     return SamplingParams(max_tokens=12, temperature=0.0, **kw)
 
 
+_ANSWERS: dict = {}     # (prompts, adapter) -> the LLM's greedy texts: each asked once
+
+
 def want(llm, prompts, lora):
-    return [o.text for o in llm.generate(prompts, greedy(lora=lora), use_tqdm=False)]
+    key = (tuple(prompts), lora)
+    if key not in _ANSWERS:
+        _ANSWERS[key] = [o.text for o in llm.generate(prompts, greedy(lora=lora),
+                                                      use_tqdm=False)]
+    return _ANSWERS[key]
 
 
 def test_the_openai_client_names_an_adapter_as_its_model(server, llm):
