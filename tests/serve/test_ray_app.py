@@ -104,7 +104,16 @@ def test_the_kuberay_manifest_runs_this_app_with_gpus_on_the_workers():
 
 
 @pytest.fixture(scope="module")
-def cluster():
+def llm():
+    """One engine of the replicas' configuration in this process (the reference answers),
+    warmed before the cluster starts: the replicas, started side by side, load its step
+    programs from the run's compilation cache instead of each compiling them."""
+    from jaxinfer import LLM
+    return LLM("smollm2", **ENGINE, warmup=True)
+
+
+@pytest.fixture(scope="module")
+def cluster(llm):
     """A Ray cluster on this machine (`ray start --head`), the application deployed on it by
     Ray's CLI as the README shows (`serve run serve.ray_app:app key=value ...`): 2 SmolLM2
     replicas behind Ray's HTTP proxy. Yields the base URL; this process is a driver of the
@@ -160,8 +169,8 @@ def _client(base, timeout=120.0):
                          max_retries=0)
 
 
-def test_two_replicas_answer_the_openai_client_as_one_engine_does(cluster):
-    from jaxinfer import LLM, SamplingParams
+def test_two_replicas_answer_the_openai_client_as_one_engine_does(cluster, llm):
+    from jaxinfer import SamplingParams
     client = _client(cluster)
     prompts = ["The capital of France is", "def fibonacci(n):", "Water boils at"]
     got = [client.completions.create(model="smollm2", prompt=p, max_tokens=8,
@@ -170,7 +179,6 @@ def test_two_replicas_answer_the_openai_client_as_one_engine_does(cluster):
         model="smollm2", messages=[{"role": "user", "content": "Name three colors."}],
         max_tokens=10, temperature=0, stream=True)
     chat = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
-    llm = LLM("smollm2", **ENGINE)
     greedy = SamplingParams(temperature=0, max_tokens=8)
     assert got == [o.text for o in llm.generate(prompts, greedy, use_tqdm=False)]
     assert got[0].startswith(" Paris")
