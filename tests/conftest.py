@@ -28,16 +28,17 @@ if not ON_GPU and "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 # to worker OPTIMIZED_WORKER, which compiles as XLA does by default
 # (pytest_xdist_make_scheduler). The level is LLVM's, after XLA's own passes: the same HLO,
 # fusions and kernels. Runs outside xdist, and XLA_FLAGS naming a level, keep theirs.
-# test_openai_http_errors.py goes there too: its SmolLM2 server is test_openai_http's and
-# test_serve_lifecycle's, whose step programs it then loads from the compilation cache
-# (compiled with other flags they would be compiled again).
+# test_openai_http_errors.py and test_ray_app.py go there too: their SmolLM2 engines are
+# test_openai_http's and test_serve_lifecycle's (max_num_seqs 4, 64 batched tokens, length
+# 256, float32), whose step programs they then load from the compilation cache (compiled
+# with other flags they would be compiled again).
 OPTIMIZED_WORKER = "gw0"
 OPTIMIZED_FILES = frozenset((
     "test_fp8_quality.py", "test_hf_parity.py", "test_serve_lifecycle.py", "test_convert.py",
     "test_serve.py", "test_batch_generate.py", "test_engine_text.py",
     "test_structured_output.py", "test_openai_http.py", "test_lora_hf.py",
     "test_speculative_text.py", "test_speculative_serve.py", "test_openai_batch.py",
-    "test_openai_http_errors.py",
+    "test_openai_http_errors.py", "test_ray_app.py",
 ))
 _WORKER = os.environ.get("PYTEST_XDIST_WORKER")
 if (not ON_GPU and _WORKER not in (None, OPTIMIZED_WORKER)
