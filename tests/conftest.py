@@ -35,7 +35,7 @@ if not ON_GPU and "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 OPTIMIZED_WORKER = "gw0"
 OPTIMIZED_FILES = frozenset((
     "test_fp8_quality.py", "test_hf_parity.py", "test_serve_lifecycle.py", "test_convert.py",
-    "test_serve.py", "test_batch_generate.py", "test_engine_text.py",
+    "test_serve.py", "test_batch_generate_cli.py", "test_engine_text.py",
     "test_structured_output.py", "test_openai_http.py", "test_lora_hf.py",
     "test_speculative_text.py", "test_speculative_serve.py", "test_openai_batch.py",
     "test_openai_http_errors.py", "test_ray_app.py",
@@ -102,7 +102,6 @@ LONGEST_FIRST = (
     "test_bench.py",                    # ~40 s
     "test_checkpoints.py",              # ~35 s
     "test_kv_write.py",                 # ~33 s
-    "test_batch_generate.py",           # ~32 s
     "test_fp8_matmul.py",               # ~31 s
     "test_convert.py",                  # ~31 s
 )

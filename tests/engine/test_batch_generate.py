@@ -1,13 +1,8 @@
 """Offline batch generation (jaxinfer.batch_generate): results equal the engine run directly,
-a crashed run resumes without duplicates, bad lines are reported and skipped; plus one CLI run
-with the real model. The OpenAI batch format: test_openai_batch."""
+a crashed run resumes without duplicates, bad lines are reported and skipped. One CLI run with
+the real model: test_batch_generate_cli; the OpenAI batch format: test_openai_batch."""
 import dataclasses
 import io
-import os
-import json
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,7 +13,6 @@ from jaxinfer.errors import JaxinferError
 from jaxinfer.request import SamplingParams
 
 DEFAULTS = SamplingParams(temperature=0.0, max_tokens=6)
-REPO = Path(__file__).resolve().parents[2]
 SUMMARY_KEYS = {"requests", "skipped_done", "rejected", "rejected_lines", "prompt_tokens",
                 "output_tokens", "wall_s", "requests_per_s", "output_tokens_per_s",
                 "ttft_p50_s", "ttft_p99_s", "per_token_latency_p50_s",
@@ -174,22 +168,3 @@ def test_bad_lines_reported_with_line_numbers_and_skipped(engine, tmp_path):
                    "line 7: duplicate id 'a'", "line 8: must be a JSON object",
                    "line 9: this model has no tokenizer", "line 10: give exactly one of"):
         assert needle in msgs
-
-
-def test_cli_text_prompts_end_to_end(tmp_path):
-    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
-    write_jsonl(inp, [{"prompt": "The capital of France is", "id": "fr"},
-                      {"messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 3}])
-    cmd = [sys.executable, "-m", "jaxinfer.cli", "generate", "--input", str(inp),
-           "--output", str(out), "--max-num-seqs", "4", "--max-num-batched-tokens", "64",
-           "--max-model-len", "256", "--max-tokens", "5"]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "JAX_PLATFORMS": "cpu"})
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    results = {r["id"]: r for r in read_jsonl(out)}
-    assert set(results) == {"fr", "line-2"}
-    fr, chat = results["fr"], results["line-2"]
-    assert fr["prompt"] == "The capital of France is" and "prompt" not in chat
-    assert 1 <= fr["completion_tokens"] <= 5 and 1 <= chat["completion_tokens"] <= 3
-    assert fr["text"].strip() and isinstance(chat["text"], str)
-    assert json.loads(proc.stdout)["requests"] == 2
