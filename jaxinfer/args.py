@@ -64,7 +64,7 @@ def add_engine_args(p: argparse.ArgumentParser):
                    help="compile everything afresh and keep nothing on disk")
     g.add_argument("--warmup", choices=("auto", "on", "off"), default="auto",
                    help="compile every bucket before the first request, so none compiles "
-                        "later (auto: on a GPU)")
+                        "later (auto: on a GPU, and always for `jaxinfer serve`)")
     g.add_argument("--no-async-scheduling", action="store_true",
                    help="wait for each step's tokens before preparing the next (otherwise the "
                         "host prepares step t+1 while step t runs)")

@@ -112,6 +112,10 @@ def _engine_factory(args, on_engine=None):
         engine = Engine.from_model(args.model, engine_config_from_args(args), args.lora)
         if on_engine is not None:
             on_engine(engine)
+        if args.warmup == "off":     # a server warms up unless told not to (auto: on)
+            log.info("loaded %s in %.1f s; warm-up off (--warmup off): each step compiles "
+                     "when it first runs; ready", args.model, time.perf_counter() - t0)
+            return engine
         log.info("loaded %s in %.1f s; compiling %d buckets", args.model,
                  time.perf_counter() - t0, len(engine.buckets.all_buckets()))
         stats = engine.warmup(progress=False, on_done=lambda done, total: log.info(

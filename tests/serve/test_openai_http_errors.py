@@ -23,6 +23,11 @@ def smol(tmp_path_factory):
         yield srv
 
 
+def test_the_server_skips_its_warm_up_when_told_to(smol):
+    log = smol.log()
+    assert "warm-up off (--warmup off)" in log and "compiled" not in log, log[-2000:]
+
+
 @pytest.fixture
 def client(smol):
     with smol_client(smol, TOKEN) as c:
