@@ -108,10 +108,8 @@ class EngineOutputs:
         if sampled.prompt is not None:
             record_step(out, sampled.prompt, self._prompt_lp, self._token_text)
         tokens = np.asarray(sampled.tokens[:out.num_rows]).tolist()
-        got_token = {r.request_id: r for r in self.scheduler.resolve(out, tokens)}
-        self.num_generated += len(got_token)
-        rows = [(b, req) for b, row in enumerate(out.rows)
-                if (req := got_token.get(row.request_id)) is not None]
+        rows = self.scheduler.resolve_rows(out, tokens)
+        self.num_generated += len(rows)
         advanced = {}
         if self._grammars.matchers:
             live = [(b, req) for b, req in rows if not req.is_finished]

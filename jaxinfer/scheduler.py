@@ -333,6 +333,11 @@ class Scheduler(RequestPages, Forks, VerifySteps):
         """A committed step's sampled tokens arrived: fill each row's oldest PENDING token,
         register newly full pages in the prefix cache, apply the finishing rules. Returns the
         requests that got a token (see `update`)."""
+        return [request for _, request in self.resolve_rows(output, sampled_token_ids)]
+
+    def resolve_rows(self, output: SchedulerOutput, sampled_token_ids: Sequence[int]
+                     ) -> list[tuple[int, Request]]:
+        """`resolve`, returning (row, request) of the rows that got a token, in row order."""
         self.deadlines.changed()
         if len(sampled_token_ids) < output.num_rows:
             raise ValueError(f"got {len(sampled_token_ids)} sampled tokens for "
@@ -341,7 +346,7 @@ class Scheduler(RequestPages, Forks, VerifySteps):
         updated = []
         requests, page_size, max_len = self.requests, self.page_size, self.max_model_len
         caching, eos = self.allocator.enable_prefix_caching, self.eos_token_ids
-        for row, token in zip(output.rows, sampled_token_ids):
+        for b, (row, token) in enumerate(zip(output.rows, sampled_token_ids)):
             request = requests.get(row.request_id)
             if request is None:
                 continue   # finished (or aborted) after this step was scheduled
@@ -368,7 +373,7 @@ class Scheduler(RequestPages, Forks, VerifySteps):
                 self.finish(request.request_id, FinishReason.STOP)
             elif count >= params.max_tokens or n_prompt + count >= max_len:
                 self.finish(request.request_id, FinishReason.LENGTH)
-            updated.append(request)
+            updated.append((b, request))
         return updated
 
     # --- helpers ------------------------------------------------------------------------
