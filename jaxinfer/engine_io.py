@@ -2,6 +2,7 @@
 (incremental detokenization, stop strings cut correctly), logprobs as dicts."""
 from __future__ import annotations
 
+import itertools
 import operator
 from typing import Sequence
 
@@ -176,6 +177,11 @@ class Detokenized:
         return delta
 
 
+_params_of = operator.attrgetter("sampling_params")
+_outputs_of = operator.attrgetter("output_token_ids")
+_tokens_of = operator.attrgetter("all_token_ids")
+
+
 def build_step_input(arrays: StepArrays, out: SchedulerOutput, scheduler, prev_tokens,
                      prev_index, vocab_size: int, matchers=None,
                      prompt_targets=None) -> StepInput:
@@ -184,16 +190,15 @@ def build_step_input(arrays: StepArrays, out: SchedulerOutput, scheduler, prev_t
     may already be on the device (the previous step's output). matchers: request id ->
     structured_output.Matcher of the requests with a grammar (their rows' token bitmask).
     prompt_targets: [T] i32 (prompt_logprobs.step_targets) or None."""
-    requests = scheduler.requests
-    reqs = [requests[rid] for rid in arrays.request_ids]
+    reqs = list(map(scheduler.requests.__getitem__, arrays.request_ids))
     if out.verify:
         samp = verify_sampling(out, reqs, scheduler, len(arrays.logits_index))
-    else:
+    else:   # the rows' columns read in C (map, attrgetter); the banned ids only if read
         samp = SamplingArrays.from_params(
-            [r.sampling_params for r in reqs], [r.num_output_tokens for r in reqs],
-            [r.all_token_ids for r in reqs], batch_size=len(arrays.seq_lens),
-            banned=[scheduler.banned_ids(r) if r.sampling_params.min_tokens else ()
-                    for r in reqs])
+            list(map(_params_of, reqs)), list(map(len, map(_outputs_of, reqs))),
+            list(map(_tokens_of, reqs)), batch_size=len(arrays.seq_lens),
+            banned=(scheduler.banned_ids(r) if r.sampling_params.min_tokens else ()
+                    for r in reqs))
     md = AttentionMetadata(arrays.positions, arrays.slot_mapping, arrays.token_seq,
                            arrays.page_table, arrays.seq_lens, arrays.query_start,
                            decode_only=arrays.decode_only)
@@ -247,16 +252,19 @@ def pending_source(row_of: dict | None, prev_tokens, no_prev, out: SchedulerOutp
     prev_tokens: the step in flight's rows by request id and its sampled tokens on the device
     (None: no step in flight; then `no_prev`, zeros on the device, stands in)."""
     index = np.full(len(arrays.tokens), -1, np.int32)
-    rows = out.rows
-    pending = [b for b, r in enumerate(rows) if r.token_ids[-1] == PENDING]
-    if pending:
+    n = out.num_rows
+    starts, ends = arrays.query_start[:n], arrays.query_start[1:n + 1]
+    # A row's PENDING token is its last fed one (the arrays' tokens; none in an empty row).
+    pending = np.flatnonzero((ends > starts) & (arrays.tokens[np.maximum(ends - 1, 0)] == PENDING))
+    if len(pending):
         # Only ever the one token of a decode row, sampled by the step in flight.
-        source = [(row_of or {}).get(rows[b].request_id, -1) for b in pending]
-        bad = [rows[b].request_id for b, src in zip(pending, source)
-               if src < 0 or len(rows[b].token_ids) != 1]
-        if bad:
-            raise RuntimeError(f"pending token of {bad[0]!r} has no source")
-        index[arrays.query_start[pending]] = source
+        ids = arrays.request_ids
+        source = np.fromiter(map((row_of or {}).get, (ids[b] for b in pending.tolist()),
+                                 itertools.repeat(-1)), np.int32, len(pending))
+        bad = pending[(source < 0) | (ends[pending] - starts[pending] != 1)]
+        if len(bad):
+            raise RuntimeError(f"pending token of {ids[bad[0]]!r} has no source")
+        index[starts[pending]] = source
     return (no_prev if row_of is None else prev_tokens), index
 
 

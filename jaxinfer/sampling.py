@@ -60,7 +60,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Sequence
+from typing import Iterable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -110,7 +110,7 @@ class SamplingArrays:
                     generated_counts: Sequence[int],
                     token_ids: Sequence[Sequence[int] | None] | None = None, *,
                     batch_size: int, window: int = DEFAULT_WINDOW,
-                    banned: Sequence[Sequence[int]] | None = None) -> "SamplingArrays":
+                    banned: Iterable[Sequence[int]] | None = None) -> "SamplingArrays":
         """Host side: numpy arrays for rows `params` (None = padding), padded to `batch_size`.
 
         generated_counts[b]: tokens row b has generated so far (its key's step; the last that
@@ -118,7 +118,7 @@ class SamplingArrays:
         output so far (only its last `window` ids are read); needed only when a row uses a
         repetition, presence or frequency penalty. banned[b]: ids row b may not sample now
         (its EOS and stop token ids while it is short of min_tokens), at most
-        MAX_BANNED_IDS."""
+        MAX_BANNED_IDS: any iterable, read only when a row needs the `full` variant."""
         n = len(params)
         if window < 1:
             raise ValueError(f"window must be >= 1, got {window}")
