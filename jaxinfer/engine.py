@@ -76,7 +76,8 @@ class _InFlight:
     # Some row of it uses a repetition/presence/frequency penalty or a grammar: the next
     # step needs its tokens first.
     waits: bool = False
-    enqueued: float | None = None   # the host finished dispatching it (device_clock.py)
+    # the host finished dispatching it (device_clock.py; Pending while the dispatch thread has it)
+    enqueued: float | Pending | None = None
     # Greedy without logprobs (the `plain` variant), not a verify step: the host reads only
     # its tokens, not the logprob outputs, which no row asked for.
     tokens_only: bool = False
