@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import operator
 from typing import NamedTuple
 
 import numpy as np
@@ -30,6 +31,9 @@ class ScheduledRow(NamedTuple):
         return self.start_pos + len(self.token_ids)
 
 
+_pages_of = operator.itemgetter(3)   # ScheduledRow.page_ids
+
+
 @dataclasses.dataclass(frozen=True)
 class SchedulerOutput:
     rows: tuple[ScheduledRow, ...]   # running requests first (oldest first), then admitted ones
@@ -46,9 +50,9 @@ class SchedulerOutput:
     def num_tokens(self) -> int:
         return sum(r.num_tokens for r in self.rows)
 
-    @property
-    def max_pages(self) -> int:
-        return max((len(r.page_ids) for r in self.rows), default=0)
+    @functools.cached_property
+    def max_pages(self) -> int:   # read by the bucket's choice and by batch.prepare
+        return max(map(len, map(_pages_of, self.rows)), default=0)
 
     @property
     def is_empty(self) -> bool:
