@@ -394,5 +394,3 @@ class Scheduler(RequestPages, Forks, VerifySteps):
     def _lora_leave(self, request: Request) -> None:
         if request.lora is not None:
             self.lora_slots.leave(request.lora)
-
-
