@@ -2,7 +2,8 @@
 the compiled step contains.
 
 Per bucket (`Buckets.all_buckets()`), in this process with a fresh persistent cache dir: the
-runner's jitted step traced, lowered and compiled ahead of time, each phase timed
+runner's jitted step traced, lowered and compiled ahead of time (with the XLA options warm-up
+gives it, Routes.compiler_options), each phase timed
 (`cold_serial_sum_s`: their sum). Then what a server start pays, each in a fresh child process through the real Engine: load
 the weights, Engine.warmup (both sampling variants of every bucket, compiled in a thread pool),
 then one request's first token; timed from the child's spawn to that token:
@@ -63,7 +64,7 @@ def compile_bucket(runner, bucket):
     t1 = time.perf_counter()
     lowered = traced.lower()
     t2 = time.perf_counter()
-    compiled = lowered.compile()
+    compiled = lowered.compile(compiler_options=runner.compiler_options(inp) or None)
     t3 = time.perf_counter()
     return {"bucket": bucket_name(bucket), "num_tokens": bucket.num_tokens,
             "num_seqs": bucket.num_seqs, "pages_per_seq": bucket.pages_per_seq,

@@ -73,19 +73,20 @@ class CompileQueue:
         self._first: dict = {}      # group -> its first program's future
         self._waiting: dict = {}    # group -> [(signature, lowered)] waiting for its first
 
-    def add(self, sig, lowered, group=None) -> None:
-        """Compile `lowered` now, or after its group's first program (group None: now)."""
+    def add(self, sig, lowered, group=None, options=None) -> None:
+        """Compile `lowered` (with XLA `options`) now, or after its group's first program
+        (group None: now)."""
         first = self._first.get(group)
         if first is not None and not first.done():
-            self._waiting.setdefault(group, []).append((sig, lowered))
+            self._waiting.setdefault(group, []).append((sig, lowered, options))
         else:
-            future = self._submit(sig, lowered, None if first is not None else group)
+            future = self._submit(sig, lowered, options, None if first is not None else group)
             if group is not None and first is None:
                 self._first[group] = future
         self.collect(block=False)
 
-    def _submit(self, sig, lowered, group):
-        future = self._pool.submit(executable_store.compile_lowered, lowered)
+    def _submit(self, sig, lowered, options, group):
+        future = self._pool.submit(executable_store.compile_lowered, lowered, options)
         self._futures[future] = (sig, group)
         return future
 
@@ -101,8 +102,9 @@ class CompileQueue:
             for future in done:
                 sig, group = self._futures.pop(future)
                 self._keep(sig, *future.result())
-                for s, lowered in self._waiting.pop(group, []) if group is not None else ():
-                    self._submit(s, lowered, None)
+                for s, lowered, options in (self._waiting.pop(group, [])
+                                            if group is not None else ()):
+                    self._submit(s, lowered, options, None)
 
     def close(self, wait: bool = True) -> None:
         self._pool.shutdown(wait=wait, cancel_futures=not wait)
@@ -156,6 +158,12 @@ class AheadOfTime:
         t, decode_only = step_shape(p.spec)
         return ops.decode_rows(t, self.routes) if decode_only else t
 
+    def compiler_options(self, p: PackedInput, part: str = "step") -> dict:
+        """XLA options for compiling `p`'s program `part` (Routes.compiler_options by its
+        GEMMs' rows; a split step's sampling half has no GEMMs and is shared by steps of
+        other rows, so it takes none)."""
+        return {} if part == "sample" else self.routes.compiler_options(self.gemm_rows(p))
+
     def compile_ahead(self, inputs, workers: int | None = None, on_done=None) -> int:
         """Compile the programs of a step for each of `inputs` (StepInputs or PackedInputs;
         `programs`) and keep the executables for `dispatch`: loaded from the executable store
@@ -186,7 +194,8 @@ class AheadOfTime:
                         continue
                     lowered.add(sig)
                     queue.add(sig, self.lower(p, part),
-                              None if part == "sample" else self.gemm_rows(p))
+                              None if part == "sample" else self.gemm_rows(p),
+                              self.compiler_options(p, part))
             t1 = time.perf_counter()
             queue.collect(block=True)
         except BaseException:       # raise now: compiles already running finish unread

@@ -51,12 +51,13 @@ def _count_miss(event: str, **_) -> None:
 jax.monitoring.register_event_listener(_count_miss)
 
 
-def compile_lowered(lowered):
-    """lowered.compile(), and whether XLA compiled it here: JAX recorded a persistent-cache
-    miss for it on the compiling thread. False when JAX's persistent cache answered it, or
-    its in-memory cache did (no event): neither may be stored."""
+def compile_lowered(lowered, options: dict | None = None):
+    """lowered.compile() (with XLA `options`, Routes.compiler_options), and whether XLA
+    compiled it here: JAX recorded a persistent-cache miss for it on the compiling thread.
+    False when JAX's persistent cache answered it, or its in-memory cache did (no event):
+    neither may be stored."""
     before = getattr(_misses, "count", 0)
-    compiled = lowered.compile()
+    compiled = lowered.compile(compiler_options=options) if options else lowered.compile()
     return compiled, getattr(_misses, "count", 0) > before
 
 

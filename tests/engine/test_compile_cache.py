@@ -232,10 +232,10 @@ def test_programs_of_the_same_gemm_rows_compile_after_the_first(monkeypatch):
 
     compile_lowered = ahead_of_time.executable_store.compile_lowered
 
-    def slow_compile(low):
+    def slow_compile(low, options=None):
         start = time.perf_counter()
         time.sleep(0.3)                       # long enough for the others to be lowered
-        out = compile_lowered(low)
+        out = compile_lowered(low, options)
         with lock:
             spans.append((counts[id(low)][1], start, time.perf_counter()))
         return out
@@ -261,6 +261,49 @@ def test_programs_of_the_same_gemm_rows_compile_after_the_first(monkeypatch):
     assert len(out.token_ids) == 3 and CompileCounter.count() == before
 
 
+def test_steps_of_many_gemm_rows_compile_without_triton_gemms(monkeypatch):
+    """Routes.triton_gemm_max_rows (test_routes): warm-up compiles the steps
+    whose GEMMs have more rows with XLA's Triton GEMMs off, smaller steps and the sampling
+    halves as XLA would; the engine then serves without compiling, with the same tokens."""
+    from engine_util import run_alone, tiny_engine
+    from jaxinfer import SamplingParams, ahead_of_time
+    from jaxinfer.routes import Routes
+
+    engine = tiny_engine(Routes(decode_min_rows=4, triton_gemm_max_rows=4),
+                         max_num_batched_tokens=16, max_num_seqs=4)
+    runner = engine.runner
+    runner.store = None
+    lower, compile_lowered = type(runner).lower, ahead_of_time.executable_store.compile_lowered
+    programs, seen = {}, []
+
+    def traced_lower(self, inp, part="step"):
+        low = lower(self, inp, part)
+        programs[id(low)] = (low, self.gemm_rows(self.prepare(inp)), part)
+        return low
+
+    def spy(low, options=None):
+        seen.append((programs[id(low)][1:], options))
+        return compile_lowered(low, options)
+
+    monkeypatch.setattr(type(runner), "lower", traced_lower)
+    monkeypatch.setattr(ahead_of_time.executable_store, "compile_lowered", spy)
+    engine.warmup(progress=False)
+    off = {"xla_gpu_enable_triton_gemm": False}
+    assert len(seen) == len(programs) == len(runner._executables)
+    for (rows, part), options in seen:
+        assert (options or {}) == (off if rows > 4 and part != "sample" else {}), (rows, part)
+    assert {rows > 4 for (rows, part), _ in seen if part != "sample"} == {True, False}
+    assert any(part == "sample" and rows > 4 for (rows, part), _ in seen)
+    before = CompileCounter.count()
+    request = ({"prompt_token_ids": [5, 6, 7, 8, 9, 10]},
+               SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    out = run_alone(engine, *request)
+    assert CompileCounter.count() == before
+    assert out.token_ids == run_alone(tiny_engine(Routes(decode_min_rows=4),
+                                                  max_num_batched_tokens=16, max_num_seqs=4),
+                                      *request).token_ids
+
+
 def test_a_program_that_fails_to_lower_fails_warmup_without_waiting_for_compiles(monkeypatch):
     """An error while lowering reaches the caller at once, not after the compiles already
     running (minutes each on a GPU) have finished."""
@@ -281,7 +324,7 @@ def test_a_program_that_fails_to_lower_fails_warmup_without_waiting_for_compiles
 
     monkeypatch.setattr(type(engine.runner), "lower", failing_lower)
     monkeypatch.setattr(ahead_of_time.executable_store, "compile_lowered",
-                        lambda low: time.sleep(20))
+                        lambda low, options=None: time.sleep(20))
     t0 = time.perf_counter()
     with pytest.raises(RuntimeError, match="lowering failed"):
         engine.warmup(progress=False)

@@ -35,3 +35,12 @@ def test_routes_by_backend_and_attention():
     assert not interpreted.fp8_mlp and interpreted.decode_min_rows == 1
     assert not Routes.choose(EngineConfig(attention_impl="reference"), "gpu").fused_glue
     assert hash(gpu) != hash(cpu)      # static: a jit cache key
+
+
+def test_only_gpu_steps_of_more_than_64_gemm_rows_compile_without_triton_gemms():
+    gpu = Routes.choose(EngineConfig(), "gpu")
+    off = {"xla_gpu_enable_triton_gemm": False}
+    assert [gpu.compiler_options(rows) for rows in (1, 8, 64, 65, 512, 2048)] == \
+        [{}, {}, {}, off, off, off]
+    assert Routes.choose(EngineConfig(), "cpu").compiler_options(2048) == {}
+    assert gpu.replace(triton_gemm_max_rows=0).compiler_options(2048) == {}
