@@ -329,10 +329,11 @@ class ModelRunner(AheadOfTime, SplitSteps, CalibratedPool):
         return kv, out, next_tokens
 
     def _executable(self, key, p: PackedInput):
-        """The program compiled ahead for `key` (None: jit it); on several processes every
-        process compiles it first (compile_ahead)."""
+        """The program compiled ahead for `key` (None: jit it). compile_ahead compiles it
+        first on several processes (every process compiles it, then runs it) and where its
+        step takes XLA options (Routes.compiler_options), as warm-up would have."""
         fn = self._executables.get(key)
-        if fn is None and jax.process_count() > 1:   # compiled by every process, then run
+        if fn is None and (jax.process_count() > 1 or self.compiler_options(p)):
             self.compile_ahead([p])
             fn = self._executables[key]
         return fn

@@ -304,6 +304,32 @@ def test_steps_of_many_gemm_rows_compile_without_triton_gemms(monkeypatch):
                                       *request).token_ids
 
 
+def test_a_step_not_compiled_ahead_takes_the_options_warmup_would_give_it(monkeypatch):
+    """Without warm-up, a step whose GEMMs have more rows than routes.triton_gemm_max_rows
+    is compiled ahead on first use with Triton GEMMs off, as warm-up compiles it; smaller
+    steps are jitted as before."""
+    from engine_util import run_alone, tiny_engine
+    from jaxinfer import SamplingParams, ahead_of_time
+    from jaxinfer.routes import Routes
+
+    engine = tiny_engine(Routes(decode_min_rows=4, triton_gemm_max_rows=4),
+                         max_num_batched_tokens=16, max_num_seqs=4)
+    engine.runner.store = None
+    compile_lowered, seen = ahead_of_time.executable_store.compile_lowered, []
+
+    def spy(low, options=None):
+        seen.append(options)
+        return compile_lowered(low, options)
+
+    monkeypatch.setattr(ahead_of_time.executable_store, "compile_lowered", spy)
+    out = run_alone(engine, {"prompt_token_ids": [5, 6, 7, 8, 9, 10]},
+                    SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+    assert len(out.token_ids) == 3
+    # the prefill step compiled ahead; the decode steps (4 rows, padded) jitted
+    assert seen == [{"xla_gpu_enable_triton_gemm": False}]
+    assert len(engine.runner._executables) == 1
+
+
 def test_a_program_that_fails_to_lower_fails_warmup_without_waiting_for_compiles(monkeypatch):
     """An error while lowering reaches the caller at once, not after the compiles already
     running (minutes each on a GPU) have finished."""
