@@ -71,7 +71,7 @@ class CompileQueue:
         self._keep = keep
         self._futures: dict = {}    # future -> (signature, group or None)
         self._first: dict = {}      # group -> its first program's future
-        self._waiting: dict = {}    # group -> [(signature, lowered)] waiting for its first
+        self._waiting: dict = {}    # group -> [(signature, lowered, options)] after its first
 
     def add(self, sig, lowered, group=None, options=None) -> None:
         """Compile `lowered` (with XLA `options`) now, or after its group's first program
