@@ -162,7 +162,9 @@ class AheadOfTime:
         """XLA options for compiling `p`'s program `part` (Routes.compiler_options by its
         GEMMs' rows; a split step's sampling half has no GEMMs and is shared by steps of
         other rows, so it takes none)."""
-        return {} if part == "sample" else self.routes.compiler_options(self.gemm_rows(p))
+        if part == "sample" or not self.routes.triton_gemm_max_rows:
+            return {}     # no rule (the CPU): a jitted step asks at every dispatch
+        return self.routes.compiler_options(self.gemm_rows(p))
 
     def compile_ahead(self, inputs, workers: int | None = None, on_done=None) -> int:
         """Compile the programs of a step for each of `inputs` (StepInputs or PackedInputs;
