@@ -21,10 +21,10 @@ QKV_PARTS = 4
 # cuBLAS / cuBLASLt run them untried by the autotuner. Its trials were nearly all of a cold
 # start's compile (one H100, the offline 512-row FP8 config: 108.4 s of compiling with them,
 # 5.4 s without), and at these rows cuBLAS ran the steps as fast (512-row decode steps
-# 16.33 vs 16.51 ms, 2,048-token steps 34.85 vs 34.96 ms; bf16, 64 rows 7.57 vs 7.86 ms).
-# Smaller steps keep the autotuner: their FP8 route is a Triton GEMM with the dequantization
-# fused in (pallas_kernels/fp8_matmul.py, DEQUANT_MAX_M), and a bf16 row-1 step ran 5% slower
-# without it.
+# 16.33 vs 16.51 ms, 2,048-token steps 34.85 vs 34.96 ms). Steps of up to this many rows keep
+# the autotuner: their FP8 route is a Triton GEMM with the dequantization fused in
+# (pallas_kernels/fp8_matmul.py, DEQUANT_MAX_M), and a bf16 row-1 step ran 5% slower without
+# it (a bf16 64-row step ran 4% faster without it: the limit is FP8's).
 TRITON_GEMM_MAX_ROWS = 64
 
 
