@@ -23,7 +23,9 @@ of x [T, in] takes one of two forms, by the step's static T:
 On one GPU with Pallas, decode steps of a few rows run the update and its add in two kernels
 instead (pallas_kernels/lora.py; Routes.lora_kernel) that read only the slots the step's rows
 use, for the groups where they measured faster (`lora_kernels.faster`); the forms above
-serve everything else: larger steps, tensor parallelism, scanned layers.
+serve everything else: larger steps, tensor parallelism, scanned layers. Where the fused
+decode front projects q/k/v inside the attention kernel, their update joins the split-K
+products that kernel sums (`add_to_partials`).
 Writing an adapter into a slot (`write_slot`) is a program of its own with the slot as a
 value: swapping adapters never recompiles. Scanned models keep each array with a leading L
 axis (`stacked`), unrolled ones a dict per layer (read in place, as their base weights are).
@@ -143,6 +145,25 @@ def fused_delta(x, lora: StepLoRA, group: str):
     """The update of `group` (GROUPS: "qkv", "o", "gateup", "down") for x [T, in], in the
     fused projection's output layout (XLA's forms)."""
     return delta(x, lora.weights[group], lora.index)
+
+
+def add_to_partials(partials, x, *, lora: StepLoRA, group: str, widths: tuple[int, ...],
+                    scale, routes):
+    """partials [S, T, out] f32, the split-K products of x [T, in] and the group's fused
+    weight that the fused decode front sums and then multiplies by the FP8 channel `scale`
+    [out] (None: bf16 weights), with the group's update of x added to part 0 (divided by
+    `scale`): the front's sum is then the projection plus its update. x may be the RMSNorm's
+    rows before their per-row factor (the folded norm): the update is linear in x, so the
+    factor the front applies to the sum is its too. The kernels take it where
+    routes.lora_kernel (unscaled weights; add_update's rule), XLA's form elsewhere."""
+    a, b = lora.weights[group]
+    t, rank = x.shape[0], a.shape[-1] // len(widths)
+    if (scale is None and routes.lora_kernel
+            and lora_kernels.faster(t, rank, x.shape[1], widths, a.shape[1])):
+        return lora_kernels.lora_update(partials, x, a, b, lora.index, widths=tuple(widths),
+                                        interpret=routes.interpret)
+    d = fused_delta(x, lora, group).astype(jnp.float32)
+    return partials.at[0].add(d if scale is None else d / scale.astype(jnp.float32))
 
 
 def add_update(y, x, lora: StepLoRA, group: str, widths: tuple[int, ...], routes):

@@ -131,26 +131,31 @@ class Attention(nnx.Module):
                  norm: RMSNorm | None = None, lora=None):
         """x [T, E] normed; with `norm`, the residual rows that norm is still to be applied to
         (folded into the fused front, ops.front_norm_applies). lora: this layer's
-        lora_layers.StepLoRA or None; the fused front, which projects inside the attention
-        kernel, does not run with it."""
+        lora_layers.StepLoRA or None; where the fused front projects inside the attention
+        kernel, QKV's update joins its partial products (lora_layers.add_to_partials)."""
         cfg, w = self.cfg, self.wqkv
         bias = None if w.bias is None else w.bias[...]
-        fused = None if lora is not None else ops.decode_qkv_attention(
-            x if norm is None else norm.weighted(x), w.kernel[...],
-            None if w.scale is None else w.scale[...], bias, kv, layer, md, cos, sin,
-            num_heads=cfg.num_heads, sm_scale=cfg.head_dim ** -0.5, routes=routes,
-            layout=self.layout, norm=None if norm is None else (x, norm.eps))
+        scale = None if w.scale is None else w.scale[...]
+        widths = (cfg.q_size, cfg.kv_size, cfg.kv_size)
+        update = None if lora is None else functools.partial(
+            lora_layers.add_to_partials, lora=lora, group="qkv", widths=widths, scale=scale,
+            routes=routes)
+        fused = ops.decode_qkv_attention(
+            x if norm is None else norm.weighted(x), w.kernel[...], scale, bias, kv, layer, md,
+            cos, sin, num_heads=cfg.num_heads, sm_scale=cfg.head_dim ** -0.5, routes=routes,
+            layout=self.layout, norm=None if norm is None else (x, norm.eps), update=update)
         if fused is not None:     # small decode steps: QKV's sum and RoPE in the attention
             o, kv = fused
-            return self.wo(o.reshape(x.shape[0], cfg.q_size), routes), kv
-        if norm is not None:
-            x = norm(x)
-        # the QKV bias is added by attend: inside the RoPE + K/V write kernel where that runs
-        qkv = self.wqkv(x, routes, add_bias=False)
-        if lora is not None:
-            qkv = lora_layers.add_update(qkv, x, lora, "qkv",
-                                         (cfg.q_size, cfg.kv_size, cfg.kv_size), routes)
-        o, kv = self.attend(qkv, kv, layer, md, cos, sin, routes, bias=bias)
+            o = o.reshape(x.shape[0], cfg.q_size)
+        else:
+            if norm is not None:
+                x = norm(x)
+            # the QKV bias is added by attend: inside the RoPE + K/V write kernel where that
+            # runs
+            qkv = self.wqkv(x, routes, add_bias=False)
+            if lora is not None:
+                qkv = lora_layers.add_update(qkv, x, lora, "qkv", widths, routes)
+            o, kv = self.attend(qkv, kv, layer, md, cos, sin, routes, bias=bias)
         out = self.wo(o, routes)
         if lora is not None:
             out = lora_layers.add_update(out, o, lora, "o", (cfg.hidden_size,), routes)
@@ -237,16 +242,17 @@ class DecoderLayer(nnx.Module):
         be added, the cache). Unrolled, the add is left to the next RMSNorm (the decoder's
         final one after the last layer), which XLA fuses with it; the scan passes None and
         adds it in its body. Where the fused decode front applies (ops.front_norm_applies)
-        the first RMSNorm is folded into it instead. lora: Attention's (the fused routes
-        above do not run with it)."""
+        the first RMSNorm is folded into it instead. lora: Attention's (the fused FP8 layer
+        does not run with it; the fused front does)."""
         layout = self.attn.layout
         if lora is None and ops.fused_fp8_layer(x, self.attn.wqkv.kernel[...], self.mlp.w_down.kernel[...],
                                layout.size, routes):
             return self._fused_fp8(x if delta is None else x + delta, kv, layer, md, cos, sin,
                                    routes)
-        if lora is None and ops.front_norm_applies(x, kv, md, routes, layout):
+        if ops.front_norm_applies(x, kv, md, routes, layout):
             x = x if delta is None else x + delta
-            h, kv = self.attn(x, kv, layer, md, cos, sin, routes, norm=self.attn_norm)
+            h, kv = self.attn(x, kv, layer, md, cos, sin, routes, norm=self.attn_norm,
+                              lora=lora)
         else:
             x, n = self.attn_norm.add_norm(x, delta)
             h, kv = self.attn(n, kv, layer, md, cos, sin, routes, lora=lora)

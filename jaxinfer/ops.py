@@ -77,20 +77,24 @@ def front_norm_applies(x, kv: KVCache, md: AttentionMetadata, routes: Routes,
 
 def decode_qkv_attention(x, kernel, scale, bias, kv: KVCache, layer, md: AttentionMetadata,
                          cos, sin, *, num_heads: int, sm_scale: float, routes: Routes,
-                         layout: TPLayout = TPLayout(), norm=None):
+                         layout: TPLayout = TPLayout(), norm=None, update=None):
     """QKV's projection of x [T, E] (kernel and FP8 scale as the Linear holds them, bias or
     None), RoPE, the K/V write and decode attention, with the projection's split-K sum,
     scales, bias and RoPE inside the attention kernel (decode_qkv.py) -> (out [T, H, D], the
     cache); None where the front does not apply (_front_blocks). norm (rows [T, E], eps):
     the RMSNorm before QKV folded in: x is those rows times the norm's weight, and the kernel
-    scales each row's sum by 1 / rms(rows)."""
+    scales each row's sum by 1 / rms(rows). update: partials [S, T, N], x -> partials, what
+    the kernel sums (a LoRA update added: lora_layers.add_to_partials), or None."""
     blocks = _front_blocks(x, kv, md, routes, layout)
     if blocks is None:
         return None
     t = x.shape[0]
     n = md.attend_rows or t
     rows, eps = (None, None) if norm is None else norm
-    return dq.paged_attention_qkv(dq.partial_products(x, kernel, routes.qkv_parts), scale, bias,
+    partials = dq.partial_products(x, kernel, routes.qkv_parts)
+    if update is not None:
+        partials = update(partials, x)
+    return dq.paged_attention_qkv(partials, scale, bias,
                                   cos, sin, kv, layer, md.seq_lens, md.page_table,
                                   md.slot_mapping, num_heads=num_heads, sm_scale=sm_scale,
                                   dtype=x.dtype, interpret=routes.interpret,

@@ -12,7 +12,9 @@ zeros elsewhere). Each row names its slot in `index` [T] (-1: no adapter).
 - `expand`: y + xa @ B[slot] in place (y aliased to the output). Program j owns a block of
   output columns, which lies in one module g; it sums the S partials of g's R columns, and for
   each slot a row names, multiplies those rows by the slot's [R, block] of B, skipping the
-  zero blocks of the other modules.
+  zero blocks of the other modules. y may also be [P, T, out], a projection's split-K
+  partial products that a later kernel sums (the fused decode front): the update goes into
+  part 0 and the other parts are left as they are.
 
 Against XLA's form (lora_layers.delta: two GEMMs over every slot with the rows masked in
 between, about 3.5 kernels a group with split-K reductions, conversions and adds) this is 2
@@ -141,7 +143,7 @@ def shrink(x, a, index, groups: int, tiles: Tiles, *, interpret: bool = False):
 
 
 def _expand_kernel(index_ref, p_ref, b_ref, y_ref, o_ref, *, rank: int, starts, block: int,
-                   slots: int, skip: bool):
+                   slots: int, skip: bool, parts: bool):
     j = pl.program_id(0)
     col = j * block
     g = sum((col >= start).astype(jnp.int32) for start in starts[1:]) if len(starts) > 1 \
@@ -159,20 +161,23 @@ def _expand_kernel(index_ref, p_ref, b_ref, y_ref, o_ref, *, rank: int, starts, 
         acc = lax.cond(jnp.sum(mine.astype(jnp.int32)) > 0,
                        lambda acc=acc, rows=rows, n=n: acc + _product(rows, b_ref[n, own, cols]),
                        lambda acc=acc: acc)
-    o_ref[:, cols] = (y_ref[:, cols].astype(jnp.float32) + acc).astype(o_ref.dtype)
+    if parts:                            # y [P, T, out]: the update goes into part 0
+        o_ref[0, :, cols] = (y_ref[0, :, cols].astype(jnp.float32) + acc).astype(o_ref.dtype)
+    else:
+        o_ref[:, cols] = (y_ref[:, cols].astype(jnp.float32) + acc).astype(o_ref.dtype)
 
 
 def expand(y, partials, b, index, widths, tiles: Tiles, *, interpret: bool = False):
     """y [T, out] + each row's (sum of `partials` [S, T, G*R]) @ B[index] (b [N, G*R, out];
-    rows of index -1 unchanged), written over y. widths: the group's modules' output widths
-    in the order of out's columns (their sum is out)."""
-    _, dout = y.shape
+    rows of index -1 unchanged), written over y; y [P, T, out]: into y[0]. widths: the
+    group's modules' output widths in the order of out's columns (their sum is out)."""
+    dout = y.shape[-1]
     n, gr, _ = b.shape
     starts = tuple(sum(widths[:i]) for i in range(len(widths)))
     params = triton_params(interpret, num_warps=tiles.expand_warps, num_stages=tiles.stages)
     return pl.pallas_call(
         functools.partial(_expand_kernel, rank=gr // len(widths), starts=starts,
-                          block=tiles.block, slots=n, skip=tiles.skip),
+                          block=tiles.block, slots=n, skip=tiles.skip, parts=y.ndim == 3),
         out_shape=jax.ShapeDtypeStruct(y.shape, y.dtype),
         grid=(dout // tiles.block,), input_output_aliases={3: 0}, interpret=interpret,
         name="jaxinfer_lora_expand", **params,
@@ -183,14 +188,16 @@ def expand(y, partials, b, index, widths, tiles: Tiles, *, interpret: bool = Fal
 def lora_update(y, x, a, b, index, *, widths: tuple[int, ...], tiles: Tiles | None = None,
                 interpret: bool = False):
     """y [T, out] plus each row's LoRA update x @ A[:, slot] @ B[slot] (slot = index[row], -1
-    none): the module docstring's layout, `widths` the group's modules' output widths."""
+    none): the module docstring's layout, `widths` the group's modules' output widths. y
+    [P, T, out] (split-K partial products): the update is added to y[0]."""
     t, din = x.shape
     g = len(widths)
     if a.ndim != 3 or a.shape[0] != din or b.ndim != 3 or b.shape[:2] != (a.shape[1],
                                                                           a.shape[2]):
         raise ValueError(f"lora_update: A must be [in={din}, N, G*R] and B [N, G*R, out], got "
                          f"{a.shape} and {b.shape}")
-    if a.shape[2] % g or b.shape[2] != sum(widths) or y.shape != (t, sum(widths)):
+    if (a.shape[2] % g or b.shape[2] != sum(widths) or y.ndim not in (2, 3)
+            or y.shape[-2:] != (t, sum(widths))):
         raise ValueError(f"lora_update: {g} modules of widths {widths} do not fit A "
                          f"{a.shape}, B {b.shape} and y {y.shape}")
     if index.shape != (t,) or not supported(t, a.shape[2] // g, din, widths):
@@ -203,6 +210,8 @@ def lora_update(y, x, a, b, index, *, widths: tuple[int, ...], tiles: Tiles | No
 
 def lora_update_reference(y, x, a, b, index):
     """lora_update in plain jnp: each row's own slot gathered, f32 products."""
+    if y.ndim == 3:
+        return y.at[0].set(lora_update_reference(y[0], x, a, b, index))
     own = jnp.maximum(index, 0)
     xa = jnp.einsum("ti,itr->tr", x.astype(jnp.float32), a[:, own].astype(jnp.float32))
     xa = xa.astype(b.dtype).astype(jnp.float32)

@@ -92,26 +92,39 @@ def test_a_mixed_batch_matches_each_adapter_merged_into_the_weights(adapters):
     check_nothing_held(engine)
 
 
+GPU_ROUTES = Routes(attention="pallas", interpret=True, fused_glue=True, front_max_rows=8,
+                    lora_kernel=True)
+
+
+def traced_fronts_and_updates(monkeypatch):
+    """Lists that fill as steps are traced: each fused decode front's row count, and each
+    LoRA kernel's (rows, y's rank: 3 where it adds into the front's partial products)."""
+    from jaxinfer import lora_layers, ops
+
+    fronts, updates = [], []
+    front, kernel = ops.dq.paged_attention_qkv, lora_layers.lora_kernels.lora_update
+    monkeypatch.setattr(ops.dq, "paged_attention_qkv",
+                        lambda *a, **kw: fronts.append(a[0].shape[1]) or front(*a, **kw))
+    monkeypatch.setattr(lora_layers.lora_kernels, "lora_update",
+                        lambda *a, **kw: updates.append((a[1].shape[0], a[0].ndim))
+                        or kernel(*a, **kw))
+    return fronts, updates
+
+
 def test_unrolled_layers_on_the_gpu_s_kernel_routes_give_the_merged_tokens(adapters,
                                                                            monkeypatch):
     """The GPU's form: a dict of adapter weights per layer, Pallas attention (interpreted)
     with the fused RoPE + K/V write, LoRA's update in its kernels (pallas_kernels/lora.py);
-    the fused decode front stands aside for LoRA."""
-    from jaxinfer import lora_layers
-
-    traced = []
-    kernel = lora_layers.lora_kernels.lora_update
-    monkeypatch.setattr(lora_layers.lora_kernels, "lora_update",
-                        lambda *a, **kw: traced.append(a[1].shape[0]) or kernel(*a, **kw))
-    routes = Routes(attention="pallas", interpret=True, fused_glue=True, front_max_rows=8,
-                    lora_kernel=True)
+    decode steps of up to 8 rows take the fused decode front with the RMSNorm folded, QKV's
+    update added into its partial products."""
+    fronts, updates = traced_fronts_and_updates(monkeypatch)
     prompts = random_prompts(4, seed=8)
     names = ["all", None, "qv", "all"]
     graphdef, params = build_model(TINY, random_flat(TINY, seed=11, std=0.08), jnp.float32,
                                    unroll_layers=True)
     engine = Engine(TINY, EngineConfig(max_model_len=128, max_num_seqs=8, page_size=4,
                                        max_num_batched_tokens=64, max_loras=2,
-                                       max_lora_rank=16), graphdef, params, routes=routes)
+                                       max_lora_rank=16), graphdef, params, routes=GPU_ROUTES)
     assert isinstance(engine.runner.lora, tuple)     # a dict per layer
     for name in ("all", "qv"):
         engine.load_lora(name, adapters[name])
@@ -119,17 +132,21 @@ def test_unrolled_layers_on_the_gpu_s_kernel_routes_give_the_merged_tokens(adapt
     for g, p, n in zip(got, prompts, names):
         merged = merged_engine(None if n is None else adapters[n])
         assert g == generate(merged, [p], [SamplingParams(**GREEDY)])[0]
-    assert traced and set(traced) >= {1, 4}     # decode steps of 1 and 4 rows among them
+    assert {t for t, _ in updates} >= {1, 4}     # decode steps of 1 and 4 rows among them
+    assert set(fronts) >= {1, 4} and {(1, 3), (4, 3)} <= set(updates)
 
 
-def test_fp8_base_weights_take_adapters_too(adapters):
+def test_fp8_base_weights_take_adapters_too(adapters, monkeypatch):
     """FP8 linears (weight-only on the CPU: x @ the dequantized weights) plus each adapter
-    give the float model whose linears are the dequantized FP8 weights plus the adapter."""
+    give the float model whose linears are the dequantized FP8 weights plus the adapter. On
+    the GPU's routes: the fused decode front multiplies its sum by the channel scales, so
+    QKV's update joins its partial products divided by them (XLA's form)."""
+    fronts, _ = traced_fronts_and_updates(monkeypatch)
     flat = random_flat(TINY, seed=11, std=0.08)
-    graphdef, params = build_model(TINY, flat, jnp.float32, fp8=True)
+    graphdef, params = build_model(TINY, flat, jnp.float32, fp8=True, unroll_layers=True)
     engine = Engine(TINY, EngineConfig(max_model_len=128, max_num_seqs=8, page_size=4,
                                        max_num_batched_tokens=64, max_loras=2,
-                                       max_lora_rank=16), graphdef, params)
+                                       max_lora_rank=16), graphdef, params, routes=GPU_ROUTES)
     for name in ("all", "mlp"):
         engine.load_lora(name, adapters[name])
     prompts, names = random_prompts(3, seed=12), ["all", None, "mlp"]
@@ -139,6 +156,7 @@ def test_fp8_base_weights_take_adapters_too(adapters):
     for g, p, n in zip(got, prompts, names):
         merged = merged_engine(None if n is None else adapters[n], base=dequantized)
         assert g == generate(merged, [p], [SamplingParams(**GREEDY)])[0], n
+    assert fronts
 
 
 def test_a_request_gives_the_same_tokens_alone_and_among_other_adapters(adapters):

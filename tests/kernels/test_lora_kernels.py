@@ -51,6 +51,24 @@ def test_each_row_gets_its_own_slot_s_update_added(rows, din, slots, rank, width
     assert np.abs(got - np.asarray(y.astype(jnp.float32)))[~none].max() > 0.01
 
 
+def test_split_k_partials_take_the_update_in_their_first_part():
+    """y [P, T, out] f32 (the fused decode front's partial products): part 0 gains each row's
+    update and the other parts keep their values, so the parts' sum is the projection plus
+    its update."""
+    rng = np.random.default_rng(11)
+    widths, rows, din = (64, 32, 32), 8, 256
+    a, b = _group(rng, din, 4, 16, widths)
+    x = jnp.asarray(rng.standard_normal((rows, din)), jnp.bfloat16)
+    y = jnp.asarray(rng.standard_normal((4, rows, sum(widths))), jnp.float32)
+    index = jnp.asarray([-1, 2, 2, 0, -1, 3, 1, 2], jnp.int32)
+    got = np.asarray(lk.lora_update(y, x, a, b, index, widths=widths, interpret=not ON_GPU))
+    want = np.asarray(lk.lora_update_reference(y, x, a, b, index))
+    np.testing.assert_array_equal(got[1:], np.asarray(y)[1:])
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-5, atol=1e-5)
+    moved = np.abs(got[0] - np.asarray(y)[0]).max(axis=1)
+    assert (moved[np.asarray(index) >= 0] > 0.01).all() and (moved[[0, 4]] == 0).all()
+
+
 def test_slots_no_row_names_are_never_read():
     """A slot no row uses may hold anything (here NaN) where the tiles skip such slots (a step
     of fewer rows than slots)."""
