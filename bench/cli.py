@@ -255,6 +255,9 @@ def _lora(p):
     p.add_argument("--rank", type=int, default=16, help="their rank (every projection)")
     p.add_argument("--input-len", type=int, default=128, help="prompt tokens per request")
     p.add_argument("--output-len", type=int, default=128, help="output tokens per request")
+    p.add_argument("--profile", action="store_true",
+                   help="run each mode's workload once more under the profiler and add its "
+                        "kernel families per step to the row (not the timed run)")
     p.set_defaults(model="llama-3-8b")
 
 

@@ -10,7 +10,10 @@ tokens and exactly --output-len output tokens, all queued at once) runs through:
 Both engines are compiled before timing (compiles during the runs are recorded; should be 0)
 and each mode runs once untimed first (adapters loaded into their slots). Per row: output
 tokens/s over the whole run, the median step, and `vs_base`: tokens/s over base's at the same
-batch size.
+batch size. With --profile each mode's workload runs once more, after its timed run, under
+the profiler (bench/profile.py): the row's `profile` holds that run's kernels per step and
+its kernel families (calls, microseconds and the idle time before them, per step, the prefill
+step included). The profiled run is not the timed one.
 """
 from __future__ import annotations
 
@@ -37,6 +40,24 @@ MODES = ("base", "lora", "lora_no_rows")
 def workload(batch: int, args, vocab_size: int, seed: int):
     rng = np.random.default_rng(seed)
     return [rng.integers(3, vocab_size, args.input_len).tolist() for _ in range(batch)]
+
+
+def profiled(engine: Engine, prompts, names, output_len: int) -> dict:
+    """measure's run again under the profiler: kernels and kernel families per step."""
+    import jax
+
+    from bench import profile
+
+    with tempfile.TemporaryDirectory() as d:
+        profile.start_trace(d)
+        try:
+            run = measure(engine, prompts, names, output_len)
+        finally:
+            jax.profiler.stop_trace()
+        summary = profile.summarize(profile.device_events(profile.read_events(d)),
+                                    run["steps"])
+    return {k: summary.get(k) for k in ("kernels_per_step", "busy_ms_per_step",
+                                        "span_ms_per_step", "families")}
 
 
 def measure(engine: Engine, prompts, names, output_len: int) -> dict:
@@ -86,6 +107,8 @@ def run(args) -> int:
             k = min(batch, args.adapters)         # every adapter in its slot, caches warm
             measure(engine, prompts[:k], rows_names[:k], 4)
             got[mode] = measure(engine, prompts, rows_names, args.output_len)
+            if args.profile:
+                got[mode]["profile"] = profiled(engine, prompts, rows_names, args.output_len)
         save(result, args.out, [
             {"batch": batch, "mode": mode,
              "adapters": 0 if mode != "lora" else min(batch, args.adapters), **got[mode],

@@ -10,7 +10,7 @@ def test_lora_suite_schema(tmp_path):
     out = tmp_path / "lora.json"
     argv = ["lora", "--model", "tiny", "--batch-sizes", "1,3", "--adapters", "2", "--rank",
             "4", "--input-len", "6", "--output-len", "5", "--max-num-batched-tokens", "32",
-            "--git", "abc123", "--out", str(out)]
+            "--git", "abc123", "--profile", "--out", str(out)]
     assert cli.main(argv) == 0
     result = json.loads(out.read_text())
     for key in ("suite", "device", "jax", "git", "date", "command", "rows"):
@@ -27,6 +27,11 @@ def test_lora_suite_schema(tmp_path):
         base = next(b for b in rows if b["batch"] == r["batch"] and b["mode"] == "base")
         assert abs(r["vs_base"] - r["output_tokens_per_s"] / base["output_tokens_per_s"]) < 1e-3
     assert [r["adapters"] for r in rows if r["mode"] == "lora"] == [1, 2]
+    # --profile: each row's run again under the profiler (on the CPU, XLA's host-side ops)
+    for r in rows:
+        prof = r["profile"]
+        assert prof["kernels_per_step"] > 0 and prof["families"], r["mode"]
+        assert all(f["calls_per_step"] > 0 for f in prof["families"])
 
 
 def test_suites_refuse_adapters_they_would_not_load(capsys):
