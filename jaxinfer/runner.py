@@ -79,6 +79,7 @@ class ModelRunner(AheadOfTime, SplitSteps, CalibratedPool):
         self.params = params
         self._leaves, self._treedef = jax.tree_util.tree_flatten(params)
         self._executables: dict = {}  # input signature -> compiled step (compile_ahead)
+        self._jitted: set = set()     # signatures that run jitted: _executable asked once
         self.routes = routes or Routes.choose(engine, jax.default_backend())
         self.layout = make_layout(cfg, engine.tensor_parallel)
         model = nnx.merge(graphdef, params)
@@ -331,11 +332,15 @@ class ModelRunner(AheadOfTime, SplitSteps, CalibratedPool):
     def _executable(self, key, p: PackedInput):
         """The program compiled ahead for `key` (None: jit it). compile_ahead compiles it
         first on several processes (every process compiles it, then runs it) and where its
-        step takes XLA options (Routes.compiler_options), as warm-up would have."""
+        step takes XLA options (Routes.compiler_options), as warm-up would have. The answer
+        for a jitted one is kept: its shape is not read again at every dispatch."""
         fn = self._executables.get(key)
-        if fn is None and (jax.process_count() > 1 or self.compiler_options(p)):
-            self.compile_ahead([p])
-            fn = self._executables[key]
+        if fn is None and key not in self._jitted:
+            if jax.process_count() > 1 or self.compiler_options(p):
+                self.compile_ahead([p])
+                fn = self._executables[key]
+            else:
+                self._jitted.add(key)
         return fn
 
     def _step_buffers(self, p: PackedInput, key=None):

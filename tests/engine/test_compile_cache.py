@@ -307,7 +307,7 @@ def test_steps_of_many_gemm_rows_compile_without_triton_gemms(monkeypatch):
 def test_a_step_not_compiled_ahead_takes_the_options_warmup_would_give_it(monkeypatch):
     """Without warm-up, a step whose GEMMs have more rows than routes.triton_gemm_max_rows
     is compiled ahead on first use with Triton GEMMs off, as warm-up compiles it; smaller
-    steps are jitted as before."""
+    steps are jitted as before, their options asked once, not at every dispatch."""
     from engine_util import run_alone, tiny_engine
     from jaxinfer import SamplingParams, ahead_of_time
     from jaxinfer.routes import Routes
@@ -322,12 +322,19 @@ def test_a_step_not_compiled_ahead_takes_the_options_warmup_would_give_it(monkey
         return compile_lowered(low, options)
 
     monkeypatch.setattr(ahead_of_time.executable_store, "compile_lowered", spy)
+    runner_type, asked = type(engine.runner), []
+    options_of = runner_type.compiler_options
+    monkeypatch.setattr(runner_type, "compiler_options", lambda self, p, part="step": (
+        asked.append(p.signature) or options_of(self, p, part)))
     out = run_alone(engine, {"prompt_token_ids": [5, 6, 7, 8, 9, 10]},
-                    SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
-    assert len(out.token_ids) == 3
-    # the prefill step compiled ahead; the decode steps (4 rows, padded) jitted
+                    SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    assert len(out.token_ids) == 4
+    # the prefill step compiled ahead; the decode steps (4 rows, padded) jitted, each
+    # signature's options asked once over its three dispatches
     assert seen == [{"xla_gpu_enable_triton_gemm": False}]
     assert len(engine.runner._executables) == 1
+    jitted = [sig for sig in asked if sig not in engine.runner._executables]
+    assert jitted and len(jitted) == len(set(jitted)), asked
 
 
 def test_a_program_that_fails_to_lower_fails_warmup_without_waiting_for_compiles(monkeypatch):
