@@ -179,8 +179,10 @@ def _run_job(cwd: Path, argv) -> list[str]:
     return logs
 
 
-# The SmolLM2 jobs' engine: both jobs (LLM.generate and `jaxinfer generate`) compile the
-# same step programs, and one in-process LLM of it (smollm2_one_device) is both references.
+# The SmolLM2 jobs' engine: both jobs (LLM.generate and `jaxinfer generate`) share its greedy
+# steps' programs through the compilation cache (the second job's seeded, sampled line also
+# compiles the split step's forward and sampling halves, ~19 more executables), and one
+# in-process LLM of it (smollm2_one_device) is both references.
 SMOL_ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=256)
 
 
