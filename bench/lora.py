@@ -44,18 +44,12 @@ def workload(batch: int, args, vocab_size: int, seed: int):
 
 def profiled(engine: Engine, prompts, names, output_len: int) -> dict:
     """measure's run again under the profiler: kernels and kernel families per step."""
-    import jax
-
     from bench import profile
 
-    with tempfile.TemporaryDirectory() as d:
-        profile.start_trace(d)
-        try:
-            run = measure(engine, prompts, names, output_len)
-        finally:
-            jax.profiler.stop_trace()
-        summary = profile.summarize(profile.device_events(profile.read_events(d)),
-                                    run["steps"])
+    run = {}
+    events = profile.trace_events(lambda: run.update(measure(engine, prompts, names,
+                                                             output_len)))
+    summary = profile.summarize(profile.device_events(events), run["steps"])
     return {k: summary.get(k) for k in ("kernels_per_step", "busy_ms_per_step",
                                         "span_ms_per_step", "families")}
 

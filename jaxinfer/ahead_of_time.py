@@ -163,7 +163,7 @@ class AheadOfTime:
         GEMMs' rows; a split step's sampling half has no GEMMs and is shared by steps of
         other rows, so it takes none)."""
         if part == "sample" or not self.routes.triton_gemm_max_rows:
-            return {}     # no rule (the CPU): a jitted step asks at every dispatch
+            return {}     # no rule (the CPU): no shape read
         return self.routes.compiler_options(self.gemm_rows(p))
 
     def compile_ahead(self, inputs, workers: int | None = None, on_done=None) -> int:

@@ -156,10 +156,8 @@ def add_to_partials(partials, x, *, lora: StepLoRA, group: str, widths: tuple[in
     rows before their per-row factor (the folded norm): the update is linear in x, so the
     factor the front applies to the sum is its too. The kernels take it where
     routes.lora_kernel (unscaled weights; add_update's rule), XLA's form elsewhere."""
-    a, b = lora.weights[group]
-    t, rank = x.shape[0], a.shape[-1] // len(widths)
-    if (scale is None and routes.lora_kernel
-            and lora_kernels.faster(t, rank, x.shape[1], widths, a.shape[1])):
+    if scale is None and _kernels_take(x, lora, group, widths, routes):
+        a, b = lora.weights[group]
         return lora_kernels.lora_update(partials, x, a, b, lora.index, widths=tuple(widths),
                                         interpret=routes.interpret)
     d = fused_delta(x, lora, group).astype(jnp.float32)
@@ -170,9 +168,16 @@ def add_update(y, x, lora: StepLoRA, group: str, widths: tuple[int, ...], routes
     """y [T, out] (the group's fused projection of x [T, in]) plus its LoRA update. widths:
     the group's modules' output widths in y's column order (the kernels' blocks); the
     kernels run where routes.lora_kernel (the decoder clears it where they cannot)."""
-    a, b = lora.weights[group]
-    t, rank = x.shape[0], a.shape[-1] // len(widths)
-    if routes.lora_kernel and lora_kernels.faster(t, rank, x.shape[1], widths, a.shape[1]):
+    if _kernels_take(x, lora, group, widths, routes):
+        a, b = lora.weights[group]
         return lora_kernels.lora_update(y, x, a, b, lora.index, widths=tuple(widths),
                                         interpret=routes.interpret)
     return y + fused_delta(x, lora, group)
+
+
+def _kernels_take(x, lora: StepLoRA, group: str, widths, routes) -> bool:
+    """Whether the group's update of x runs in the Pallas kernels: routes.lora_kernel and
+    the shapes where they measured faster (lora_kernels.faster)."""
+    a = lora.weights[group][0]
+    return routes.lora_kernel and lora_kernels.faster(
+        x.shape[0], a.shape[-1] // len(widths), x.shape[1], widths, a.shape[1])
