@@ -150,21 +150,26 @@ def _expand_kernel(index_ref, p_ref, b_ref, y_ref, o_ref, *, rank: int, starts, 
         else 0
     cols, own = pl.ds(col, block), pl.ds(g * rank, rank)
     index = index_ref[...]                                               # [T]
-    xa = jnp.sum(p_ref[:, :, own], axis=0)                               # [T, R] f32
-    acc = jnp.zeros((xa.shape[0], block), jnp.float32)
-    for n in range(slots):
-        mine = index == n
-        rows = jnp.where(mine[:, None], xa, 0.0).astype(b_ref.dtype)
-        if not skip:
-            acc = acc + _product(rows, b_ref[n, own, cols])
-            continue
-        acc = lax.cond(jnp.sum(mine.astype(jnp.int32)) > 0,
-                       lambda acc=acc, rows=rows, n=n: acc + _product(rows, b_ref[n, own, cols]),
-                       lambda acc=acc: acc)
-    if parts:                            # y [P, T, out]: the update goes into part 0
-        o_ref[0, :, cols] = (y_ref[0, :, cols].astype(jnp.float32) + acc).astype(o_ref.dtype)
-    else:
-        o_ref[:, cols] = (y_ref[:, cols].astype(jnp.float32) + acc).astype(o_ref.dtype)
+
+    @pl.when(jnp.sum((index >= 0).astype(jnp.int32)) > 0)   # else y stays as it is (aliased)
+    def _():
+        xa = jnp.sum(p_ref[:, :, own], axis=0)                           # [T, R] f32
+        acc = jnp.zeros((xa.shape[0], block), jnp.float32)
+        for n in range(slots):
+            mine = index == n
+            rows = jnp.where(mine[:, None], xa, 0.0).astype(b_ref.dtype)
+            if not skip:
+                acc = acc + _product(rows, b_ref[n, own, cols])
+                continue
+            acc = lax.cond(jnp.sum(mine.astype(jnp.int32)) > 0,
+                           lambda acc=acc, rows=rows, n=n: acc + _product(rows,
+                                                                          b_ref[n, own, cols]),
+                           lambda acc=acc: acc)
+        if parts:                        # y [P, T, out]: the update goes into part 0
+            o_ref[0, :, cols] = (y_ref[0, :, cols].astype(jnp.float32)
+                                 + acc).astype(o_ref.dtype)
+        else:
+            o_ref[:, cols] = (y_ref[:, cols].astype(jnp.float32) + acc).astype(o_ref.dtype)
 
 
 def expand(y, partials, b, index, widths, tiles: Tiles, *, interpret: bool = False):

@@ -89,6 +89,23 @@ def test_slots_no_row_names_are_never_read():
                                ).astype(jnp.float32)), rtol=2 ** -7, atol=2 ** -7)
 
 
+@pytest.mark.parametrize("skip", [True, False])
+def test_y_comes_back_as_it_is_when_no_row_names_an_adapter(skip):
+    """A step of base-model rows only (a LoRA engine's common case): the kernels write
+    nothing and y (aliased to the output) comes back bit for bit, also where every slot
+    holds NaN."""
+    rng = np.random.default_rng(4)
+    widths, din = (64, 32, 32), 256
+    a, b = (jnp.full_like(v, jnp.nan) for v in _group(rng, din, 4, 16, widths))
+    x = jnp.asarray(rng.standard_normal((8, din)), jnp.bfloat16)
+    tiles = dataclasses.replace(lk.choose_tiles(8, 16, din, widths, 4), skip=skip)
+    for y in (jnp.asarray(rng.standard_normal((8, 128)), jnp.bfloat16),
+              jnp.asarray(rng.standard_normal((3, 8, 128)), jnp.float32)):
+        got = lk.lora_update(y, x, a, b, jnp.full((8,), -1, jnp.int32), widths=widths,
+                             tiles=tiles, interpret=not ON_GPU)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(y))
+
+
 @pytest.mark.parametrize("rows,rank,din,widths,ok", [
     (8, 16, 4096, (4096, 1024, 1024), True),
     (12, 16, 4096, (4096,), False),       # rows not a power of two
