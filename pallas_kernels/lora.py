@@ -12,7 +12,8 @@ zeros elsewhere). Each row names its slot in `index` [T] (-1: no adapter).
 - `expand`: y + xa @ B[slot] in place (y aliased to the output). Program j owns a block of
   output columns, which lies in one module g; it sums the S partials of g's R columns, and for
   each slot a row names, multiplies those rows by the slot's [R, block] of B, skipping the
-  zero blocks of the other modules. y may also be [P, T, out], a projection's split-K
+  zero blocks of the other modules; a step whose rows name no adapter leaves y as it is
+  (nothing computed or stored). y may also be [P, T, out], a projection's split-K
   partial products that a later kernel sums (the fused decode front): the update goes into
   part 0 and the other parts are left as they are.
 
