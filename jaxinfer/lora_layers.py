@@ -22,7 +22,8 @@ of x [T, in] takes one of two forms, by the step's static T:
     a batch-64 step (bench/results/lora.json).
 On one GPU with Pallas, decode steps of a few rows run the update and its add in two kernels
 instead (pallas_kernels/lora.py; Routes.lora_kernel) that read only the slots the step's rows
-use, for the groups where they measured faster (`lora_kernels.faster`); the forms above
+use, on the step's real rows (a decode step padded to 8 rows keeps its real rows' slots:
+StepLoRA), for the groups where they measured faster (`lora_kernels.faster`); the forms above
 serve everything else: larger steps, tensor parallelism, scanned layers. Where the fused
 decode front projects q/k/v inside the attention kernel, their update joins the split-K
 products that kernel sums (`add_to_partials`).
