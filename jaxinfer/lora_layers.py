@@ -22,8 +22,7 @@ of x [T, in] takes one of two forms, by the step's static T:
     a batch-64 step (bench/results/lora.json).
 On one GPU with Pallas, decode steps of a few rows run the update and its add in two kernels
 instead (pallas_kernels/lora.py; Routes.lora_kernel) that read only the slots the step's rows
-use, on the step's real rows (a decode step padded to 8 rows keeps its real rows' slots:
-StepLoRA), for the groups where they measured faster (`lora_kernels.faster`); the forms above
+use, for the groups where they measured faster (`lora_kernels.faster`); the forms above
 serve everything else: larger steps, tensor parallelism, scanned layers. Where the fused
 decode front projects q/k/v inside the attention kernel, their update joins the split-K
 products that kernel sums (`add_to_partials`).
@@ -137,18 +136,15 @@ def delta(x, pair, index):
 
 class StepLoRA(NamedTuple):
     """A layer's share of a step's LoRA: its adapters' weights (group -> (A, B)) and each
-    token's slot [T] i32 (-1 none). A decode step padded to more rows (ops.decode_rows)
-    keeps its real rows' slots only, to a power of two: the kernels compute those rows and
-    XLA's forms treat the rest as rows without an adapter."""
+    token's slot [T] i32 (-1 none)."""
     weights: dict
     index: jax.Array
 
 
 def fused_delta(x, lora: StepLoRA, group: str):
     """The update of `group` (GROUPS: "qkv", "o", "gateup", "down") for x [T, in], in the
-    fused projection's output layout (XLA's forms). lora.index may be shorter than x: its
-    rows past the index are a step's padding (no adapter)."""
-    return delta(x, lora.weights[group], lora_kernels.pad_index(lora.index, x.shape[0]))
+    fused projection's output layout (XLA's forms)."""
+    return delta(x, lora.weights[group], lora.index)
 
 
 def add_to_partials(partials, x, *, lora: StepLoRA, group: str, widths: tuple[int, ...],
@@ -181,8 +177,7 @@ def add_update(y, x, lora: StepLoRA, group: str, widths: tuple[int, ...], routes
 
 def _kernels_take(x, lora: StepLoRA, group: str, widths, routes) -> bool:
     """Whether the group's update of x runs in the Pallas kernels: routes.lora_kernel and
-    the shapes where they measured faster (lora_kernels.faster), at the rows they compute
-    (the index's: a padded decode step's real rows)."""
+    the shapes where they measured faster (lora_kernels.faster)."""
     a = lora.weights[group][0]
     return routes.lora_kernel and lora_kernels.faster(
-        lora.index.shape[0], a.shape[-1] // len(widths), x.shape[1], widths, a.shape[1])
+        x.shape[0], a.shape[-1] // len(widths), x.shape[1], widths, a.shape[1])

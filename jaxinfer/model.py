@@ -36,8 +36,7 @@ from jaxinfer.errors import ConfigError
 from jaxinfer.kv_cache import AttentionMetadata, KVCache, KVLayers, pad_decode_rows
 from jaxinfer.routes import Routes
 from jaxinfer.sharding import TPLayout
-from pallas_kernels import FP8_DTYPE, pow2_ceil
-from pallas_kernels.lora import pad_index
+from pallas_kernels import FP8_DTYPE
 from pallas_kernels.rope import apply_rope
 
 
@@ -341,8 +340,8 @@ class Decoder(nnx.Module):
         rows = ops.decode_rows(t, routes) if md.decode_only else t
         if rows > t:
             padded, md_padded = pad_decode_rows(tokens, md, rows)
-            if lora is not None:     # the real rows' slots (lora_layers.StepLoRA)
-                lora = (lora[0], pad_index(lora[1], min(rows, pow2_ceil(t))))
+            if lora is not None:
+                lora = (lora[0], jnp.pad(lora[1], (0, rows - t), constant_values=-1))
             h, kv = self(padded, kv, md_padded, routes, lora, num_layers)
             return h[:t], kv
         x = self.embed[...][tokens]                                     # [T, E]

@@ -112,7 +112,6 @@ def _shrink_kernel(index_ref, x_ref, a_ref, o_ref, *, groups: int, rank: int, st
                    bk: int, interpret: bool):
     n, s = pl.program_id(0), pl.program_id(1)
     mine = index_ref[...] == n                                           # [T]
-    rows = pl.ds(0, mine.shape[0])       # x's first T rows (the rest: a step's padding)
     # one product over the whole group where G*R is a power of two (Triton's tiles)
     parts = [pl.ds(0, groups * rank)] if _pow2(groups * rank) else \
         [pl.ds(g * rank, rank) for g in range(groups)]
@@ -121,18 +120,18 @@ def _shrink_kernel(index_ref, x_ref, a_ref, o_ref, *, groups: int, rank: int, st
     def _():
         def step(i, accs):
             k = pl.ds((s * steps + i) * bk, bk)
-            x = x_ref[rows, k]                                           # [T, BK]
+            x = x_ref[:, k]                                              # [T, BK]
             return tuple(acc + _product(x, a_ref[k, n, cols]) for cols, acc in zip(parts, accs))
         accs = lax.fori_loop(0, steps, step, tuple(
-            jnp.zeros((mine.shape[0], cols.size), jnp.float32) for cols in parts))
+            jnp.zeros((x_ref.shape[0], cols.size), jnp.float32) for cols in parts))
         for cols, acc in zip(parts, accs):
             _store(o_ref.at[s, :, cols], acc, mine[:, None], interpret)
 
 
 def shrink(x, a, index, groups: int, tiles: Tiles, *, interpret: bool = False):
-    """x [>= T, in], a [in, N, G*R] (G = groups), index [T] i32 -> [S, T, G*R] f32 partial
-    sums of each of x's first T rows' x @ A[:, index] (rows of index -1 left unwritten)."""
-    t, din = index.shape[0], x.shape[1]
+    """x [T, in], a [in, N, G*R] (G = groups), index [T] i32 -> [S, T, G*R] f32 partial sums
+    of each row's x @ A[:, index] (rows of index -1 left unwritten)."""
+    t, din = x.shape
     _, n, gr = a.shape
     params = triton_params(interpret, num_warps=tiles.shrink_warps, num_stages=tiles.stages)
     return pl.pallas_call(
@@ -152,7 +151,6 @@ def _expand_kernel(index_ref, p_ref, b_ref, y_ref, o_ref, *, rank: int, starts, 
         else 0
     cols, own = pl.ds(col, block), pl.ds(g * rank, rank)
     index = index_ref[...]                                               # [T]
-    mine_rows = pl.ds(0, index.shape[0])     # y's first T rows (the rest: a step's padding)
 
     @pl.when(jnp.sum((index >= 0).astype(jnp.int32)) > 0)   # else y stays as it is (aliased)
     def _():
@@ -168,19 +166,17 @@ def _expand_kernel(index_ref, p_ref, b_ref, y_ref, o_ref, *, rank: int, starts, 
                            lambda acc=acc, rows=rows, n=n: acc + _product(rows,
                                                                           b_ref[n, own, cols]),
                            lambda acc=acc: acc)
-        if parts:                        # y [P, T', out]: the update goes into part 0
-            o_ref[0, mine_rows, cols] = (y_ref[0, mine_rows, cols].astype(jnp.float32)
-                                         + acc).astype(o_ref.dtype)
+        if parts:                        # y [P, T, out]: the update goes into part 0
+            o_ref[0, :, cols] = (y_ref[0, :, cols].astype(jnp.float32)
+                                 + acc).astype(o_ref.dtype)
         else:
-            o_ref[mine_rows, cols] = (y_ref[mine_rows, cols].astype(jnp.float32)
-                                      + acc).astype(o_ref.dtype)
+            o_ref[:, cols] = (y_ref[:, cols].astype(jnp.float32) + acc).astype(o_ref.dtype)
 
 
 def expand(y, partials, b, index, widths, tiles: Tiles, *, interpret: bool = False):
-    """y [T', out] (T' >= T) + each of its first T rows' (sum of `partials` [S, T, G*R]) @
-    B[index] (b [N, G*R, out], index [T]; rows of index -1 and rows past T unchanged),
-    written over y; y [P, T', out]: into y[0]. widths: the group's modules' output widths
-    in the order of out's columns (their sum is out)."""
+    """y [T, out] + each row's (sum of `partials` [S, T, G*R]) @ B[index] (b [N, G*R, out];
+    rows of index -1 unchanged), written over y; y [P, T, out]: into y[0]. widths: the
+    group's modules' output widths in the order of out's columns (their sum is out)."""
     dout = y.shape[-1]
     n, gr, _ = b.shape
     starts = tuple(sum(widths[:i]) for i in range(len(widths)))
@@ -197,22 +193,20 @@ def expand(y, partials, b, index, widths, tiles: Tiles, *, interpret: bool = Fal
 @functools.partial(jax.jit, static_argnames=("widths", "tiles", "interpret"))
 def lora_update(y, x, a, b, index, *, widths: tuple[int, ...], tiles: Tiles | None = None,
                 interpret: bool = False):
-    """y [T', out] plus each row's LoRA update x @ A[:, slot] @ B[slot] (slot = index[row], -1
+    """y [T, out] plus each row's LoRA update x @ A[:, slot] @ B[slot] (slot = index[row], -1
     none): the module docstring's layout, `widths` the group's modules' output widths. y
-    [P, T', out] (split-K partial products): the update is added to y[0]. index [T] may be
-    shorter than x [T', in] and y: the kernels then compute the first T rows only and leave
-    the others (a decode step's padding rows) as they are."""
-    rows, din = x.shape
-    t, g = index.shape[0], len(widths)
+    [P, T, out] (split-K partial products): the update is added to y[0]."""
+    t, din = x.shape
+    g = len(widths)
     if a.ndim != 3 or a.shape[0] != din or b.ndim != 3 or b.shape[:2] != (a.shape[1],
                                                                           a.shape[2]):
         raise ValueError(f"lora_update: A must be [in={din}, N, G*R] and B [N, G*R, out], got "
                          f"{a.shape} and {b.shape}")
     if (a.shape[2] % g or b.shape[2] != sum(widths) or y.ndim not in (2, 3)
-            or y.shape[-2:] != (rows, sum(widths))):
+            or y.shape[-2:] != (t, sum(widths))):
         raise ValueError(f"lora_update: {g} modules of widths {widths} do not fit A "
                          f"{a.shape}, B {b.shape} and y {y.shape}")
-    if index.ndim != 1 or t > rows or not supported(t, a.shape[2] // g, din, widths):
+    if index.shape != (t,) or not supported(t, a.shape[2] // g, din, widths):
         raise ValueError(f"lora_update: rows {t} (index {index.shape}), rank "
                          f"{a.shape[2] // g} and widths {widths} are not supported")
     tiles = tiles or choose_tiles(t, a.shape[2] // g, din, widths, a.shape[1])
@@ -222,7 +216,6 @@ def lora_update(y, x, a, b, index, *, widths: tuple[int, ...], tiles: Tiles | No
 
 def lora_update_reference(y, x, a, b, index):
     """lora_update in plain jnp: each row's own slot gathered, f32 products."""
-    index = pad_index(index, x.shape[0])
     if y.ndim == 3:
         return y.at[0].set(lora_update_reference(y[0], x, a, b, index))
     own = jnp.maximum(index, 0)
@@ -230,9 +223,3 @@ def lora_update_reference(y, x, a, b, index):
     xa = xa.astype(b.dtype).astype(jnp.float32)
     d = jnp.einsum("tr,tro->to", xa, b[own].astype(jnp.float32))
     return (y.astype(jnp.float32) + jnp.where(index[:, None] >= 0, d, 0.0)).astype(y.dtype)
-
-
-def pad_index(index, rows: int):
-    """index [T] extended to `rows` with -1 (no adapter): the padding rows of a step."""
-    return index if index.shape[0] >= rows else jnp.pad(index, (0, rows - index.shape[0]),
-                                                        constant_values=-1)
